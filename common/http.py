@@ -1,0 +1,134 @@
+"""Every service's HTTP endpoint: /metrics, /healthz and the admin API.
+
+- `GET /metrics`   Prometheus text exposition (common/metrics.py registry).
+- `GET /healthz`   200 `{"status": "ok", ...}` while the service is healthy, else 503.
+- `GET /admin/control`            current runtime settings (bearer token).
+- `POST /admin/control` `{"key": "max_staleness", "value": 3}`  validate and
+  write the change to `rlstream.control`; every service applies it at its next
+  batch boundary. 401 without the right token (compared in constant time),
+  400 for an invalid key or value; neither changes anything.
+
+The admin API is off (404) when no token is configured.
+"""
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Callable
+
+from common import metrics
+from common.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+_ADMIN = metrics.counter("rlstream_admin_requests_total", "Admin API requests by outcome", ["outcome"])
+
+
+class ServiceHttp:
+    """Serve /metrics, /healthz and (with a token) /admin/control on a thread.
+
+    `health()` returns (ok, details). `get_control()` returns the current
+    settings as a dict; `set_control(key, value)` validates and publishes one
+    change (raising ConfigError for a bad value).
+    """
+
+    def __init__(self, host: str, port: int, health: Callable[[], tuple[bool, dict]],
+                 admin_token: str | None = None,
+                 get_control: Callable[[], dict] | None = None,
+                 set_control: Callable[[str, Any], Any] | None = None):
+        self.health, self.token = health, admin_token
+        self.get_control, self.set_control = get_control, set_control
+        handler = type("Handler", (_Handler,), {"service": self})
+        self._server = ThreadingHTTPServer((host, port), handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, name="http", daemon=True)
+
+    @property
+    def port(self) -> int:
+        return self._server.server_address[1]
+
+    @property
+    def url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def start(self) -> "ServiceHttp":
+        self._thread.start()
+        log.info("http: serving /metrics /healthz%s on %s",
+                 " /admin/control" if self.token else "", self.url)
+        return self
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def authorized(self, header: str | None) -> bool:
+        if not self.token or not header or not header.startswith("Bearer "):
+            return False
+        return hmac.compare_digest(header[len("Bearer "):].encode(), self.token.encode())
+
+
+class _Handler(BaseHTTPRequestHandler):
+    service: ServiceHttp
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, fmt, *args):  # quiet: one line per request is noise
+        log.debug("http %s - " + fmt, self.address_string(), *args)
+
+    def _send(self, code: int, body: bytes, ctype: str = "application/json") -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _json(self, code: int, obj: Any) -> None:
+        self._send(code, json.dumps(obj).encode())
+
+    def do_GET(self):
+        path = self.path.split("?", 1)[0]
+        if path == "/metrics":
+            self._send(200, metrics.exposition(), "text/plain; version=0.0.4; charset=utf-8")
+        elif path == "/healthz":
+            ok, details = self.service.health()
+            self._json(200 if ok else 503, {"status": "ok" if ok else "unhealthy", **details})
+        elif path == "/admin/control":
+            if self._admin_guard():
+                self._json(200, self.service.get_control() if self.service.get_control else {})
+        else:
+            self._json(404, {"error": f"no such path {path}"})
+
+    def do_POST(self):
+        path = self.path.split("?", 1)[0]
+        if path != "/admin/control":
+            self._json(404, {"error": f"no such path {path}"})
+            return
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(min(length, 1 << 16)) if length else b""
+        if not self._admin_guard():
+            return
+        try:
+            req = json.loads(body or b"{}")
+            if not isinstance(req, dict) or "key" not in req or "value" not in req:
+                raise ConfigError('body must be {"key": ..., "value": ...}')
+            applied = self.service.set_control(str(req["key"]), req["value"])
+        except (ConfigError, ValueError) as e:
+            _ADMIN.labels(outcome="invalid").inc()
+            self._json(400, {"error": str(e)})
+            return
+        _ADMIN.labels(outcome="ok").inc()
+        log.info("admin: set %s = %r (from %s)", req["key"], applied, self.address_string())
+        self._json(200, {"key": req["key"], "value": applied})
+
+    def _admin_guard(self) -> bool:
+        if not self.service.token or self.service.set_control is None:
+            self._json(404, {"error": "admin API disabled (no admin token configured)"})
+            return False
+        if not self.service.authorized(self.headers.get("Authorization")):
+            _ADMIN.labels(outcome="unauthorized").inc()
+            self._json(401, {"error": "missing or wrong bearer token"})
+            return False
+        return True

@@ -1,0 +1,1 @@
+"""rlstream consumer: Megatron-core MoE trainer with MiniRL and Routing Replay."""

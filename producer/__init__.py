@@ -1,0 +1,1 @@
+"""rlstream producer: long-running vLLM rollout service (see producer/service.py)."""
