@@ -1,0 +1,108 @@
+"""Group assembly: wait for all G samples of a prompt, time out the rest.
+
+Samples of one group arrive on one partition (the group id is the Kafka key)
+but interleaved with other groups. The assembler holds partial groups until
+they are complete, or until `timeout_s` after their first sample, when they
+are dropped and counted (a producer that died mid-group never gets a partial
+group trained).
+
+It also remembers, per partition, the smallest offset it still holds: the
+consumer checkpoints that (not the reader's position), so a restart re-reads
+every record that was held but not yet trained. Duplicates (a publisher retry,
+or a re-read after a restart) are recognised by `rollout_id` and skipped.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from common.record import Rollout
+
+
+@dataclass
+class Held:
+    rollout: Rollout
+    partition: int
+    offset: int
+
+
+@dataclass
+class Group:
+    group_id: str
+    group_size: int
+    first_seen: float
+    samples: dict[int, Held] = field(default_factory=dict)  # sample_idx -> Held
+
+    @property
+    def complete(self) -> bool:
+        return len(self.samples) == self.group_size
+
+    def rollouts(self) -> list[Rollout]:
+        return [self.samples[i].rollout for i in sorted(self.samples)]
+
+    def offsets(self) -> list[tuple[int, int]]:
+        return [(h.partition, h.offset) for h in self.samples.values()]
+
+
+@dataclass
+class AddResult:
+    """What `add` did with one record."""
+
+    outcome: str  # "held", "completed", "duplicate", "mismatch"
+    group: Group | None = None
+
+
+class GroupAssembler:
+    """Collects samples into complete groups of `group_size`."""
+
+    def __init__(self, group_size: int, timeout_s: float, clock=time.monotonic):
+        self.group_size, self.timeout_s, self.clock = group_size, timeout_s, clock
+        self._open: dict[str, Group] = {}
+        self._seen: set[str] = set()  # rollout_ids already held/trained/dropped
+
+    def mark_seen(self, rollout_ids) -> None:
+        """Rollout ids a checkpoint says were already processed (skip on re-read)."""
+        self._seen.update(rollout_ids)
+
+    def add(self, r: Rollout, partition: int, offset: int) -> AddResult:
+        if r.rollout_id in self._seen:
+            return AddResult("duplicate")
+        if r.group_size != self.group_size:
+            self._seen.add(r.rollout_id)
+            return AddResult("mismatch")
+        g = self._open.get(r.group_id)
+        if g is None:
+            g = self._open[r.group_id] = Group(r.group_id, r.group_size, self.clock())
+        if r.sample_idx in g.samples:  # same slot, another rollout_id: keep the first
+            self._seen.add(r.rollout_id)
+            return AddResult("duplicate")
+        self._seen.add(r.rollout_id)
+        g.samples[r.sample_idx] = Held(r, partition, offset)
+        if g.complete:
+            del self._open[r.group_id]
+            return AddResult("completed", g)
+        return AddResult("held", g)
+
+    def expire(self) -> list[Group]:
+        """Remove and return incomplete groups older than the timeout."""
+        now = self.clock()
+        old = [g for g in self._open.values() if now - g.first_seen > self.timeout_s]
+        for g in old:
+            del self._open[g.group_id]
+        return old
+
+    def pending_min_offsets(self) -> dict[int, int]:
+        """Per partition, the smallest offset of a record still held."""
+        out: dict[int, int] = {}
+        for g in self._open.values():
+            for h in g.samples.values():
+                out[h.partition] = min(out.get(h.partition, h.offset), h.offset)
+        return out
+
+    @property
+    def num_open(self) -> int:
+        return len(self._open)
+
+    def forget_seen_below(self, keep: set[str]) -> None:
+        """Shrink the dedup set to `keep` (ids at or above the checkpointed offsets)."""
+        self._seen &= keep

@@ -1,0 +1,79 @@
+"""Group assembly, dedup, timeouts, pending offsets; the staleness gate."""
+import numpy as np
+import pytest
+
+from common.control import ControlState
+from common.record import Rollout
+from consumer.assembler import GroupAssembler
+from consumer.staleness import gate_group, sample_staleness
+
+
+def roll(group="g", idx=0, G=2, version=0, rid=None, tv=None):
+    return Rollout(rollout_id=rid or f"{group}-{idx}", group_id=group, sample_idx=idx, group_size=G,
+                   prompt_ids=np.array([1, 2], np.int32), response_ids=np.array([3], np.int32),
+                   logprobs=np.array([-0.5], np.float32), policy_version=version, reward=1.0,
+                   token_versions=tv)
+
+
+class Clock:
+    t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_group_completes_and_dedups():
+    a = GroupAssembler(group_size=2, timeout_s=10)
+    assert a.add(roll(idx=0), 0, 5).outcome == "held"
+    assert a.add(roll(idx=0), 0, 6).outcome == "duplicate"  # same rollout_id
+    assert a.add(roll(idx=0, rid="other"), 0, 7).outcome == "duplicate"  # same slot
+    res = a.add(roll(idx=1), 0, 8)
+    assert res.outcome == "completed" and [r.sample_idx for r in res.group.rollouts()] == [0, 1]
+    assert a.num_open == 0
+
+
+def test_mismatched_group_size():
+    a = GroupAssembler(group_size=4, timeout_s=10)
+    assert a.add(roll(G=2), 0, 0).outcome == "mismatch"
+
+
+def test_timeout_and_pending_offsets():
+    clock = Clock()
+    a = GroupAssembler(group_size=3, timeout_s=5, clock=clock)
+    a.add(roll("a", 0, G=3), 0, 10)
+    a.add(roll("b", 0, G=3), 1, 3)
+    clock.t = 2
+    a.add(roll("a", 1, G=3), 0, 12)
+    assert a.pending_min_offsets() == {0: 10, 1: 3}
+    clock.t = 6
+    expired = a.expire()
+    assert sorted(g.group_id for g in expired) == ["a", "b"]
+    assert a.pending_min_offsets() == {} and a.num_open == 0
+
+
+def test_mark_seen_skips_reread():
+    a = GroupAssembler(group_size=2, timeout_s=5)
+    a.mark_seen(["g-0"])
+    assert a.add(roll(idx=0), 0, 0).outcome == "duplicate"
+
+
+def test_staleness_uses_oldest_token_version():
+    r = roll(version=3, tv=np.array([[3, 1]], np.int64))
+    assert sample_staleness(r, 5) == 2
+    assert sample_staleness(roll(version=7), 5) == 0  # newer than trainer
+
+
+@pytest.mark.parametrize("max_s,trainer_v,keep", [(2, 5, True), (1, 5, False), (0, 3, True), (0, 4, False)])
+def test_drop_mode_bound(max_s, trainer_v, keep):
+    group = [roll(idx=0, version=3), roll(idx=1, version=3)]
+    d = gate_group(group, trainer_v, ControlState(max_staleness=max_s, mode="drop"))
+    assert d.keep is keep
+    assert d.weights == ((1.0, 1.0) if keep else ())
+
+
+def test_reweight_mode_follows_decay_formula():
+    group = [roll(idx=0, version=3), roll(idx=1, version=1)]
+    d = gate_group(group, 4, ControlState(max_staleness=3, mode="reweight", decay=0.5))
+    assert d.keep and d.staleness == 3
+    assert d.weights == (0.5 ** 1, 0.5 ** 3)
+    assert not gate_group(group, 5, ControlState(max_staleness=3, mode="reweight", decay=0.5)).keep

@@ -1,0 +1,81 @@
+"""Control values: validation, encoding; the admin HTTP API's auth."""
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+
+from common.control import encode_control, parse_control_value
+from common.errors import ConfigError
+from common.http import ServiceHttp
+
+
+@pytest.mark.parametrize("key,raw,want", [
+    ("max_staleness", "4", 4), ("max_staleness", 0, 0), ("mode", "reweight", "reweight"),
+    ("decay", "0.9", 0.9), ("paused", "true", True), ("paused", False, False),
+])
+def test_valid_values(key, raw, want):
+    assert parse_control_value(key, raw) == want
+
+
+@pytest.mark.parametrize("key,raw", [
+    ("max_staleness", "-1"), ("max_staleness", "two"), ("max_staleness", 10_000),
+    ("mode", "sometimes"), ("decay", "0"), ("decay", "1.5"), ("paused", "maybe"), ("nokey", 1),
+])
+def test_invalid_values_refused(key, raw):
+    with pytest.raises(ConfigError) as e:
+        parse_control_value(key, raw)
+    assert key in str(e.value)
+
+
+def test_encode_control_is_json_with_key():
+    k, v = encode_control("max_staleness", "3", by="test")
+    assert k == b"max_staleness" and json.loads(v)["value"] == 3
+
+
+@pytest.fixture
+def http():
+    state = {"max_staleness": 2}
+
+    def set_control(key, value):
+        state[key] = parse_control_value(key, value)
+        return state[key]
+
+    s = ServiceHttp("127.0.0.1", 0, lambda: (True, {"version": 1}), admin_token="tok",
+                    get_control=lambda: dict(state), set_control=set_control).start()
+    yield s, state
+    s.stop()
+
+
+def _req(url, body=None, token=None):
+    req = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode(),
+                                 method="GET" if body is None else "POST")
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_admin_requires_token_and_changes_nothing_without_it(http):
+    s, state = http
+    assert _req(s.url + "/admin/control", {"key": "max_staleness", "value": 9})[0] == 401
+    assert _req(s.url + "/admin/control", {"key": "max_staleness", "value": 9}, token="wrong")[0] == 401
+    assert state["max_staleness"] == 2
+    assert _req(s.url + "/admin/control", {"key": "max_staleness", "value": 9}, token="tok") == (200, {"key": "max_staleness", "value": 9})
+    assert state["max_staleness"] == 9
+
+
+def test_admin_rejects_invalid_value(http):
+    s, state = http
+    code, body = _req(s.url + "/admin/control", {"key": "max_staleness", "value": -3}, token="tok")
+    assert code == 400 and "max_staleness" in body["error"] and state["max_staleness"] == 2
+
+
+def test_health_and_metrics(http):
+    s, _ = http
+    assert _req(s.url + "/healthz") == (200, {"status": "ok", "version": 1})
+    with urllib.request.urlopen(s.url + "/metrics", timeout=5) as r:
+        assert b"rlstream_" in r.read()
