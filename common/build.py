@@ -1,0 +1,50 @@
+"""`rlstream build-model`: the tiny MoE model, its tokenizer and the task data.
+
+Services call `ensure_model(cfg)` and `ensure_data(cfg)` at start: when
+`model.build_tiny` is true and `model.path` has no model yet, the tiny
+Qwen3-MoE is built there (no downloads); when the prompts file is missing, the
+arithmetic task's train and held-out splits are written beside it. A real
+checkpoint directory is used as is.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from common.config import RlstreamConfig
+from common.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def ensure_model(cfg: RlstreamConfig) -> Path:
+    path = Path(cfg.model.path)
+    if (path / "config.json").is_file():
+        return path
+    if not cfg.model.build_tiny:
+        raise ConfigError(f"no HF model at {path} (config.json missing) and build_tiny is false", key="model.path")
+    from common.tinymodel import build_tiny_model
+
+    log.info("building the tiny MoE model at %s", path)
+    return build_tiny_model(path)
+
+
+def heldout_path(cfg: RlstreamConfig) -> Path:
+    return Path(cfg.producer.prompts_path).with_name("heldout.jsonl")
+
+
+def ensure_data(cfg: RlstreamConfig, n_train: int = 4096, n_heldout: int = 256) -> Path:
+    train = Path(cfg.producer.prompts_path)
+    if train.is_file():
+        return train
+    from common.tasks import write_splits
+
+    log.info("writing the arithmetic task to %s", train.parent)
+    write_splits(train, heldout_path(cfg), n_train=n_train, n_heldout=n_heldout, seed=cfg.producer.seed)
+    return train
+
+
+def main(cfg: RlstreamConfig) -> int:
+    print(ensure_model(cfg))
+    print(ensure_data(cfg))
+    return 0

@@ -1,0 +1,332 @@
+"""The consumer service: read rollouts, gate by staleness, train, checkpoint, publish.
+
+    rlstream consumer -c configs/tiny-cpu.yaml        (also: python -m consumer)
+
+The loop is a sequence of named steps, one global step per iteration:
+
+    apply_control -> next_batch -> train_step -> checkpoint -> publish_weights
+
+Delivery guarantee (exactly-once training): Kafka offsets are committed only
+inside a checkpoint, together with the model, optimizer and version they
+produced (consumer/checkpoint.py). The checkpointed offset of a partition is
+the smallest offset still held (in a partial group or a batch not yet
+trained); the rollout ids already processed at or above it are stored too, so
+a restarted consumer re-reads what it held and skips what it had processed.
+Every consumed record ends in exactly one outcome counter: trained,
+dropped_stale, timed_out, duplicate, mismatch or dlq.
+
+Multi-rank (torchrun): rank 0 reads and gates; the chosen samples are
+broadcast to every rank, each rank trains on its data-parallel shard.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass, field
+
+from common import metrics
+from common.config import RlstreamConfig
+from common.control import ControlState, PolicyAnnouncement
+from consumer.assembler import GroupAssembler, Group
+from consumer.staleness import gate_group
+
+log = logging.getLogger("rlstream.consumer")
+
+OUTCOMES = ("trained", "dropped_stale", "timed_out", "duplicate", "mismatch", "dlq")
+_RECORDS = metrics.counter("rlstream_consumer_records_total", "Consumed rollout records by outcome", ["outcome"])
+_STALENESS = metrics.histogram("rlstream_consumer_staleness", "Staleness (versions) of gated groups",
+                               buckets=metrics.STALENESS_BUCKETS)
+_VERSION = metrics.gauge("rlstream_consumer_policy_version", "Trainer policy version (completed global steps)")
+_LAG = metrics.gauge("rlstream_consumer_lag_records", "Records on the rollouts topic not yet read")
+_PHASE = metrics.histogram("rlstream_consumer_step_phase_seconds", "Global step time by phase", ["phase"])
+_STEP = metrics.gauge("rlstream_trainer_step_metric", "Last global step's trainer metrics", ["name"])
+_OPEN = metrics.gauge("rlstream_consumer_open_groups", "Partial groups held by the assembler")
+
+
+@dataclass
+class ReadyGroup:
+    group: Group
+    staleness: int
+    weights: tuple[float, ...]
+
+
+@dataclass
+class LoopState:
+    version: int = 0
+    step: int = 0
+    counters: dict[str, float] = field(default_factory=lambda: {k: 0.0 for k in OUTCOMES})
+    ready: list[ReadyGroup] = field(default_factory=list)
+    # (partition, offset, rollout_id) of records processed since they became
+    # eligible for a re-read; pruned to those at/above the checkpoint offsets.
+    processed: list[tuple[int, int, str]] = field(default_factory=list)
+
+
+class ConsumerService:
+    def __init__(self, cfg: RlstreamConfig, bootstrap: str):
+        self.cfg, self.ccfg = cfg, cfg.consumer
+        self.kafka = cfg.kafka.model_copy(update={"bootstrap_servers": bootstrap})
+        self.state = LoopState()
+        self.control = ControlState.from_settings(cfg.staleness)
+        self._stop = False
+        self._healthy = True
+        self._last_step_at = time.time()
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        from common.blobstore import BlobStore
+        from common.control import ControlFollower
+        from common.kafka_conn import ensure_topics
+        from common.reader import RolloutReader
+        from common.weights import WeightStore
+        from consumer.checkpoint import CheckpointManager
+
+        ensure_topics(self.kafka)
+        self.trainer = self._build_trainer()
+        self.ckpt = CheckpointManager(self.ccfg.checkpoint_dir, self.ccfg.keep_checkpoints)
+        self.weights = WeightStore(self.ccfg.weight_store_dir, self.ccfg.keep_versions)
+        self.assembler = GroupAssembler(self.ccfg.group_size, self.ccfg.group_timeout_s)
+        offsets = self._restore()
+        self.reader = RolloutReader(self.kafka, start_offsets=offsets, blobs=BlobStore(self.kafka.blob_dir))
+        self.follower = ControlFollower(self.kafka, self.control)
+        self.follower.poll(timeout_s=1.0)
+        self.control = self.follower.view.state
+        self._policy_producer = self._make_policy_producer()
+        self._announce_if_needed()
+        self._start_http()
+
+    def _build_trainer(self):
+        from consumer.trainer import Trainer, TrainerConfig
+
+        import torch
+        torch.set_num_threads(self.ccfg.num_threads)
+        tcfg = TrainerConfig(
+            loss=self.ccfg.loss, replay=self.ccfg.replay, lr=self.ccfg.lr,
+            weight_decay=self.ccfg.weight_decay, grad_clip=self.ccfg.grad_clip,
+            eps_low=self.ccfg.eps_low, eps_high=self.ccfg.eps_high, is_cap=self.ccfg.is_cap,
+            num_minibatches=self.ccfg.num_minibatches,
+        )
+        return Trainer.from_hf(self.cfg.model.path, tcfg)
+
+    def _restore(self) -> dict[int, int] | None:
+        latest = self.ckpt.latest()
+        if latest is None:
+            log.info("no checkpoint in %s: starting at version 0 from the topic's start", self.ccfg.checkpoint_dir)
+            return None
+        st, path = latest
+        self.trainer.load_state_dict(self.ckpt.load_trainer_state(path))
+        self.state.version, self.state.step = st.version, st.step
+        self.state.counters.update(st.counters)
+        self.state.processed = [(int(p), int(o), str(rid)) for p, o, rid in st.processed]
+        self.assembler.mark_seen(rid for _, _, rid in self.state.processed)
+        log.info("resumed from %s: step %d, version %d, offsets %s", path.name, st.step, st.version, st.offsets)
+        return st.offsets
+
+    def _make_policy_producer(self):
+        from kafka import KafkaProducer
+
+        from common.kafka_conn import client_kwargs
+
+        return KafkaProducer(**client_kwargs(self.kafka), acks="all", retries=10)
+
+    def _start_http(self) -> None:
+        from common.control import encode_control
+        from common.http import ServiceHttp
+
+        h = self.ccfg.http
+        token = os.environ.get("RLSTREAM_ADMIN_TOKEN") or h.admin_token
+
+        def set_control(key, value):
+            k, v = encode_control(key, value, by=f"admin@{socket.gethostname()}")
+            self._policy_producer.send(self.kafka.topics.control, key=k, value=v).get(timeout=10)
+            return __import__("json").loads(v)["value"]
+
+        self.http = ServiceHttp(h.host, h.port, self._health, token,
+                                get_control=lambda: self.control.model_dump(),
+                                set_control=set_control).start()
+        log.info("consumer http on %s", self.http.url)
+
+    def _health(self) -> tuple[bool, dict]:
+        return self._healthy, {"version": self.state.version, "step": self.state.step,
+                               "open_groups": self.assembler.num_open}
+
+    def stop(self, *_):
+        self._stop = True
+
+    def close(self) -> None:
+        for closer in ("reader", "follower"):
+            obj = getattr(self, closer, None)
+            if obj is not None:
+                obj.close()
+        if getattr(self, "_policy_producer", None) is not None:
+            self._policy_producer.close(timeout=10)
+        if getattr(self, "http", None) is not None:
+            self.http.stop()
+
+    # ----------------------------------------------------------------- loop
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self.stop)
+        signal.signal(signal.SIGINT, self.stop)
+        self.start()
+        try:
+            while not self._stop:
+                if self.ccfg.max_steps is not None and self.state.step >= self.ccfg.max_steps:
+                    log.info("reached consumer.max_steps=%d", self.ccfg.max_steps)
+                    break
+                self.apply_control()
+                t0 = time.monotonic()
+                batch = self.next_batch()
+                if batch is None:
+                    continue
+                t1 = time.monotonic()
+                step_metrics = self.train_step(batch)
+                t2 = time.monotonic()
+                self.checkpoint()
+                t3 = time.monotonic()
+                self.publish_weights()
+                t4 = time.monotonic()
+                self._observe(step_metrics, batch, {"wait": t1 - t0, "train": t2 - t1,
+                                                    "checkpoint": t3 - t2, "publish": t4 - t3})
+        finally:
+            self.close()
+        log.info("consumer stopped at step %d, version %d; outcomes %s",
+                 self.state.step, self.state.version, self.state.counters)
+        return 0
+
+    def apply_control(self) -> None:
+        for key, value in self.follower.poll():
+            if key != "policy":
+                log.info("control change applied at batch boundary: %s=%r", key, value)
+        self.control = self.follower.view.state
+
+    def next_batch(self, poll_s: float = 0.2) -> list[ReadyGroup] | None:
+        """Read until B groups passed the gate; None if interrupted or paused."""
+        B = self.ccfg.groups_per_batch
+        while len(self.state.ready) < B:
+            if self._stop:
+                return None
+            if self.control.paused:
+                time.sleep(poll_s)
+                self.apply_control()
+                continue
+            self._consume(self.reader.poll(max_records=512, timeout_s=poll_s))
+            self._expire()
+            _LAG.set(self.reader.lag())
+            _OPEN.set(self.assembler.num_open)
+        batch, self.state.ready = self.state.ready[:B], self.state.ready[B:]
+        return batch
+
+    def _count(self, outcome: str, n: int = 1) -> None:
+        self.state.counters[outcome] += n
+        _RECORDS.labels(outcome=outcome).inc(n)
+
+    def _consume(self, items) -> None:
+        self._count("dlq", self.reader.take_dlq_count())
+        for it in items:
+            res = self.assembler.add(it.rollout, it.partition, it.offset)
+            if res.outcome in ("duplicate", "mismatch"):
+                self._count(res.outcome)
+                self.state.processed.append((it.partition, it.offset, it.rollout.rollout_id))
+            elif res.outcome == "completed":
+                self._gate(res.group)
+
+    def _gate(self, g: Group) -> None:
+        d = gate_group(g.rollouts(), self.state.version, self.control)
+        _STALENESS.observe(d.staleness)
+        if d.keep:
+            self.state.ready.append(ReadyGroup(g, d.staleness, d.weights))
+        else:
+            self._finish_group(g, "dropped_stale")
+
+    def _expire(self) -> None:
+        for g in self.assembler.expire():
+            log.warning("group %s timed out with %d/%d samples", g.group_id, len(g.samples), g.group_size)
+            self._finish_group(g, "timed_out")
+
+    def _finish_group(self, g: Group, outcome: str) -> None:
+        self._count(outcome, len(g.samples))
+        self.state.processed.extend((h.partition, h.offset, h.rollout.rollout_id) for h in g.samples.values())
+
+    def train_step(self, batch: list[ReadyGroup]) -> dict:
+        from consumer.batch import TrainSample, build_global_batch
+
+        samples = []
+        for rg in batch:
+            for r, w in zip(rg.group.rollouts(), rg.weights):
+                samples.append(TrainSample(
+                    prompt_ids=r.prompt_ids, response_ids=r.response_ids, logprobs=r.logprobs,
+                    reward=r.reward, group_id=r.group_id, routed_experts=r.routed_experts,
+                    sample_weight=w))
+        gb = build_global_batch(samples, self.ccfg.group_size, num_minibatches=self.ccfg.num_minibatches,
+                                advantage=self.trainer.advantage_mode)
+        out = self.trainer.train_step(gb)
+        self.state.step += 1
+        self.state.version += 1
+        for rg in batch:
+            self._finish_group(rg.group, "trained")
+        return out
+
+    def _safe_offsets(self) -> dict[int, int]:
+        safe = dict(self.reader.positions())
+        pending = self.assembler.pending_min_offsets()
+        for rg in self.state.ready:
+            for p, o in rg.group.offsets():
+                pending[p] = min(pending.get(p, o), o)
+        for p, o in pending.items():
+            safe[p] = min(safe.get(p, o), o)
+        return safe
+
+    def checkpoint(self) -> None:
+        from consumer.checkpoint import CheckpointState
+
+        safe = self._safe_offsets()
+        self.state.processed = [t for t in self.state.processed if t[1] >= safe.get(t[0], 0)]
+        st = CheckpointState(self.state.step, self.state.version, safe,
+                             [list(t) for t in self.state.processed], dict(self.state.counters))
+        self.ckpt.save(st, self.trainer.state_dict())
+
+    def publish_weights(self) -> None:
+        v = self.state.version
+        m = self.weights.write(v, self.trainer.export_hf_state_dict(), self.cfg.model.path)
+        ann = PolicyAnnouncement(version=v, uri=m["uri"], sha256=m["sha256"], bytes=m["bytes"],
+                                 trainer_version=v, consumed_offsets=self._safe_offsets())
+        self._policy_producer.send(self.kafka.topics.policy, key=b"policy",
+                                   value=ann.model_dump_json().encode()).get(timeout=30)
+        _VERSION.set(v)
+
+    def _announce_if_needed(self) -> None:
+        latest = self.follower.view.policy
+        if latest is None or latest.version < self.state.version:
+            self.publish_weights()
+        _VERSION.set(self.state.version)
+
+    def _observe(self, step_metrics: dict, batch: list[ReadyGroup], phases: dict) -> None:
+        for phase, secs in phases.items():
+            _PHASE.labels(phase=phase).observe(secs)
+        for k, v in step_metrics.items():
+            if isinstance(v, (int, float)):
+                _STEP.labels(name=k).set(v)
+        rewards = [r.reward for rg in batch for r in rg.group.rollouts()]
+        mean_s = sum(rg.staleness for rg in batch) / len(batch)
+        log.info("step=%d version=%d reward=%.3f staleness=%.2f kl=%.4g loss=%.4g wait=%.2fs train=%.2fs publish=%.2fs %s",
+                 self.state.step, self.state.version, sum(rewards) / len(rewards), mean_s,
+                 step_metrics.get("kl", float("nan")), step_metrics.get("loss", float("nan")),
+                 phases["wait"], phases["train"], phases["publish"],
+                 " ".join(f"{k}={int(v)}" for k, v in self.state.counters.items()))
+
+
+def main(cfg: RlstreamConfig) -> int:
+    from common.broker import ensure_broker
+    from common.build import ensure_model
+
+    ensure_model(cfg)
+    bootstrap, broker = ensure_broker(cfg.kafka, cfg.broker)
+    try:
+        return ConsumerService(cfg, bootstrap).run()
+    finally:
+        if broker is not None:
+            broker.stop()
