@@ -1,0 +1,201 @@
+"""The trainer's input types: `TrainSample` (numpy, from a rollout record) and
+`GlobalBatch` (padded torch tensors split into N mini-batches).
+
+Position convention. A sample's sequence is `prompt + response` (length
+P + T); the forward input is its first P + T - 1 tokens and position `s` of
+every [.., S] tensor predicts token s + 1. Response token t sits at position
+P - 1 + t. So `rollout_logprobs`, `loss_mask` and `routing` are all indexed
+by input position, exactly like the trainer's forward and vLLM's routing
+rows ("row i = routing of input position i").
+
+Data parallelism: every rank builds the same global batch from the same
+samples and keeps its slice of each mini-batch (`dp_rank`, `dp_size`).
+`num_responses` / `num_tokens` of a mini-batch are the global counts (the
+loss normalisers, see consumer/losses.py).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from common.errors import RlstreamError
+
+ADVANTAGE_MODES = ("mean", "mean_std")
+
+
+@dataclass
+class TrainSample:
+    """One rollout as the trainer sees it.
+
+    prompt_ids int32[P]; response_ids int32[T]; logprobs float32[T] (log mu_old
+    of each response token); routed_experts optional uint8/uint16
+    [P+T-1, L, K] (every input position) or [T, L, K] (input positions
+    P-1 .. P+T-2, response-only scope); sample_weight: staleness decay.
+    """
+
+    prompt_ids: np.ndarray
+    response_ids: np.ndarray
+    logprobs: np.ndarray
+    reward: float
+    group_id: str
+    routed_experts: np.ndarray | None = None
+    sample_weight: float = 1.0
+
+    def validate(self) -> None:
+        p, t = len(self.prompt_ids), len(self.response_ids)
+        if p < 1 or t < 1:
+            raise RlstreamError(f"sample of group {self.group_id!r}: empty prompt or response")
+        if self.logprobs.shape != (t,):
+            raise RlstreamError(f"sample of group {self.group_id!r}: logprobs shape "
+                                f"{self.logprobs.shape}, expected ({t},)")
+        r = self.routed_experts
+        if r is not None and (r.ndim != 3 or r.shape[0] not in (p + t - 1, t)):
+            raise RlstreamError(f"sample of group {self.group_id!r}: routed_experts shape "
+                                f"{r.shape}, expected ({p + t - 1} or {t}, layers, top_k)")
+
+
+@dataclass
+class MiniBatch:
+    """This rank's share of one mini-batch. B responses, S input positions.
+
+    tokens int64[B, S+1] (input = tokens[:, :-1], targets = tokens[:, 1:]);
+    loss_mask bool[B, S]; input_mask bool[B, S] (real, non-padding input
+    positions); rollout_logprobs float32[B, S]; advantages float32[B];
+    sample_weight float32[B]; routing int64[B, S, L, K] or None with
+    routing_mask bool[B, S] (True where the rollout's routing is known).
+    """
+
+    tokens: torch.Tensor
+    loss_mask: torch.Tensor
+    input_mask: torch.Tensor
+    rollout_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    sample_weight: torch.Tensor
+    num_responses: int
+    num_tokens: int
+    routing: torch.Tensor | None = None
+    routing_mask: torch.Tensor | None = None
+
+
+@dataclass
+class GlobalBatch:
+    minibatches: list[MiniBatch]
+    num_responses: int  # global, all ranks
+    num_tokens: int     # global response tokens
+    rewards: np.ndarray = field(default_factory=lambda: np.zeros(0))
+
+
+# ---------------------------------------------------------------- advantages
+
+
+def group_advantages(samples: list[TrainSample], group_size: int,
+                     mode: str = "mean") -> tuple[list[TrainSample], np.ndarray]:
+    """Samples ordered group by group and A per sample.
+
+    mean: A = R - mean_group(R) (MiniRL). mean_std: (R - mean) / (std + 1e-6)
+    with the unbiased std (GRPO).
+    """
+    if mode not in ADVANTAGE_MODES:
+        raise RlstreamError(f"advantage mode {mode!r} not in {ADVANTAGE_MODES}")
+    groups: OrderedDict[str, list[TrainSample]] = OrderedDict()
+    for s in samples:
+        groups.setdefault(s.group_id, []).append(s)
+    ordered, adv = [], []
+    for gid, members in groups.items():
+        if len(members) != group_size:
+            raise RlstreamError(f"group {gid!r} has {len(members)} samples, expected "
+                                f"{group_size}; the assembler must pass complete groups")
+        r = np.array([m.reward for m in members], dtype=np.float64)
+        a = r - r.mean()
+        if mode == "mean_std":
+            a = a / ((r.std(ddof=1) if len(r) > 1 else 0.0) + 1e-6)
+        ordered += members
+        adv += a.tolist()
+    return ordered, np.asarray(adv, dtype=np.float32)
+
+
+# ---------------------------------------------------------------- padding
+
+
+def _routing_rows(s: TrainSample) -> tuple[np.ndarray | None, int]:
+    """(routing rows, first input position they cover)."""
+    r = s.routed_experts
+    if r is None:
+        return None, 0
+    p, t = len(s.prompt_ids), len(s.response_ids)
+    return r, (0 if r.shape[0] == p + t - 1 else p - 1)
+
+
+def _pad_minibatch(samples: list[TrainSample], adv: np.ndarray, pad_id: int,
+                   num_responses: int, num_tokens: int, rows: int, s_len: int) -> MiniBatch:
+    """Pad to [rows, s_len]; rows beyond len(samples) are empty (all masks False,
+    weight 0) so every data-parallel rank gets the same shapes (Megatron's
+    expert-parallel allgather needs equal token counts on every rank)."""
+    b = rows
+    tokens = np.full((b, s_len + 1), pad_id, dtype=np.int64)
+    mask = np.zeros((b, s_len), dtype=bool)
+    real = np.zeros((b, s_len), dtype=bool)
+    mu = np.zeros((b, s_len), dtype=np.float32)
+    with_routing = [x.routed_experts is not None for x in samples]
+    if any(with_routing) and not all(with_routing):
+        raise RlstreamError("a mini-batch mixes samples with and without routed_experts")
+    routing = routing_mask = None
+    if all(with_routing):
+        _, n_layers, k = samples[0].routed_experts.shape
+        # padding rows get experts 0..K-1 (distinct, valid; never affect real tokens)
+        routing = np.broadcast_to(np.arange(k), (b, s_len, n_layers, k)).copy()
+        routing_mask = np.zeros((b, s_len), dtype=bool)
+    for i, x in enumerate(samples):
+        p, t = len(x.prompt_ids), len(x.response_ids)
+        tokens[i, :p] = x.prompt_ids
+        tokens[i, p:p + t] = x.response_ids
+        mask[i, p - 1:p + t - 1] = True
+        real[i, :p + t - 1] = True
+        mu[i, p - 1:p + t - 1] = x.logprobs
+        if routing is not None:
+            known, start = _routing_rows(x)
+            routing[i, start:start + len(known)] = known
+            routing_mask[i, start:start + len(known)] = True
+    return MiniBatch(
+        tokens=torch.from_numpy(tokens), loss_mask=torch.from_numpy(mask),
+        input_mask=torch.from_numpy(real),
+        rollout_logprobs=torch.from_numpy(mu),
+        advantages=torch.from_numpy(np.pad(adv, (0, b - len(samples)))),
+        sample_weight=torch.tensor([x.sample_weight for x in samples] + [0.0] * (b - len(samples)),
+                                   dtype=torch.float32),
+        num_responses=num_responses, num_tokens=num_tokens,
+        routing=None if routing is None else torch.from_numpy(routing),
+        routing_mask=None if routing_mask is None else torch.from_numpy(routing_mask))
+
+
+# ---------------------------------------------------------------- global batch
+
+
+def build_global_batch(samples: list[TrainSample], group_size: int, num_minibatches: int = 1,
+                       advantage_mode: str = "mean", pad_id: int = 0,
+                       dp_rank: int = 0, dp_size: int = 1) -> GlobalBatch:
+    """Advantages per group, then N contiguous mini-batches (groups stay whole
+    when the group count divides evenly), each cut into `dp_size` slices;
+    this rank keeps slice `dp_rank` of every mini-batch, padded to the same
+    shape on every rank."""
+    for s in samples:
+        s.validate()
+    ordered, adv = group_advantages(samples, group_size, advantage_mode)
+    n = len(ordered)
+    if num_minibatches < 1 or n < num_minibatches * dp_size:
+        raise RlstreamError(f"{n} samples cannot fill {num_minibatches} mini-batches x "
+                            f"{dp_size} data-parallel ranks")
+    minibatches = []
+    for mb_idx in np.array_split(np.arange(n), num_minibatches):
+        mb_tokens = int(sum(len(ordered[i].response_ids) for i in mb_idx))
+        s_len = max(len(ordered[i].prompt_ids) + len(ordered[i].response_ids) for i in mb_idx)
+        mine = np.array_split(mb_idx, dp_size)[dp_rank]
+        minibatches.append(_pad_minibatch(
+            [ordered[i] for i in mine], adv[mine], pad_id, num_responses=len(mb_idx),
+            num_tokens=mb_tokens, rows=-(-len(mb_idx) // dp_size), s_len=s_len - 1))
+    return GlobalBatch(minibatches=minibatches, num_responses=n,
+                       num_tokens=sum(len(s.response_ids) for s in ordered),
+                       rewards=np.array([s.reward for s in ordered], dtype=np.float32))

@@ -1,0 +1,186 @@
+"""Policy-gradient losses: MiniRL (shared/PAPER.md), its ablations, GRPO, CISPO.
+
+Pure functions over one mini-batch, selected by name with `get_loss_fn(name)`.
+Every function takes `(inp: LossInputs, cfg: LossConfig)` and returns
+`(loss, metrics)`; `loss` is a scalar to *minimise* (minus the objective).
+
+Shapes (B responses in this rank's mini-batch, S positions):
+    logprobs          float[B, S]  log pi(y_t), with grad (current policy)
+    old_logprobs      float[B, S]  log pi_old(y_t), no grad (trainer, before updates)
+    rollout_logprobs  float[B, S]  log mu_old(y_t), no grad (inference engine)
+    mask              bool [B, S]  True on response tokens
+    advantages        float[B]     per response (built by consumer/batch.py)
+    sample_weight     float[B]     staleness decay gamma**s (1.0 by default)
+Positions that are not response tokens are ignored (their values may be
+anything finite).
+
+Global constant scaling (the paper leaves it free; this is our choice):
+  * minirl, minirl_no_is, minirl_length_norm, grpo divide the summed objective
+    by `num_responses`, the number of responses in the *global* mini-batch
+    (all data-parallel ranks). With data parallelism the per-rank gradients
+    are summed, so the result is independent of how the mini-batch is split.
+  * cispo divides by `num_tokens`, the number of response tokens in the global
+    mini-batch (the paper's 1 / sum_i |y_i|).
+
+MiniRL, per token (A = advantage, r = pi/pi_old, w = pi/mu_old):
+    M_t  = 0 if (A > 0 and r > 1 + eps_high) or (A < 0 and r < 1 - eps_low) else 1
+    J    = sum_i sum_t M_t * sg[min(w, C)] * A_i * log pi(y_t)
+`minirl_no_is` drops sg[min(w, C)] (sets it to 1); `minirl_length_norm`
+divides each response's sum by its length |y_i|.
+GRPO: sum_i (1/|y_i|) sum_t min(r A, clip(r, 1-eps_low, 1+eps_high) A).
+CISPO: sum_i sum_t sg[clip(r, 1-eps_low, 1+eps_high)] A log pi (never masks).
+
+Metrics (means over this rank's response tokens, detached floats):
+  is_weight_mean / is_weight_max: untruncated w = pi/mu_old; is_truncated_frac:
+  share of tokens with w > C; clip_frac: share of tokens masked (MiniRL) or
+  clipped (GRPO: the clipped branch is the active one; CISPO: r outside the
+  range); ratio_mean: mean r; tokens: number of response tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from common.errors import ConfigError
+
+
+@dataclass
+class LossInputs:
+    """One mini-batch on this rank (shapes in the module docstring)."""
+
+    logprobs: torch.Tensor
+    old_logprobs: torch.Tensor
+    rollout_logprobs: torch.Tensor
+    mask: torch.Tensor
+    advantages: torch.Tensor
+    sample_weight: torch.Tensor
+    num_responses: int
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    eps_low: float = 0.2
+    eps_high: float = 0.27
+    is_cap: float = 5.0
+
+
+LossFn = Callable[[LossInputs, LossConfig], "tuple[torch.Tensor, dict[str, float]]"]
+
+
+# ---------------------------------------------------------------- shared pieces
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
+    n = mask.sum()
+    return float((x * mask).sum() / n) if n > 0 else 0.0
+
+
+def _base_metrics(inp: LossInputs, cfg: LossConfig, ratio: torch.Tensor) -> dict[str, float]:
+    m = inp.mask
+    w = torch.exp(inp.logprobs.detach() - inp.rollout_logprobs)
+    return {
+        "is_weight_mean": _masked_mean(w, m),
+        "is_weight_max": float(w[m].max()) if m.any() else 0.0,
+        "is_truncated_frac": _masked_mean((w > cfg.is_cap).float(), m),
+        "ratio_mean": _masked_mean(ratio, m),
+        "tokens": float(m.sum()),
+    }
+
+
+def _ratio(inp: LossInputs) -> torch.Tensor:
+    """r = pi / pi_old, detached."""
+    return torch.exp(inp.logprobs.detach() - inp.old_logprobs)
+
+
+def decoupled_token_mask(ratio: torch.Tensor, adv: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
+    """M_t of MiniRL: False where A > 0 and r > 1+eps_high, or A < 0 and r < 1-eps_low."""
+    a = adv.unsqueeze(-1)
+    drop = ((a > 0) & (ratio > 1 + cfg.eps_high)) | ((a < 0) & (ratio < 1 - cfg.eps_low))
+    return ~drop
+
+
+# ---------------------------------------------------------------- MiniRL family
+
+
+def _minirl(inp: LossInputs, cfg: LossConfig, is_correction: bool, length_norm: bool):
+    ratio = _ratio(inp)
+    keep = decoupled_token_mask(ratio, inp.advantages, cfg) & inp.mask
+    if is_correction:
+        w = torch.exp(inp.logprobs.detach() - inp.rollout_logprobs).clamp(max=cfg.is_cap)
+    else:
+        w = torch.ones_like(inp.logprobs)
+    per_token = keep * w * inp.advantages.unsqueeze(-1) * inp.logprobs
+    per_resp = per_token.sum(-1)
+    if length_norm:
+        per_resp = per_resp / inp.mask.sum(-1).clamp(min=1)
+    loss = -(inp.sample_weight * per_resp).sum() / inp.num_responses
+    metrics = _base_metrics(inp, cfg, ratio)
+    metrics["clip_frac"] = _masked_mean((~keep).float(), inp.mask)
+    return loss, metrics
+
+
+def minirl(inp: LossInputs, cfg: LossConfig):
+    """The paper's MiniRL: truncated IS weight, decoupled token mask, plain sum."""
+    return _minirl(inp, cfg, is_correction=True, length_norm=False)
+
+
+def minirl_no_is(inp: LossInputs, cfg: LossConfig):
+    """Ablation: MiniRL without the training-inference IS correction."""
+    return _minirl(inp, cfg, is_correction=False, length_norm=False)
+
+
+def minirl_length_norm(inp: LossInputs, cfg: LossConfig):
+    """Ablation: MiniRL with each response's sum divided by its length."""
+    return _minirl(inp, cfg, is_correction=True, length_norm=True)
+
+
+# ---------------------------------------------------------------- baselines
+
+
+def grpo(inp: LossInputs, cfg: LossConfig):
+    """GRPO (PPO-clip surrogate, per-response length mean); no discrepancy correction."""
+    ratio = torch.exp(inp.logprobs - inp.old_logprobs)  # with grad
+    a = inp.advantages.unsqueeze(-1)
+    unclipped = ratio * a
+    clipped = ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high) * a
+    surrogate = torch.minimum(unclipped, clipped) * inp.mask
+    per_resp = surrogate.sum(-1) / inp.mask.sum(-1).clamp(min=1)
+    loss = -(inp.sample_weight * per_resp).sum() / inp.num_responses
+    metrics = _base_metrics(inp, cfg, ratio.detach())
+    metrics["clip_frac"] = _masked_mean((clipped.detach() < unclipped.detach()).float(),
+                                        inp.mask)
+    return loss, metrics
+
+
+def cispo(inp: LossInputs, cfg: LossConfig):
+    """CISPO: stop-gradient clipped ratio times A log pi; never masks a token."""
+    ratio = _ratio(inp)
+    w = ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high)
+    per_token = w * inp.advantages.unsqueeze(-1) * inp.logprobs * inp.mask
+    per_resp = per_token.sum(-1)
+    loss = -(inp.sample_weight * per_resp).sum() / max(inp.num_tokens, 1)
+    metrics = _base_metrics(inp, cfg, ratio)
+    outside = (ratio < 1 - cfg.eps_low) | (ratio > 1 + cfg.eps_high)
+    metrics["clip_frac"] = _masked_mean(outside.float(), inp.mask)
+    return loss, metrics
+
+
+LOSSES: dict[str, LossFn] = {
+    "minirl": minirl, "minirl_no_is": minirl_no_is,
+    "minirl_length_norm": minirl_length_norm, "grpo": grpo, "cispo": cispo,
+}
+# advantage mode each loss expects from consumer/batch.py
+ADVANTAGE_MODE = {"minirl": "mean", "minirl_no_is": "mean", "minirl_length_norm": "mean",
+                  "grpo": "mean_std", "cispo": "mean"}
+
+
+def get_loss_fn(name: str) -> LossFn:
+    """The loss function called `name` (one of LOSSES)."""
+    try:
+        return LOSSES[name]
+    except KeyError:
+        raise ConfigError(f"unknown loss {name!r}; choose one of {sorted(LOSSES)}",
+                          "trainer.loss") from None

@@ -1,0 +1,261 @@
+"""Megatron-core GPT MoE model built from an HF Qwen3-MoE checkpoint.
+
+    dims = read_hf_dims(dir)                # config.json -> HFModelDims
+    init_parallel(ParallelConfig(tp, ep, dp))  # torch.distributed + Megatron groups
+    model = load_hf_checkpoint(dir)         # GPTModel with the HF weights
+    lp = per_token_logprobs(model, tokens)  # [B, S-1] log p(tokens[:, 1:])
+
+The Megatron config mirrors Qwen3-MoE: RMSNorm, q/k RMSNorm per head
+(`qk_layernorm`), SwiGLU experts, RoPE (non-interleaved, HF's rotate_half)
+with the checkpoint's theta, no biases, top-k softmax routing over the k
+selected logits (= softmax then renormalise, Qwen3's `norm_topk_prob=True`),
+no auxiliary loss, no shared expert, no dropout. Every model is built with
+`moe_enable_routing_replay=True`; with no replay action set the router
+behaves normally (see consumer/replay.py).
+
+On CPU: gloo, `use_cpu_initialization`, the allgather token dispatcher and the
+shims of consumer/megatron_shims.py. On GPU: NCCL, the same code.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from common.errors import ConfigError
+from consumer import megatron_shims
+
+# ---------------------------------------------------------------- configs
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Parallel layout. world size = tp * dp; ep divides dp (Megatron carves
+    expert-parallel groups out of the data-parallel ranks). tp must be 1 for
+    now (see `validate`); the converter already shards for tp."""
+
+    tp: int = 1
+    ep: int = 1
+    dp: int = 1
+
+    def validate(self, world_size: int) -> None:
+        if min(self.tp, self.ep, self.dp) < 1:
+            raise ConfigError("tp, ep and dp must be >= 1", "trainer.parallel")
+        if self.tp * self.dp != world_size:
+            raise ConfigError(f"tp*dp = {self.tp * self.dp} but world size is {world_size}; "
+                              "launch tp*dp processes (torchrun --nproc_per_node)",
+                              "trainer.parallel")
+        if self.tp > 1:
+            # Megatron refuses MoE + TP without sequence parallelism, and with it
+            # each TP rank routes a slice of the sequence: replay indices and
+            # padding would have to be cut per rank. Not wired yet.
+            raise ConfigError("tp > 1 is not supported yet (MoE + TP needs sequence "
+                              "parallelism, which the trainer does not wire); use ep and "
+                              "dp", "trainer.parallel.tp")
+        if self.dp % self.ep:
+            raise ConfigError(f"ep={self.ep} must divide dp={self.dp}", "trainer.parallel.ep")
+
+
+@dataclass(frozen=True)
+class HFModelDims:
+    """The shape facts of a Qwen3-MoE config.json that the converter needs."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    moe_ffn_hidden_size: int
+    num_experts: int
+    topk: int
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+
+    @classmethod
+    def from_hf_config(cls, c: dict) -> "HFModelDims":
+        if c.get("model_type") not in ("qwen3_moe", None):
+            raise ConfigError(f"model_type {c.get('model_type')!r} is not qwen3_moe", "model")
+        if c.get("mlp_only_layers") or c.get("decoder_sparse_step", 1) != 1:
+            raise ConfigError("dense (mlp_only) layers are not supported; every layer "
+                              "must be MoE", "model.mlp_only_layers")
+        if not c.get("norm_topk_prob", True):
+            raise ConfigError("norm_topk_prob=False is not supported", "model.norm_topk_prob")
+        rope = c.get("rope_parameters") or {}
+        theta = rope.get("rope_theta", c.get("rope_theta", 10000.0))
+        return cls(
+            vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
+            num_layers=c["num_hidden_layers"], num_heads=c["num_attention_heads"],
+            num_kv_heads=c.get("num_key_value_heads", c["num_attention_heads"]),
+            head_dim=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
+            moe_ffn_hidden_size=c["moe_intermediate_size"],
+            num_experts=c.get("num_experts", c.get("num_local_experts")),
+            topk=c["num_experts_per_tok"], rms_norm_eps=c["rms_norm_eps"],
+            rope_theta=float(theta), tie_word_embeddings=bool(c.get("tie_word_embeddings")),
+            max_position_embeddings=c["max_position_embeddings"],
+        )
+
+
+def read_hf_dims(hf_dir: str | os.PathLike) -> HFModelDims:
+    path = Path(hf_dir) / "config.json"
+    if not path.exists():
+        raise ConfigError(f"{path} not found: point at an HF Qwen3-MoE directory", "model.path")
+    return HFModelDims.from_hf_config(json.loads(path.read_text()))
+
+
+# ---------------------------------------------------------------- parallel state
+
+
+def init_parallel(par: ParallelConfig = ParallelConfig()) -> None:
+    """Initialise torch.distributed and Megatron's groups once per process.
+
+    Under torchrun (RANK/WORLD_SIZE set) uses env://; otherwise a world of one
+    through a FileStore in a temp dir (no port to pick). gloo on CPU, nccl on
+    GPU. A second call with the same layout is a no-op; a different layout
+    raises (Megatron's groups are process-global).
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    megatron_shims.apply()
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend=backend)
+        else:
+            store = os.path.join(tempfile.mkdtemp(prefix="rlstream-dist-"), "store")
+            dist.init_process_group(backend=backend, init_method=f"file://{store}",
+                                    rank=0, world_size=1)
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    par.validate(dist.get_world_size())
+    if ps.model_parallel_is_initialized():
+        have = (ps.get_tensor_model_parallel_world_size(),
+                ps.get_expert_model_parallel_world_size())
+        if have != (par.tp, par.ep):
+            raise ConfigError(f"parallel state already initialised with tp,ep={have}",
+                              "trainer.parallel")
+        return
+    ps.initialize_model_parallel(tensor_model_parallel_size=par.tp,
+                                 expert_model_parallel_size=par.ep)
+    if torch.cuda.is_available():
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+        model_parallel_cuda_manual_seed(1234)
+
+
+# ---------------------------------------------------------------- model
+
+
+def transformer_config(dims: HFModelDims, dtype: torch.dtype = torch.float32):
+    """Megatron TransformerConfig equivalent to the HF Qwen3-MoE config."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer import TransformerConfig
+
+    on_cpu = not torch.cuda.is_available()
+    return TransformerConfig(
+        num_layers=dims.num_layers, hidden_size=dims.hidden_size,
+        num_attention_heads=dims.num_heads, num_query_groups=dims.num_kv_heads,
+        kv_channels=dims.head_dim, ffn_hidden_size=dims.moe_ffn_hidden_size,
+        moe_ffn_hidden_size=dims.moe_ffn_hidden_size,
+        num_moe_experts=dims.num_experts, moe_router_topk=dims.topk,
+        moe_router_pre_softmax=False, moe_router_score_function="softmax",
+        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+        moe_token_dispatcher_type="allgather" if on_cpu else "alltoall",
+        moe_grouped_gemm=False, moe_enable_routing_replay=True,
+        normalization="RMSNorm", layernorm_epsilon=dims.rms_norm_eps, qk_layernorm=True,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        add_qkv_bias=False, hidden_dropout=0.0, attention_dropout=0.0,
+        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        apply_rope_fusion=False, persist_layer_norm=False,
+        gradient_accumulation_fusion=False, use_cpu_initialization=on_cpu,
+        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+        expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
+        sequence_parallel=False, params_dtype=dtype, bf16=dtype == torch.bfloat16,
+        pipeline_dtype=dtype,
+    )
+
+
+def build_model(dims: HFModelDims, dtype: torch.dtype = torch.float32):
+    """An uninitialised-weights GPTModel (parallel state must be initialised)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    megatron_shims.apply()
+    before = len(RouterReplay.global_router_replay_instances)
+    spec = get_gpt_layer_local_spec(num_experts=dims.num_experts, moe_grouped_gemm=False,
+                                    qk_layernorm=True, normalization="RMSNorm")
+    model = GPTModel(
+        config=transformer_config(dims, dtype), transformer_layer_spec=spec,
+        vocab_size=dims.vocab_size, max_sequence_length=dims.max_position_embeddings,
+        pre_process=True, post_process=True, parallel_output=False,
+        share_embeddings_and_output_weights=dims.tie_word_embeddings,
+        position_embedding_type="rope", rotary_base=dims.rope_theta, rotary_percent=1.0,
+    )
+    # Megatron keeps every RouterReplay in one process-global list; rlstream
+    # addresses each model's own routers (consumer/replay.py), so several models
+    # (tests, old/new policies) can live in one process.
+    del RouterReplay.global_router_replay_instances[before:]
+    model.hf_dims = dims
+    if torch.cuda.is_available():
+        model.cuda()
+    return model
+
+
+def load_hf_checkpoint(hf_dir: str | os.PathLike, par: ParallelConfig | None = None,
+                       dtype: torch.dtype = torch.float32):
+    """Build the Megatron model for `hf_dir` and load its safetensors weights.
+
+    Initialises the parallel state (`par`, default world of one) if needed.
+    Each rank keeps its own tensor/expert-parallel shard.
+    """
+    from consumer import convert
+
+    init_parallel(par or ParallelConfig())
+    dims = read_hf_dims(hf_dir)
+    hf_sd = convert.read_hf_safetensors(hf_dir)
+    model = build_model(dims, dtype)
+    convert.load_hf_state_dict(model, hf_sd)
+    return model
+
+
+# ---------------------------------------------------------------- forward
+
+
+def forward_logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits [B, S, V] (float32) for input ids [B, S] (right-padded is fine:
+    the mask is causal, so padding never influences real positions)."""
+    seq = tokens.shape[1]
+    device = next(model.parameters()).device
+    tokens = tokens.to(device)
+    position_ids = torch.arange(seq, device=device).unsqueeze(0).expand_as(tokens)
+    mask = megatron_shims.causal_attention_mask(seq, device)
+    logits = model(input_ids=tokens, position_ids=position_ids, attention_mask=mask)
+    return logits.float()
+
+
+def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor,
+                         with_entropy: bool = False):
+    """log p(targets) [B, T] from logits [B, T, V]; optionally the entropy [B, T]."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    out = logp.gather(-1, targets.unsqueeze(-1).long()).squeeze(-1)
+    if not with_entropy:
+        return out
+    ent = -(logp.exp() * logp).sum(-1)
+    return out, ent
+
+
+def per_token_logprobs(model, tokens: torch.Tensor, with_entropy: bool = False):
+    """log p(tokens[:, t+1] | tokens[:, :t+1]) for t < S-1: [B, S-1] float32.
+
+    `tokens` is [B, S] (prompt + response); the forward input is tokens[:, :-1].
+    """
+    logits = forward_logits(model, tokens[:, :-1])
+    return logprobs_from_logits(logits, tokens[:, 1:].to(logits.device), with_entropy)

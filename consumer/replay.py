@@ -1,0 +1,198 @@
+"""Routing Replay (shared/PAPER.md) on megatron-core's `RouterReplay`.
+
+Modes:
+  none  the trainer's routers choose their own top-k in every forward.
+  R2    the old-policy forward of a global batch RECORDs pi_old's top-k per
+        mini-batch; every update forward of that mini-batch REPLAYs it.
+  R3    every training forward (old-policy and updates) REPLAYs the rollout's
+        routing carried in the record. Input positions the record does not
+        cover (response-only scope: the prompt) take the trainer's own top-k
+        from an extra recording forward; padding takes experts 0..K-1.
+
+Under replay only the choice is fixed: Megatron gathers the training router's
+logits at the replayed experts and softmaxes them, so the router still gets
+gradients.
+
+Layout. Batch routing is int64 [B, S, L, K] (consumer/batch.py); Megatron's
+router sees tokens sequence-major ([S, B] flattened), so each layer's replay
+tensor is `routing[:, :, l].transpose(0, 1).reshape(S * B, K)`.
+
+Every model built by consumer/model.py has `moe_enable_routing_replay=True`;
+this module addresses that model's own routers (not Megatron's process-global
+list), so several models can share a process.
+"""
+from __future__ import annotations
+
+import contextlib
+from enum import Enum
+from typing import Callable
+
+import torch
+
+from common.errors import ConfigError
+
+
+class ReplayMode(str, Enum):
+    NONE = "none"
+    R2 = "R2"
+    R3 = "R3"
+
+    @classmethod
+    def parse(cls, value: "str | ReplayMode") -> "ReplayMode":
+        for m in cls:
+            if str(value).lower() in (m.value.lower(), m.name.lower()):
+                return m
+        raise ConfigError(f"unknown routing replay mode {value!r}; use none, R2 or R3",
+                          "trainer.replay")
+
+
+# ---------------------------------------------------------------- layout helpers
+
+
+def routers(model) -> list:
+    """The model's TopKRouter modules in layer order."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    found = [m for m in model.modules() if isinstance(m, TopKRouter)]
+    if any(r.router_replay is None for r in found):
+        raise ConfigError("model was built without moe_enable_routing_replay", "model")
+    return found
+
+
+def to_layer_indices(routing: torch.Tensor) -> list[torch.Tensor]:
+    """[B, S, L, K] -> L tensors [S*B, K] in Megatron's sequence-major token order."""
+    b, s, n_layers, k = routing.shape
+    r = routing.long().transpose(0, 1)  # [S, B, L, K]
+    return [r[:, :, layer].reshape(s * b, k) for layer in range(n_layers)]
+
+
+def from_layer_indices(layers: list[torch.Tensor], batch: int) -> torch.Tensor:
+    """Inverse of `to_layer_indices`: L x [S*B, K] -> [B, S, L, K]."""
+    stacked = torch.stack([t.reshape(-1, batch, t.shape[-1]) for t in layers], 2)
+    return stacked.transpose(0, 1).contiguous()
+
+
+def routing_agreement(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> list[float]:
+    """Per layer, mean over masked positions of |experts(a) & experts(b)| / K.
+    a, b: [B, S, L, K]; mask: bool [B, S]."""
+    shared = (a.unsqueeze(-1) == b.unsqueeze(-2)).any(-1).float().mean(-1)  # [B, S, L]
+    n = mask.sum().clamp(min=1)
+    return ((shared * mask.unsqueeze(-1)).sum((0, 1)) / n).tolist()
+
+
+# ---------------------------------------------------------------- Megatron actions
+
+
+@contextlib.contextmanager
+def recording(model):
+    """RECORD the routers' own top-k; yields a dict whose "routing" is the
+    [B, S, L, K] result once the block exits (batch size from the forward)."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    rs, out = routers(model), {}
+    for r in rs:
+        r.router_replay.set_router_replay_action(RouterReplayAction.RECORD)
+    try:
+        yield out
+        out["layers"] = [r.router_replay.get_recorded_indices() for r in rs]
+    finally:
+        for r in rs:
+            r.router_replay.clear_router_replay_action()
+            r.router_replay.clear_indices()
+
+
+@contextlib.contextmanager
+def replaying(model, routing: torch.Tensor):
+    """REPLAY_FORWARD `routing` [B, S, L, K] in every MoE layer inside the block."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    rs = routers(model)
+    layers = to_layer_indices(routing)
+    if len(layers) != len(rs):
+        raise ConfigError(f"routing has {len(layers)} layers, model has {len(rs)} MoE "
+                          "layers; was the rollout produced by this model?", "routing")
+    device = next(model.parameters()).device
+    for r, idx in zip(rs, layers):
+        r.router_replay.set_target_indices(idx.to(device))
+        r.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+    try:
+        yield
+    finally:
+        for r in rs:
+            r.router_replay.clear_router_replay_action()
+            r.router_replay.clear_indices()
+
+
+@contextlib.contextmanager
+def natural_topk(model):
+    """Capture each router's own top-k (argmax of its logits), even while a
+    replay is active. Yields a list filled with L tensors [S*B, K]."""
+    rs, captured = routers(model), []
+
+    def wrap(router):
+        original = router.gating
+
+        def gating(x):
+            logits = original(x)
+            captured.append(torch.topk(logits.detach().reshape(-1, logits.shape[-1]),
+                                       router.topk, dim=-1).indices)
+            return logits
+        return gating
+
+    for r in rs:
+        r.gating = wrap(r)
+    try:
+        yield captured
+    finally:
+        for r in rs:
+            del r.gating  # back to the class method
+
+
+# ---------------------------------------------------------------- per-step policy
+
+
+class RoutingReplay:
+    """Applies one mode across a training step: `old_policy(i, mb, fwd)` for the
+    old-policy forward of mini-batch i, `update(i, mb, fwd)` for its updates.
+    `fwd()` runs the model forward and returns anything."""
+
+    def __init__(self, model, mode: "str | ReplayMode"):
+        self.model, self.mode = model, ReplayMode.parse(mode)
+        self._saved: dict[int, torch.Tensor] = {}
+
+    def start_step(self) -> None:
+        self._saved.clear()
+
+    def old_policy(self, i: int, mb, fwd: Callable):
+        """Returns (fwd's result, trainer's own top-k [B, S, L, K])."""
+        b = mb.tokens.shape[0]
+        if self.mode is ReplayMode.R3:
+            self._saved[i] = self._r3_routing(mb, fwd)
+            with replaying(self.model, self._saved[i]), natural_topk(self.model) as nat:
+                out = fwd()
+            return out, from_layer_indices(nat, b)
+        with recording(self.model) as rec:
+            out = fwd()
+        own = from_layer_indices(rec["layers"], b)
+        if self.mode is ReplayMode.R2:
+            self._saved[i] = own
+        return out, own
+
+    def update(self, i: int, mb, fwd: Callable):
+        if self.mode is ReplayMode.NONE:
+            return fwd()
+        with replaying(self.model, self._saved[i]):
+            return fwd()
+
+    def _r3_routing(self, mb, fwd: Callable) -> torch.Tensor:
+        if mb.routing is None:
+            raise ConfigError("R3 needs routed_experts in every rollout record; enable "
+                              "routing capture on the producers or use replay none/R2",
+                              "trainer.replay")
+        missing = mb.input_mask & ~mb.routing_mask
+        if not missing.any():
+            return mb.routing
+        with torch.no_grad(), recording(self.model) as rec:
+            fwd()
+        own = from_layer_indices(rec["layers"], mb.tokens.shape[0]).to(mb.routing.device)
+        return torch.where(missing[..., None, None], own, mb.routing.long())

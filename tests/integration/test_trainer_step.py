@@ -1,0 +1,134 @@
+"""One training step on the tiny model: metrics against direct computations,
+the update itself, clipping, every loss, checkpoint round trip, export."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from consumer import convert
+from consumer.batch import build_global_batch
+from consumer.losses import LOSSES
+from consumer.model import per_token_logprobs
+from consumer.trainer import Trainer, TrainerConfig
+
+pytestmark = pytest.mark.megatron
+
+
+def params(trainer):
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+
+def test_metrics_match_direct_computation(sharp_model_dir, bf16_rollouts):
+    trainer = Trainer.from_hf(sharp_model_dir, TrainerConfig(lr=1e-4))
+    gb = trainer.build_batch(bf16_rollouts, 4)
+    mb = gb.minibatches[0]
+    with torch.no_grad():
+        lp, ent = per_token_logprobs(trainer.model, mb.tokens, with_entropy=True)
+    m = mb.loss_mask
+    mu = mb.rollout_logprobs
+    metrics = trainer.train_step(gb)
+    # N = 1: pi == pi_old at the update, so r = 1, nothing masked, w = pi_old / mu_old
+    assert metrics["kl_train_inference"] == pytest.approx(float((mu - lp)[m].mean()), rel=1e-5)
+    assert metrics["entropy"] == pytest.approx(float(ent[m].mean()), rel=1e-5)
+    w = torch.exp(lp - mu)[m]
+    assert metrics["is_weight_mean"] == pytest.approx(float(w.mean()), rel=1e-5)
+    assert metrics["is_weight_max"] == pytest.approx(float(w.max()), rel=1e-5)
+    assert metrics["is_truncated_frac"] == pytest.approx(float((w > 5).float().mean()))
+    assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert metrics["clip_frac"] == 0.0
+    adv = mb.advantages.unsqueeze(-1)
+    want_loss = -float((w.new_zeros(m.shape).masked_scatter(m, w.clamp(max=5)) * adv * lp
+                        * m).sum()) / gb.num_responses
+    assert metrics["loss"] == pytest.approx(want_loss, rel=1e-5)
+    assert metrics["num_responses"] == 32 and metrics["num_tokens"] == int(m.sum())
+    for layer in (0, 1):
+        assert 0.5 < metrics[f"routing_agreement_layer_{layer}"] <= 1.0
+    assert metrics["grad_norm"] > 0 and 0 <= metrics["step_overhead_share"] < 1
+
+
+def test_step_updates_weights_and_later_minibatches_see_staleness(sharp_model_dir, bf16_rollouts):
+    trainer = Trainer.from_hf(sharp_model_dir, TrainerConfig(lr=3e-3, num_minibatches=4))
+    before = params(trainer)
+    metrics = trainer.train_step(trainer.build_batch(bf16_rollouts, 4))
+    after = params(trainer)
+    changed = [n for n in before if not torch.equal(before[n], after[n])]
+    assert "decoder.layers.1.mlp.router.weight" in changed
+    assert "embedding.word_embeddings.weight" in changed
+    assert metrics["ratio_mean"] != pytest.approx(1.0, abs=1e-7)  # pi moved from pi_old
+    assert trainer.step == 1 and all(math.isfinite(v) for v in metrics.values())
+
+
+def test_grad_clipping_bounds_the_update(sharp_model_dir, bf16_rollouts):
+    cfg = TrainerConfig(optimizer="sgd", lr=1.0, grad_clip=1e-3)
+    trainer = Trainer.from_hf(sharp_model_dir, cfg)
+    before = params(trainer)
+    metrics = trainer.train_step(trainer.build_batch(bf16_rollouts, 4))
+    after = params(trainer)
+    step = math.sqrt(sum(float((after[n] - before[n]).pow(2).sum()) for n in before))
+    assert metrics["grad_norm"] > 1e-2  # the raw gradient was much larger than the cap
+    assert step == pytest.approx(1e-3, rel=1e-3)
+
+
+@pytest.mark.parametrize("loss", sorted(LOSSES))
+def test_every_loss_trains(sharp_model_dir, bf16_rollouts, loss):
+    trainer = Trainer.from_hf(sharp_model_dir, TrainerConfig(loss=loss, num_minibatches=2,
+                                                            lr=1e-3))
+    first = trainer.train_step(trainer.build_batch(bf16_rollouts, 4))
+    assert all(math.isfinite(v) for v in first.values())
+    assert first["grad_norm"] > 0
+
+
+def test_grpo_uses_std_normalised_advantages(bf16_rollouts):
+    mean = build_global_batch(bf16_rollouts, 4, advantage_mode="mean").minibatches[0].advantages
+    std = build_global_batch(bf16_rollouts, 4, advantage_mode="mean_std").minibatches[0]
+    rewards = np.array([s.reward for s in bf16_rollouts], dtype=np.float64).reshape(-1, 4)
+    want = (rewards - rewards.mean(1, keepdims=True)) / (rewards.std(1, ddof=1, keepdims=True)
+                                                         + 1e-6)
+    np.testing.assert_allclose(std.advantages.numpy(), want.ravel(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(mean.numpy(), (rewards - rewards.mean(1, keepdims=True)).ravel(),
+                               atol=1e-6)
+    assert TrainerConfig(loss="grpo").advantage_mode == "mean_std"
+    assert TrainerConfig(loss="minirl").advantage_mode == "mean"
+
+
+def test_checkpoint_round_trip_continues_identically(sharp_model_dir, bf16_rollouts, tmp_path):
+    cfg = TrainerConfig(lr=1e-3, num_minibatches=2, replay="R2")
+    a = Trainer.from_hf(sharp_model_dir, cfg)
+    gb = a.build_batch(bf16_rollouts, 4)
+    a.train_step(gb)
+    torch.save(a.state_dict(), tmp_path / "ckpt.pt")
+    b = Trainer.from_hf(sharp_model_dir, cfg)
+    b.load_state_dict(torch.load(tmp_path / "ckpt.pt", weights_only=True))  # as consumer/checkpoint.py
+    assert b.step == 1
+    ma, mb = a.train_step(gb), b.train_step(gb)
+    assert ma["loss"] == mb["loss"]
+    pa, pb = params(a), params(b)
+    assert all(torch.equal(pa[n], pb[n]) for n in pa)
+
+
+def test_export_after_step_is_the_trained_model(sharp_model_dir, bf16_rollouts, tmp_path):
+    """Export -> save -> reload gives a model with the trained log-probabilities."""
+    from safetensors.torch import save_file
+
+    from consumer.model import load_hf_checkpoint
+
+    trainer = Trainer.from_hf(sharp_model_dir, TrainerConfig(lr=1e-2))
+    gb = trainer.build_batch(bf16_rollouts, 4)
+    trainer.train_step(gb)
+    original = convert.read_hf_safetensors(sharp_model_dir)
+    exported = trainer.export_hf_state_dict()
+    assert set(exported) == set(original)
+    assert not torch.equal(exported["model.layers.0.mlp.gate.weight"],
+                           original["model.layers.0.mlp.gate.weight"])
+    out = tmp_path / "v1"
+    out.mkdir()
+    (out / "config.json").write_text((sharp_model_dir / "config.json").read_text())
+    save_file(exported, str(out / "model.safetensors"))
+    reloaded = load_hf_checkpoint(out)
+    tokens = gb.minibatches[0].tokens
+    with torch.no_grad():
+        assert torch.equal(per_token_logprobs(reloaded, tokens),
+                           per_token_logprobs(trainer.model, tokens))

@@ -1,0 +1,85 @@
+"""consumer/batch.py: positions, padding, routing scopes, data-parallel slices."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from common.errors import ConfigError, RlstreamError
+from consumer.batch import TrainSample, build_global_batch
+from consumer.model import ParallelConfig
+
+L, K = 2, 2
+
+
+def sample(p, t, reward, gid, scope="full", weight=1.0):
+    prompt = np.arange(10, 10 + p, dtype=np.int32)
+    resp = np.arange(30, 30 + t, dtype=np.int32)
+    rows = p + t - 1 if scope == "full" else t
+    routing = None
+    if scope:
+        # row value encodes its input position so placement can be checked
+        start = 0 if scope == "full" else p - 1
+        pos = np.arange(start, start + rows)
+        routing = np.stack([pos % 8, (pos + 1) % 8], -1)[:, None, :].repeat(L, 1).astype(np.uint8)
+    return TrainSample(prompt, resp, -np.arange(1, t + 1, dtype=np.float32) / 10, reward, gid,
+                       routing, weight)
+
+
+def test_positions_masks_and_padding():
+    gb = build_global_batch([sample(3, 2, 1.0, "a"), sample(2, 4, 0.0, "a")], group_size=2)
+    mb = gb.minibatches[0]
+    assert mb.tokens.shape == (2, 6) and mb.loss_mask.shape == (2, 5)
+    assert mb.tokens[0].tolist() == [10, 11, 12, 30, 31, 0]
+    assert mb.loss_mask[0].tolist() == [False, False, True, True, False]
+    assert mb.loss_mask[1].tolist() == [False, True, True, True, True]
+    assert mb.input_mask[0].tolist() == [True, True, True, True, False]
+    # targets at response positions are the response tokens
+    assert mb.tokens[0, 1:][mb.loss_mask[0]].tolist() == [30, 31]
+    assert mb.rollout_logprobs[1][mb.loss_mask[1]].tolist() == pytest.approx([-.1, -.2, -.3, -.4])
+    assert mb.advantages.tolist() == [0.5, -0.5]
+    assert (gb.num_responses, gb.num_tokens, mb.num_responses, mb.num_tokens) == (2, 6, 2, 6)
+
+
+def test_routing_scopes_land_on_input_positions():
+    full = build_global_batch([sample(3, 3, 1.0, "a"), sample(3, 3, 0.0, "a")], 2).minibatches[0]
+    short = build_global_batch([sample(3, 3, 1.0, "a", scope="response"),
+                                sample(3, 3, 0.0, "a", scope="response")], 2).minibatches[0]
+    assert full.routing.shape == (2, 5, L, K)
+    assert full.routing[0, :, 0, 0].tolist() == [0, 1, 2, 3, 4]  # row i = position i
+    assert short.routing_mask[0].tolist() == [False, False, True, True, True]
+    assert short.routing[0, 2:, 0, 0].tolist() == [2, 3, 4]
+
+
+def test_data_parallel_slices_have_equal_shapes_and_global_counts():
+    samples = [sample(2 + i % 3, 2 + i, float(i % 2), f"g{i // 2}") for i in range(6)]
+    slices = [build_global_batch(samples, 2, num_minibatches=1, dp_rank=r, dp_size=4)
+              for r in range(4)]
+    shapes = {tuple(s.minibatches[0].tokens.shape) for s in slices}
+    assert len(shapes) == 1  # 6 samples over 4 ranks: 2,2,1,1 rows padded to 2
+    last = slices[3].minibatches[0]
+    assert last.sample_weight.tolist() == [1.0, 0.0] and not last.loss_mask[1].any()
+    assert all(s.minibatches[0].num_responses == 6 for s in slices)
+
+
+def test_mean_std_and_errors():
+    samples = [sample(2, 2, r, "g") for r in (1.0, 0.0, 0.0, 1.0)]
+    adv = build_global_batch(samples, 4, advantage_mode="mean_std").minibatches[0].advantages
+    assert adv.tolist() == pytest.approx([0.8660, -0.8660, -0.8660, 0.8660], abs=1e-3)
+    with pytest.raises(RlstreamError, match="expected 4"):
+        build_global_batch(samples[:3], 4)
+    bad = sample(2, 2, 1.0, "g")
+    bad.logprobs = np.zeros(5, dtype=np.float32)
+    with pytest.raises(RlstreamError, match="logprobs shape"):
+        build_global_batch([bad], 1)
+    with pytest.raises(RlstreamError, match="mini-batches"):
+        build_global_batch(samples, 4, num_minibatches=8)
+
+
+def test_parallel_config_validation():
+    ParallelConfig(dp=2, ep=2).validate(2)
+    with pytest.raises(ConfigError, match="world size"):
+        ParallelConfig(dp=2).validate(1)
+    with pytest.raises(ConfigError, match="sequence"):
+        ParallelConfig(tp=2).validate(2)
+    with pytest.raises(ConfigError, match="divide"):
+        ParallelConfig(dp=2, ep=4).validate(2)
