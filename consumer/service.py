@@ -46,6 +46,10 @@ _STEP = metrics.gauge("rlstream_trainer_step_metric", "Last global step's traine
 _OPEN = metrics.gauge("rlstream_consumer_open_groups", "Partial groups held by the assembler")
 
 
+def _world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 @dataclass
 class ReadyGroup:
     group: Group
@@ -72,6 +76,7 @@ class ConsumerService:
         self.control = ControlState.from_settings(cfg.staleness)
         self._stop = False
         self._healthy = True
+        self._last_trained: list[str] = []
         self._last_step_at = time.time()
 
     # ------------------------------------------------------------ lifecycle
@@ -107,7 +112,8 @@ class ConsumerService:
             loss=self.ccfg.loss, replay=self.ccfg.replay, lr=self.ccfg.lr,
             weight_decay=self.ccfg.weight_decay, grad_clip=self.ccfg.grad_clip,
             eps_low=self.ccfg.eps_low, eps_high=self.ccfg.eps_high, is_cap=self.ccfg.is_cap,
-            num_minibatches=self.ccfg.num_minibatches,
+            num_minibatches=self.ccfg.num_minibatches, tp=self.ccfg.tensor_parallel_size,
+            ep=self.ccfg.expert_parallel_size, dp=max(1, _world_size() // self.ccfg.tensor_parallel_size),
         )
         return Trainer.from_hf(self.cfg.model.path, tcfg)
 
@@ -225,7 +231,12 @@ class ConsumerService:
         _RECORDS.labels(outcome=outcome).inc(n)
 
     def _consume(self, items) -> None:
-        self._count("dlq", self.reader.take_dlq_count())
+        dead = self.reader.take_dead() if hasattr(self.reader, "take_dead") else []  # TODO(lead): switch after reader lands
+        seen = {(p, o) for p, o, _ in self.state.processed} if dead else set()
+        for p, o in dead:
+            if (p, o) not in seen:
+                self._count("dlq")
+                self.state.processed.append((p, o, f"dlq:{p}:{o}"))
         for it in items:
             res = self.assembler.add(it.rollout, it.partition, it.offset)
             if res.outcome in ("duplicate", "mismatch"):
@@ -252,7 +263,7 @@ class ConsumerService:
         self.state.processed.extend((h.partition, h.offset, h.rollout.rollout_id) for h in g.samples.values())
 
     def train_step(self, batch: list[ReadyGroup]) -> dict:
-        from consumer.batch import TrainSample, build_global_batch
+        from consumer.batch import TrainSample
 
         samples = []
         for rg in batch:
@@ -261,13 +272,14 @@ class ConsumerService:
                     prompt_ids=r.prompt_ids, response_ids=r.response_ids, logprobs=r.logprobs,
                     reward=r.reward, group_id=r.group_id, routed_experts=r.routed_experts,
                     sample_weight=w))
-        gb = build_global_batch(samples, self.ccfg.group_size, num_minibatches=self.ccfg.num_minibatches,
-                                advantage=self.trainer.advantage_mode)
+        gb = self.trainer.build_batch(samples, self.ccfg.group_size)
         out = self.trainer.train_step(gb)
         self.state.step += 1
         self.state.version += 1
+        self._last_trained = []
         for rg in batch:
             self._finish_group(rg.group, "trained")
+            self._last_trained.extend(r.rollout_id for r in rg.group.rollouts())
         return out
 
     def _safe_offsets(self) -> dict[int, int]:
@@ -285,9 +297,24 @@ class ConsumerService:
 
         safe = self._safe_offsets()
         self.state.processed = [t for t in self.state.processed if t[1] >= safe.get(t[0], 0)]
+        self._audit({"step": self.state.step, "version": self.state.version, "trained": self._last_trained})
         st = CheckpointState(self.state.step, self.state.version, safe,
                              [list(t) for t in self.state.processed], dict(self.state.counters))
         self.ckpt.save(st, self.trainer.state_dict())
+
+    def _audit(self, entry: dict) -> None:
+        """Append to <checkpoint_dir>/trained.jsonl (before the checkpoint commits).
+
+        A step whose checkpoint never committed is redone after a restart and
+        logged again under the same step number: the last line per step is the
+        committed one. Operators and tests use it to check exactly-once.
+        """
+        import json
+
+        with open(self.ckpt.root / "trained.jsonl", "a") as f:
+            f.write(json.dumps(entry) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
 
     def publish_weights(self) -> None:
         v = self.state.version
@@ -314,7 +341,7 @@ class ConsumerService:
         mean_s = sum(rg.staleness for rg in batch) / len(batch)
         log.info("step=%d version=%d reward=%.3f staleness=%.2f kl=%.4g loss=%.4g wait=%.2fs train=%.2fs publish=%.2fs %s",
                  self.state.step, self.state.version, sum(rewards) / len(rewards), mean_s,
-                 step_metrics.get("kl", float("nan")), step_metrics.get("loss", float("nan")),
+                 step_metrics.get("kl_train_inference", float("nan")), step_metrics.get("loss", float("nan")),
                  phases["wait"], phases["train"], phases["publish"],
                  " ".join(f"{k}={int(v)}" for k, v in self.state.counters.items()))
 

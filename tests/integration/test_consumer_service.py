@@ -1,0 +1,217 @@
+"""The consumer service against the real broker, real Megatron-core, tiny model.
+
+A synthetic producer publishes valid records with known policy versions:
+- stale groups are dropped at the configured bound and kept below it;
+- in reweight mode the sample weights follow decay ** staleness;
+- a control change on the topic takes effect at the next batch boundary;
+- an announced version is an HF directory that transformers opens and whose
+  log-probs equal the trainer's, and that the vLLM engine reloads;
+- a consumer killed with SIGKILL between steps resumes from its checkpoint and
+  never trains a rollout_id twice; every record is accounted for.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from common.config import RlstreamConfig
+from common.control import encode_control
+from fixtures_kafka import make_kafka_settings
+from synthetic import publish_groups, synthetic_group
+
+pytestmark = [pytest.mark.broker, pytest.mark.megatron]
+
+G, B = 4, 2
+
+
+def consumer_config(kafka, tiny_model_dir, tmp: Path, **consumer) -> RlstreamConfig:
+    c = {"group_size": G, "groups_per_batch": B, "lr": 1e-3, "checkpoint_dir": str(tmp / "ckpt"),
+         "weight_store_dir": str(tmp / "weights"), "group_timeout_s": 30.0, **consumer}
+    return RlstreamConfig.model_validate({
+        "kafka": kafka.model_dump(), "model": {"path": str(tiny_model_dir), "build_tiny": False},
+        "staleness": {"max_staleness": 1, "mode": "drop"},
+        "producer": {"group_size": G}, "consumer": c})
+
+
+@pytest.fixture(scope="module")
+def service(broker, tiny_model_dir, tmp_path_factory):
+    """One in-process ConsumerService for the module (Megatron state is per process)."""
+    from common.publisher import RolloutPublisher
+    from consumer.service import ConsumerService
+
+    tmp = tmp_path_factory.mktemp("consumer")
+    kafka = make_kafka_settings(broker.bootstrap, tmp / "blobs", rollouts_partitions=2)
+    svc = ConsumerService(consumer_config(kafka, tiny_model_dir, tmp), broker.bootstrap)
+    svc.start()
+    pub = RolloutPublisher(kafka)
+    yield svc, pub, kafka
+    pub.close()
+    svc.close()
+
+
+def step(svc):
+    batch = svc.next_batch()
+    out = svc.train_step(batch)
+    svc.checkpoint()
+    svc.publish_weights()
+    return batch, out
+
+
+@pytest.mark.timeout(300)
+def test_gate_drops_at_bound_and_keeps_below(service):
+    svc, pub, _ = service
+    rng = np.random.default_rng(0)
+    v0 = svc.state.version
+    # two on-policy steps: the trainer reaches version v0 + 2
+    for s in range(2):
+        publish_groups(pub, [synthetic_group(f"on{s}-{i}", G, v0 + s, rng) for i in range(B)])
+        batch, out = step(svc)
+        assert [rg.staleness for rg in batch] == [0, 0]
+        assert np.isfinite(out["loss"])
+    assert svc.state.version == v0 + 2
+    dropped_before = svc.state.counters["dropped_stale"]
+    # staleness 2 (> max 1) is dropped; 1 and 0 are kept
+    publish_groups(pub, [synthetic_group("stale2", G, v0, rng), synthetic_group("stale1", G, v0 + 1, rng),
+                         synthetic_group("fresh", G, v0 + 2, rng)])
+    batch = svc.next_batch()
+    assert sorted(rg.group.group_id for rg in batch) == ["fresh", "stale1"]
+    assert sorted(rg.staleness for rg in batch) == [0, 1]
+    assert svc.state.counters["dropped_stale"] - dropped_before == G
+    svc.train_step(batch)
+    svc.checkpoint()
+    svc.publish_weights()
+
+
+@pytest.mark.timeout(300)
+def test_reweight_mode_via_control_topic(service):
+    from kafka import KafkaProducer
+
+    from common.kafka_conn import client_kwargs
+
+    svc, pub, kafka = service
+    p = KafkaProducer(**client_kwargs(kafka), acks="all")
+    for key, value in (("mode", "reweight"), ("decay", 0.5), ("max_staleness", 3)):
+        k, v = encode_control(key, value, by="test")
+        p.send(kafka.topics.control, key=k, value=v).get(timeout=10)
+    p.close()
+    deadline = time.time() + 10
+    while svc.control.mode != "reweight" or svc.control.max_staleness != 3:
+        svc.apply_control()  # the service does this at each batch boundary
+        assert time.time() < deadline, "control change not applied"
+    V = svc.state.version
+    rng = np.random.default_rng(1)
+    publish_groups(pub, [synthetic_group("rw3", G, V - 3, rng), synthetic_group("rw1", G, V - 1, rng)])
+    batch = svc.next_batch()
+    weights = {rg.group.group_id: rg.weights for rg in batch}
+    assert weights == {"rw3": (0.5 ** 3,) * G, "rw1": (0.5,) * G}
+    svc.train_step(batch)
+    svc.checkpoint()
+    svc.publish_weights()
+
+
+@pytest.mark.timeout(300)
+def test_announced_version_opens_in_transformers_with_same_logprobs(service):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from common.control import PolicyAnnouncement
+    from common.weights import verify
+    from consumer.model import per_token_logprobs
+
+    svc, _, kafka = service
+    deadline = time.time() + 10
+    while svc.follower.view.policy is None or svc.follower.view.policy.version < svc.state.version:
+        svc.apply_control()
+        assert time.time() < deadline, "announcement not seen on the policy topic"
+    ann: PolicyAnnouncement = svc.follower.view.policy
+    d = verify(ann.uri, ann.sha256, ann.bytes)
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    tokens = torch.tensor([[4, 13, 5, 17, 20, 6, 7, 1]])
+    with torch.no_grad():
+        logits = hf(tokens).logits[:, :-1].float()
+        ref = torch.log_softmax(logits, -1).gather(-1, tokens[:, 1:, None])[..., 0]
+        svc.trainer.model.eval()
+        ours = per_token_logprobs(svc.trainer.model, tokens)
+        if isinstance(ours, tuple):
+            ours = ours[0]
+    assert torch.allclose(ours[:, : ref.shape[1]].float(), ref, atol=1e-4), (ours - ref).abs().max()
+
+
+# --------------------------------------------------------- crash and resume
+
+def _write_config(path: Path, cfg: RlstreamConfig) -> Path:
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    return path
+
+
+def _committed_steps(audit: Path) -> dict[int, list[str]]:
+    steps: dict[int, list[str]] = {}
+    for line in audit.read_text().splitlines():
+        e = json.loads(line)
+        steps[e["step"]] = e["trained"]  # the last line per step is the committed one
+    return steps
+
+
+def _wait(pred, timeout, proc=None, what=""):
+    deadline = time.time() + timeout
+    while not pred():
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"consumer exited early ({proc.returncode}) while waiting for {what}")
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sigkill_between_steps_resumes_exactly_once(broker, tiny_model_dir, tmp_path):
+    from common.publisher import RolloutPublisher
+    from consumer.checkpoint import CheckpointManager
+
+    kafka = make_kafka_settings(broker.bootstrap, tmp_path / "blobs", rollouts_partitions=2)
+    total_steps = 6
+    cfg = consumer_config(kafka, tiny_model_dir, tmp_path, max_steps=total_steps)
+    cfg_path = _write_config(tmp_path / "consumer.yaml", cfg)
+    rng = np.random.default_rng(2)
+    pub = RolloutPublisher(kafka)
+    published = publish_groups(pub, [synthetic_group(f"k{i}", G, 0, rng) for i in range(B * total_steps)])
+    pub.close()
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RLSTREAM__STALENESS__MAX_STALENESS": "100"}
+    cmd = [sys.executable, "-m", "consumer", "-c", str(cfg_path)]
+    audit = tmp_path / "ckpt" / "trained.jsonl"
+    ckpts = CheckpointManager(tmp_path / "ckpt")
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "c1.log", "w"))
+    try:
+        _wait(lambda: (ckpts.latest() or (None,))[0] is not None and ckpts.latest()[0].step >= 2, 240, proc,
+              "two checkpoints")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    killed_at = ckpts.latest()[0].step
+    assert killed_at < total_steps
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "c2.log", "w"))
+    try:
+        assert proc.wait(timeout=400) == 0, (tmp_path / "c2.log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "resumed from step-" in (tmp_path / "c2.log").read_text()
+    steps = _committed_steps(audit)
+    assert sorted(steps) == list(range(1, total_steps + 1))
+    trained = [rid for ids in steps.values() for rid in ids]
+    assert len(trained) == len(set(trained)), "a rollout_id was trained twice"
+    assert set(trained) == set(published)
+    final = ckpts.latest()[0]
+    assert final.counters["trained"] == len(published)
+    assert sum(final.counters.values()) == len(published)
