@@ -61,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("kafka", "vllm", "urllib3", "filelock"):  # their INFO is per-connection chatter
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
     try:
         if args.command == "ctl":
             from common.ctl import run_ctl

@@ -78,7 +78,9 @@ class ProducerService:
         self._group_seq = 0
         self._rewards: list[float] = []
         self._finished_times: list[float] = []
-        self._end_offsets_cache = (0.0, 0)
+        self._ends: dict[int, int] = {}  # rollouts topic end offsets, as last queried
+        self._ends_at = 0.0
+        self._acked_end: dict[int, int] = {}  # partition -> 1 + offset of our newest acknowledged record
         self.drain_timeout_s = 60.0
 
     # ------------------------------------------------------------ lifecycle
@@ -217,16 +219,29 @@ class ProducerService:
         return None
 
     def _queued_groups(self) -> int:
-        """Groups ahead of a new one: on the topic past the trainer, plus ours in flight."""
+        """Groups ahead of a new one: on the topic past the trainer, plus ours in flight.
+
+        The topic's end offsets are queried at most every 0.2 s and raised to
+        just past this producer's own acknowledged records (tansu answers
+        ListOffsets with the last batch's base offset + 1, an under-count; Apache
+        Kafka is exact). Our unacknowledged and unpublished records are added.
+        """
         now = time.monotonic()
-        at, end_total = self._end_offsets_cache
-        if now - at > 0.2:
-            ends = self._offsets_client.end_offsets(self._rollout_tps)
-            end_total = sum(ends.values())
-            self._end_offsets_cache = (now, end_total)
-        consumed = sum(self.consumed_offsets.get(tp.partition, 0) for tp in self._rollout_tps)
-        lag_records = max(0, end_total - consumed) + self.publisher.buffer_depth
+        if now - self._ends_at > 0.2:
+            self._ends = {tp.partition: off for tp, off in self._offsets_client.end_offsets(self._rollout_tps).items()}
+            self._ends_at = now
+        lag_records = len(self.pending) + self.publisher.buffer_depth
+        for tp in self._rollout_tps:
+            end = max(self._ends.get(tp.partition, 0), self._acked_end.get(tp.partition, 0))
+            lag_records += max(0, end - self.consumed_offsets.get(tp.partition, 0))
         return lag_records // self.pcfg.group_size + len(self.groups)
+
+    def _on_delivered(self, fut) -> None:  # publisher thread
+        if fut.cancelled() or fut.exception() is not None:
+            return
+        d = fut.result()
+        if d.offset + 1 > self._acked_end.get(d.partition, 0):
+            self._acked_end[d.partition] = d.offset + 1
 
     def admit(self) -> None:
         from producer.engine import SamplingConfig
@@ -276,8 +291,10 @@ class ProducerService:
 
     def flush_pending(self) -> None:
         while self.pending:
-            if self.publisher.try_publish(self.pending[0]) is None:
+            fut = self.publisher.try_publish(self.pending[0])
+            if fut is None:
                 break  # buffer full: keep it, admission stays closed
+            fut.add_done_callback(self._on_delivered)
             self.pending.pop(0)
         _PENDING.set(len(self.pending))
 
@@ -309,7 +326,8 @@ class ProducerService:
         while self.pending:
             self.publisher.publish(self.pending.pop(0), timeout=60)
         self.publisher.flush(timeout=60)
-        log.info("producer drained: every finished sample acknowledged by the broker")
+        acked = metrics.value("rlstream_published_records_total", topic=self.kafka.topics.rollouts)
+        log.info("producer drained: published=%d (every finished sample acknowledged by the broker)", acked)
 
     def close(self) -> None:
         for name in ("publisher", "follower", "engine"):
