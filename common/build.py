@@ -29,6 +29,22 @@ def ensure_model(cfg: RlstreamConfig) -> Path:
     return build_tiny_model(path)
 
 
+def wait_for_model(cfg: RlstreamConfig, timeout_s: float = 300.0) -> Path:
+    """Wait until another process (rank 0) has finished `ensure_model`."""
+    import time
+
+    path = Path(cfg.model.path)
+    if (path / "config.json").is_file():
+        return path  # already there when we started: a real checkpoint, or a finished build
+    done = path / "rlstream_tiny_spec.json"  # the tiny builder writes its marker last
+    deadline = time.monotonic() + timeout_s
+    while not done.is_file():
+        if time.monotonic() > deadline:
+            raise ConfigError(f"no model at {path} after {timeout_s:.0f} s", key="model.path")
+        time.sleep(0.5)
+    return path
+
+
 def heldout_path(cfg: RlstreamConfig) -> Path:
     return Path(cfg.producer.prompts_path).with_name("heldout.jsonl")
 

@@ -78,6 +78,13 @@ class ConsumerService:
         self._healthy = True
         self._last_trained: list[str] = []
         self._last_step_at = time.time()
+        self.rank, self.world = int(os.environ.get("RANK", "0")), _world_size()
+        if self.world > 1 and self.ccfg.expert_parallel_size > 1:
+            from common.errors import ConfigError
+            raise ConfigError("the consumer service checkpoints from rank 0 only, so it supports data "
+                              "parallelism across ranks; expert_parallel_size > 1 needs per-rank "
+                              "checkpoint shards (not built yet; the trainer core supports EP)",
+                              key="consumer.expert_parallel_size")
 
     # ------------------------------------------------------------ lifecycle
 
@@ -89,9 +96,14 @@ class ConsumerService:
         from common.weights import WeightStore
         from consumer.checkpoint import CheckpointManager
 
-        ensure_topics(self.kafka)
-        self.trainer = self._build_trainer()
+        self.trainer = self._build_trainer()  # collective under torchrun: every rank
         self.ckpt = CheckpointManager(self.ccfg.checkpoint_dir, self.ccfg.keep_checkpoints)
+        if self.rank != 0:  # followers: same weights as rank 0, nothing else
+            latest = self.ckpt.latest()
+            if latest is not None:
+                self.trainer.load_state_dict(self.ckpt.load_trainer_state(latest[1]))
+            return
+        ensure_topics(self.kafka)
         self.weights = WeightStore(self.ccfg.weight_store_dir, self.ccfg.keep_versions)
         self.assembler = GroupAssembler(self.ccfg.group_size, self.ccfg.group_timeout_s)
         offsets = self._restore()
@@ -163,6 +175,8 @@ class ConsumerService:
         self._stop = True
 
     def close(self) -> None:
+        if self.world > 1 and self.rank == 0 and getattr(self, "trainer", None) is not None:
+            _broadcast(("stop", None))
         for closer in ("reader", "follower"):
             obj = getattr(self, closer, None)
             if obj is not None:
@@ -178,6 +192,8 @@ class ConsumerService:
         signal.signal(signal.SIGTERM, self.stop)
         signal.signal(signal.SIGINT, self.stop)
         self.start()
+        if self.rank != 0:
+            return self.run_follower()
         try:
             while not self._stop:
                 if self.ccfg.max_steps is not None and self.state.step >= self.ccfg.max_steps:
@@ -272,8 +288,9 @@ class ConsumerService:
                     prompt_ids=r.prompt_ids, response_ids=r.response_ids, logprobs=r.logprobs,
                     reward=r.reward, group_id=r.group_id, routed_experts=r.routed_experts,
                     sample_weight=w))
-        gb = self.trainer.build_batch(samples, self.ccfg.group_size)
-        out = self.trainer.train_step(gb)
+        if self.world > 1:
+            _broadcast(("train", samples))
+        out = self.trainer.train_step(self.trainer.build_batch(samples, self.ccfg.group_size))
         self.state.step += 1
         self.state.version += 1
         self._last_trained = []
@@ -346,11 +363,42 @@ class ConsumerService:
                  " ".join(f"{k}={int(v)}" for k, v in self.state.counters.items()))
 
 
+    def run_follower(self) -> int:
+        """Ranks > 0: train on this rank's share of what rank 0 broadcasts.
+
+        SIGTERM only sets a flag here: rank 0 stops at its next batch boundary
+        and broadcasts `stop`, so every rank leaves between steps.
+        """
+        log.info("rank %d/%d following rank 0", self.rank, self.world)
+        while True:
+            kind, samples = _broadcast(None)
+            if kind == "stop":
+                log.info("rank %d stopping with rank 0", self.rank)
+                return 0
+            self.trainer.train_step(self.trainer.build_batch(samples, self.ccfg.group_size))
+
+
+def _broadcast(obj):
+    """Rank 0 sends `obj` to every rank (gloo/nccl object broadcast); returns it."""
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def main(cfg: RlstreamConfig) -> int:
     from common.broker import ensure_broker
-    from common.build import ensure_model
+    from common.build import ensure_model, wait_for_model
 
+    if int(os.environ.get("RANK", "0")) != 0:  # followers: no Kafka, rank 0 builds the model
+        wait_for_model(cfg)
+        return ConsumerService(cfg, cfg.kafka.bootstrap_servers or "").run()
     ensure_model(cfg)
+    if _world_size() > 1 and not cfg.kafka.bootstrap_servers:
+        from common.errors import ConfigError
+        raise ConfigError("set kafka.bootstrap_servers when running several ranks (torchrun)",
+                          key="kafka.bootstrap_servers")
     bootstrap, broker = ensure_broker(cfg.kafka, cfg.broker)
     try:
         return ConsumerService(cfg, bootstrap).run()

@@ -215,3 +215,26 @@ def test_sigkill_between_steps_resumes_exactly_once(broker, tiny_model_dir, tmp_
     final = ckpts.latest()[0]
     assert final.counters["trained"] == len(published)
     assert sum(final.counters.values()) == len(published)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_ranks_under_torchrun(broker, tiny_model_dir, tmp_path):
+    """torchrun --nproc_per_node 2: rank 0 reads and broadcasts, both ranks train, exit 0."""
+    from common.publisher import RolloutPublisher
+
+    kafka = make_kafka_settings(broker.bootstrap, tmp_path / "blobs", rollouts_partitions=2)
+    cfg = consumer_config(kafka, tiny_model_dir, tmp_path, max_steps=2)
+    cfg_path = _write_config(tmp_path / "consumer.yaml", cfg)
+    pub = RolloutPublisher(kafka)
+    published = publish_groups(pub, [synthetic_group(f"mr{i}", G, 0, np.random.default_rng(i)) for i in range(2 * B)])
+    pub.close()
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "consumer",
+                           "-c", str(cfg_path)], env=env, capture_output=True, text=True, timeout=500)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "rank 1 stopping with rank 0" in proc.stderr
+    steps = _committed_steps(tmp_path / "ckpt" / "trained.jsonl")
+    assert sorted(steps) == [1, 2]
+    assert sorted(rid for ids in steps.values() for rid in ids) == sorted(published)
