@@ -1,0 +1,291 @@
+"""Rollout reader: Kafka -> validated rollouts, invalid ones -> the DLQ, explicit offsets.
+
+The trainer owns its offsets: the reader assigns partitions directly (no
+consumer group, so no join/rebalance wait), never commits to Kafka, and
+exposes `positions()` for the checkpoint and `start_offsets` / `seek()` to
+resume from one.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from common import metrics
+from common.blobstore import AbstractBlobStore, open_blob_store
+from common.config import KafkaSettings
+from common.errors import BrokerError, InvalidRecordError
+from common.kafka_conn import FETCH_OVERHEAD_BYTES, client_kwargs
+from common.record import DEFAULT_LIMITS, ClaimPointer, RecordLimits, Rollout, decode, decode_any
+
+log = logging.getLogger("rlstream.reader")
+
+_READ = metrics.counter("rlstream_read_records_total", "Valid rollout records returned by readers")
+_READ_BYTES = metrics.counter("rlstream_read_bytes_total", "Kafka value bytes of records read (valid or not)")
+_DLQ = metrics.counter("rlstream_dlq_records_total", "Invalid records sent to the DLQ (broker-acknowledged)",
+                       ["field"])
+_LAG = metrics.gauge("rlstream_reader_lag_records", "Records in assigned partitions not yet read (last lag() call)")
+
+H_REASON, H_FIELD, H_SOURCE = "rlstream-reason", "rlstream-field", "rlstream-source"
+INTERNAL_FIELD = "<internal>"
+"""DLQ field of a record whose decoding raised something other than InvalidRecordError (a bug)."""
+
+
+@dataclass(frozen=True)
+class ReadItem:
+    partition: int
+    offset: int
+    rollout: Rollout
+    claim_check: bool = False
+    """True if the record arrived as a claim-check pointer (resolved from the blob store)."""
+
+
+class RolloutReader:
+    """Reads `kafka.topics.rollouts` from explicitly assigned partitions.
+
+    Delivery guarantee: after any `poll()` call returned, every record of an
+    assigned partition p at an offset in [start, positions()[p]) -- start being
+    the offset the reader was constructed or last `seek()`ed to -- was either
+    returned by a `poll()` of this reader, or is stored in the DLQ topic
+    (broker-acknowledged, acks=all) with headers `rlstream-reason`,
+    `rlstream-field`, `rlstream-source` = "topic/partition/offset" and its
+    original key and bytes, and counted once in
+    `rlstream_dlq_records_total{field}`. `positions()` never moves past a
+    record that is neither. If the DLQ send fails, `poll()` raises BrokerError,
+    returns nothing and leaves `positions()` unchanged, so the next `poll()`
+    reads the same records again (the DLQ may then hold a record twice).
+
+    Nothing is committed to Kafka: the trainer stores `positions()` in its
+    checkpoint and resumes with `start_offsets=` that dict, so delivery to the
+    trainer is at least once and exactly-once training comes from the
+    checkpoint plus dedup by `rollout_id`.
+
+    Validation: a record is valid iff `common.record` decodes and validates it,
+    a claim-check pointer resolves to a blob that passes its size and sha256
+    check and holds the rollout the pointer names, and the Kafka key equals
+    the record's group_id (the partitioning invariant). Single-threaded.
+    """
+
+    def __init__(self, kafka: KafkaSettings, partitions: list[int] | None = None,
+                 start_offsets: dict[int, int] | None = None, blobs: AbstractBlobStore | None = None,
+                 limits: RecordLimits = DEFAULT_LIMITS, *, topic: str | None = None,
+                 fetch_max_wait_ms: int = 100):
+        from kafka import KafkaConsumer
+
+        self.kafka = kafka
+        self.topic = topic or kafka.topics.rollouts
+        self.limits = limits
+        self._blobs = blobs
+        self._dlq_producer = None
+        self.dlq_total = 0
+        """Records this reader stored in the DLQ (broker-acknowledged)."""
+        self._dlq_since_take = 0
+        per_partition = kafka.max_message_bytes + FETCH_OVERHEAD_BYTES
+        fetch_max = max(52_428_800, per_partition)
+        try:
+            self._consumer = KafkaConsumer(
+                **client_kwargs(kafka), group_id=None, enable_auto_commit=False, auto_offset_reset="earliest",
+                fetch_max_bytes=fetch_max, max_partition_fetch_bytes=per_partition,
+                receive_message_max_bytes=fetch_max + FETCH_OVERHEAD_BYTES, fetch_max_wait_ms=fetch_max_wait_ms,
+                check_crcs=True,
+            )
+        except Exception as e:
+            raise BrokerError(f"cannot connect a reader to {kafka.bootstrap_servers} ({type(e).__name__}: {e})") from e
+        from kafka import TopicPartition
+
+        self._TP = TopicPartition
+        known = self._partitions_for_topic()
+        parts = sorted(known) if partitions is None else sorted(set(partitions))
+        missing = set(parts) - known
+        if missing:
+            raise BrokerError(f"topic {self.topic} has no partition(s) {sorted(missing)} (it has {sorted(known)})")
+        self._tps = {p: TopicPartition(self.topic, p) for p in parts}
+        self._consumer.assign(list(self._tps.values()))
+        start_offsets = dict(start_offsets or {})
+        extra = set(start_offsets) - set(parts)
+        if extra:
+            raise ValueError(f"start_offsets names unassigned partition(s) {sorted(extra)}")
+        self._positions: dict[int, int] = {}
+        for p, tp in self._tps.items():
+            if p in start_offsets:
+                self._consumer.seek(tp, int(start_offsets[p]))
+            else:
+                self._consumer.seek_to_beginning(tp)
+            self._positions[p] = int(self._consumer.position(tp))
+
+    def _partitions_for_topic(self) -> set[int]:
+        deadline = time.monotonic() + self.kafka.request_timeout_ms / 1000
+        while True:
+            parts = self._consumer.partitions_for_topic(self.topic)
+            if parts:
+                return set(parts)
+            if time.monotonic() > deadline:
+                self._consumer.close()
+                raise BrokerError(f"topic {self.topic} does not exist on {self.kafka.bootstrap_servers}; "
+                                  "create it with common.kafka_conn.ensure_topics (rlstream broker does)")
+            time.sleep(0.1)
+
+    # ------------------------------------------------------------------ read
+    def poll(self, max_records: int = 64, timeout_s: float = 1.0) -> list[ReadItem]:
+        """Up to `max_records` valid rollouts (waiting up to `timeout_s` for the first).
+
+        Invalid records are sent to the DLQ and confirmed before this returns.
+        """
+        raw = self._consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
+        items: list[ReadItem] = []
+        dead: list[tuple[object, str]] = []
+        advance: dict[int, int] = {}
+        nbytes = 0
+        try:
+            for tp, msgs in raw.items():
+                for m in msgs:
+                    nbytes += len(m.value or b"")
+                    try:
+                        rollout, claim = self._decode(m)
+                        items.append(ReadItem(tp.partition, m.offset, rollout, claim))
+                    except InvalidRecordError as e:
+                        dead.append((self._send_dlq(m, e.field, e.reason), e.field))
+                    except Exception as e:  # a decoder bug must not stop training; it is loud in the DLQ
+                        log.exception("unexpected %s decoding %s/%d/%d", type(e).__name__, m.topic, m.partition,
+                                      m.offset)
+                        dead.append((self._send_dlq(m, INTERNAL_FIELD, f"{type(e).__name__}: {e}"), INTERNAL_FIELD))
+                    advance[tp.partition] = m.offset + 1
+            if dead:
+                self._confirm_dlq(dead)
+        except BaseException as e:
+            for p in advance:  # re-read this batch on the next poll; positions() stays where it was
+                self._consumer.seek(self._tps[p], self._positions[p])
+            if isinstance(e, Exception) and not isinstance(e, BrokerError):
+                raise BrokerError(f"could not store invalid record(s) in {self.kafka.topics.dlq} "
+                                  f"({type(e).__name__}: {e}); positions unchanged, the next poll retries") from e
+            raise
+        self._positions.update(advance)
+        for _, field in dead:
+            _DLQ.labels(field).inc()
+        self._dlq_since_take += len(dead)
+        self.dlq_total += len(dead)
+        _READ.inc(len(items))
+        _READ_BYTES.inc(nbytes)
+        return items
+
+    def _decode(self, m) -> tuple[Rollout, bool]:
+        if m.value is None:
+            raise InvalidRecordError("<bytes>", "empty message (null value)")
+        out = decode_any(m.value, self.limits)
+        claim = isinstance(out, ClaimPointer)
+        if claim:
+            if self._blobs is None:
+                self._blobs = open_blob_store(self.kafka.blob_dir)
+            r = decode(self._blobs.get(out.uri, out.sha256, out.nbytes), self.limits)
+            if (r.rollout_id, r.group_id) != (out.rollout_id, out.group_id):
+                raise InvalidRecordError("claim_check", f"blob holds rollout {r.rollout_id!r}/{r.group_id!r}, "
+                                         f"pointer names {out.rollout_id!r}/{out.group_id!r}")
+        else:
+            r = out
+        if m.key != r.group_id.encode():
+            raise InvalidRecordError("key", f"Kafka key {m.key[:80] if m.key else m.key!r} != group_id "
+                                     f"{r.group_id!r} (a group must stay in one partition)")
+        return r, claim
+
+    # ------------------------------------------------------------------- DLQ
+    def _send_dlq(self, m, field: str, reason: str):
+        if self._dlq_producer is None:
+            self._dlq_producer = self._new_dlq_producer()
+        headers = list(m.headers or []) + [
+            (H_REASON, reason.encode("utf-8", "replace")[:4000]),
+            (H_FIELD, field.encode("utf-8", "replace")),
+            (H_SOURCE, f"{m.topic}/{m.partition}/{m.offset}".encode()),
+        ]
+        log.warning("invalid record %s/%d/%d -> %s: field %s: %s", m.topic, m.partition, m.offset,
+                    self.kafka.topics.dlq, field, reason[:200])
+        return self._dlq_producer.send(self.kafka.topics.dlq, key=m.key, value=m.value or b"", headers=headers)
+
+    def _confirm_dlq(self, dead) -> None:
+        timeout = 2 * self.kafka.request_timeout_ms / 1000 + 5
+        try:
+            for fut, _ in dead:
+                fut.get(timeout=timeout)
+        except Exception as e:
+            if self._dlq_producer is not None:
+                try:
+                    self._dlq_producer.close(timeout=0)
+                except Exception:
+                    pass
+                self._dlq_producer = None
+            raise BrokerError(f"could not store invalid record(s) in {self.kafka.topics.dlq} ({type(e).__name__}: "
+                              f"{e}); positions unchanged, the next poll retries") from e
+
+    def _new_dlq_producer(self):
+        from kafka import KafkaProducer
+
+        rt = self.kafka.request_timeout_ms
+        return KafkaProducer(**client_kwargs(self.kafka), acks="all", enable_idempotence=False, retries=5,
+                             max_request_size=self.kafka.max_message_bytes + FETCH_OVERHEAD_BYTES,
+                             linger_ms=0, delivery_timeout_ms=2 * rt, max_block_ms=rt)
+
+    def take_dlq_count(self) -> int:
+        """Records sent to the DLQ since the previous call (for per-step counters)."""
+        n, self._dlq_since_take = self._dlq_since_take, 0
+        return n
+
+    # --------------------------------------------------------------- offsets
+    @property
+    def partitions(self) -> list[int]:
+        return list(self._tps)
+
+    def positions(self) -> dict[int, int]:
+        """Next offset to consume per assigned partition (store it in the checkpoint)."""
+        return dict(self._positions)
+
+    def seek(self, offsets: dict[int, int]) -> None:
+        """Continue each given partition at the given offset (e.g. from a checkpoint)."""
+        unknown = set(offsets) - set(self._tps)
+        if unknown:
+            raise ValueError(f"seek names unassigned partition(s) {sorted(unknown)}")
+        for p, off in offsets.items():
+            if off < 0:
+                raise ValueError(f"offset {off} for partition {p} must be >= 0")
+            self._consumer.seek(self._tps[p], int(off))
+            self._positions[p] = int(off)
+
+    def end_offsets(self) -> dict[int, int]:
+        """High watermark per partition: the fetch-reported one when known, else ListOffsets.
+
+        tansu 0.6 answers ListOffsets(latest) with last-batch-base + 1, which
+        undercounts when the last batch holds several records; fetch responses
+        carry the right high watermark, so it is preferred.
+        """
+        out: dict[int, int] = {}
+        unknown = []
+        for p, tp in self._tps.items():
+            hw = self._consumer.highwater(tp)
+            if hw is None:
+                unknown.append(tp)
+            else:
+                out[p] = int(hw)
+        if unknown:
+            for tp, off in self._consumer.end_offsets(unknown, timeout_ms=self.kafka.request_timeout_ms).items():
+                out[tp.partition] = int(off)
+        return out
+
+    def lag(self) -> int:
+        """Records in the assigned partitions at or after positions() (see end_offsets)."""
+        ends = self.end_offsets()
+        total = sum(max(0, ends[p] - pos) for p, pos in self._positions.items())
+        _LAG.set(total)
+        return total
+
+    def close(self) -> None:
+        if self._dlq_producer is not None:
+            try:
+                self._dlq_producer.close(timeout=5)
+            except Exception as e:
+                log.warning("DLQ producer did not close cleanly: %s", e)
+            self._dlq_producer = None
+        self._consumer.close()
+
+    def __enter__(self) -> "RolloutReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
