@@ -79,7 +79,7 @@ class RolloutReader:
         self._dlq_producer = None
         self.dlq_total = 0
         """Records this reader stored in the DLQ (broker-acknowledged)."""
-        self._dlq_since_take = 0
+        self._dead_since_take: list[tuple[int, int]] = []
         per_partition = kafka.max_message_bytes + FETCH_OVERHEAD_BYTES
         fetch_max = max(52_428_800, per_partition)
         try:
@@ -133,7 +133,7 @@ class RolloutReader:
         """
         raw = self._consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
         items: list[ReadItem] = []
-        dead: list[tuple[object, str]] = []
+        dead: list[tuple[object, str, int, int]] = []  # (future, field, partition, offset)
         advance: dict[int, int] = {}
         nbytes = 0
         try:
@@ -144,11 +144,12 @@ class RolloutReader:
                         rollout, claim = self._decode(m)
                         items.append(ReadItem(tp.partition, m.offset, rollout, claim))
                     except InvalidRecordError as e:
-                        dead.append((self._send_dlq(m, e.field, e.reason), e.field))
+                        dead.append((self._send_dlq(m, e.field, e.reason), e.field, tp.partition, m.offset))
                     except Exception as e:  # a decoder bug must not stop training; it is loud in the DLQ
                         log.exception("unexpected %s decoding %s/%d/%d", type(e).__name__, m.topic, m.partition,
                                       m.offset)
-                        dead.append((self._send_dlq(m, INTERNAL_FIELD, f"{type(e).__name__}: {e}"), INTERNAL_FIELD))
+                        dead.append((self._send_dlq(m, INTERNAL_FIELD, f"{type(e).__name__}: {e}"), INTERNAL_FIELD,
+                                     tp.partition, m.offset))
                     advance[tp.partition] = m.offset + 1
             if dead:
                 self._confirm_dlq(dead)
@@ -160,9 +161,9 @@ class RolloutReader:
                                   f"({type(e).__name__}: {e}); positions unchanged, the next poll retries") from e
             raise
         self._positions.update(advance)
-        for _, field in dead:
+        for _, field, partition, offset in dead:
             _DLQ.labels(field).inc()
-        self._dlq_since_take += len(dead)
+            self._dead_since_take.append((partition, offset))
         self.dlq_total += len(dead)
         _READ.inc(len(items))
         _READ_BYTES.inc(nbytes)
@@ -203,7 +204,7 @@ class RolloutReader:
     def _confirm_dlq(self, dead) -> None:
         timeout = 2 * self.kafka.request_timeout_ms / 1000 + 5
         try:
-            for fut, _ in dead:
+            for fut, *_ in dead:
                 fut.get(timeout=timeout)
         except Exception as e:
             if self._dlq_producer is not None:
@@ -223,10 +224,14 @@ class RolloutReader:
                              max_request_size=self.kafka.max_message_bytes + FETCH_OVERHEAD_BYTES,
                              linger_ms=0, delivery_timeout_ms=2 * rt, max_block_ms=rt)
 
-    def take_dlq_count(self) -> int:
-        """Records sent to the DLQ since the previous call (for per-step counters)."""
-        n, self._dlq_since_take = self._dlq_since_take, 0
-        return n
+    def take_dead(self) -> list[tuple[int, int]]:
+        """(partition, offset) of records sent to the DLQ since the previous call.
+
+        The consumer counts each once, by position, even when it re-reads them
+        after a restart.
+        """
+        out, self._dead_since_take = self._dead_since_take, []
+        return out
 
     # --------------------------------------------------------------- offsets
     @property

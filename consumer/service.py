@@ -247,7 +247,7 @@ class ConsumerService:
         _RECORDS.labels(outcome=outcome).inc(n)
 
     def _consume(self, items) -> None:
-        dead = self.reader.take_dead() if hasattr(self.reader, "take_dead") else []  # TODO(lead): switch after reader lands
+        dead = self.reader.take_dead()  # dead letters: counted once, even when re-read
         seen = {(p, o) for p, o, _ in self.state.processed} if dead else set()
         for p, o in dead:
             if (p, o) not in seen:
