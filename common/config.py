@@ -135,6 +135,12 @@ class EngineSettings(_Section):
     max_num_seqs: int = Field(64, ge=1)
     seed: int = 0
     enforce_eager: bool = True
+    quantization: Literal["none", "fp8"] = "none"
+    """vLLM online quantization of the served weights (fp8: the paper's FP8-inference stress test; GPU)."""
+    gpu_memory_utilization: float = Field(0.85, gt=0.0, le=1.0)
+    """GPU only: share of device memory vLLM may use (kv_cache_memory_bytes wins when set)."""
+    max_num_batched_tokens: int | None = Field(None, ge=16)
+    """Tokens per engine step (None: vLLM's default)."""
 
 
 class ProducerSettings(_Section):
@@ -186,6 +192,11 @@ class ConsumerSettings(_Section):
     """Stop after this many global steps (None: run until stopped)."""
     tensor_parallel_size: int = Field(1, ge=1)
     expert_parallel_size: int = Field(1, ge=1)
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Training precision of parameters and compute (bf16 keeps no fp32 master copy)."""
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    advantage: Literal["auto", "mean", "mean_std"] = "auto"
+    """auto: mean-centred for MiniRL/CISPO, mean/std for GRPO (PAPER.md)."""
     http: HttpSettings = HttpSettings()
     num_threads: int = Field(1, ge=1)
 

@@ -80,7 +80,8 @@ def topic_specs(kafka: KafkaSettings) -> dict[str, tuple[int, dict[str, str]]]:
         t.rollouts: (t.rollouts_partitions, dict(big)),
         t.policy: (1, dict(big)),
         t.control: (1, {"cleanup.policy": "compact"}),
-        t.dlq: (1, dict(big)),
+        # a dead letter keeps its original bytes plus headers: leave room above the limit
+        t.dlq: (1, {"max.message.bytes": str(kafka.max_message_bytes + (1 << 20))}),
         t.stale: (1, dict(big)),
     }
 

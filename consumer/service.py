@@ -124,7 +124,8 @@ class ConsumerService:
             loss=self.ccfg.loss, replay=self.ccfg.replay, lr=self.ccfg.lr,
             weight_decay=self.ccfg.weight_decay, grad_clip=self.ccfg.grad_clip,
             eps_low=self.ccfg.eps_low, eps_high=self.ccfg.eps_high, is_cap=self.ccfg.is_cap,
-            num_minibatches=self.ccfg.num_minibatches, tp=self.ccfg.tensor_parallel_size,
+            num_minibatches=self.ccfg.num_minibatches, dtype=self.ccfg.dtype,
+            optimizer=self.ccfg.optimizer, advantage=self.ccfg.advantage, tp=self.ccfg.tensor_parallel_size,
             ep=self.ccfg.expert_parallel_size, dp=max(1, _world_size() // self.ccfg.tensor_parallel_size),
         )
         return Trainer.from_hf(self.cfg.model.path, tcfg)

@@ -114,7 +114,9 @@ class ProducerService:
         return RolloutEngine(EngineConfig(
             model_dir=self.cfg.model.path, dtype=e.dtype, max_model_len=e.max_model_len,
             kv_cache_memory_bytes=e.kv_cache_memory_bytes, tensor_parallel_size=e.tensor_parallel_size,
-            seed=e.seed, max_num_seqs=e.max_num_seqs, enforce_eager=e.enforce_eager), version=0)
+            seed=e.seed, max_num_seqs=e.max_num_seqs, enforce_eager=e.enforce_eager,
+            gpu_memory_utilization=e.gpu_memory_utilization, max_num_batched_tokens=e.max_num_batched_tokens,
+            extra_engine_args={} if e.quantization == "none" else {"quantization": e.quantization}), version=0)
 
     def _make_offsets_client(self):
         from kafka import KafkaConsumer, TopicPartition

@@ -56,7 +56,7 @@ def test_hung_broker_blocks_publishers_and_everything_arrives_after(fresh_broker
     kafka = make_kafka_settings(fresh_broker.bootstrap, tmp_path, request_timeout_ms=1000,
                                 publish_buffer_records=8, retry_backoff_ms=100)
     rs = rollouts(45, seed0=1000)
-    rebuilds0 = metrics.value("rlstream_producer_rebuilds_total")
+    rebuilds0 = metrics.value("rlstream_publisher_rebuilds_total")
     pub = RolloutPublisher(kafka)
     try:
         futs = [pub.publish(r) for r in rs[:5]]
@@ -78,7 +78,7 @@ def test_hung_broker_blocks_publishers_and_everything_arrives_after(fresh_broker
         assert pub.try_publish(rs[-1]) is None
         with pytest.raises(PublishError, match="buffer full"):
             pub.publish(rs[-1], timeout=0.2)
-        assert metrics.value("rlstream_producer_rebuilds_total") > rebuilds0
+        assert metrics.value("rlstream_publisher_rebuilds_total") > rebuilds0
         fresh_broker.resume()
         worker.join(60)
         assert not worker.is_alive()
