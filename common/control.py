@@ -182,3 +182,33 @@ class ControlFollower:
 
     def close(self) -> None:
         self._consumer.close()
+
+
+class ControlPlaneWriter:
+    """Writes to the control and policy topics (admin changes, announcements).
+
+    Not idempotent on purpose: control values and announcements are absolute
+    (re-sending one is harmless), and kafka-python's idempotent producer stays
+    wedged after its batches expire in a broker outage.
+    """
+
+    def __init__(self, kafka: KafkaSettings):
+        from kafka import KafkaProducer
+
+        from common.kafka_conn import client_kwargs
+
+        self.kafka = kafka
+        self._p = KafkaProducer(**client_kwargs(kafka), acks="all", enable_idempotence=False, retries=5)
+
+    def set_control(self, key: str, value: Any, by: str) -> Any:
+        """Validate, write and wait for the broker's acknowledgement; return the typed value."""
+        k, v = encode_control(key, value, by=by)
+        self._p.send(self.kafka.topics.control, key=k, value=v).get(timeout=30)
+        return json.loads(v)["value"]
+
+    def announce(self, ann: PolicyAnnouncement) -> None:
+        self._p.send(self.kafka.topics.policy, key=POLICY_KEY, value=ann.model_dump_json().encode()).get(timeout=30)
+
+    def close(self) -> None:
+        self._p.close(timeout=10)
+

@@ -26,7 +26,6 @@ def main() -> int:
             bad += 1
             print(f"doctor: cannot import {mod}: {e}\n  fix: {fix}", file=sys.stderr)
     try:
-        import os
         from common.broker import tansu_binary
         tansu_binary()
     except Exception as e:

@@ -132,3 +132,18 @@ class _Handler(BaseHTTPRequestHandler):
             self._json(401, {"error": "missing or wrong bearer token"})
             return False
         return True
+
+
+def start_service_http(settings, health, control_view, writer, by: str) -> ServiceHttp:
+    """The HTTP endpoint of a service (`settings`: config.HttpSettings).
+
+    The admin token comes from env RLSTREAM_ADMIN_TOKEN, else the config; the
+    admin API writes through `writer` (a control.ControlPlaneWriter).
+    """
+    import os
+
+    token = os.environ.get("RLSTREAM_ADMIN_TOKEN") or settings.admin_token
+    return ServiceHttp(settings.host, settings.port, health, token,
+                       get_control=lambda: control_view().model_dump(),
+                       set_control=lambda key, value: writer.set_control(key, value, by=by)).start()
+

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from common.errors import WeightStoreError
+from common.fsutil import commit_dir, staging_dir
 
 WEIGHTS_FILE = "model.safetensors"
 MANIFEST = "manifest.json"
@@ -36,14 +37,6 @@ def sha256_file(path: str | os.PathLike, chunk: int = 4 << 20) -> str:
         while b := f.read(chunk):
             h.update(b)
     return h.hexdigest()
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def version_dirname(version: int) -> str:
@@ -76,9 +69,7 @@ class WeightStore:
         from safetensors.torch import save_file
 
         final = self.path(version)
-        tmp = self.root / f".{final.name}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        tmp = staging_dir(final)
         save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()},
                   str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         for name in SIDE_FILES:
@@ -91,13 +82,7 @@ class WeightStore:
             "bytes": (tmp / WEIGHTS_FILE).stat().st_size, "created_at": time.time(),
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest))
-        for f in tmp.iterdir():
-            _fsync_path(f)
-        _fsync_path(tmp)
-        if final.exists():  # a retried publish of the same version replaces it whole
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _fsync_path(self.root)
+        commit_dir(tmp, final)
         self.prune()
         return manifest
 

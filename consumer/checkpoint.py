@@ -23,6 +23,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from common.fsutil import commit_dir, staging_dir
+
 STATE = "state.json"
 TRAINER = "trainer.pt"
 
@@ -44,14 +46,6 @@ class CheckpointState:
         return cls(**d)
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class CheckpointManager:
     def __init__(self, root: str | os.PathLike, keep: int = 2):
         self.root = Path(root)
@@ -65,18 +59,10 @@ class CheckpointManager:
         import torch
 
         final = self.root / f"step-{state.step:08d}"
-        tmp = self.root / f".{final.name}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        tmp = staging_dir(final)
         torch.save(trainer_state, tmp / TRAINER)
         (tmp / STATE).write_text(json.dumps(asdict(state)))
-        for f in tmp.iterdir():
-            _fsync(f)
-        _fsync(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _fsync(self.root)
+        commit_dir(tmp, final)
         for old in self._complete()[:-self.keep]:
             shutil.rmtree(old, ignore_errors=True)
         for stray in self.root.glob(".step-*.tmp-*"):  # left by a crash mid-write

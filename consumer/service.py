@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from common import metrics
 from common.config import RlstreamConfig
-from common.control import ControlState, PolicyAnnouncement
+from common.control import ControlPlaneWriter, ControlState, PolicyAnnouncement
 from consumer.assembler import GroupAssembler, Group
 from consumer.staleness import gate_group
 
@@ -111,7 +111,7 @@ class ConsumerService:
         self.follower = ControlFollower(self.kafka, self.control)
         self.follower.poll(timeout_s=1.0)
         self.control = self.follower.view.state
-        self._policy_producer = self._make_policy_producer()
+        self._writer = ControlPlaneWriter(self.kafka)
         self._announce_if_needed()
         self._start_http()
 
@@ -144,28 +144,11 @@ class ConsumerService:
         log.info("resumed from %s: step %d, version %d, offsets %s", path.name, st.step, st.version, st.offsets)
         return st.offsets
 
-    def _make_policy_producer(self):
-        from kafka import KafkaProducer
-
-        from common.kafka_conn import client_kwargs
-
-        return KafkaProducer(**client_kwargs(self.kafka), acks="all", retries=10)
-
     def _start_http(self) -> None:
-        from common.control import encode_control
-        from common.http import ServiceHttp
+        from common.http import start_service_http
 
-        h = self.ccfg.http
-        token = os.environ.get("RLSTREAM_ADMIN_TOKEN") or h.admin_token
-
-        def set_control(key, value):
-            k, v = encode_control(key, value, by=f"admin@{socket.gethostname()}")
-            self._policy_producer.send(self.kafka.topics.control, key=k, value=v).get(timeout=10)
-            return __import__("json").loads(v)["value"]
-
-        self.http = ServiceHttp(h.host, h.port, self._health, token,
-                                get_control=lambda: self.control.model_dump(),
-                                set_control=set_control).start()
+        self.http = start_service_http(self.ccfg.http, self._health, lambda: self.control,
+                                       self._writer, by=f"admin@consumer-{socket.gethostname()}")
         log.info("consumer http on %s", self.http.url)
 
     def _health(self) -> tuple[bool, dict]:
@@ -182,8 +165,8 @@ class ConsumerService:
             obj = getattr(self, closer, None)
             if obj is not None:
                 obj.close()
-        if getattr(self, "_policy_producer", None) is not None:
-            self._policy_producer.close(timeout=10)
+        if getattr(self, "_writer", None) is not None:
+            self._writer.close()
         if getattr(self, "http", None) is not None:
             self.http.stop()
 
@@ -339,8 +322,7 @@ class ConsumerService:
         m = self.weights.write(v, self.trainer.export_hf_state_dict(), self.cfg.model.path)
         ann = PolicyAnnouncement(version=v, uri=m["uri"], sha256=m["sha256"], bytes=m["bytes"],
                                  trainer_version=v, consumed_offsets=self._safe_offsets())
-        self._policy_producer.send(self.kafka.topics.policy, key=b"policy",
-                                   value=ann.model_dump_json().encode()).get(timeout=30)
+        self._writer.announce(ann)
         _VERSION.set(v)
 
     def _announce_if_needed(self) -> None:

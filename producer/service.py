@@ -129,24 +129,12 @@ class ProducerService:
         return c
 
     def _start_http(self) -> None:
-        from common.control import encode_control
-        from common.http import ServiceHttp
-        from kafka import KafkaProducer
+        from common.control import ControlPlaneWriter
+        from common.http import start_service_http
 
-        from common.kafka_conn import client_kwargs
-
-        h = self.pcfg.http
-        token = os.environ.get("RLSTREAM_ADMIN_TOKEN") or h.admin_token
-        self._control_writer = KafkaProducer(**client_kwargs(self.kafka), acks="all") if token else None
-
-        def set_control(key, value):
-            k, v = encode_control(key, value, by=f"admin@{self.producer_id}")
-            self._control_writer.send(self.kafka.topics.control, key=k, value=v).get(timeout=10)
-            return __import__("json").loads(v)["value"]
-
-        self.http = ServiceHttp(h.host, h.port, self._health, token,
-                                get_control=lambda: self.control.model_dump(),
-                                set_control=set_control if token else None).start()
+        self._writer = ControlPlaneWriter(self.kafka)
+        self.http = start_service_http(self.pcfg.http, self._health, lambda: self.control,
+                                       self._writer, by=f"admin@{self.producer_id}")
 
     def _health(self) -> tuple[bool, dict]:
         return True, {"version": self.engine.version, "in_flight": self.engine.num_in_flight,
@@ -339,7 +327,7 @@ class ProducerService:
                     obj.close()
                 except Exception:  # noqa: BLE001 - close everything we can
                     log.exception("closing %s failed", name)
-        for name in ("_offsets_client", "_control_writer"):
+        for name in ("_offsets_client", "_writer"):
             obj = getattr(self, name, None)
             if obj is not None:
                 obj.close()
