@@ -77,3 +77,11 @@ def test_reweight_mode_follows_decay_formula():
     assert d.keep and d.staleness == 3
     assert d.weights == (0.5 ** 1, 0.5 ** 3)
     assert not gate_group(group, 5, ControlState(max_staleness=3, mode="reweight", decay=0.5)).keep
+
+
+def test_dedup_window_is_bounded():
+    a = GroupAssembler(group_size=1, timeout_s=5, dedup_window=3)
+    for i in range(5):
+        assert a.add(roll(group=f"g{i}", G=1, rid=f"r{i}"), 0, i).outcome == "completed"
+    assert a.add(roll(group="g4", G=1, rid="r4"), 0, 9).outcome == "duplicate"
+    assert a.add(roll(group="g0", G=1, rid="r0"), 0, 9).outcome == "completed"  # evicted

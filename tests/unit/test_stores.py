@@ -40,12 +40,12 @@ def test_checkpoint_roundtrip_and_incomplete_ignored(tmp_path):
     cm = CheckpointManager(tmp_path, keep=2)
     assert cm.latest() is None
     for step in (1, 2, 3):
-        cm.save(CheckpointState(step, step, {0: 10 * step, 1: 5}, ["a", "b"], {"trained": 8.0 * step}),
+        cm.save(CheckpointState(step, step, {0: 10 * step, 1: 5}, [[0, 31, "a"], [1, 5, "b"]], {"trained": 8.0 * step}),
                 {"model": {"w": torch.ones(2) * step}})
     # a crash mid-write leaves a temp dir and a dir without state.json: both ignored
     (tmp_path / ".step-00000009.tmp-1").mkdir()
     (tmp_path / "step-00000010").mkdir()
     state, path = cm.latest()
-    assert state.step == 3 and state.offsets == {0: 30, 1: 5} and state.processed_ids == ["a", "b"]
+    assert state.step == 3 and state.offsets == {0: 30, 1: 5} and state.processed == [[0, 31, "a"], [1, 5, "b"]]
     assert torch.equal(CheckpointManager.load_trainer_state(path)["model"]["w"], torch.ones(2) * 3)
     assert sorted(p.name for p in tmp_path.glob("step-*") if (p / "state.json").exists()) == ["step-00000002", "step-00000003"]
