@@ -62,7 +62,7 @@ class LoopState:
     version: int = 0
     step: int = 0
     counters: dict[str, float] = field(default_factory=lambda: {k: 0.0 for k in OUTCOMES})
-    ready: list[ReadyGroup] = field(default_factory=list)
+    ready: list[Group] = field(default_factory=list)  # complete, not yet gated
     # (partition, offset, rollout_id) of records processed since they became
     # eligible for a re-read; pruned to those at/above the checkpoint offsets.
     processed: list[tuple[int, int, str]] = field(default_factory=list)
@@ -210,10 +210,21 @@ class ConsumerService:
         self.control = self.follower.view.state
 
     def next_batch(self, poll_s: float = 0.2) -> list[ReadyGroup] | None:
-        """Read until B groups passed the gate; None if interrupted or paused."""
-        B = self.ccfg.groups_per_batch
-        while len(self.state.ready) < B:
+        """B groups that passed the gate now; None if interrupted.
+
+        Complete groups wait ungated in `state.ready`; each is gated when it is
+        taken into a batch, against the version this step trains at and the
+        control state of this batch boundary (DESIGN.md: staleness is measured
+        at the optimizer step). The reader is polled only while fewer than B
+        groups are waiting, so read-ahead stays within one poll.
+        """
+        B, batch = self.ccfg.groups_per_batch, []
+        while len(batch) < B:
+            if self.state.ready:
+                self._gate(self.state.ready.pop(0), batch)
+                continue
             if self._stop:
+                self.state.ready[:0] = [rg.group for rg in batch]  # untrained: back in line
                 return None
             if self.control.paused:
                 time.sleep(poll_s)
@@ -223,7 +234,6 @@ class ConsumerService:
             self._expire()
             _LAG.set(self.reader.lag())
             _OPEN.set(self.assembler.num_open)
-        batch, self.state.ready = self.state.ready[:B], self.state.ready[B:]
         return batch
 
     def _count(self, outcome: str, n: int = 1) -> None:
@@ -243,13 +253,13 @@ class ConsumerService:
                 self._count(res.outcome)
                 self.state.processed.append((it.partition, it.offset, it.rollout.rollout_id))
             elif res.outcome == "completed":
-                self._gate(res.group)
+                self.state.ready.append(res.group)
 
-    def _gate(self, g: Group) -> None:
+    def _gate(self, g: Group, batch: list[ReadyGroup]) -> None:
         d = gate_group(g.rollouts(), self.state.version, self.control)
         _STALENESS.observe(d.staleness)
         if d.keep:
-            self.state.ready.append(ReadyGroup(g, d.staleness, d.weights))
+            batch.append(ReadyGroup(g, d.staleness, d.weights))
         else:
             self._finish_group(g, "dropped_stale")
 
@@ -286,8 +296,8 @@ class ConsumerService:
     def _safe_offsets(self) -> dict[int, int]:
         safe = dict(self.reader.positions())
         pending = self.assembler.pending_min_offsets()
-        for rg in self.state.ready:
-            for p, o in rg.group.offsets():
+        for g in self.state.ready:
+            for p, o in g.offsets():
                 pending[p] = min(pending.get(p, o), o)
         for p, o in pending.items():
             safe[p] = min(safe.get(p, o), o)

@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from common.config import RlstreamConfig
-from common.control import encode_control
+from common.control import ControlPlaneWriter, encode_control
 from fixtures_kafka import make_kafka_settings
 from synthetic import publish_groups, synthetic_group
 
@@ -144,6 +144,35 @@ def test_announced_version_opens_in_transformers_with_same_logprobs(service):
         if isinstance(ours, tuple):
             ours = ours[0]
     assert torch.allclose(ours[:, : ref.shape[1]].float(), ref, atol=1e-4), (ours - ref).abs().max()
+
+
+@pytest.mark.timeout(300)
+def test_read_ahead_groups_are_gated_at_the_optimizer_step(service):
+    """Groups read ahead of their batch are judged at the version they train at."""
+    svc, pub, kafka = service
+    writer = ControlPlaneWriter(kafka)
+    writer.set_control("mode", "drop", by="test")
+    writer.set_control("max_staleness", 0, by="test")
+    writer.close()
+    deadline = time.time() + 10
+    while svc.control.max_staleness != 0 or svc.control.mode != "drop":
+        svc.apply_control()
+        assert time.time() < deadline, "control change not applied"
+    V = svc.state.version
+    publish_groups(pub, [synthetic_group(f"ahead{i}", G, V, np.random.default_rng(10 + i)) for i in range(2 * B)])
+    dropped = svc.state.counters["dropped_stale"]
+    batch = svc.next_batch()
+    assert [rg.staleness for rg in batch] == [0] * B
+    assert len(svc.state.ready) == B  # read ahead, not yet gated
+    svc.train_step(batch)  # the trainer moves to V + 1: the waiting groups are now 1 version stale
+    svc.checkpoint()
+    publish_groups(pub, [synthetic_group(f"next{i}", G, V + 1, np.random.default_rng(20 + i)) for i in range(B)])
+    batch = svc.next_batch()
+    assert sorted(rg.group.group_id for rg in batch) == [f"next{i}" for i in range(B)]
+    assert svc.state.counters["dropped_stale"] - dropped == B * G
+    svc.train_step(batch)
+    svc.checkpoint()
+    svc.publish_weights()
 
 
 # --------------------------------------------------------- crash and resume

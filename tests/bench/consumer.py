@@ -1,0 +1,344 @@
+"""Consumer benchmark (issue #5): does the trainer wait for data, and what do checkpoints and weight
+publishing cost? Prints one JSON object.
+
+    .venv/bin/python tests/bench/consumer.py [--steps 18] [--threads 1]
+
+Starts its own broker (tansu, free port), a real in-process `ConsumerService`
+on the tiny model (Megatron-core, CPU) and a synthetic producer in a separate
+process that keeps the rollouts topic full: it publishes `synthetic_group`
+records (stamped with the trainer's current version) whenever fewer than
+`--ahead-batches` global batches are waiting past the consumer's read
+position, as the real producer's admission control would.
+
+The consumer runs the service's loop by hand, timing each phase of every
+global step:  apply_control -> next_batch -> train_step -> checkpoint -> publish_weights
+
+  consumer_wait_share  next_batch seconds / step seconds (all phases), median
+                       over `--repeats` blocks of steps; target <= 0.05. All of
+                       next_batch counts as waiting, including decoding,
+                       group assembly, gating and the per-poll lag query
+                       (broken down in `next_batch_breakdown`), so the figure
+                       is an upper bound on time spent starved of data.
+  checkpoint_seconds   ConsumerService.checkpoint (model + optimizer + offsets, fsynced)
+  publish_seconds      ConsumerService.publish_weights (export, WeightStore.write,
+                       announcement), with `model_bytes`.
+  publish_breakdown    export / WeightStore.write / announcement, timed apart.
+  large.*              WeightStore.write + announcement of a ~215 MB Qwen3-MoE
+                       state dict (TinyModelSpec: hidden 512, 4 layers, 32 experts,
+                       built with build_tiny_model) and a checkpoint of it with
+                       AdamW-sized optimizer state (3x the weights) through
+                       consumer.checkpoint.CheckpointManager.
+
+stdout carries only the JSON; logs go to stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+log = logging.getLogger("bench.consumer")
+
+LARGE_SPEC = dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=4,
+                  num_attention_heads=8, num_key_value_heads=4, head_dim=64, num_experts=32,
+                  num_experts_per_tok=4)
+PHASES = ("control", "wait", "train", "checkpoint", "publish")
+
+
+def _setup(threads: int) -> None:
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+def _med(xs) -> float:
+    return float(statistics.median(xs))
+
+
+# ---------------------------------------------------------------------------
+# the synthetic producer (its own process: no GIL or core shared with the trainer loop)
+# ---------------------------------------------------------------------------
+def synthetic_producer(kafka_dump: dict, G: int, ahead_records: int, prompt_len: int, max_resp: int,
+                       read_pos, version, published, stop) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import numpy as np
+
+    from common.config import KafkaSettings
+    from common.publisher import RolloutPublisher
+    from synthetic import synthetic_group
+
+    kafka = KafkaSettings.model_validate(kafka_dump)
+    rng = np.random.default_rng(0)
+    n = 0
+    with RolloutPublisher(kafka) as pub:
+        while not stop.is_set():
+            if published.value - read_pos.value >= ahead_records:
+                time.sleep(0.005)
+                continue
+            for r in synthetic_group(f"syn-{n}", G, int(version.value), rng, prompt_len=prompt_len,
+                                     max_resp=max_resp):
+                pub.publish(r, timeout=60)
+            n += 1
+            with published.get_lock():
+                published.value += G
+
+
+# ---------------------------------------------------------------------------
+# the consumer loop, phase by phase
+# ---------------------------------------------------------------------------
+class _Timed:
+    """Wraps a bound method and accumulates its wall time (next_batch breakdown)."""
+
+    def __init__(self, fn):
+        self.fn, self.seconds, self.calls = fn, 0.0, 0
+
+    def __call__(self, *a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return self.fn(*a, **kw)
+        finally:
+            self.seconds += time.perf_counter() - t0
+            self.calls += 1
+
+
+def run_steps(svc, n: int, read_pos, version) -> list[dict]:
+    poll, lag = _Timed(svc.reader.poll), _Timed(svc.reader.lag)
+    svc.reader.poll, svc.reader.lag = poll, lag  # instance attributes: the service calls these
+    steps = []
+    for _ in range(n):
+        p0, p1, l0, l1 = poll.seconds, poll.calls, lag.seconds, lag.calls
+        t0 = time.perf_counter()
+        svc.apply_control()
+        t1 = time.perf_counter()
+        batch = svc.next_batch()
+        t2 = time.perf_counter()
+        # staleness as DESIGN.md defines it: trainer version at this optimizer step - oldest token version
+        v_step = svc.state.version
+        train_staleness = max(v_step - r.oldest_version for rg in batch for r in rg.group.rollouts())
+        m = svc.train_step(batch)
+        t3 = time.perf_counter()
+        svc.checkpoint()
+        t4 = time.perf_counter()
+        svc.publish_weights()
+        t5 = time.perf_counter()
+        read_pos.value = sum(svc.reader.positions().values())
+        version.value = svc.state.version
+        s = dict(zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)))
+        s.update(total=t5 - t0, poll=poll.seconds - p0, polls=poll.calls - p1, lag=lag.seconds - l0,
+                 lag_calls=lag.calls - l1, compute=m["time_forward"] + m["time_backward"] + m["time_optimizer"],
+                 gate_staleness=max(rg.staleness for rg in batch), train_staleness=train_staleness)
+        steps.append(s)
+        log.info("step %d: " + " ".join(f"{k}=%.3f" for k in PHASES) + " polls=%d", svc.state.step,
+                 *(s[k] for k in PHASES), s["polls"])
+    return steps
+
+
+def publish_breakdown(svc, ann_producer, tmp: Path, repeats: int) -> dict:
+    """export_hf_state_dict / WeightStore.write / announcement, timed apart (store of our own)."""
+    from common.weights import WeightStore
+
+    store = WeightStore(tmp / "bench-weights", keep=2)
+    ex, wr, an = [], [], []
+    for i in range(repeats):
+        t0 = time.perf_counter()
+        sd = svc.trainer.export_hf_state_dict()
+        t1 = time.perf_counter()
+        m = store.write(i + 1, sd, svc.cfg.model.path)
+        t2 = time.perf_counter()
+        announce(ann_producer, svc.kafka.topics.policy + ".bench", m)
+        t3 = time.perf_counter()
+        ex.append(t1 - t0), wr.append(t2 - t1), an.append(t3 - t2)
+    return {"export_seconds": round(_med(ex), 4), "store_write_seconds": round(_med(wr), 4),
+            "announce_seconds": round(_med(an), 4), "model_bytes": m["bytes"]}
+
+
+def announcement_producer(kafka):
+    """Our own KafkaProducer for timing announcements (as the service's: acks=all), on a side topic."""
+    from kafka import KafkaProducer
+
+    from common.kafka_conn import client_kwargs
+
+    return KafkaProducer(**client_kwargs(kafka), acks="all")
+
+
+def announce(producer, topic: str, m: dict) -> None:
+    from common.control import PolicyAnnouncement
+
+    ann = PolicyAnnouncement(version=m["version"], uri=m["uri"], sha256=m["sha256"], bytes=m["bytes"],
+                             trainer_version=m["version"], consumed_offsets={0: 0})
+    producer.send(topic, key=b"policy", value=ann.model_dump_json().encode()).get(timeout=30)
+
+
+def large_publish_and_checkpoint(svc, ann_producer, tmp: Path, repeats: int) -> dict:
+    """WeightStore.write + announcement, and a checkpoint, of a ~215 MB model."""
+    import torch
+    from safetensors.torch import load_file
+
+    from common.tinymodel import TinyModelSpec, build_tiny_model
+    from common.weights import WeightStore
+    from consumer.checkpoint import CheckpointManager, CheckpointState
+
+    t0 = time.perf_counter()
+    d = build_tiny_model(tmp / "large-model", TinyModelSpec(**LARGE_SPEC))
+    sd = load_file(str(d / "model.safetensors"))
+    build_s = time.perf_counter() - t0
+    nbytes = sum(t.numel() * t.element_size() for t in sd.values())
+    store = WeightStore(tmp / "large-weights", keep=1)
+    write_s, ann_s = [], []
+    for i in range(repeats):
+        t0 = time.perf_counter()
+        m = store.write(i + 1, sd, d)
+        t1 = time.perf_counter()
+        announce(ann_producer, svc.kafka.topics.policy + ".bench", m)
+        write_s.append(t1 - t0), ann_s.append(time.perf_counter() - t1)
+    optim = {"exp_avg": {k: torch.zeros_like(v) for k, v in sd.items()},
+             "exp_avg_sq": {k: torch.zeros_like(v) for k, v in sd.items()}}
+    ckpt = CheckpointManager(tmp / "large-ckpt", keep=1)
+    ck_s = []
+    for i in range(repeats):
+        st = CheckpointState(i + 1, i + 1, {0: 0, 1: 0}, [], {})
+        t0 = time.perf_counter()
+        ckpt.save(st, {"model": sd, "optimizer": optim, "step": i + 1})
+        ck_s.append(time.perf_counter() - t0)
+    ck_bytes = sum(f.stat().st_size for f in ckpt._complete()[-1].iterdir())
+    pub = _med(write_s) + _med(ann_s)
+    return {"spec": LARGE_SPEC, "model_bytes": m["bytes"], "tensor_bytes": nbytes,
+            "publish_seconds": round(pub, 4), "store_write_seconds": round(_med(write_s), 4),
+            "announce_seconds": round(_med(ann_s), 4), "publish_mb_per_s": round(m["bytes"] / 1e6 / pub, 1),
+            "checkpoint_seconds": round(_med(ck_s), 4), "checkpoint_bytes": ck_bytes,
+            "checkpoint_mb_per_s": round(ck_bytes / 1e6 / _med(ck_s), 1),
+            "model_build_seconds": round(build_s, 1), "repeats": repeats}
+
+
+# ---------------------------------------------------------------------------
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=60, help="measured global steps (split into --repeats blocks)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--groups-per-batch", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=10)
+    ap.add_argument("--max-resp", type=int, default=8, help="synthetic response length bound (demo max_tokens)")
+    ap.add_argument("--ahead-batches", type=int, default=3, help="batches the producer keeps on the topic")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (consumer.num_threads)")
+    ap.add_argument("--no-large", action="store_true")
+    args = ap.parse_args()
+
+    t_start, load0 = time.perf_counter(), os.getloadavg()[0]
+    sys.stdout.flush()
+    out_fd = os.dup(1)
+    os.dup2(2, 1)  # anything printed by libraries goes to stderr; the JSON goes to out_fd
+    _setup(args.threads)
+    import multiprocessing as mp
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from common.broker import EmbeddedBroker
+    from common.config import BrokerSettings, RlstreamConfig
+    from common.tinymodel import build_tiny_model
+    from fixtures_kafka import make_kafka_settings
+
+    tmp = Path(tempfile.mkdtemp(prefix="rlstream-bench-consumer-"))
+    G, B = args.group_size, args.groups_per_batch
+    ctx = mp.get_context("spawn")
+    read_pos, version, published = ctx.Value("q", 0), ctx.Value("q", 0), ctx.Value("q", 0)
+    stop = ctx.Event()
+    broker = svc = prod = None
+    try:
+        broker = EmbeddedBroker(BrokerSettings(port=0)).start()
+        kafka = make_kafka_settings(broker.bootstrap, tmp / "blobs", rollouts_partitions=2)
+        prod = ctx.Process(target=synthetic_producer, daemon=True,
+                           args=(kafka.model_dump(), G, args.ahead_batches * B * G, args.prompt_len,
+                                 args.max_resp, read_pos, version, published, stop))
+        prod.start()
+        model_dir = build_tiny_model(tmp / "tiny")
+        cfg = RlstreamConfig.model_validate({
+            "kafka": kafka.model_dump(), "model": {"path": str(model_dir), "build_tiny": False},
+            "staleness": {"max_staleness": args.ahead_batches + 2, "mode": "drop"},
+            "producer": {"group_size": G},
+            "consumer": {"group_size": G, "groups_per_batch": B, "num_threads": args.threads, "lr": 1e-4,
+                         "checkpoint_dir": str(tmp / "ckpt"), "weight_store_dir": str(tmp / "weights"),
+                         "group_timeout_s": 60.0}})
+        from consumer.service import ConsumerService
+
+        svc = ConsumerService(cfg, broker.bootstrap)
+        svc.start()
+        torch.set_num_threads(args.threads)
+        deadline = time.monotonic() + 60
+        while published.value < args.ahead_batches * B * G:  # the topic is full before we time anything
+            assert prod.is_alive() and time.monotonic() < deadline, "synthetic producer did not fill the topic"
+            time.sleep(0.05)
+        run_steps(svc, args.warmup, read_pos, version)
+        steps = run_steps(svc, args.steps, read_pos, version)
+        stop.set()
+        per = max(1, len(steps) // args.repeats)
+        blocks = [steps[i:i + per] for i in range(0, per * args.repeats, per)]
+        share = lambda ss, k: sum(s[k] for s in ss) / sum(s["total"] for s in ss)  # noqa: E731
+        tiny_bytes = json.loads((svc.weights.path(svc.state.version) / "manifest.json").read_text())["bytes"]
+        ann_producer = announcement_producer(svc.kafka)
+        try:
+            breakdown = publish_breakdown(svc, ann_producer, tmp, repeats=3)
+            large = None if args.no_large else large_publish_and_checkpoint(svc, ann_producer, tmp, repeats=2)
+        finally:
+            ann_producer.close(timeout=10)
+        result = {
+            "bench": "consumer", "date": time.strftime("%Y-%m-%d"),
+            "model": "tiny-qwen3-moe (2 layers, 8 experts, top-2), fp32, Megatron-core CPU",
+            "consumer_wait_share": round(_med([share(b, "wait") for b in blocks]), 4),
+            "consumer_wait_share_blocks": [round(share(b, "wait"), 4) for b in blocks],
+            "phase_share": {k: round(share(steps, k), 4) for k in PHASES},
+            "phase_seconds_median": {k: round(_med([s[k] for s in steps]), 4) for k in PHASES},
+            "step_seconds_median": round(_med([s["total"] for s in steps]), 4),
+            "next_batch_breakdown": {  # shares of all step time
+                "reader_poll_share": round(share(steps, "poll"), 4),
+                "lag_query_share": round(share(steps, "lag"), 4),
+                "polls_per_step_mean": round(sum(s["polls"] for s in steps) / len(steps), 2),
+                "steps_without_poll": sum(1 for s in steps if not s["polls"])},
+            "train_compute_share": round(sum(s["compute"] for s in steps) / sum(s["total"] for s in steps), 4),
+            "checkpoint_seconds": round(_med([s["checkpoint"] for s in steps]), 4),
+            "publish_seconds": round(_med([s["publish"] for s in steps]), 4),
+            "model_bytes": tiny_bytes,
+            "publish_breakdown": breakdown,
+            "large": large,
+            "samples_per_second": round(len(steps) * B * G / sum(s["total"] for s in steps), 1),
+            "max_staleness_gate": max(s["gate_staleness"] for s in steps),
+            "max_staleness_at_train": max(s["train_staleness"] for s in steps),
+            "max_staleness_setting": cfg.staleness.max_staleness,
+            "outcomes": {k: int(v) for k, v in svc.state.counters.items()},
+            "workload": {"group_size": G, "groups_per_batch": B, "prompt_len": args.prompt_len,
+                         "max_resp": args.max_resp, "ahead_batches": args.ahead_batches,
+                         "steps": len(steps), "repeats": args.repeats, "warmup": args.warmup},
+            "threads": args.threads, "bench_seconds": round(time.perf_counter() - t_start, 1),
+            "loadavg_1min": [round(load0, 2), round(os.getloadavg()[0], 2)],  # start, end: 2 cores, shared
+        }
+        os.write(out_fd, (json.dumps(result) + "\n").encode())
+    finally:
+        stop.set()
+        if prod is not None:
+            prod.join(15)
+            if prod.is_alive():
+                prod.kill()
+                prod.join()
+        if svc is not None:
+            svc.close()
+        if broker is not None:
+            broker.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

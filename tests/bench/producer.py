@@ -1,0 +1,426 @@
+"""Producer benchmark (issue #3): publishing overhead and weight-reload cost. Prints one JSON object.
+
+    .venv/bin/python tests/bench/producer.py [--reps 10] [--short-reps 6] [--threads 1] [--no-large]
+
+Starts its own broker (tansu, free port) and vLLM CPU engine on the tiny
+model. One engine, one prompt list, three conditions run back to back in a
+rotating order, `--reps` times (the machine is shared and noisy: ratios are
+taken per repetition, between rounds seconds apart, then the median):
+
+  without   the engine loop alone: submit groups (keeping `--max-groups` in
+            flight, as the service's admission does), step, collect samples.
+  encode    + `ProducerService._to_record` and `common.record.encode` of every
+            finished sample on the engine thread (no Kafka).
+  with      + exactly the service's per-sample path: `_to_record` and
+            `flush_pending` (encode + `try_publish` on the engine thread; the
+            publisher's dispatch thread and kafka-python's sender thread do the
+            network work), then a drain: every record acknowledged by the
+            broker before the round's clock stops.
+All rounds generate the same tokens (ignore_eos, fixed response lengths).
+Scoring (decode + verifier) is left out of every condition; it is not
+publishing, and leaving it out makes the ratio conservative.
+
+  publish_overhead      1 - tokens/s(with) / tokens/s(without), wall clock; target <= 0.05
+  publish_cpu_overhead  the same with tokens per CPU-second (this process + the broker),
+                        much less sensitive to other tenants than wall time
+  encode_only_*         the same for "encode": the engine thread's own share
+  cpu_us_per_record     where the extra CPU goes: the engine thread's publish calls,
+                        the engine thread in total, the publisher threads, the broker
+  short_responses       the same with 8-token responses (the tiny-cpu demo's max_tokens):
+                        4.6x more records per token
+  reload_seconds        tiny model: `engine.reload_weights` of a version written by
+                        `WeightStore.write` (median); `verify_seconds`: `common.weights.verify`
+                        (size + sha256) of the same version, timed apart
+  large.*               the same for a ~215 MB Qwen3-MoE (TinyModelSpec: hidden 512,
+                        4 layers, 32 experts, head_dim 64) served by a second engine in a
+                        child process (built and started while ours starts, idle while
+                        we measure throughput)
+
+stdout carries only the JSON; logs (ours and vLLM's) go to stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+log = logging.getLogger("bench.producer")
+
+# Shape of the larger synthetic model: 53.6 M parameters, ~215 MB in fp32.
+LARGE_SPEC = dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=4,
+                  num_attention_heads=8, num_key_value_heads=4, head_dim=64, num_experts=32,
+                  num_experts_per_tok=4)
+
+
+def _stdout_to_stderr() -> int:
+    """Send fd 1 to stderr (vLLM logs to stdout); return a fd for the final JSON."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    return saved
+
+
+def _emit(fd: int, obj: dict) -> None:
+    os.write(fd, (json.dumps(obj) + "\n").encode())
+
+
+def _setup(threads: int) -> None:
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def _med(xs) -> float:
+    return float(statistics.median(xs))
+
+
+def _engine(model_dir: Path, kv_bytes: int = 64 << 20, max_model_len: int = 128):
+    from producer.engine import EngineConfig, RolloutEngine
+
+    return RolloutEngine(EngineConfig(model_dir=str(model_dir), dtype="float32", max_model_len=max_model_len,
+                                      kv_cache_memory_bytes=kv_bytes, max_num_seqs=64, seed=0), version=0)
+
+
+# ---------------------------------------------------------------------------
+# reload: WeightStore.write -> verify -> engine.reload_weights
+# ---------------------------------------------------------------------------
+def measure_reloads(engine, model_dir: Path, store_root: Path, repeats: int) -> dict:
+    """Write `repeats` versions (slightly scaled weights), then verify and reload each."""
+    from safetensors.torch import load_file
+
+    from common.weights import WeightStore, verify
+
+    base = load_file(str(model_dir / "model.safetensors"))
+    store = WeightStore(store_root, keep=2)
+    write_s, verify_s, reload_s, nbytes = [], [], [], 0
+    for i in range(repeats):
+        v = engine.version + 1
+        scale = 1.0 + 1e-3 * (i + 1)
+        tensors = {k: t * scale if t.is_floating_point() else t for k, t in base.items()}
+        t0 = time.perf_counter()
+        m = store.write(v, tensors, model_dir)
+        write_s.append(time.perf_counter() - t0)
+        del tensors
+        t0 = time.perf_counter()
+        path = verify(m["uri"], m["sha256"], m["bytes"])
+        verify_s.append(time.perf_counter() - t0)
+        reload_s.append(engine.reload_weights(path, v))
+        nbytes = m["bytes"]
+    # the reloaded engine still generates
+    from producer.engine import SamplingConfig
+
+    engine.submit_group([5, 6, 7, 8], n=2, sampling=SamplingConfig(max_tokens=4, ignore_eos=True), tag="reload-check")
+    out = []
+    while engine.has_work():
+        out += engine.step()
+    assert len(out) == 2 and all(s.dispatch_version == engine.version for s in out), out
+    return {"model_bytes": nbytes, "reload_seconds": round(_med(reload_s), 4),
+            "verify_seconds": round(_med(verify_s), 4), "store_write_seconds": round(_med(write_s), 4),
+            "reload_seconds_all": [round(x, 4) for x in reload_s],
+            "reload_mb_per_s": round(nbytes / 1e6 / _med(reload_s), 1),
+            "verify_mb_per_s": round(nbytes / 1e6 / _med(verify_s), 1), "repeats": repeats}
+
+
+def large_child(args) -> None:
+    """Child process: build the larger model, start its engine, wait for "go", measure reloads."""
+    out_fd = _stdout_to_stderr()
+    _setup(args.threads)
+    from common.tinymodel import TinyModelSpec, build_tiny_model
+
+    tmp = Path(args.work_dir)
+    t0 = time.perf_counter()
+    model_dir = build_tiny_model(tmp / "large-model", TinyModelSpec(**LARGE_SPEC))
+    build_s = time.perf_counter() - t0
+    n_bytes = (model_dir / "model.safetensors").stat().st_size
+    log.info("large model built in %.1f s (%.0f MB); starting its engine", build_s, n_bytes / 1e6)
+    engine = _engine(model_dir)
+    start_s = engine.stats.start_seconds
+    print("READY", file=sys.stderr, flush=True)
+    sys.stdin.readline()  # parent: throughput rounds are done, the machine is ours
+    try:
+        res = measure_reloads(engine, model_dir, tmp / "large-weights", args.reload_repeats)
+    finally:
+        engine.close()
+    res.update({"spec": LARGE_SPEC, "engine_start_seconds": round(start_s, 1),
+                "model_build_seconds": round(build_s, 1)})
+    _emit(out_fd, res)
+
+
+# ---------------------------------------------------------------------------
+# throughput: the same rounds with and without publishing
+# ---------------------------------------------------------------------------
+def make_workload(n_groups: int, lengths: list[int], seed: int) -> list[tuple[list[int], int]]:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [(rng.integers(3, 64, int(rng.integers(8, 17))).tolist(), lengths[i % len(lengths)])
+            for i in range(n_groups)]
+
+
+CONDITIONS = ("without", "encode", "with")
+
+
+def run_round(engine, workload, G: int, max_groups: int, tag: str, svc, mode: str) -> dict:
+    """Generate every group of `workload`, keeping `max_groups` groups in flight.
+
+    mode "with": every finished sample goes through the service's own
+    `_to_record` and `flush_pending` (`svc` is a ProducerService that was not
+    started, given our engine and publisher), then the round drains and waits
+    for every acknowledgement. "encode": `_to_record` + `common.record.encode`
+    only (the engine thread's share of the work, no Kafka). "without": nothing.
+    """
+    from common.record import encode
+    from producer.engine import SamplingConfig
+    from producer.service import GroupInfo
+
+    info = GroupInfo(prompt_text="", answer="", prompt_ids=None, pending=G)
+    todo = list(enumerate(workload))
+    left: dict[str, int] = {}
+    tokens0, pub_s, n_samples = engine.stats.generated_tokens, 0.0, 0
+    broker0, eng0 = _pid_cpu_seconds(BROKER_PID), time.thread_time()
+    cpu0 = time.process_time() + broker0
+    t0 = time.perf_counter()
+    while todo or engine.has_work():
+        while todo and len(left) < max_groups:
+            i, (prompt, max_tokens) = todo.pop(0)
+            gid = f"{tag}-{i}"
+            engine.submit_group(prompt, n=G, tag=gid,
+                                sampling=SamplingConfig(max_tokens=max_tokens, ignore_eos=True))
+            left[gid] = G
+        finished = engine.step()
+        for s in finished:
+            left[s.tag] -= 1
+            if not left[s.tag]:
+                del left[s.tag]
+        n_samples += len(finished)
+        if mode == "with" and finished:
+            tp = time.perf_counter()
+            for s in finished:
+                svc.pending.append(svc._to_record(s, info, 0.0, {}))
+            svc.flush_pending()
+            pub_s += time.perf_counter() - tp
+        elif mode == "encode" and finished:
+            tp = time.perf_counter()
+            for s in finished:
+                encode(svc._to_record(s, info, 0.0, {}))
+            pub_s += time.perf_counter() - tp
+    if mode == "with":  # the drain: what the buffer still holds, then every acknowledgement
+        tp = time.perf_counter()
+        while svc.pending:
+            svc.publisher.publish(svc.pending.pop(0), timeout=60)
+        svc.publisher.flush(timeout=60)
+        pub_s += time.perf_counter() - tp
+    wall = time.perf_counter() - t0
+    broker_cpu = _pid_cpu_seconds(BROKER_PID) - broker0
+    cpu = time.process_time() + broker_cpu + broker0 - cpu0
+    tokens = engine.stats.generated_tokens - tokens0
+    return {"tokens": tokens, "samples": n_samples, "wall": wall, "tps": tokens / wall, "publish_call_s": pub_s,
+            "cpu": cpu, "tpcpu": tokens / cpu, "broker_cpu": broker_cpu, "engine_cpu": time.thread_time() - eng0}
+
+
+def service_stand_in(kafka, args, engine, publisher, max_tokens: int):
+    """A real ProducerService (its per-sample code), not started: our engine and publisher plugged in."""
+    from common.config import RlstreamConfig
+    from producer.service import ProducerService
+
+    cfg = RlstreamConfig.model_validate({
+        "kafka": kafka.model_dump(), "model": {"build_tiny": False},
+        "producer": {"group_size": args.group_size, "max_tokens": max_tokens, "producer_id": "bench",
+                     "max_groups_in_flight": args.max_groups, "num_threads": args.threads},
+        "consumer": {"group_size": args.group_size}})
+    svc = ProducerService(cfg, kafka.bootstrap_servers)
+    svc.engine, svc.publisher = engine, publisher
+    return svc
+
+
+BROKER_PID: int | None = None
+
+
+def _schedstat_seconds(task_dir: str) -> float:
+    """On-CPU seconds of one task (thread) from /proc/.../schedstat (ns resolution)."""
+    try:
+        return int(Path(task_dir, "schedstat").read_text().split()[0]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def _pid_cpu_seconds(pid: int | None) -> float:
+    """On-CPU seconds used so far by all threads of process `pid` (0.0 if unknown)."""
+    if pid is None:
+        return 0.0
+    return sum(_schedstat_seconds(str(t)) for t in Path(f"/proc/{pid}/task").glob("*"))
+
+
+def _thread_cpu_seconds(prefixes: tuple[str, ...]) -> float:
+    """On-CPU seconds used so far by this process's threads whose name starts with a prefix."""
+    import threading
+
+    return sum(_schedstat_seconds(f"/proc/self/task/{t.native_id}") for t in threading.enumerate()
+               if t.native_id is not None and t.name.startswith(prefixes))
+
+
+# the publisher's dispatch thread and kafka-python's sender thread
+_PUBLISHER_THREADS = ("rlstream-publisher", "kafka-python")
+
+
+def measure_throughput(engine, svc, kafka, lengths: list[int], n_groups: int, reps: int, args, name: str) -> dict:
+    from common import metrics
+
+    G = args.group_size
+    workload = make_workload(n_groups, lengths, seed=1)
+    published0 = metrics.value("rlstream_published_records_total", topic=kafka.topics.rollouts)
+    for c in CONDITIONS:  # warm-up: allocator, kafka-python connections, metadata
+        run_round(engine, workload[:4], G, args.max_groups, f"{name}-warm-{c}", svc, c)
+    rounds = {c: [] for c in CONDITIONS}
+    for p in range(reps):
+        k = p % len(CONDITIONS)  # rotate the order, so no condition always runs first or last
+        for c in CONDITIONS[k:] + CONDITIONS[:k]:
+            cpu0 = _thread_cpu_seconds(_PUBLISHER_THREADS)
+            r = run_round(engine, workload, G, args.max_groups, f"{name}{p}-{c}", svc, c)
+            r["bg_cpu_s"] = _thread_cpu_seconds(_PUBLISHER_THREADS) - cpu0
+            rounds[c].append(r)
+            log.info("%s rep %d %-7s %6d tokens %5.2f s %7.0f tok/s %7.0f tok/cpu-s; publish calls %.3f s, "
+                     "publisher threads %.2f cpu-s", name, p, c, r["tokens"], r["wall"], r["tps"], r["tpcpu"],
+                     r["publish_call_s"], r["bg_cpu_s"])
+    published = metrics.value("rlstream_published_records_total", topic=kafka.topics.rollouts) - published0
+    expected = sum(r["samples"] for r in rounds["with"]) + 4 * G
+    if published != expected:
+        log.error("broker acknowledged %d records, expected %d", published, expected)
+    w, e, wo = rounds["with"], rounds["encode"], rounds["without"]
+    assert len({r["tokens"] for rs in rounds.values() for r in rs}) == 1, "conditions did unequal work"
+
+    def overhead(xs, key):  # per repetition: the two rounds ran within seconds of each other
+        return [1 - a[key] / b[key] for a, b in zip(xs, wo)]
+
+    samples = w[0]["samples"]
+    return {
+        "publish_overhead": round(_med(overhead(w, "tps")), 4),
+        "publish_overhead_reps": [round(x, 4) for x in overhead(w, "tps")],
+        "publish_cpu_overhead": round(_med(overhead(w, "tpcpu")), 4),
+        "encode_only_overhead": round(_med(overhead(e, "tps")), 4),
+        "encode_only_cpu_overhead": round(_med(overhead(e, "tpcpu")), 4),
+        "tokens_per_second_with_publish": round(_med([r["tps"] for r in w]), 1),
+        "tokens_per_second_without_publish": round(_med([r["tps"] for r in wo]), 1),
+        "records_per_second": round(_med([r["samples"] / r["wall"] for r in w]), 1),
+        "engine_thread_publish_share": round(_med([r["publish_call_s"] / r["wall"] for r in w]), 4),
+        # where the extra CPU goes, per record (medians of the "with" rounds minus "without")
+        "cpu_us_per_record": {
+            "engine_thread_publish_calls": round(1e6 * _med([r["publish_call_s"] for r in w]) / samples, 1),
+            "engine_thread_total_extra": round(1e6 * (_med([r["engine_cpu"] for r in w])
+                                                      - _med([r["engine_cpu"] for r in wo])) / samples, 1),
+            "publisher_threads": round(1e6 * _med([r["bg_cpu_s"] for r in w]) / samples, 1),
+            "broker": round(1e6 * (_med([r["broker_cpu"] for r in w])
+                                   - _med([r["broker_cpu"] for r in wo])) / samples, 1),
+            "all_extra": round(1e6 * (_med([r["cpu"] for r in w]) - _med([r["cpu"] for r in wo])) / samples, 1)},
+        "records_acknowledged": int(published), "records_expected": int(expected),
+        "workload": {"groups_per_round": n_groups, "group_size": G, "response_lengths": lengths,
+                     "max_groups_in_flight": args.max_groups, "tokens_per_round": w[0]["tokens"],
+                     "records_per_round": samples, "repetitions": reps},
+    }
+
+
+def main() -> None:
+    global BROKER_PID
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=10, help="repetitions of the three conditions")
+    ap.add_argument("--groups-per-round", type=int, default=32)
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--max-groups", type=int, default=8, help="groups in flight (producer.max_groups_in_flight)")
+    ap.add_argument("--lengths", default="16,32,64", help="response lengths, cycled over groups")
+    ap.add_argument("--short-reps", type=int, default=6,
+                    help="repetitions of the short-response workload (8 tokens: the tiny-cpu demo); 0 skips it")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (producer.num_threads)")
+    ap.add_argument("--reload-repeats", type=int, default=5)
+    ap.add_argument("--no-large", action="store_true", help="skip the larger-model reload")
+    ap.add_argument("--large-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--work-dir", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.large_child:
+        return large_child(args)
+
+    t_start, load0 = time.perf_counter(), os.getloadavg()[0]
+    out_fd = _stdout_to_stderr()
+    _setup(args.threads)
+    tmp = Path(tempfile.mkdtemp(prefix="rlstream-bench-producer-"))
+    child = None
+    broker = engine = publisher = None
+    try:
+        from common.broker import EmbeddedBroker
+        from common.config import BrokerSettings
+        from common.publisher import RolloutPublisher
+        from common.tinymodel import build_tiny_model
+        from fixtures_kafka import make_kafka_settings
+
+        if not args.no_large:  # builds and starts its engine while ours starts
+            child = subprocess.Popen([sys.executable, __file__, "--large-child", "--work-dir", str(tmp),
+                                      "--threads", str(args.threads), "--reload-repeats", "3"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        broker = EmbeddedBroker(BrokerSettings(port=0)).start()
+        BROKER_PID = getattr(getattr(broker, "_proc", None), "pid", None)  # its CPU counts as publishing cost
+        kafka = make_kafka_settings(broker.bootstrap, tmp / "blobs", rollouts_partitions=2)
+        model_dir = build_tiny_model(tmp / "tiny")
+        engine = _engine(model_dir)
+        publisher = RolloutPublisher(kafka)
+        svc = service_stand_in(kafka, args, engine, publisher, 64)
+        thr = measure_throughput(engine, svc, kafka, [int(x) for x in args.lengths.split(",")],
+                                 args.groups_per_round, args.reps, args, "main")
+        short = None
+        if args.short_reps:
+            short = measure_throughput(engine, svc, kafka, [8], 2 * args.groups_per_round, args.short_reps,
+                                       args, "short")
+        tiny = measure_reloads(engine, model_dir, tmp / "weights", args.reload_repeats)
+        engine_start = engine.stats.start_seconds
+        publisher.close()
+        publisher = None
+        engine.close()
+        engine = None
+        large = None
+        if child is not None:
+            out, _ = child.communicate("go\n", timeout=300)
+            large = json.loads(out.strip().splitlines()[-1]) if child.returncode == 0 and out.strip() else None
+            if large is None:
+                log.error("large-model child failed (exit %s)", child.returncode)
+        result = {
+            "bench": "producer", "date": time.strftime("%Y-%m-%d"),
+            "model": "tiny-qwen3-moe (2 layers, 8 experts, top-2), fp32, CPU routing capture",
+            **thr,
+            "short_responses": short,
+            "reload_seconds": tiny["reload_seconds"], "verify_seconds": tiny["verify_seconds"],
+            "tiny": tiny, "engine_start_seconds": round(engine_start, 1),
+            "large": large,
+            "threads": args.threads, "bench_seconds": round(time.perf_counter() - t_start, 1),
+            "loadavg_1min": [round(load0, 2), round(os.getloadavg()[0], 2)],  # start, end: 2 cores, shared
+        }
+        _emit(out_fd, result)
+    finally:
+        if child is not None and child.poll() is None:
+            child.kill()
+            child.wait()
+        if publisher is not None:
+            publisher.close(timeout=5)
+        if engine is not None:
+            engine.close()
+        if broker is not None:
+            broker.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
