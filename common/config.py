@@ -207,6 +207,17 @@ class DemoSettings(_Section):
     target_gain: float = Field(0.15, ge=0)
     """Stop once held-out accuracy rose this much above the warm start."""
     max_minutes: float = Field(15.0, gt=0)
+    """Time budget of the RL phase (the demo stops when the target is reached)."""
+    reuse_warm_start: bool = True
+    """Reuse an SFT warm start built from the same base model and task."""
+    sft_band_low: float = Field(0.15, ge=0, le=1)
+    """SFT stops once greedy held-out accuracy is inside [low, high] ("a minority")."""
+    sft_band_high: float = Field(0.45, ge=0, le=1)
+    sft_max_steps: int = Field(4000, ge=1)
+    eval_metric: str = Field("avg@8", pattern=r"^(greedy|avg@\d+|pass@\d+)$")
+    """Held-out accuracy: greedy, avg@k (mean over k samples, the paper's) or pass@k."""
+    eval_every_s: float = Field(15.0, gt=0)
+    progress_every_s: float = Field(5.0, gt=0)
 
 
 class RlstreamConfig(_Section):

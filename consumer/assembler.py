@@ -109,6 +109,9 @@ class GroupAssembler:
                 out[h.partition] = min(out.get(h.partition, h.offset), h.offset)
         return out
 
+    def open_groups(self) -> list[Group]:
+        return list(self._open.values())
+
     @property
     def num_open(self) -> int:
         return len(self._open)

@@ -37,13 +37,15 @@ log = logging.getLogger("rlstream.consumer")
 
 OUTCOMES = ("trained", "dropped_stale", "timed_out", "duplicate", "mismatch", "dlq")
 _RECORDS = metrics.counter("rlstream_consumer_records_total", "Consumed rollout records by outcome", ["outcome"])
-_STALENESS = metrics.histogram("rlstream_consumer_staleness", "Staleness (versions) of gated groups",
+_STALENESS = metrics.histogram("rlstream_consumer_staleness_versions", "Staleness (versions) of gated groups",
                                buckets=metrics.STALENESS_BUCKETS)
 _VERSION = metrics.gauge("rlstream_consumer_policy_version", "Trainer policy version (completed global steps)")
 _LAG = metrics.gauge("rlstream_consumer_lag_records", "Records on the rollouts topic not yet read")
 _PHASE = metrics.histogram("rlstream_consumer_step_phase_seconds", "Global step time by phase", ["phase"])
 _STEP = metrics.gauge("rlstream_trainer_step_metric", "Last global step's trainer metrics", ["name"])
 _OPEN = metrics.gauge("rlstream_consumer_open_groups", "Partial groups held by the assembler")
+_HELD = metrics.gauge("rlstream_consumer_held_records",
+                      "Records read but not yet given an outcome (partial groups + complete groups waiting for a batch)")
 
 
 def _world_size() -> int:
@@ -199,8 +201,9 @@ class ConsumerService:
                                                     "checkpoint": t3 - t2, "publish": t4 - t3})
         finally:
             self.close()
-        log.info("consumer stopped at step %d, version %d; outcomes %s",
-                 self.state.step, self.state.version, self.state.counters)
+        log.info("consumer stopped at step %d, version %d; outcomes %s; held %d",
+                 self.state.step, self.state.version, self.state.counters,
+                 self.held_records() if hasattr(self, "assembler") else 0)
         return 0
 
     def apply_control(self) -> None:
@@ -234,7 +237,13 @@ class ConsumerService:
             self._expire()
             _LAG.set(self.reader.lag())
             _OPEN.set(self.assembler.num_open)
+            _HELD.set(self.held_records())
         return batch
+
+    def held_records(self) -> int:
+        """Records read and not yet counted in an outcome (they are re-read after a restart)."""
+        return (sum(len(g.samples) for g in self.assembler.open_groups())
+                + sum(len(g.samples) for g in self.state.ready))
 
     def _count(self, outcome: str, n: int = 1) -> None:
         self.state.counters[outcome] += n

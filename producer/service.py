@@ -53,7 +53,8 @@ _RELOAD_FAIL = metrics.counter("rlstream_producer_weight_reload_failures_total",
                                "Announced versions refused (size/sha256 mismatch, missing files, load error)")
 _HELD = metrics.counter("rlstream_producer_held_back_total", "Admission attempts refused, by reason", ["reason"])
 _REWARD = metrics.gauge("rlstream_producer_reward_mean", "Mean reward of the last 256 samples")
-_REWARD_SUM = metrics.counter("rlstream_producer_reward_sum_total", "Sum of rewards (rate/samples rate = mean)")
+_REWARD_HIST = metrics.histogram("rlstream_producer_reward", "Reward of each finished sample (_sum/_count: mean)",
+                                 buckets=(-1.0, 0.0, 0.5, 1.0))
 
 
 @dataclass
@@ -291,7 +292,7 @@ class ProducerService:
     def _note_sample(self, s, reward: float) -> None:
         _SAMPLES.inc()
         _TOKENS.inc(int(s.response_ids.size))
-        _REWARD_SUM.inc(reward)
+        _REWARD_HIST.observe(reward)
         self._rewards = (self._rewards + [reward])[-256:]
         _REWARD.set(sum(self._rewards) / len(self._rewards))
         now = time.monotonic()
