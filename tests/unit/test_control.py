@@ -79,3 +79,20 @@ def test_health_and_metrics(http):
     assert _req(s.url + "/healthz") == (200, {"status": "ok", "version": 1})
     with urllib.request.urlopen(s.url + "/metrics", timeout=5) as r:
         assert b"rlstream_" in r.read()
+
+
+def test_ctl_cli_get_set_and_refusals(http, capsys):
+    from common.cli import main
+
+    s, state = http
+    assert main(["ctl", "set", "max_staleness", "5", "--url", s.url, "--token", "tok"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"key": "max_staleness", "value": 5}
+    assert state["max_staleness"] == 5
+    assert main(["ctl", "get", "--url", s.url, "--token", "tok"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"max_staleness": 5}
+    # a bad value is refused locally, before any request
+    assert main(["ctl", "set", "max_staleness", "-2", "--url", s.url, "--token", "tok"]) == 2
+    assert "max_staleness" in capsys.readouterr().err and state["max_staleness"] == 5
+    # a wrong token is refused by the service, with a hint
+    assert main(["ctl", "set", "max_staleness", "7", "--url", s.url, "--token", "nope"]) == 2
+    assert "401" in capsys.readouterr().err and state["max_staleness"] == 5
