@@ -31,6 +31,7 @@ import os
 import signal
 import socket
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from common import metrics
@@ -53,8 +54,10 @@ _RELOAD_FAIL = metrics.counter("rlstream_producer_weight_reload_failures_total",
                                "Announced versions refused (size/sha256 mismatch, missing files, load error)")
 _HELD = metrics.counter("rlstream_producer_held_back_total", "Admission attempts refused, by reason", ["reason"])
 _REWARD = metrics.gauge("rlstream_producer_reward_mean", "Mean reward of the last 256 samples")
+# No negative bucket bound: prometheus_client omits a histogram's `_sum` when the
+# first bound is negative, and `_sum / _count` is how the demo reads the mean reward.
 _REWARD_HIST = metrics.histogram("rlstream_producer_reward", "Reward of each finished sample (_sum/_count: mean)",
-                                 buckets=(-1.0, 0.0, 0.5, 1.0))
+                                 buckets=(0.0, 0.5, 1.0))
 
 
 @dataclass
@@ -78,7 +81,7 @@ class ProducerService:
         self._stop = False
         self._group_seq = 0
         self._rewards: list[float] = []
-        self._finished_times: list[float] = []
+        self._finished_times: deque[float] = deque()
         self._ends: dict[int, int] = {}  # rollouts topic end offsets, as last queried
         self._ends_at = 0.0
         self._acked_end: dict[int, int] = {}  # partition -> 1 + offset of our newest acknowledged record
@@ -296,7 +299,11 @@ class ProducerService:
         self._rewards = (self._rewards + [reward])[-256:]
         _REWARD.set(sum(self._rewards) / len(self._rewards))
         now = time.monotonic()
-        self._finished_times = [t for t in self._finished_times if now - t < 30] + [now]
+        # a deque trimmed from the left: O(1) per sample (rebuilding a list of the
+        # last 30 s of samples cost ~0.4 ms per sample at 300 samples/s)
+        self._finished_times.append(now)
+        while now - self._finished_times[0] >= 30:
+            self._finished_times.popleft()
         _SPS.set(len(self._finished_times) / 30.0)
         _TPS.set(self.engine.stats.tokens_per_second)
 
