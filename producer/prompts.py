@@ -6,9 +6,12 @@ bad file fails at startup, naming the line), and then cycles over it epoch
 after epoch, reshuffling each epoch with a generator seeded by (seed, epoch):
 the order is reproducible and independent of how far a previous run got.
 
-The Kafka prompt topic (`producer.prompt_topic` in common/config.py) is the
-other implementation of the same seam, `PromptSource`: anything iterable
-over `Prompt`s can feed the service loop.
+`KafkaPromptSource(kafka, topic)` reads the same JSON objects, one per Kafka
+message, from a prompt topic (`producer.prompt_topic`) that several producers
+share through one consumer group; a malformed message goes to the dead-letter
+topic with its reason. Both offer `take(timeout_s) -> Prompt | None`, the
+non-blocking call the service loop uses (a Kafka topic may be empty for a
+while; the engine keeps stepping meanwhile).
 """
 from __future__ import annotations
 
@@ -20,7 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from common import metrics
 from common.errors import ConfigError
+
+_BAD_PROMPTS = metrics.counter("rlstream_producer_bad_prompts_total",
+                               "Malformed prompt-topic messages sent to the DLQ")
 
 
 @dataclass(frozen=True)
@@ -63,6 +70,15 @@ class JsonlPromptSource:
             random.Random(f"{self.seed}:{epoch}").shuffle(order)
         return order
 
+    def take(self, timeout_s: float = 0.0) -> Prompt | None:
+        """The next prompt (never None while epochs remain)."""
+        if not hasattr(self, "_it"):
+            self._it = iter(self)
+        return next(self._it, None)
+
+    def close(self) -> None:
+        pass
+
     def __iter__(self) -> Iterator[Prompt]:
         epoch = self.start_epoch
         while self.epochs is None or epoch < self.start_epoch + self.epochs:
@@ -70,6 +86,67 @@ class JsonlPromptSource:
                 pid, text, answer = self.rows[i]
                 yield Prompt(pid, text, answer, epoch)
             epoch += 1
+
+
+def parse_prompt_row(row, where: str) -> tuple[str, str, str]:
+    """(prompt_id, prompt, answer) of one JSON object; ConfigError naming `where`."""
+    if not isinstance(row, dict):
+        raise ConfigError(f"{where}: expected a JSON object with 'prompt' and 'answer'", key="producer.prompts_path")
+    prompt, answer = row.get("prompt"), row.get("answer")
+    if not isinstance(prompt, str) or not prompt:
+        raise ConfigError(f"{where}: 'prompt' must be a non-empty string", key="producer.prompts_path")
+    if answer is None or isinstance(answer, (dict, list, bool)):
+        raise ConfigError(f"{where}: 'answer' must be a string or a number", key="producer.prompts_path")
+    return (str(row["id"]) if "id" in row else where), prompt, str(answer)
+
+
+class KafkaPromptSource:
+    """Prompts from a Kafka topic, shared by every producer of a consumer group.
+
+    Each message is `{"prompt": ..., "answer": ...[, "id": ...]}` (JSON, UTF-8).
+    Offsets are committed automatically: a prompt taken by a producer that then
+    crashes is not re-served (prompts are a stream to sample from, not records
+    to account for). A malformed message is sent to the DLQ topic with a
+    `rlstream-reason` header and counted; the service keeps running.
+    """
+
+    def __init__(self, kafka, topic: str, group_id: str = "rlstream-producers"):
+        from kafka import KafkaConsumer, KafkaProducer
+
+        from common.kafka_conn import client_kwargs
+
+        self.kafka, self.topic = kafka, topic
+        # a group join waits for the rebalance timeout (max_poll_interval_ms): keep it short
+        self._consumer = KafkaConsumer(
+            topic, **client_kwargs(kafka), group_id=group_id, enable_auto_commit=True,
+            auto_offset_reset="earliest", max_poll_interval_ms=5000, session_timeout_ms=6000,
+            heartbeat_interval_ms=1000)
+        self._dlq = KafkaProducer(**client_kwargs(kafka), acks="all", enable_idempotence=False)
+        self._buffer: list[Prompt] = []
+
+    def take(self, timeout_s: float = 0.0) -> Prompt | None:
+        if not self._buffer:
+            for tp, msgs in self._consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=64).items():
+                for m in msgs:
+                    self._admit(m)
+        return self._buffer.pop(0) if self._buffer else None
+
+    def _admit(self, m) -> None:
+        where = f"{m.topic}/{m.partition}/{m.offset}"
+        try:
+            pid, text, answer = parse_prompt_row(json.loads(m.value or b""), where)
+        except (ValueError, ConfigError) as e:
+            _BAD_PROMPTS.inc()
+            reason = str(e).encode("utf-8", "replace")[:4000]
+            self._dlq.send(self.kafka.topics.dlq, key=m.key, value=m.value or b"",
+                           headers=[("rlstream-reason", reason), ("rlstream-field", b"prompt"),
+                                    ("rlstream-source", where.encode())]).get(timeout=30)
+            return
+        self._buffer.append(Prompt(pid, text, answer, 0))
+
+    def close(self) -> None:
+        self._consumer.close()
+        self._dlq.close(timeout=10)
 
 
 def load_prompt_rows(path: Path) -> list[tuple[str, str, str]]:
@@ -87,16 +164,8 @@ def load_prompt_rows(path: Path) -> list[tuple[str, str, str]]:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{where}: not valid JSON ({e.msg})", key="producer.prompts_path") from None
-            if not isinstance(row, dict):
-                raise ConfigError(f"{where}: expected a JSON object with 'prompt' and 'answer'",
-                                  key="producer.prompts_path")
-            prompt, answer = row.get("prompt"), row.get("answer")
-            if not isinstance(prompt, str) or not prompt:
-                raise ConfigError(f"{where}: 'prompt' must be a non-empty string", key="producer.prompts_path")
-            if answer is None or isinstance(answer, (dict, list, bool)):
-                raise ConfigError(f"{where}: 'answer' must be a string or a number", key="producer.prompts_path")
-            pid = str(row["id"]) if "id" in row else f"{path.name}:{lineno}"
-            rows.append((pid, prompt, str(answer)))
+            pid, prompt, answer = parse_prompt_row(row, where)
+            rows.append((pid if "id" in row else f"{path.name}:{lineno}", prompt, answer))
     if not rows:
         raise ConfigError(f"prompt file {str(path)!r} has no prompts", key="producer.prompts_path")
     return rows

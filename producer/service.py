@@ -94,11 +94,14 @@ class ProducerService:
         from common.control import ControlFollower
         from common.kafka_conn import ensure_topics
         from common.publisher import RolloutPublisher
-        from producer.prompts import JsonlPromptSource
+        from producer.prompts import JsonlPromptSource, KafkaPromptSource
         from producer.verifiers import get_verifier
 
         ensure_topics(self.kafka)
-        self.prompts = iter(JsonlPromptSource(self.pcfg.prompts_path, seed=self.pcfg.seed))
+        if self.pcfg.prompt_topic:
+            self.prompts = KafkaPromptSource(self.kafka, self.pcfg.prompt_topic)
+        else:
+            self.prompts = JsonlPromptSource(self.pcfg.prompts_path, seed=self.pcfg.seed)
         self.verify = get_verifier(self.pcfg.verifier)
         self.follower = ControlFollower(self.kafka, self.control)
         self.follower.poll(timeout_s=1.0)
@@ -246,7 +249,10 @@ class ProducerService:
                 if reason != "in_flight":
                     _HELD.labels(reason=reason).inc()
                 return
-            prompt = next(self.prompts)
+            prompt = self.prompts.take()
+            if prompt is None:
+                _HELD.labels(reason="no_prompts").inc()
+                return
             ids = self.engine.encode(prompt.text)
             self._group_seq += 1
             gid = f"{self.producer_id}-{self._group_seq}"
@@ -328,7 +334,7 @@ class ProducerService:
         log.info("producer drained: published=%d (every finished sample acknowledged by the broker)", acked)
 
     def close(self) -> None:
-        for name in ("publisher", "follower", "engine"):
+        for name in ("publisher", "follower", "engine", "prompts"):
             obj = getattr(self, name, None)
             if obj is not None:
                 try:

@@ -27,6 +27,7 @@ DECLARING_MODULES = {
     "common.control": "both",
     "common.http": "both",
     "producer.service": "producer",
+    "producer.prompts": "producer",
     "consumer.service": "consumer",
 }
 KINDS = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
