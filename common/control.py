@@ -8,7 +8,9 @@ Two small topics, both JSON, both read from the beginning by every service:
   settings from the topic.
 - `rlstream.policy`: `PolicyAnnouncement` under the key `policy`; the newest
   version wins. Its `trainer_version` is the trainer's version that producers
-  use for staleness backpressure.
+  use for staleness backpressure. While the trainer waits for data it
+  re-announces its current version with newer `consumed_offsets` (a progress
+  update: producers update their backpressure estimate, nothing reloads).
 
 Values are validated on both ends: `ctl set` refuses bad values before
 writing, and a follower ignores (and counts) an out-of-range or malformed
@@ -164,7 +166,9 @@ class ControlFollower:
         try:
             if kind == "policy":
                 ann = PolicyAnnouncement.model_validate_json(value or b"")
-                if self.view.policy is None or ann.version > self.view.policy.version:
+                cur = self.view.policy
+                # a newer version, or a progress update of the current one (newer consumed offsets)
+                if cur is None or (ann.version, ann.created_at) > (cur.version, cur.created_at):
                     self.view.policy = ann
                     return ("policy", ann)
                 return None

@@ -80,6 +80,9 @@ class ConsumerService:
         self._healthy = True
         self._last_trained: list[str] = []
         self._last_step_at = time.time()
+        self._announced: PolicyAnnouncement | None = None  # the last announcement we sent
+        self._progress_at = 0.0
+        self._building: list[ReadyGroup] = []  # gated groups of the batch being built
         self.rank, self.world = int(os.environ.get("RANK", "0")), _world_size()
         if self.world > 1 and self.ccfg.expert_parallel_size > 1:
             from common.errors import ConfigError
@@ -109,7 +112,11 @@ class ConsumerService:
         self.weights = WeightStore(self.ccfg.weight_store_dir, self.ccfg.keep_versions)
         self.assembler = GroupAssembler(self.ccfg.group_size, self.ccfg.group_timeout_s)
         offsets = self._restore()
-        self.reader = RolloutReader(self.kafka, start_offsets=offsets, blobs=BlobStore(self.kafka.blob_dir))
+        # fetch_max_wait 20 ms: tansu 0.6 answers a long-poll fetch only when the wait
+        # expires, not when records arrive (measured: latency ~ half the wait), so the
+        # default 100 ms added ~50 ms to every global step of a synchronous pipeline
+        self.reader = RolloutReader(self.kafka, start_offsets=offsets, blobs=BlobStore(self.kafka.blob_dir),
+                                    fetch_max_wait_ms=20)
         self.follower = ControlFollower(self.kafka, self.control)
         self.follower.poll(timeout_s=1.0)
         self.control = self.follower.view.state
@@ -222,12 +229,14 @@ class ConsumerService:
         groups are waiting, so read-ahead stays within one poll.
         """
         B, batch = self.ccfg.groups_per_batch, []
+        self._building = batch  # gated, not yet trained: counted by held_records()
         while len(batch) < B:
             if self.state.ready:
                 self._gate(self.state.ready.pop(0), batch)
                 continue
             if self._stop:
                 self.state.ready[:0] = [rg.group for rg in batch]  # untrained: back in line
+                self._building = []
                 return None
             if self.control.paused:
                 time.sleep(poll_s)
@@ -235,6 +244,7 @@ class ConsumerService:
                 continue
             self._consume(self.reader.poll(max_records=512, timeout_s=poll_s))
             self._expire()
+            self.announce_progress()
             _LAG.set(self.reader.lag())
             _OPEN.set(self.assembler.num_open)
             _HELD.set(self.held_records())
@@ -243,7 +253,8 @@ class ConsumerService:
     def held_records(self) -> int:
         """Records read and not yet counted in an outcome (they are re-read after a restart)."""
         return (sum(len(g.samples) for g in self.assembler.open_groups())
-                + sum(len(g.samples) for g in self.state.ready))
+                + sum(len(g.samples) for g in self.state.ready)
+                + sum(len(rg.group.samples) for rg in self._building))
 
     def _count(self, outcome: str, n: int = 1) -> None:
         self.state.counters[outcome] += n
@@ -300,12 +311,13 @@ class ConsumerService:
         for rg in batch:
             self._finish_group(rg.group, "trained")
             self._last_trained.extend(r.rollout_id for r in rg.group.rollouts())
+        self._building = []
         return out
 
     def _safe_offsets(self) -> dict[int, int]:
         safe = dict(self.reader.positions())
         pending = self.assembler.pending_min_offsets()
-        for g in self.state.ready:
+        for g in self.state.ready + [rg.group for rg in self._building]:
             for p, o in g.offsets():
                 pending[p] = min(pending.get(p, o), o)
         for p, o in pending.items():
@@ -342,12 +354,32 @@ class ConsumerService:
         ann = PolicyAnnouncement(version=v, uri=m["uri"], sha256=m["sha256"], bytes=m["bytes"],
                                  trainer_version=v, consumed_offsets=self._safe_offsets())
         self._writer.announce(ann)
+        self._announced, self._progress_at = ann, time.monotonic()
         _VERSION.set(v)
+
+    def announce_progress(self, every_s: float = 1.0) -> None:
+        """While waiting for data, re-announce the current version with newer consumed offsets.
+
+        Producers size their staleness backpressure from the consumed offsets;
+        without this, records the gate dropped (or DLQ'd, or timed out) would
+        count as queued until the next step, and a synchronous pipeline
+        (max_staleness 0) whose queue was all dropped would wait forever.
+        """
+        now = time.monotonic()
+        if self._announced is None or now - self._progress_at < every_s:
+            return
+        self._progress_at = now
+        safe = self._safe_offsets()
+        if safe != self._announced.consumed_offsets:
+            self._announced = self._announced.model_copy(update={"consumed_offsets": safe, "created_at": time.time()})
+            self._writer.announce(self._announced)
 
     def _announce_if_needed(self) -> None:
         latest = self.follower.view.policy
         if latest is None or latest.version < self.state.version:
             self.publish_weights()
+        else:  # already announced (a restart): progress updates reuse it
+            self._announced, self._progress_at = latest, time.monotonic()
         _VERSION.set(self.state.version)
 
     def _observe(self, step_metrics: dict, batch: list[ReadyGroup], phases: dict) -> None:
