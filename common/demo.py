@@ -553,7 +553,30 @@ class Observer:
             "producer_versions": [int(metric(m, "rlstream_producer_policy_version")) for m in prods],
             "outcomes": {o: int(metric(c, "rlstream_consumer_records_total", outcome=o)) for o in OUTCOMES},
             "lag": int(metric(c, "rlstream_consumer_lag_records")),
+            "cum": _cumulative(c, prods),
         }
+
+
+def _cumulative(c: Metrics | None, prods: list[Metrics]) -> dict:
+    """Cumulative timing counters (differences over an interval give per-phase means).
+
+    Consumer: seconds and count of each global-step phase (wait/train/checkpoint/
+    publish); producers: weight-reload seconds and count, generated tokens, engine
+    tokens per engine-second (so tokens / rate = seconds the engine was stepping),
+    and admission refusals by reason.
+    """
+    out = {}
+    for ph in ("wait", "train", "checkpoint", "publish"):
+        out[f"c_{ph}_s"] = metric(c, "rlstream_consumer_step_phase_seconds_sum", phase=ph)
+        out[f"c_{ph}_n"] = metric(c, "rlstream_consumer_step_phase_seconds_count", phase=ph)
+    out["p_reload_s"] = sum(metric(m, "rlstream_producer_weight_reload_seconds_sum") for m in prods)
+    out["p_reload_n"] = sum(metric(m, "rlstream_producer_weight_reload_seconds_count") for m in prods)
+    out["p_tokens"] = sum(metric(m, "rlstream_producer_tokens_total") for m in prods)
+    out["p_engine_s"] = sum(metric(m, "rlstream_producer_tokens_total") / metric(m, "rlstream_producer_tokens_per_second")
+                            for m in prods if metric(m, "rlstream_producer_tokens_per_second") > 0)
+    for reason in ("staleness", "publish_buffer", "paused"):
+        out[f"p_held_{reason}"] = sum(metric(m, "rlstream_producer_held_back_total", reason=reason) for m in prods)
+    return out
 
 
 def _num(x: float) -> float | None:

@@ -13,16 +13,16 @@ in the overrides listed below. Arms run one after another (2 cores).
   batch per version, so generation and training alternate) vs asynchronous
   (`max_staleness` = k, the config's value or 2). Each arm runs until held-out
   accuracy reaches warm + `demo.target_gain` (two evaluations in a row) or
-  `ARM_SECONDS["async"]`. Prints a table and one JSON object with
+  `ARM_SECONDS["async"]`, twice, interleaved sync, async, async, sync (ABBA). Prints a table and one JSON object with
   `async_speedup` = async trained samples/s / sync trained samples/s and each
   arm's wall time to the target accuracy.
 - objectives: `consumer.loss` = minirl, minirl_no_is, grpo, cispo, on-policy.
 - replay: `consumer.num_minibatches=4` (off-policy, 4 updates per batch) with
   routing replay none / R2 / R3, each with the PPO-style clipping mask and
-  without it (eps_low = eps_high = 1e6: no token is ever masked), plus R3 with
+  without it (eps_low = 0.999999, eps_high = 1e6: no token is masked), plus R3 with
   bf16 inference (`producer.engine.dtype=bfloat16`) against fp32 training.
 
-Per arm: reward (last quarter), held-out accuracy (final, greedy), training-
+Per arm: reward (last quarter), held-out accuracy (final, the demo's metric: avg@8), training-
 inference KL and clip fraction (means over the last quarter), entropy, and
 `collapsed`: final held-out accuracy more than `COLLAPSE_ACC_DROP` below the
 warm start, or mean training-inference KL over the last quarter above
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,8 +44,13 @@ log = logging.getLogger("rlstream.experiments")
 
 COLLAPSE_ACC_DROP = 0.10
 COLLAPSE_KL = 0.05
-ARM_SECONDS = {"async": 240.0, "objectives": 120.0, "replay": 120.0}
-NO_CLIP = {"consumer.eps_low": 1e6, "consumer.eps_high": 1e6}
+ARM_SECONDS = {"async": 240.0, "objectives": 90.0, "replay": 60.0}
+REPS = {"async": 2, "objectives": 1, "replay": 1}
+# Overrides every arm of an experiment shares (the workload), before the arm's own.
+COMMON: dict[str, dict[str, Any]] = {}
+# No PPO-style mask: r < 1 - eps_low or r > 1 + eps_high never happens in 4
+# mini-batches (eps_low must stay below 1: the trainer refuses 1 - eps_low <= 0).
+NO_CLIP = {"consumer.eps_low": 0.999999, "consumer.eps_high": 1e6}
 
 
 @dataclass
@@ -80,6 +86,33 @@ def _last_quarter(rows: list[dict], key: str) -> float | None:
     return sum(tail) / len(tail)
 
 
+def phase_profile(rows: list[dict], skip_frac: float = 0.25) -> dict | None:
+    """Where the time went in the steady part of a run (first `skip_frac` of ticks skipped).
+
+    Per global step (means): consumer `wait` (for B groups), `train`, `checkpoint`,
+    `publish`, `step` (their sum); producer `reload` seconds per reload and
+    `engine_s_per_step` (seconds vLLM spent stepping per trained version);
+    `engine_busy` = engine seconds / wall seconds; `staleness_refusals_per_s`.
+    """
+    ticks = [r for r in rows if r.get("kind") == "tick" and r.get("cum")]
+    if len(ticks) < 3:
+        return None
+    a, b = ticks[int(len(ticks) * skip_frac)], ticks[-1]
+    d = {k: b["cum"][k] - a["cum"].get(k, 0.0) for k in b["cum"]}
+    wall = b["time"] - a["time"]
+    steps = d["c_train_n"] or float("nan")
+    out = {f"c_{ph}": d[f"c_{ph}_s"] / steps for ph in ("wait", "train", "checkpoint", "publish")}
+    out["c_step"] = sum(out.values())
+    out["versions_per_s"] = d["c_train_n"] / wall if wall > 0 else None
+    out["p_reload"] = d["p_reload_s"] / d["p_reload_n"] if d["p_reload_n"] else None
+    out["engine_s_per_step"] = d["p_engine_s"] / steps
+    out["engine_busy"] = d["p_engine_s"] / wall if wall > 0 else None
+    out["tokens_per_step"] = d["p_tokens"] / steps
+    out["staleness_refusals_per_s"] = d["p_held_staleness"] / wall if wall > 0 else None
+    out["window_s"] = wall
+    return {k: (None if v is None or v != v else round(v, 4)) for k, v in out.items()}
+
+
 def arm_metrics(res) -> dict:
     """One row of the experiment table from a `RunResult`."""
     kl = _last_quarter(res.rows, "kl")
@@ -91,7 +124,7 @@ def arm_metrics(res) -> dict:
         "entropy": _last_quarter(res.rows, "entropy"), "collapsed": bool(collapsed),
         "samples_per_s": res.samples_per_s, "versions": res.versions, "rl_seconds": res.rl_seconds,
         "seconds_to_target": res.seconds_to_target, "ok": res.ok, "error": res.error,
-        "run_dir": res.run_dir,
+        "run_dir": res.run_dir, "phases": phase_profile(res.rows),
     }
 
 
@@ -104,29 +137,95 @@ def _table(rows: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def run_experiment(name: str, cfg: RlstreamConfig, seconds: float | None = None) -> int:
-    """Run every arm of `name`; print the table and one JSON line; 0 iff every arm ran cleanly."""
+def _phase_table(rows: dict[str, dict]) -> str:
+    cols = ("c_wait", "c_train", "c_checkpoint", "c_publish", "c_step", "versions_per_s", "p_reload",
+            "engine_s_per_step", "engine_busy", "tokens_per_step")
+    fmt = lambda v: "-" if v is None else f"{v:.3g}"  # noqa: E731
+    lines = ["| arm | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for arm, m in rows.items():
+        ph = m.get("phases") or {}
+        lines.append(f"| {arm} | " + " | ".join(fmt(ph.get(c)) for c in cols) + " |")
+    return "\n".join(lines)
+
+
+def _mean(vals):
+    vals = [v for v in vals if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    return sum(vals) / len(vals) if vals else None
+
+
+def combine(runs: list[dict]) -> dict:
+    """One arm over its repetitions: samples/s = all trained / all RL seconds, other numbers averaged."""
+    if len(runs) == 1:
+        return runs[0]
+    out = {k: _mean([r[k] for r in runs]) for k in ("reward", "heldout_accuracy", "best_accuracy", "kl",
+                                                     "clip_frac", "entropy", "versions", "rl_seconds")}
+    trained = sum(r["samples_per_s"] * r["rl_seconds"] for r in runs)
+    secs = sum(r["rl_seconds"] for r in runs)
+    out["samples_per_s"] = trained / secs if secs else 0.0
+    tt = [r["seconds_to_target"] for r in runs]
+    out["seconds_to_target"] = _mean(tt) if all(t is not None for t in tt) else None
+    out["seconds_to_target_each"] = tt
+    out["collapsed"] = any(r["collapsed"] for r in runs)
+    out["ok"] = all(r["ok"] for r in runs)
+    out["error"] = next((r["error"] for r in runs if r["error"]), None)
+    phases = [r["phases"] for r in runs if r.get("phases")]
+    out["phases"] = {k: _mean([p[k] for p in phases]) for k in phases[0]} if phases else None
+    out["samples_per_s_each"] = [r["samples_per_s"] for r in runs]
+    out["run_dirs"] = [r["run_dir"] for r in runs]
+    return out
+
+
+def run_experiment(name: str, cfg: RlstreamConfig, seconds: float | None = None, reps: int | None = None) -> int:
+    """Run every arm of `name`; print the tables and one JSON object last; 0 iff every arm ran cleanly.
+
+    With `reps` > 1 the arms are interleaved A B .. B A (ABBA order cancels a
+    linear drift of the shared machine's load) and each arm's numbers combine
+    its repetitions.
+    """
     from common.demo import StopRule, prepare_warm, run_rl, say
 
     arm_list = arms(name, cfg)
+    only = [a for a in os.environ.get("RLSTREAM_ARMS", "").split(",") if a]
+    if only:  # a subset of the arms, e.g. to redo some of them
+        arm_list = [a for a in arm_list if a.name in only]
+        if not arm_list:
+            raise ConfigError(f"RLSTREAM_ARMS={','.join(only)} names no arm of {name!r}")
     warm = prepare_warm(cfg)
     target = min(1.0, warm.accuracy + cfg.demo.target_gain)
-    budget = seconds or ARM_SECONDS[name]
-    say(f"experiment {name}: {len(arm_list)} arms x <= {budget:.0f} s, warm accuracy {warm.accuracy:.3f}, "
-        f"target {target:.3f}")
-    results: dict[str, dict] = {}
-    for arm in arm_list:
+    budget = seconds or float(os.environ.get("RLSTREAM_ARM_SECONDS") or ARM_SECONDS[name])
+    reps = reps or int(os.environ.get("RLSTREAM_EXPERIMENT_REPS") or REPS[name])
+    order = [a for r in range(reps) for a in (arm_list if r % 2 == 0 else arm_list[::-1])]
+    say(f"experiment {name}: {len(arm_list)} arms x {reps} rep(s) x <= {budget:.0f} s, "
+        f"warm accuracy {warm.accuracy:.3f}, target {target:.3f}; order {[a.name for a in order]}")
+    runs: dict[str, list[dict]] = {a.name: [] for a in arm_list}
+    for i, arm in enumerate(order):
         stop = StopRule(target_accuracy=target if name == "async" else None, max_seconds=budget)
-        res = run_rl(cfg, warm, f"{name}-{arm.name}", stop, overrides=arm.overrides,
+        res = run_rl(cfg, warm, f"{name}-{arm.name}", stop, overrides={**COMMON.get(name, {}), **arm.overrides},
                      eval_every_s=15.0 if name == "async" else 30.0)
-        results[arm.name] = {**arm_metrics(res), "overrides": arm.overrides}
+        m = arm_metrics(res)
+        runs[arm.name].append(m)
+        say(f"[{i + 1}/{len(order)}] {arm.name}: {m['samples_per_s']:.1f} samples/s, "
+            f"{m['versions']} versions in {m['rl_seconds']:.0f} s, phases {m['phases']}")
+    results = {a: {**combine(r), "overrides": {**COMMON.get(name, {}), **next(x.overrides for x in arm_list
+                                                                              if x.name == a)}}
+               for a, r in runs.items()}
     say(_table(results))
+    say(_phase_table(results))
     out: dict[str, Any] = {"experiment": name, "warm_accuracy": warm.accuracy, "target_accuracy": target,
-                           "arm_seconds": budget, "arms": results}
+                           "metric": warm.metric, "arm_seconds": budget, "reps": reps,
+                           "order": [a.name for a in order], "arms": results}
     if name == "async":
         sync, asyn = results["sync"], next(v for k, v in results.items() if k != "sync")
         out["async_speedup"] = (asyn["samples_per_s"] / sync["samples_per_s"]) if sync["samples_per_s"] else None
+        if reps > 1:  # per ABBA pair: each sync run against the async run next to it
+            ss, aa = runs["sync"], next(v for k, v in runs.items() if k != "sync")
+            out["async_speedup_each"] = [round(a["samples_per_s"] / s["samples_per_s"], 3)
+                                         for s, a in zip(ss, aa) if s["samples_per_s"]]
+        out["sync_samples_per_s"] = sync["samples_per_s"]
+        out["async_samples_per_s"] = asyn["samples_per_s"]
         out["sync_seconds_to_target"] = sync["seconds_to_target"]
         out["async_seconds_to_target"] = asyn["seconds_to_target"]
+        st, at = sync["seconds_to_target"], asyn["seconds_to_target"]
+        out["time_to_target_speedup"] = (st / at) if st and at else None
     print(json.dumps(out, default=str), flush=True)
     return 0 if all(r["ok"] for r in results.values()) else 1
