@@ -65,6 +65,8 @@ class ServiceHttp:
         self._server.shutdown()
         self._server.server_close()
 
+    close = stop
+
     def authorized(self, header: str | None) -> bool:
         if not self.token or not header or not header.startswith("Bearer "):
             return False

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from common import metrics
 from common.config import RlstreamConfig
 from common.control import ControlPlaneWriter, ControlState, PolicyAnnouncement
+from common.lifecycle import close_attrs
 from consumer.assembler import GroupAssembler, Group
 from consumer.staleness import gate_group
 
@@ -170,14 +171,7 @@ class ConsumerService:
     def close(self) -> None:
         if self.world > 1 and self.rank == 0 and getattr(self, "trainer", None) is not None:
             _broadcast(("stop", None))
-        for closer in ("reader", "follower"):
-            obj = getattr(self, closer, None)
-            if obj is not None:
-                obj.close()
-        if getattr(self, "_writer", None) is not None:
-            self._writer.close()
-        if getattr(self, "http", None) is not None:
-            self.http.stop()
+        close_attrs(self, ("reader", "follower", "_writer", "http"), log)
 
     # ----------------------------------------------------------------- loop
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from common import metrics
 from common.config import RlstreamConfig
 from common.control import ControlState, PolicyAnnouncement
+from common.lifecycle import close_attrs
 from common.record import Rollout
 
 log = logging.getLogger("rlstream.producer")
@@ -334,19 +335,7 @@ class ProducerService:
         log.info("producer drained: published=%d (every finished sample acknowledged by the broker)", acked)
 
     def close(self) -> None:
-        for name in ("publisher", "follower", "engine", "prompts"):
-            obj = getattr(self, name, None)
-            if obj is not None:
-                try:
-                    obj.close()
-                except Exception:  # noqa: BLE001 - close everything we can
-                    log.exception("closing %s failed", name)
-        for name in ("_offsets_client", "_writer"):
-            obj = getattr(self, name, None)
-            if obj is not None:
-                obj.close()
-        if getattr(self, "http", None) is not None:
-            self.http.stop()
+        close_attrs(self, ("publisher", "follower", "engine", "prompts", "_offsets_client", "_writer", "http"), log)
 
 
 def main(cfg: RlstreamConfig) -> int:
