@@ -68,6 +68,16 @@ class RecordLimits:
     max_experts: int = 65_536
     max_id_length: int = 256
     max_token_id: int = 2**31 - 1
+    # What a consumer's model requires (None: accept any). A record whose routing
+    # does not fit the model would crash the training forward, so it is invalid.
+    model_layers: int | None = None
+    model_top_k: int | None = None
+    model_experts: int | None = None
+
+    @classmethod
+    def for_model(cls, vocab_size: int, layers: int, top_k: int, experts: int) -> "RecordLimits":
+        """Limits that also refuse token ids and routing the model cannot take."""
+        return cls(max_token_id=vocab_size - 1, model_layers=layers, model_top_k=top_k, model_experts=experts)
 
 
 DEFAULT_LIMITS = RecordLimits()
@@ -390,3 +400,8 @@ def _validate_routing(r: Rollout, P: int, T: int, limits: RecordLimits) -> None:
         raise InvalidRecordError("routed_experts", f"layers={layers}, top_k={k} out of range")
     if re_.size and int(re_.max()) >= r.num_experts:
         raise InvalidRecordError("routed_experts", f"expert id {int(re_.max())} >= num_experts {r.num_experts}")
+    want = (limits.model_layers, limits.model_top_k, limits.model_experts)
+    got = (layers, k, r.num_experts)
+    for name, w, g in zip(("layers", "top_k", "num_experts"), want, got):
+        if w is not None and w != g:
+            raise InvalidRecordError("routed_experts", f"{name}={g} does not match the model's {w}")

@@ -99,6 +99,7 @@ class ConsumerService:
         from common.control import ControlFollower
         from common.kafka_conn import ensure_topics
         from common.reader import RolloutReader
+        from common.record import RecordLimits
         from common.weights import WeightStore
         from consumer.checkpoint import CheckpointManager
 
@@ -116,8 +117,10 @@ class ConsumerService:
         # fetch_max_wait 20 ms: tansu 0.6 answers a long-poll fetch only when the wait
         # expires, not when records arrive (measured: latency ~ half the wait), so the
         # default 100 ms added ~50 ms to every global step of a synchronous pipeline
+        d = self.trainer.model.hf_dims  # records the model cannot take go to the DLQ, not the trainer
+        limits = RecordLimits.for_model(d.vocab_size, d.num_layers, d.topk, d.num_experts)
         self.reader = RolloutReader(self.kafka, start_offsets=offsets, blobs=BlobStore(self.kafka.blob_dir),
-                                    fetch_max_wait_ms=20)
+                                    limits=limits, fetch_max_wait_ms=20)
         self.follower = ControlFollower(self.kafka, self.control)
         self.follower.poll(timeout_s=1.0)
         self.control = self.follower.view.state

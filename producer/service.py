@@ -31,6 +31,7 @@ import os
 import signal
 import socket
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass
 
@@ -81,6 +82,8 @@ class ProducerService:
         self.pending: list[Rollout] = []
         self._stop = False
         self._group_seq = 0
+        # group ids must never repeat, also across restarts of a producer with a fixed id
+        self._incarnation = uuid.uuid4().hex[:8]
         self._rewards: list[float] = []
         self._finished_times: deque[float] = deque()
         self._ends: dict[int, int] = {}  # rollouts topic end offsets, as last queried
@@ -110,7 +113,9 @@ class ProducerService:
         self.publisher = RolloutPublisher(self.kafka, BlobStore(self.kafka.blob_dir))
         self._offsets_client = self._make_offsets_client()
         self._start_http()
-        self.follow_control()  # catch up to the newest announced version before generating
+        self.follow_control()
+        if self.follower.view.policy is not None:  # catch up to the newest announced version before generating
+            self._on_policy(self.follower.view.policy)
 
     def _build_engine(self):
         import torch
@@ -256,7 +261,7 @@ class ProducerService:
                 return
             ids = self.engine.encode(prompt.text)
             self._group_seq += 1
-            gid = f"{self.producer_id}-{self._group_seq}"
+            gid = f"{self.producer_id}-{self._incarnation}-{self._group_seq}"
             self.engine.submit_group(ids, n=self.pcfg.group_size, tag=gid, sampling=SamplingConfig(
                 max_tokens=self.pcfg.max_tokens, temperature=self.pcfg.temperature, top_p=self.pcfg.top_p))
             self.groups[gid] = GroupInfo(prompt.text, prompt.answer, ids, self.pcfg.group_size)

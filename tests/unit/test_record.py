@@ -246,3 +246,17 @@ def test_rollout_is_a_plain_dataclass():
     r = small()
     r2 = dataclasses.replace(r, rollout_id="other")
     assert decode(encode(r2)).rollout_id == "other"
+
+
+def test_model_limits_refuse_what_the_model_cannot_take():
+    from common.record import RecordLimits
+
+    r = realistic_rollout(response_tokens=8, prompt_tokens=4, layers=2, top_k=2, num_experts=8, vocab=64)
+    buf = encode(r)
+    assert decode(buf, RecordLimits.for_model(vocab_size=64, layers=2, top_k=2, experts=8)).rollout_id == r.rollout_id
+    for limits, needle in ((RecordLimits.for_model(32, 2, 2, 8), "token ids"),
+                           (RecordLimits.for_model(64, 3, 2, 8), "layers=2"),
+                           (RecordLimits.for_model(64, 2, 4, 8), "top_k=2"),
+                           (RecordLimits.for_model(64, 2, 2, 16), "num_experts=8")):
+        with pytest.raises(InvalidRecordError, match=needle):
+            decode(buf, limits)

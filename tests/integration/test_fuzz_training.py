@@ -1,0 +1,328 @@
+"""Issue #8.4 (bad input) and #8.6 (security, live part) against one running consumer.
+
+The real consumer (subprocess; real broker; Megatron-core on the tiny model)
+trains on valid synthetic groups while hypothesis fuzzes the rollouts topic
+with records that are truncated, of another schema version, with mismatched
+lengths, NaN/inf or positive log-probs, expert ids >= num_experts, oversize
+(beyond the reader's record limits) or a pickle whose unpickling would leave
+a marker file. Afterwards: training went on, each bad record is in the DLQ
+under the field its kind must be refused for, and the DLQ counters (reader and
+consumer) match the number of bad records exactly.
+
+Security, on the same live consumer: the admin API refuses missing or wrong
+tokens and out-of-range values (and writes nothing then); out-of-range,
+malformed or pickled control and policy messages put on the topics directly
+are ignored and counted. Static and client-level security checks are in
+test_security.py.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import time
+from collections import Counter
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from common.record import encode
+from fixtures_kafka import make_kafka_settings
+from services import (ADMIN_TOKEN, Service, audit_steps, http_request, metric_value, read_dlq, send_raw,
+                      service_config, wait_until, write_config)
+from synthetic import synthetic_group
+
+pytestmark = [pytest.mark.broker, pytest.mark.megatron, pytest.mark.slow]
+
+G, B = 4, 2
+MARKER = Path(f"/tmp/rlstream-pwned-{os.getpid()}")
+
+
+class _Pwn:
+    """Unpickling this creates MARKER: proof that something unpickled it."""
+
+    def __reduce__(self):
+        return (os.system, (f"touch {MARKER}",))
+
+
+PICKLE_BOMB = pickle.dumps(_Pwn())
+
+# ---------------------------------------------------------------- bad records
+
+_TEMPLATE = synthetic_group("tmpl", G, 0, np.random.default_rng(0))[0]
+_VALID_MAP = msgpack.unpackb(encode(_TEMPLATE), raw=False)
+_T = len(_TEMPLATE.response_ids)
+
+
+def _pack(**changes) -> bytes:
+    m = dict(_VALID_MAP)
+    m.update(changes)
+    return msgpack.packb(m, use_bin_type=True)
+
+
+def _f32(values) -> bytes:
+    return np.asarray(values, dtype="<f4").tobytes()
+
+
+@st.composite
+def bad_record(draw) -> tuple[str, str, bytes]:
+    """(kind, DLQ field it must be refused for, bytes)."""
+    kind = draw(st.sampled_from(["truncated", "schema", "lengths", "nan_logprob", "positive_logprob",
+                                 "expert_id", "oversize", "pickle"]))
+    valid = encode(_TEMPLATE)
+    if kind == "truncated":
+        return kind, "<bytes>", valid[:draw(st.integers(0, len(valid) - 1))]
+    if kind == "schema":
+        v = draw(st.integers(-(2**63), 2**64 - 1).filter(lambda x: x != 1) | st.text(max_size=8) | st.none())
+        return kind, "schema", _pack(schema=v)
+    if kind == "lengths":
+        n = draw(st.integers(0, 3 * _T).filter(lambda x: x != _T))
+        return kind, "logprobs", _pack(logprobs=_f32(-np.ones(n)))
+    if kind in ("nan_logprob", "positive_logprob"):
+        lp = np.array(_TEMPLATE.logprobs, dtype=np.float32)
+        i = draw(st.integers(0, _T - 1))
+        lp[i] = draw(st.sampled_from([np.nan, np.inf, -np.inf])) if kind == "nan_logprob" else \
+            draw(st.floats(1e-3, 1e6, allow_nan=False))
+        return kind, "logprobs", _pack(logprobs=_f32(lp))
+    if kind == "expert_id":
+        re_ = np.array(_TEMPLATE.routed_experts, dtype=np.uint8)
+        flat = re_.reshape(-1)
+        flat[draw(st.integers(0, flat.size - 1))] = draw(st.integers(_TEMPLATE.num_experts, 255))
+        return kind, "routed_experts", _pack(routed_experts=re_.tobytes())
+    if kind == "oversize":
+        P = draw(st.integers(65_537, 70_000))  # RecordLimits.max_prompt_tokens = 65,536
+        return kind, "prompt_ids", _pack(prompt_ids=np.full(P, 5, dtype="<i4").tobytes())
+    return kind, "<bytes>", PICKLE_BOMB
+
+
+# ---------------------------------------------------------------- the live consumer
+
+class Live:
+    def __init__(self, kafka, consumer: Service, ckpt: Path):
+        from common.publisher import RolloutPublisher
+
+        self.kafka, self.consumer, self.ckpt = kafka, consumer, ckpt
+        self.pub = RolloutPublisher(kafka)
+        self.rng = np.random.default_rng(11)
+        self.expected: dict[str, tuple[str, str]] = {}  # DLQ source -> (kind, field)
+        self.valid_groups = 0
+        self._seq = 0
+
+    def version(self) -> int:
+        return max(audit_steps(self.ckpt), default=0)
+
+    def publish_valid_group(self) -> None:
+        self._seq += 1
+        for f in [self.pub.publish(r, timeout=60) for r in
+                  synthetic_group(f"ok-{self._seq}", G, self.version(), self.rng)]:
+            f.result(timeout=60)
+        self.valid_groups += 1
+
+    def publish_bad(self, kind: str, field: str, value: bytes) -> None:
+        self._seq += 1
+        d = self.pub.publish_bytes(f"bad-{self._seq}".encode(), value, timeout=60).result(timeout=60)
+        self.expected[f"{d.topic}/{d.partition}/{d.offset}"] = (kind, field)
+
+
+@pytest.fixture(scope="module")
+def live(broker, tiny_model_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fuzz-training")
+    kafka = make_kafka_settings(broker.bootstrap, tmp / "blobs", rollouts_partitions=2)
+    cfg = service_config(kafka, tiny_model_dir, tmp, G=G, B=B, staleness={"max_staleness": 1000},
+                         consumer={"group_timeout_s": 30.0})
+    consumer = Service("consumer", write_config(cfg, tmp / "consumer.yaml"), tmp / "logs")
+    MARKER.unlink(missing_ok=True)
+    with consumer:
+        consumer.start()
+        lv = Live(kafka, consumer, Path(cfg.consumer.checkpoint_dir))
+        for _ in range(B):
+            lv.publish_valid_group()
+        wait_until(lambda: lv.version() >= 1, 300, "the first training step", [consumer])
+        consumer.wait_http(60)
+        yield lv
+        lv.pub.close()
+
+
+FUZZ = settings(max_examples=30, deadline=None, derandomize=True, database=None,
+                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+
+@pytest.mark.timeout(600)
+@FUZZ
+@given(bad=st.lists(bad_record(), min_size=1, max_size=3))
+def test_fuzz_rollouts_topic_while_training(live, bad):
+    """Each example: some bad records, then a valid group (a step every B examples)."""
+    for kind, field, value in bad:
+        live.publish_bad(kind, field, value)
+    live.publish_valid_group()
+    assert live.consumer.alive, live.consumer.log_tail()
+
+
+@pytest.mark.timeout(300)
+def test_training_continued_and_every_bad_record_is_in_the_dlq_with_its_reason(live):
+    c = live.consumer
+    n_bad = len(live.expected)
+    assert n_bad >= 30 and {k for k, _ in live.expected.values()} >= {
+        "truncated", "schema", "lengths", "nan_logprob", "positive_logprob", "expert_id", "oversize", "pickle"}
+    want_steps = live.valid_groups // B
+    wait_until(lambda: live.version() >= want_steps, 300, f"{want_steps} steps", [c])
+    ours = {}
+    def all_in_dlq():
+        ours.clear()
+        ours.update({d.source: d for d in read_dlq(live.kafka, quiet_s=0.5) if d.source in live.expected})
+        return len(ours) == n_bad
+    wait_until(all_in_dlq, 120, "every bad record in the DLQ", [c], interval=1.0)
+    wrong = {s: (live.expected[s], d.field, d.reason) for s, d in ours.items() if d.field != live.expected[s][1]}
+    assert not wrong, wrong
+    assert all(d.reason for d in ours.values())
+    # counters match: the reader's per-field DLQ counter and the consumer's dlq outcome
+    text = c.scrape()
+    per_field = Counter(field for _, field in live.expected.values())
+    for field, n in per_field.items():
+        assert metric_value(text, "rlstream_dlq_records_total", field=field) == n, field
+    assert metric_value(text, "rlstream_dlq_records_total") == n_bad
+    assert metric_value(text, "rlstream_consumer_records_total", outcome="dlq") == n_bad
+    assert metric_value(text, "rlstream_consumer_records_total", outcome="trained") == live.valid_groups * G
+    assert http_request(c.url + "/healthz")[0] == 200
+    assert not MARKER.exists(), "a pickle from the rollouts topic was unpickled"
+
+
+# ---------------------------------------------------------------- security (live)
+
+def _admin(c: Service, method="GET", body=None, token=ADMIN_TOKEN, headers=None):
+    return http_request(c.url + "/admin/control", method, body, token=token, headers=headers)
+
+
+def _steps_until(live: Live, pred, what: str, timeout: float = 150):
+    """Keep the consumer stepping until `pred()`: its follower is polled (timeout 0) only at
+    batch boundaries, so a change shows up after one or a few steps."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert live.consumer.alive, live.consumer.log_tail()
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        v = live.version()
+        for _ in range(B):
+            live.publish_valid_group()
+        wait_until(lambda: live.version() > v, 120, "a step", [live.consumer])
+
+
+def _control_messages(kafka) -> int:
+    from services import read_topic
+
+    return len(read_topic(kafka, kafka.topics.control, quiet_s=0.5))
+
+
+@pytest.mark.timeout(120)
+def test_admin_api_refuses_missing_and_wrong_tokens(live):
+    c = live.consumer
+    before = _control_messages(live.kafka)
+    unauthorized0 = c.metric("rlstream_admin_requests_total", outcome="unauthorized")
+    attempts = [
+        dict(token=None),
+        dict(token="wrong"),
+        dict(token=ADMIN_TOKEN[:-1]),
+        dict(token=ADMIN_TOKEN + "x"),
+        dict(token=None, headers={"Authorization": ADMIN_TOKEN}),  # no "Bearer "
+        dict(token=None, headers={"Authorization": f"Basic {ADMIN_TOKEN}"}),
+        dict(token=None, headers={"Authorization": f"bearer {ADMIN_TOKEN}"}),
+        dict(token=""),
+    ]
+    for a in attempts:
+        assert _admin(c, "GET", **a)[0] == 401, a
+        code, body = _admin(c, "POST", {"key": "max_staleness", "value": 0}, **a)
+        assert code == 401, (a, body)
+    assert c.metric("rlstream_admin_requests_total", outcome="unauthorized") - unauthorized0 == 2 * len(attempts)
+    assert _control_messages(live.kafka) == before, "a refused request wrote to the control topic"
+    code, body = _admin(c, "GET")
+    assert code == 200 and json.loads(body)["max_staleness"] == 1000
+
+
+@pytest.mark.timeout(120)
+def test_admin_api_rejects_out_of_range_values_and_writes_nothing(live):
+    c = live.consumer
+    before = _control_messages(live.kafka)
+    bad = [("max_staleness", -1), ("max_staleness", 1001), ("max_staleness", "many"), ("max_staleness", 1.5),
+           ("mode", "yolo"), ("decay", 0), ("decay", 1.5), ("decay", "nan"), ("paused", "maybe"),
+           ("unknown_key", 1), ("__class__", "x")]
+    for key, value in bad:
+        code, body = _admin(c, "POST", {"key": key, "value": value})
+        assert code == 400, (key, value, body)
+    for body in (b"not json", b"[1, 2]", b'{"key": "mode"}', b"\x80\x04pickle"):
+        assert _admin(c, "POST", body)[0] == 400, body
+    assert _control_messages(live.kafka) == before, "a rejected value reached the control topic"
+    # a valid change goes through and is applied at a batch boundary
+    code, body = _admin(c, "POST", {"key": "max_staleness", "value": 999})
+    assert code == 200 and json.loads(body) == {"key": "max_staleness", "value": 999}
+    _steps_until(live, lambda: json.loads(_admin(c)[1])["max_staleness"] == 999, "the change applied")
+    assert c.metric("rlstream_control_setting", key="max_staleness") == 999
+
+
+@pytest.mark.timeout(180)
+def test_out_of_range_and_hostile_control_messages_on_the_topic_are_ignored(live):
+    c = live.consumer
+    k = live.kafka
+    rejected0 = {t: c.metric("rlstream_control_rejected_total", topic=t) for t in ("control", "policy")}
+    hostile_control = [
+        (b"max_staleness", json.dumps({"value": -5}).encode()),
+        (b"max_staleness", json.dumps({"value": 10**9}).encode()),
+        (b"max_staleness", json.dumps({"value": "3; rm -rf /"}).encode()),
+        (b"mode", json.dumps({"value": "__import__('os').system('id')"}).encode()),
+        (b"decay", json.dumps({"value": -0.5}).encode()),
+        (b"decay", json.dumps({"value": 7}).encode()),
+        (b"paused", json.dumps({"value": "perhaps"}).encode()),
+        (b"evil", json.dumps({"value": 1}).encode()),
+        (b"max_staleness", b"not json"),
+        (b"max_staleness", json.dumps({"nothing": 1}).encode()),
+        (b"max_staleness", PICKLE_BOMB),
+    ]
+    for key, value in hostile_control:
+        send_raw(k, k.topics.control, key, value)
+    ok_sha = "0" * 64
+    hostile_policy = [
+        json.dumps({"version": -1, "uri": "file:///x", "sha256": ok_sha, "bytes": 1, "trainer_version": 0}),
+        json.dumps({"version": 10**6, "uri": "file:///x", "sha256": "short", "bytes": 1, "trainer_version": 0}),
+        json.dumps({"version": 10**6, "uri": "file:///x", "sha256": ok_sha, "bytes": 0, "trainer_version": 0}),
+        json.dumps({"version": 10**6, "uri": "file:///x", "sha256": ok_sha, "bytes": 1, "trainer_version": 0,
+                    "exec": "__import__('os')"}),
+        "not json",
+    ]
+    for value in hostile_policy:
+        send_raw(k, k.topics.policy, b"policy", value.encode())
+    send_raw(k, k.topics.policy, b"policy", PICKLE_BOMB)
+    want = {"control": len(hostile_control), "policy": len(hostile_policy) + 1}
+    _steps_until(live, lambda: all(c.metric("rlstream_control_rejected_total", topic=t) - rejected0[t] >= n
+                                   for t, n in want.items()), "hostile control messages counted")
+    for t, n in want.items():
+        assert c.metric("rlstream_control_rejected_total", topic=t) - rejected0[t] == n, t
+    state = json.loads(_admin(c)[1])
+    assert state == {"max_staleness": 999, "mode": "drop", "decay": 1.0, "paused": False}, state
+    assert not MARKER.exists(), "a pickle from the control or policy topic was unpickled"
+    assert c.alive
+
+
+# ---------------------------------------------------------------- schema-valid poison (last: it may kill the consumer)
+
+@pytest.mark.timeout(300)
+def test_schema_valid_record_the_model_cannot_take_does_not_stop_training(live):
+    """A record that decodes and validates but does not fit the model (token id >= vocab):
+    the consumer must refuse it (DLQ or drop, counted), not crash-loop on it."""
+    from common.tinymodel import TinyModelSpec
+
+    c = live.consumer
+    rng = np.random.default_rng(5)
+    group = synthetic_group("poison", G, live.version(), rng)
+    bad = group[0]
+    bad.response_ids = np.array(bad.response_ids, dtype=np.int32)
+    bad.response_ids[0] = TinyModelSpec().vocab_size + 1000
+    for f in [live.pub.publish(r, timeout=60) for r in group]:
+        f.result(timeout=60)
+    v = live.version()
+    for _ in range(2 * B):
+        live.publish_valid_group()
+    wait_until(lambda: live.version() >= v + 2 or not c.alive, 180, "two more steps")
+    assert c.alive, "consumer died on a schema-valid record with a token id beyond the vocabulary:\n" + \
+        c.log_tail(3000)

@@ -1,0 +1,211 @@
+"""Issue #8.6 (security), the parts that need no running service.
+
+- Nothing from Kafka, the weight store or a checkpoint is unpickled or
+  evaluated: a source scan of producer/, consumer/ and common/ finds no
+  pickle/marshal/eval/exec/unsafe yaml/torch.load without weights_only; a
+  checkpoint whose trainer.pt carries a pickle payload is refused by the real
+  CheckpointManager without running it.
+- Kafka SASL_SSL settings in a config file reach the Kafka client: through
+  `load_config` -> `client_kwargs` into kafka-python's own config, and on the
+  wire (the client opens with a TLS ClientHello on a loopback listener).
+
+The admin API (missing/wrong tokens, out-of-range values) and hostile
+control/policy messages are tested against a live consumer in
+test_fuzz_training.py; pickles on the rollouts topic there too.
+"""
+from __future__ import annotations
+
+import ast
+import os
+import pickle
+import socket
+import ssl
+import threading
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("producer", "consumer", "common")
+MARKER = Path(f"/tmp/rlstream-pwned-ckpt-{os.getpid()}")
+
+
+class _Pwn:
+    def __reduce__(self):
+        return (os.system, (f"touch {MARKER}",))
+
+
+def _sources():
+    for pkg in PACKAGES:
+        yield from sorted((ROOT / pkg).rglob("*.py"))
+
+
+def _calls(tree):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+            owner = f.value.id if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) else ""
+            yield node, owner, name
+
+
+# torch.distributed's *_object collectives pickle, between the ranks of one torchrun job (rank 0 ->
+# followers; shards gathered for export) over the gloo/nccl group, never data from Kafka or storage.
+ALLOWED = {("consumer/service.py", "broadcast_object_list"), ("consumer/convert.py", "all_gather_object")}
+
+
+def test_no_unpickling_or_evaluation_in_the_services():
+    bad = []
+    for path in _sources():
+        rel = path.relative_to(ROOT).as_posix()
+        tree = ast.parse(path.read_text(), rel)
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                for m in mods:
+                    if m.split(".")[0] in ("pickle", "cPickle", "dill", "marshal", "shelve", "cloudpickle", "joblib"):
+                        bad.append(f"{rel}:{node.lineno} imports {m}")
+        for node, owner, name in _calls(tree):
+            kw = {k.arg: k.value for k in node.keywords}
+            where = f"{rel}:{node.lineno}"
+            if name in ("eval", "exec") and owner == "":
+                bad.append(f"{where} calls {name}()")
+            elif name == "load" and owner == "torch":
+                wo = kw.get("weights_only")
+                if not (isinstance(wo, ast.Constant) and wo.value is True):
+                    bad.append(f"{where} torch.load without weights_only=True")
+            elif name in ("load", "load_all") and owner == "yaml":
+                bad.append(f"{where} yaml.{name} (use safe_load)")
+            elif name == "load" and owner in ("np", "numpy"):
+                ap = kw.get("allow_pickle")
+                if isinstance(ap, ast.Constant) and ap.value is True:
+                    bad.append(f"{where} numpy.load(allow_pickle=True)")
+            elif name in ("unpackb", "Unpacker", "unpack") and owner == "msgpack":
+                if "ext_hook" in kw or "object_hook" in kw or "object_pairs_hook" in kw:
+                    bad.append(f"{where} msgpack with a custom hook")
+            elif name in ("broadcast_object_list", "all_gather_object", "scatter_object_list",
+                          "gather_object", "recv_object_list"):
+                if (rel, name) not in ALLOWED:
+                    bad.append(f"{where} {name} (pickles)")
+    assert not bad, "\n".join(bad)
+
+
+def test_every_kafka_client_is_built_from_client_kwargs():
+    """SASL/SSL settings can only be dropped by a client constructed without client_kwargs()."""
+    bad = []
+    for path in _sources():
+        rel = path.relative_to(ROOT).as_posix()
+        for node, _, name in _calls(ast.parse(path.read_text(), rel)):
+            if name in ("KafkaProducer", "KafkaConsumer", "KafkaAdminClient"):
+                spread = [k.value for k in node.keywords if k.arg is None]
+                if not any(isinstance(v, ast.Call) and getattr(v.func, "id", getattr(v.func, "attr", "")) ==
+                           "client_kwargs" for v in spread) and not any(
+                        isinstance(v, ast.Name) for v in spread):
+                    bad.append(f"{rel}:{node.lineno} {name}(...) without **client_kwargs(kafka)")
+    assert not bad, "\n".join(bad)
+
+
+def test_a_pickled_checkpoint_is_refused_without_running_it(tmp_path):
+    import json
+
+    import torch
+
+    from consumer.checkpoint import STATE, TRAINER, CheckpointManager
+
+    MARKER.unlink(missing_ok=True)
+    d = tmp_path / "step-00000001"
+    d.mkdir()
+    torch.save({"model": _Pwn()}, d / TRAINER)
+    (d / STATE).write_text(json.dumps({"step": 1, "version": 1, "offsets": {"0": 0}, "processed": [],
+                                       "counters": {}}))
+    mgr = CheckpointManager(tmp_path)
+    st, path = mgr.latest()
+    with pytest.raises(pickle.UnpicklingError):
+        mgr.load_trainer_state(path)
+    assert not MARKER.exists(), "loading a checkpoint ran code from it"
+
+
+# ---------------------------------------------------------------- SASL_SSL reaches the client
+
+def _cafile() -> str:
+    paths = ssl.get_default_verify_paths()
+    for p in (paths.cafile, paths.openssl_cafile):
+        if p and Path(p).is_file():
+            return p
+    import certifi
+
+    return certifi.where()
+
+
+def _sasl_ssl_config(tmp_path, port: int):
+    from common.config import load_config
+
+    cfg = tmp_path / "sasl.yaml"
+    cfg.write_text(f"""
+kafka:
+  bootstrap_servers: 127.0.0.1:{port}
+  security_protocol: SASL_SSL
+  sasl_mechanism: SCRAM-SHA-512
+  sasl_plain_username: rl-user
+  sasl_plain_password: s3cret-from-config
+  ssl_cafile: {_cafile()}
+  ssl_check_hostname: true
+  request_timeout_ms: 1500
+""")
+    return load_config(cfg, environ={})
+
+
+def test_sasl_ssl_settings_reach_the_kafka_client_config(tmp_path):
+    from kafka import KafkaConsumer
+
+    from common.kafka_conn import client_kwargs
+
+    cfg = _sasl_ssl_config(tmp_path, 9)
+    kw = client_kwargs(cfg.kafka)
+    assert kw["security_protocol"] == "SASL_SSL" and kw["sasl_mechanism"] == "SCRAM-SHA-512"
+    assert kw["sasl_plain_username"] == "rl-user" and kw["sasl_plain_password"] == "s3cret-from-config"
+    assert kw["ssl_cafile"] == _cafile() and kw["ssl_check_hostname"] is True
+    c = KafkaConsumer(**kw, group_id=None, api_version=(2, 8), enable_auto_commit=False)  # no bootstrap I/O
+    try:
+        for k in ("security_protocol", "sasl_mechanism", "sasl_plain_username", "sasl_plain_password",
+                  "ssl_cafile", "ssl_check_hostname"):
+            assert c.config[k] == kw[k], k
+    finally:
+        c.close()
+    from common.config import dump_config
+
+    assert "s3cret-from-config" not in dump_config(cfg), "--dry-run prints the SASL password"
+
+
+def test_sasl_ssl_client_speaks_tls_on_the_wire(tmp_path):
+    """A listener that records the first bytes: the client opens with a TLS handshake record."""
+    from kafka import KafkaProducer
+
+    from common.kafka_conn import client_kwargs
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+    srv.settimeout(20)
+    first: list[bytes] = []
+
+    def accept():
+        try:
+            conn, _ = srv.accept()
+            conn.settimeout(10)
+            first.append(conn.recv(5))
+            conn.close()
+        except OSError:
+            pass
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    cfg = _sasl_ssl_config(tmp_path, srv.getsockname()[1])
+    p = KafkaProducer(**client_kwargs(cfg.kafka), api_version=(2, 8), max_block_ms=3000)
+    try:
+        with pytest.raises(Exception):  # no TLS server there: metadata never arrives
+            p.partitions_for("rlstream.rollouts")
+    finally:
+        p.close(timeout=0)
+    t.join(20)
+    srv.close()
+    assert first and first[0][:1] == b"\x16" and first[0][1:2] == b"\x03", first  # TLS handshake, version 3.x
