@@ -26,6 +26,7 @@ import yaml
 from common.broker import free_port
 from common.config import RlstreamConfig
 from fixtures_kafka import make_kafka_settings
+from services import metric_value as metric
 
 pytestmark = [pytest.mark.broker, pytest.mark.vllm, pytest.mark.slow]
 
@@ -47,17 +48,6 @@ def read_all(kafka, timeout_s=2.0):
 def scrape(port) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
         return r.read().decode()
-
-
-def metric(text: str, name: str, **labels) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    total = 0.0
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                total += s.value
-    return total
 
 
 def wait_for(pred, timeout, proc, what):
