@@ -25,7 +25,6 @@ import os
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Callable, Iterable
 
 log = logging.getLogger("rlstream.evaluate")

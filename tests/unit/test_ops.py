@@ -14,7 +14,6 @@ from __future__ import annotations
 import configparser
 import functools
 import json
-import os
 import re
 import shutil
 import subprocess

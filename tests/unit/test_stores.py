@@ -1,5 +1,4 @@
 """Weight store and checkpoints: atomic, verified, pruned."""
-import os
 
 import pytest
 import torch
