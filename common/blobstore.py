@@ -25,6 +25,7 @@ Garbage collection of blobs whose records were trained is not done here yet
 """
 from __future__ import annotations
 
+import abc
 import hashlib
 import os
 import tempfile
@@ -34,18 +35,18 @@ from urllib.parse import unquote, urlparse
 from common.errors import InvalidRecordError
 
 
-class AbstractBlobStore:
+class AbstractBlobStore(abc.ABC):
     """Interface: put bytes, get them back verified. Implementations are thread-safe."""
 
     scheme = ""
 
+    @abc.abstractmethod
     def put(self, data: bytes) -> tuple[str, str, int]:
         """Store `data`; returns (uri, sha256 hex, nbytes)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def get(self, uri: str, sha256: str, nbytes: int) -> bytes:
         """The bytes at `uri`, verified against sha256 and nbytes."""
-        raise NotImplementedError
 
 
 class BlobStore(AbstractBlobStore):
