@@ -257,6 +257,16 @@ def ensure_broker(kafka: KafkaSettings, broker: BrokerSettings) -> tuple[str, Em
     return b.bootstrap, b
 
 
+def run_with_broker(kafka: KafkaSettings, broker: BrokerSettings, run) -> int:
+    """`run(bootstrap_servers)`, with the embedded broker started (and stopped) only if needed."""
+    bootstrap, embedded = ensure_broker(kafka, broker)
+    try:
+        return run(bootstrap)
+    finally:
+        if embedded is not None:
+            embedded.stop()
+
+
 def run_broker_forever(settings: BrokerSettings, kafka: KafkaSettings | None = None) -> int:
     """`rlstream broker`: start, create the topics (if `kafka` given), serve until SIGTERM/SIGINT.
 

@@ -419,7 +419,7 @@ def _broadcast(obj):
 
 
 def main(cfg: RlstreamConfig) -> int:
-    from common.broker import ensure_broker
+    from common.broker import run_with_broker
     from common.build import ensure_model, wait_for_model
 
     if int(os.environ.get("RANK", "0")) != 0:  # followers: no Kafka, rank 0 builds the model
@@ -430,9 +430,4 @@ def main(cfg: RlstreamConfig) -> int:
         from common.errors import ConfigError
         raise ConfigError("set kafka.bootstrap_servers when running several ranks (torchrun)",
                           key="kafka.bootstrap_servers")
-    bootstrap, broker = ensure_broker(cfg.kafka, cfg.broker)
-    try:
-        return ConsumerService(cfg, bootstrap).run()
-    finally:
-        if broker is not None:
-            broker.stop()
+    return run_with_broker(cfg.kafka, cfg.broker, lambda bootstrap: ConsumerService(cfg, bootstrap).run())

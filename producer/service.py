@@ -344,14 +344,9 @@ class ProducerService:
 
 
 def main(cfg: RlstreamConfig) -> int:
-    from common.broker import ensure_broker
+    from common.broker import run_with_broker
     from common.build import ensure_data, ensure_model
 
     ensure_model(cfg)
     ensure_data(cfg)
-    bootstrap, broker = ensure_broker(cfg.kafka, cfg.broker)
-    try:
-        return ProducerService(cfg, bootstrap).run()
-    finally:
-        if broker is not None:
-            broker.stop()
+    return run_with_broker(cfg.kafka, cfg.broker, lambda bootstrap: ProducerService(cfg, bootstrap).run())
