@@ -103,6 +103,27 @@ def uri_to_path(uri: str) -> Path:
     return Path(uri)
 
 
+def stage_version(uri: str, dest: str | os.PathLike) -> Path:
+    """Pin a version for loading: hard-link (copy across file systems) its files into `dest`.
+
+    The weight store prunes old versions; a reader that loads from its own
+    staged links cannot lose files halfway through a load, and verifying the
+    staged copy checks exactly the bytes that are loaded.
+    """
+    src, out = uri_to_path(uri), Path(dest)
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    try:
+        for f in src.iterdir():
+            try:
+                os.link(f, out / f.name)
+            except OSError:
+                shutil.copyfile(f, out / f.name)
+    except FileNotFoundError as e:
+        raise WeightStoreError(f"version at {uri} vanished while staging ({e}); keeping the current weights") from None
+    return out
+
+
 def verify(uri: str, sha256: str, nbytes: int) -> Path:
     """Check that the version at `uri` is complete and untampered; return its dir.
 

@@ -30,10 +30,13 @@ import logging
 import os
 import signal
 import socket
+import shutil
+import tempfile
 import time
 import uuid
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 
 from common import metrics
 from common.config import RlstreamConfig
@@ -113,6 +116,8 @@ class ProducerService:
         self.publisher = RolloutPublisher(self.kafka, BlobStore(self.kafka.blob_dir))
         self._offsets_client = self._make_offsets_client()
         self._start_http()
+        self._stage_root = Path(tempfile.mkdtemp(prefix="rlstream-weights-"))
+        self._loaded = Path(self.cfg.model.path)  # what the engine serves now
         self.follow_control()
         if self.follower.view.policy is not None:  # catch up to the newest announced version before generating
             self._on_policy(self.follower.view.policy)
@@ -182,13 +187,16 @@ class ProducerService:
         return 0
 
     def follow_control(self) -> None:
+        policy = None
         for key, value in self.follower.poll():
             if key == "policy":
-                self._on_policy(value)
+                policy = value  # only the newest announcement of a poll matters
+        if policy is not None:
+            self._on_policy(policy)
         self.control = self.follower.view.state
 
     def _on_policy(self, ann: PolicyAnnouncement) -> None:
-        from common.weights import verify
+        from common.weights import stage_version, verify
 
         self.trainer_version = ann.trainer_version
         self.consumed_offsets = dict(ann.consumed_offsets)
@@ -196,16 +204,34 @@ class ProducerService:
         if ann.version <= self.engine.version:
             return
         t0 = time.perf_counter()
+        # stage (hard links) first: the consumer may prune the version meanwhile
+        slot = self._stage_root / ("a" if self._loaded != self._stage_root / "a" else "b")  # not what is loaded
         try:
-            path = verify(ann.uri, ann.sha256, ann.bytes)
-            self.engine.reload_weights(path, ann.version)
+            staged = stage_version(ann.uri, slot)
+            verify(staged.as_uri(), ann.sha256, ann.bytes)
         except Exception as e:  # a bad version must never take the service down
             _RELOAD_FAIL.inc()
             log.error("refusing weight version %d: %s (still serving version %d)",
                       ann.version, e, self.engine.version)
             return
+        try:
+            self.engine.reload_weights(staged, ann.version)
+        except Exception:
+            _RELOAD_FAIL.inc()
+            self._restore_loaded()
+            return
+        self._loaded = staged
         _RELOAD.observe(time.perf_counter() - t0)
         _VERSION.set(self.engine.version)
+
+    def _restore_loaded(self) -> None:
+        """A load failed halfway: reload what was serving, or stop (never serve half a model)."""
+        log.exception("loading a verified version failed; restoring version %d", self.engine.version)
+        try:
+            self.engine.reload_weights(self._loaded, self.engine.version)
+        except Exception as e:
+            raise RuntimeError(f"weights are inconsistent after a failed reload and restoring "
+                               f"{self._loaded} failed too ({e}); exiting so a supervisor restarts us") from e
 
     def admission_block(self) -> str | None:
         """Why a new group may not be admitted now (None: admit)."""
@@ -341,6 +367,8 @@ class ProducerService:
 
     def close(self) -> None:
         close_attrs(self, ("publisher", "follower", "engine", "prompts", "_offsets_client", "_writer", "http"), log)
+        if getattr(self, "_stage_root", None) is not None:
+            shutil.rmtree(self._stage_root, ignore_errors=True)
 
 
 def main(cfg: RlstreamConfig) -> int:

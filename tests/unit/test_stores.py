@@ -48,3 +48,19 @@ def test_checkpoint_roundtrip_and_incomplete_ignored(tmp_path):
     assert state.step == 3 and state.offsets == {0: 30, 1: 5} and state.processed == [[0, 31, "a"], [1, 5, "b"]]
     assert torch.equal(CheckpointManager.load_trainer_state(path)["model"]["w"], torch.ones(2) * 3)
     assert sorted(p.name for p in tmp_path.glob("step-*") if (p / "state.json").exists()) == ["step-00000002", "step-00000003"]
+
+
+def test_staged_version_survives_pruning_and_is_what_gets_verified(tmp_path):
+    import shutil as _shutil
+
+    from common.weights import stage_version
+
+    ws = WeightStore(tmp_path / "w", keep=1)
+    a = ws.write(1, {"w": torch.arange(16.0)}, tmp_path)
+    staged = stage_version(a["uri"], tmp_path / "stage")
+    ws.write(2, {"w": torch.zeros(16)}, tmp_path)  # prunes version 1 under the reader
+    assert not ws.path(1).exists()
+    assert verify(staged.as_uri(), a["sha256"], a["bytes"]) == staged
+    _shutil.rmtree(ws.path(2))
+    with pytest.raises(WeightStoreError, match="vanished"):
+        stage_version(ws.root.joinpath("v00000002").resolve().as_uri(), tmp_path / "stage2")
