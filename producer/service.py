@@ -257,8 +257,12 @@ class ProducerService:
         """
         now = time.monotonic()
         if now - self._ends_at > 0.2:
-            self._ends = {tp.partition: off for tp, off in self._offsets_client.end_offsets(self._rollout_tps).items()}
             self._ends_at = now
+            try:  # short timeout: in a broker outage the loop must keep stepping the engine
+                ends = self._offsets_client.end_offsets(self._rollout_tps, timeout_ms=250)
+                self._ends = {tp.partition: off for tp, off in ends.items()}
+            except Exception as e:  # noqa: BLE001 - keep the last answer; our own records still count
+                log.debug("end offsets unavailable (%s); using the last answer", e)
         lag_records = len(self.pending) + self.publisher.buffer_depth
         for tp in self._rollout_tps:
             end = max(self._ends.get(tp.partition, 0), self._acked_end.get(tp.partition, 0))
