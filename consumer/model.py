@@ -15,9 +15,19 @@ behaves normally (see consumer/replay.py).
 
 On CPU: gloo, `use_cpu_initialization`, the allgather token dispatcher and the
 shims of consumer/megatron_shims.py. On GPU: NCCL, the same code.
+
+Tensor parallelism. Megatron's MoE layer trains under TP only with sequence
+parallelism, so `tp > 1` turns it on: between the attention and expert blocks
+each TP rank holds S/tp of the sequence (the forward right-pads the input to a
+multiple of tp), its routers route only those tokens (consumer/replay.py cuts
+and gathers replay indices accordingly), and the norm and router weights, which
+every TP rank holds whole, get partial gradients that the trainer sums over
+the TP group. Megatron's own torch norm refuses sequence parallelism, so the
+model uses `RMSNorm` below (the same torch.nn.RMSNorm, marked for that sum).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -36,8 +46,8 @@ from consumer import megatron_shims
 @dataclass(frozen=True)
 class ParallelConfig:
     """Parallel layout. world size = tp * dp; ep divides dp (Megatron carves
-    expert-parallel groups out of the data-parallel ranks). tp must be 1 for
-    now (see `validate`); the converter already shards for tp."""
+    expert-parallel groups out of the data-parallel ranks). Experts are split
+    over the same tp ranks as the dense layers (expert TP = tp)."""
 
     tp: int = 1
     ep: int = 1
@@ -50,13 +60,6 @@ class ParallelConfig:
             raise ConfigError(f"tp*dp = {self.tp * self.dp} but world size is {world_size}; "
                               "launch tp*dp processes (torchrun --nproc_per_node)",
                               "trainer.parallel")
-        if self.tp > 1:
-            # Megatron refuses MoE + TP without sequence parallelism, and with it
-            # each TP rank routes a slice of the sequence: replay indices and
-            # padding would have to be cut per rank. Not wired yet.
-            raise ConfigError("tp > 1 is not supported yet (MoE + TP needs sequence "
-                              "parallelism, which the trainer does not wire); use ep and "
-                              "dp", "trainer.parallel.tp")
         if self.dp % self.ep:
             raise ConfigError(f"ep={self.ep} must divide dp={self.dp}", "trainer.parallel.ep")
 
@@ -177,23 +180,58 @@ def transformer_config(dims: HFModelDims, dtype: torch.dtype = torch.float32):
         gradient_accumulation_fusion=False, use_cpu_initialization=on_cpu,
         tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
         expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
-        sequence_parallel=False, params_dtype=dtype, bf16=dtype == torch.bfloat16,
+        # MoE under TP trains only with sequence parallelism (module docstring)
+        sequence_parallel=ps.get_tensor_model_parallel_world_size() > 1,
+        params_dtype=dtype, bf16=dtype == torch.bfloat16,
         pipeline_dtype=dtype,
     )
+
+
+class RMSNorm(torch.nn.RMSNorm):
+    """torch.nn.RMSNorm behind Megatron's norm constructor. Unlike Megatron's
+    `WrappedTorchNorm` it allows sequence parallelism; its weight is marked
+    `sequence_parallel` (see the module docstring)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+
+def _with_norm(spec, norm):
+    """A copy of a Megatron layer spec with every torch norm replaced by `norm`."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    if spec is WrappedTorchNorm:
+        return norm
+    if isinstance(spec, ModuleSpec):
+        return dataclasses.replace(spec, submodules=_with_norm(spec.submodules, norm))
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        return dataclasses.replace(spec, **{f.name: _with_norm(getattr(spec, f.name), norm)
+                                            for f in dataclasses.fields(spec) if f.init})
+    return spec
+
+
+def layer_specs(dims: HFModelDims):
+    """Megatron block spec: local (non-TE) Qwen3-MoE layers with rlstream's RMSNorm."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    layer = get_gpt_layer_local_spec(num_experts=dims.num_experts, moe_grouped_gemm=False,
+                                     qk_layernorm=True, normalization="RMSNorm")
+    layer = _with_norm(layer, RMSNorm)
+    return TransformerBlockSubmodules(layer_specs=[layer] * dims.num_layers, layer_norm=RMSNorm)
 
 
 def build_model(dims: HFModelDims, dtype: torch.dtype = torch.float32):
     """An uninitialised-weights GPTModel (parallel state must be initialised)."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
     megatron_shims.apply()
     before = len(RouterReplay.global_router_replay_instances)
-    spec = get_gpt_layer_local_spec(num_experts=dims.num_experts, moe_grouped_gemm=False,
-                                    qk_layernorm=True, normalization="RMSNorm")
     model = GPTModel(
-        config=transformer_config(dims, dtype), transformer_layer_spec=spec,
+        config=transformer_config(dims, dtype), transformer_layer_spec=layer_specs(dims),
         vocab_size=dims.vocab_size, max_sequence_length=dims.max_position_embeddings,
         pre_process=True, post_process=True, parallel_output=False,
         share_embeddings_and_output_weights=dims.tie_word_embeddings,
@@ -229,16 +267,37 @@ def load_hf_checkpoint(hf_dir: str | os.PathLike, par: ParallelConfig | None = N
 # ---------------------------------------------------------------- forward
 
 
+def sequence_shard(model) -> tuple[int, int]:
+    """(rank, size) of the sequence split of sequence parallelism; (0, 1) without."""
+    if not model.config.sequence_parallel:
+        return 0, 1
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+
+
+def padded_length(seq: int, model) -> int:
+    """The forward's sequence length: `seq` rounded up to a multiple of the
+    sequence-parallel size (the sequence is split evenly over TP ranks)."""
+    size = sequence_shard(model)[1]
+    return -(-seq // size) * size
+
+
 def forward_logits(model, tokens: torch.Tensor) -> torch.Tensor:
     """Logits [B, S, V] (float32) for input ids [B, S] (right-padded is fine:
-    the mask is causal, so padding never influences real positions)."""
+    the mask is causal, so padding never influences real positions). Under
+    sequence parallelism the input is right-padded to `padded_length` and the
+    logits cut back to S."""
     seq = tokens.shape[1]
     device = next(model.parameters()).device
     tokens = tokens.to(device)
-    position_ids = torch.arange(seq, device=device).unsqueeze(0).expand_as(tokens)
-    mask = megatron_shims.causal_attention_mask(seq, device)
+    full = padded_length(seq, model)
+    if full != seq:
+        tokens = F.pad(tokens, (0, full - seq), value=0)
+    position_ids = torch.arange(full, device=device).unsqueeze(0).expand_as(tokens)
+    mask = megatron_shims.causal_attention_mask(full, device)
     logits = model(input_ids=tokens, position_ids=position_ids, attention_mask=mask)
-    return logits.float()
+    return logits[:, :seq].float()
 
 
 def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor,

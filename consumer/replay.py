@@ -15,7 +15,11 @@ gradients.
 
 Layout. Batch routing is int64 [B, S, L, K] (consumer/batch.py); Megatron's
 router sees tokens sequence-major ([S, B] flattened), so each layer's replay
-tensor is `routing[:, :, l].transpose(0, 1).reshape(S * B, K)`.
+tensor is `routing[:, :, l].transpose(0, 1).reshape(S * B, K)`. Under tensor
+parallelism (sequence parallel, see consumer/model.py) each TP rank's routers
+see only its S/tp slice of the right-padded sequence: replay tensors are cut
+to that slice, and recorded ones are all-gathered over the TP group and cut
+back to S, so callers always deal in whole [B, S, L, K] batches.
 
 Every model built by consumer/model.py has `moe_enable_routing_replay=True`;
 this module addresses that model's own routers (not Megatron's process-global
@@ -59,17 +63,49 @@ def routers(model) -> list:
     return found
 
 
-def to_layer_indices(routing: torch.Tensor) -> list[torch.Tensor]:
-    """[B, S, L, K] -> L tensors [S*B, K] in Megatron's sequence-major token order."""
+def pad_routing(routing: torch.Tensor, seq: int) -> torch.Tensor:
+    """Right-pad [B, S, L, K] to `seq` positions; padding takes experts 0..K-1."""
     b, s, n_layers, k = routing.shape
-    r = routing.long().transpose(0, 1)  # [S, B, L, K]
-    return [r[:, :, layer].reshape(s * b, k) for layer in range(n_layers)]
+    if seq == s:
+        return routing
+    fill = torch.arange(k, dtype=routing.dtype).expand(b, seq - s, n_layers, k)
+    return torch.cat([routing, fill.to(routing.device)], 1)
 
 
-def from_layer_indices(layers: list[torch.Tensor], batch: int) -> torch.Tensor:
-    """Inverse of `to_layer_indices`: L x [S*B, K] -> [B, S, L, K]."""
+def to_layer_indices(routing: torch.Tensor, shard: tuple[int, int] = (0, 1)) -> list[torch.Tensor]:
+    """[B, S, L, K] -> L tensors [S/size*B, K]: sequence-parallel rank `rank` of
+    `size` (shard), in Megatron's sequence-major token order. S % size == 0."""
+    rank, size = shard
+    b, s, n_layers, k = routing.shape
+    chunk = s // size
+    r = routing.long().transpose(0, 1)[rank * chunk:(rank + 1) * chunk]  # [S/size, B, L, K]
+    return [r[:, :, layer].reshape(chunk * b, k) for layer in range(n_layers)]
+
+
+def from_layer_indices(layers: list[torch.Tensor], batch: int,
+                       seq: int | None = None) -> torch.Tensor:
+    """Inverse of `to_layer_indices` for a whole sequence: L x [S*B, K] ->
+    [B, S, L, K], cut to the first `seq` positions if given."""
     stacked = torch.stack([t.reshape(-1, batch, t.shape[-1]) for t in layers], 2)
-    return stacked.transpose(0, 1).contiguous()
+    return stacked.transpose(0, 1)[:, :seq].contiguous()
+
+
+def _gather_sequence(model, layers: list[torch.Tensor]) -> list[torch.Tensor]:
+    """All-gather each layer's [S/tp*B, K] over the TP group -> [S*B, K]."""
+    from consumer.model import sequence_shard
+
+    if sequence_shard(model)[1] == 1:
+        return layers
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_tensor_model_parallel_group()
+    out = []
+    for t in layers:
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, t.contiguous(), group=group)
+        out.append(torch.cat(parts, 0))
+    return out
 
 
 def routing_agreement(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> list[float]:
@@ -85,8 +121,9 @@ def routing_agreement(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> l
 
 @contextlib.contextmanager
 def recording(model):
-    """RECORD the routers' own top-k; yields a dict whose "routing" is the
-    [B, S, L, K] result once the block exits (batch size from the forward)."""
+    """RECORD the routers' own top-k; yields a dict whose "layers" holds, once
+    the block exits, L tensors [S*B, K] of the whole (padded) sequence
+    (`from_layer_indices` turns them into a batch)."""
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     rs, out = routers(model), {}
@@ -94,7 +131,8 @@ def recording(model):
         r.router_replay.set_router_replay_action(RouterReplayAction.RECORD)
     try:
         yield out
-        out["layers"] = [r.router_replay.get_recorded_indices() for r in rs]
+        out["layers"] = _gather_sequence(
+            model, [r.router_replay.get_recorded_indices() for r in rs])
     finally:
         for r in rs:
             r.router_replay.clear_router_replay_action()
@@ -106,8 +144,11 @@ def replaying(model, routing: torch.Tensor):
     """REPLAY_FORWARD `routing` [B, S, L, K] in every MoE layer inside the block."""
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
+    from consumer.model import padded_length, sequence_shard
+
     rs = routers(model)
-    layers = to_layer_indices(routing)
+    routing = pad_routing(routing, padded_length(routing.shape[1], model))
+    layers = to_layer_indices(routing, sequence_shard(model))
     if len(layers) != len(rs):
         raise ConfigError(f"routing has {len(layers)} layers, model has {len(rs)} MoE "
                           "layers; was the rollout produced by this model?", "routing")
@@ -126,8 +167,9 @@ def replaying(model, routing: torch.Tensor):
 @contextlib.contextmanager
 def natural_topk(model):
     """Capture each router's own top-k (argmax of its logits), even while a
-    replay is active. Yields a list filled with L tensors [S*B, K]."""
-    rs, captured = routers(model), []
+    replay is active. Yields a dict whose "layers" holds, once the block exits,
+    L tensors [S*B, K] (as `recording`)."""
+    rs, captured, out = routers(model), [], {}
 
     def wrap(router):
         original = router.gating
@@ -142,7 +184,8 @@ def natural_topk(model):
     for r in rs:
         r.gating = wrap(r)
     try:
-        yield captured
+        yield out
+        out["layers"] = _gather_sequence(model, captured)
     finally:
         for r in rs:
             del r.gating  # back to the class method
@@ -165,15 +208,15 @@ class RoutingReplay:
 
     def old_policy(self, i: int, mb, fwd: Callable):
         """Returns (fwd's result, trainer's own top-k [B, S, L, K])."""
-        b = mb.tokens.shape[0]
+        b, s = mb.tokens.shape[0], mb.tokens.shape[1] - 1
         if self.mode is ReplayMode.R3:
             self._saved[i] = self._r3_routing(mb, fwd)
             with replaying(self.model, self._saved[i]), natural_topk(self.model) as nat:
                 out = fwd()
-            return out, from_layer_indices(nat, b)
+            return out, from_layer_indices(nat["layers"], b, s)
         with recording(self.model) as rec:
             out = fwd()
-        own = from_layer_indices(rec["layers"], b)
+        own = from_layer_indices(rec["layers"], b, s)
         if self.mode is ReplayMode.R2:
             self._saved[i] = own
         return out, own
@@ -194,5 +237,5 @@ class RoutingReplay:
             return mb.routing
         with torch.no_grad(), recording(self.model) as rec:
             fwd()
-        own = from_layer_indices(rec["layers"], mb.tokens.shape[0]).to(mb.routing.device)
+        own = from_layer_indices(rec["layers"], *mb.routing_mask.shape).to(mb.routing.device)
         return torch.where(missing[..., None, None], own, mb.routing.long())

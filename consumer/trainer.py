@@ -129,23 +129,43 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def allreduce_grads(named_params: list[tuple[str, torch.nn.Parameter]]) -> None:
-    """Sum gradients over data-parallel ranks (experts: expert-data-parallel)."""
+def _dp_size() -> int:
+    """Ranks holding different data (tensor-parallel ranks share theirs)."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_world_size() if _world() > 1 else 1
+
+
+def _allreduce(grads: list[torch.Tensor], group) -> None:
     import torch.distributed as dist
+
+    if not grads or dist.get_world_size(group) == 1:
+        return
+    flat = torch._utils._flatten_dense_tensors(grads)
+    dist.all_reduce(flat, group=group)
+    for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+        g.copy_(synced)
+
+
+def allreduce_grads(named_params: list[tuple[str, torch.nn.Parameter]]) -> None:
+    """Sum gradients over data-parallel ranks (experts: expert-data-parallel).
+
+    Under tensor (and so sequence) parallelism, first sum over the TP group the
+    gradients of the weights every TP rank holds whole (norms, q/k norms,
+    router): each rank saw only its slice of the sequence or its heads, so
+    each holds a partial sum.
+    """
     from megatron.core import parallel_state as ps
 
     if _world() == 1:
         return
+    _allreduce([p.grad for _, p in named_params if p.grad is not None
+                and not getattr(p, "tensor_model_parallel", False)],
+               ps.get_tensor_model_parallel_group())
     for expert, group in ((False, ps.get_data_parallel_group()),
                           (True, ps.get_expert_data_parallel_group())):
-        grads = [p.grad for n, p in named_params if _is_expert(n) == expert
-                 and p.grad is not None]
-        if not grads or dist.get_world_size(group) == 1:
-            continue
-        flat = torch._utils._flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=group)
-        for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-            g.copy_(synced)
+        _allreduce([p.grad for n, p in named_params if _is_expert(n) == expert
+                    and p.grad is not None], group)
 
 
 def clip_grad_norm(named_params, max_norm: float) -> float:
@@ -197,14 +217,16 @@ class MetricSums:
         self.maxes[key] = max(self.maxes[key], float(value))
 
     def reduce(self) -> None:
+        """Over data-parallel ranks: tensor-parallel ranks hold the same values."""
         import torch.distributed as dist
+        from megatron.core import parallel_state as ps
 
         if _world() == 1:
             return
         for store, op in ((self.sums, dist.ReduceOp.SUM), (self.maxes, dist.ReduceOp.MAX)):
             keys = sorted(store)
             t = torch.tensor([store[k] for k in keys], dtype=torch.float64)
-            dist.all_reduce(t, op=op)
+            dist.all_reduce(t, op=op, group=ps.get_data_parallel_group())
             store.update(zip(keys, t.tolist()))
 
 
@@ -330,7 +352,7 @@ class Trainer:
         sums.add("updates", 1)
 
     def _step_metrics(self, sums: MetricSums, timers: Timers, gb: GlobalBatch) -> dict:
-        s, mx, world = sums.sums, sums.maxes, _world()
+        s, mx, world = sums.sums, sums.maxes, _dp_size()
         ut, ot = max(s["upd_tokens"], 1), max(s["old_tokens"], 1)
         updates = s["updates"] / world
         out = {key: s[key] / ut for key in ("is_weight_mean", "is_truncated_frac",
@@ -357,6 +379,18 @@ class Trainer:
     def export_hf_state_dict(self) -> dict[str, torch.Tensor]:
         """On-disk HF tensors for vLLM (collective when tp/ep > 1)."""
         return convert.export_hf_state_dict(self.model)
+
+    def checkpoint_shard(self) -> tuple[str, bool, list[str]]:
+        """(this rank's shard name, whether this rank writes it, every shard name).
+        One rank per (tp rank, ep rank) pair writes: the first of its
+        expert-data-parallel group (data-parallel copies are identical)."""
+        from megatron.core import parallel_state as ps
+
+        from consumer.checkpoint import all_shard_names, shard_name
+
+        tp_rank, tp, ep_rank, ep = convert._ranks()
+        writes = _world() == 1 or ps.get_expert_data_parallel_rank() == 0
+        return shard_name(tp_rank, tp, ep_rank, ep), writes, all_shard_names(tp, ep)
 
     def state_dict(self) -> dict:
         """Model + optimizer + step of this rank. Loadable with

@@ -2,10 +2,12 @@
 
     torchrun --standalone --nproc_per_node 2 multirank_worker.py MODEL_DIR OUT_DIR
 
-Runs the same step twice: data-parallel 2 (ep 1), then data-parallel 2 with
-expert-parallel 2 (each rank holds half the experts). Rank 0 writes the
-exported HF tensors of each run to OUT_DIR/{dp2,dp2_ep2}.pt. Every rank builds
-the same samples (`make_samples`) and keeps its data-parallel slice.
+Runs the same step once per layout in LAYOUTS: data-parallel 2, data-parallel
+2 with expert-parallel 2 (each rank holds half the experts), and tensor-
+parallel 2 (sequence parallel; each rank holds half of every matrix) with
+Routing Replay R2 and R3. Rank 0 writes the exported HF tensors and metrics of
+each run to OUT_DIR/<layout>.pt. Every rank builds the same samples
+(`make_samples`) and keeps its data-parallel slice.
 """
 from __future__ import annotations
 
@@ -15,31 +17,49 @@ from pathlib import Path
 import numpy as np
 import torch
 
-CFG = dict(loss="minirl", replay="R2", num_minibatches=2, lr=1e-3, grad_clip=1.0)
+CFG = dict(loss="minirl", num_minibatches=2, optimizer="sgd", lr=0.05, grad_clip=1.0)
+# layout -> (parallel sizes, replay mode)
+LAYOUTS = {"dp2": (dict(dp=2), "R2"), "dp2_ep2": (dict(dp=2, ep=2), "R2"),
+           "tp2": (dict(tp=2), "R2"), "tp2_r3": (dict(tp=2), "R3")}
 
 
-def make_samples(seed: int = 0, n_groups: int = 4, group_size: int = 4, vocab: int = 64):
-    """Deterministic rollouts: random prompt/response ids and mu_old log-probs."""
+def make_samples(model_dir: str, seed: int = 0, n_groups: int = 4, group_size: int = 4):
+    """Deterministic rollouts: random prompt/response ids, mu_old log-probs and
+    routing (distinct random experts per input position and layer). Odd and
+    even lengths, so tensor parallelism has to pad the sequence."""
     from consumer.batch import TrainSample
+    from consumer.model import read_hf_dims
 
+    dims = read_hf_dims(model_dir)
+    vocab, n_layers, n_exp, k = dims.vocab_size, dims.num_layers, dims.num_experts, dims.topk
     rng = np.random.default_rng(seed)
     out = []
     for g in range(n_groups):
         prompt = rng.integers(3, vocab, size=int(rng.integers(3, 8))).astype(np.int32)
         for _ in range(group_size):
             t = int(rng.integers(3, 10))
+            positions = len(prompt) + t - 1
+            routing = np.argsort(rng.random((positions, n_layers, n_exp)), -1)[..., :k]
             out.append(TrainSample(
                 prompt_ids=prompt, response_ids=rng.integers(3, vocab, size=t).astype(np.int32),
                 logprobs=(-rng.uniform(3.0, 5.0, size=t)).astype(np.float32),
-                reward=float(rng.integers(0, 2)), group_id=f"g{g}"))
+                reward=float(rng.integers(0, 2)), group_id=f"g{g}",
+                routed_experts=routing.astype(np.uint8)))
     return out
 
 
-def run(model_dir: str, ep: int):
-    from consumer.trainer import Trainer, TrainerConfig
+def trainer_config(layout: str, **parallel):
+    from consumer.trainer import TrainerConfig
 
-    trainer = Trainer.from_hf(model_dir, TrainerConfig(dp=2, ep=ep, **CFG))
-    metrics = trainer.train_step(trainer.build_batch(make_samples(), group_size=4))
+    sizes, replay = LAYOUTS[layout]
+    return TrainerConfig(replay=replay, **CFG, **(parallel or sizes))
+
+
+def run(model_dir: str, layout: str):
+    from consumer.trainer import Trainer
+
+    trainer = Trainer.from_hf(model_dir, trainer_config(layout))
+    metrics = trainer.train_step(trainer.build_batch(make_samples(model_dir), group_size=4))
     return trainer.export_hf_state_dict(), metrics
 
 
@@ -48,12 +68,12 @@ def main(model_dir: str, out_dir: str) -> None:
     from megatron.core import parallel_state as ps
 
     torch.set_num_threads(1)
-    for name, ep in (("dp2", 1), ("dp2_ep2", 2)):
+    for layout in LAYOUTS:
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
-        sd, metrics = run(model_dir, ep)
+        sd, metrics = run(model_dir, layout)
         if dist.get_rank() == 0:
-            torch.save({"state": sd, "metrics": metrics}, Path(out_dir) / f"{name}.pt")
+            torch.save({"state": sd, "metrics": metrics}, Path(out_dir) / f"{layout}.pt")
     dist.barrier()
     dist.destroy_process_group()
 

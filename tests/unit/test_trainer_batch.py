@@ -79,7 +79,9 @@ def test_parallel_config_validation():
     ParallelConfig(dp=2, ep=2).validate(2)
     with pytest.raises(ConfigError, match="world size"):
         ParallelConfig(dp=2).validate(1)
-    with pytest.raises(ConfigError, match="sequence"):
-        ParallelConfig(tp=2).validate(2)
+    ParallelConfig(tp=2).validate(2)
+    ParallelConfig(tp=2, dp=2, ep=2).validate(4)
+    with pytest.raises(ConfigError, match="world size"):
+        ParallelConfig(tp=2, dp=2).validate(2)
     with pytest.raises(ConfigError, match="divide"):
         ParallelConfig(dp=2, ep=4).validate(2)
