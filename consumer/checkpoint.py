@@ -4,6 +4,12 @@
                                       with weights_only=True: tensors and plain data)
     <dir>/step-00000012/state.json    version, offsets, processed rollout ids, counters
 
+Under tensor or expert parallelism each (tp rank, ep rank) holds different
+weights and optimizer state, so the trainer state is one shard per pair,
+`trainer-tp{t}-ep{e}.pt` (`shard_name`), written by one rank of each pair into
+the staging directory rank 0 created; rank 0 commits once every shard is
+there (`begin` / `write_shard` / `commit`).
+
 A checkpoint is written under a temporary name, every file fsynced, the
 directory renamed into place and its parent fsynced. A directory without
 `state.json` is never considered complete. `latest()` returns the newest
@@ -46,6 +52,15 @@ class CheckpointState:
         return cls(**d)
 
 
+def shard_name(tp_rank: int = 0, tp: int = 1, ep_rank: int = 0, ep: int = 1) -> str:
+    """File name of the trainer-state shard of (tp_rank, ep_rank)."""
+    return TRAINER if tp == ep == 1 else f"trainer-tp{tp_rank}-ep{ep_rank}.pt"
+
+
+def all_shard_names(tp: int = 1, ep: int = 1) -> list[str]:
+    return [shard_name(t, tp, e, ep) for t in range(tp) for e in range(ep)]
+
+
 class CheckpointManager:
     def __init__(self, root: str | os.PathLike, keep: int = 2):
         self.root = Path(root)
@@ -56,11 +71,27 @@ class CheckpointManager:
         return sorted(p for p in self.root.glob("step-*") if (p / STATE).is_file())
 
     def save(self, state: CheckpointState, trainer_state: dict[str, Any]) -> Path:
+        """One process, one shard: begin, write_shard, commit."""
+        tmp = self.begin(state.step)
+        self.write_shard(tmp, TRAINER, trainer_state)
+        return self.commit(tmp, state, [TRAINER])
+
+    def begin(self, step: int) -> Path:
+        """An empty staging directory for the checkpoint of `step`."""
+        return staging_dir(self.root / f"step-{step:08d}")
+
+    @staticmethod
+    def write_shard(tmp: Path, name: str, trainer_state: dict[str, Any]) -> None:
         import torch
 
+        torch.save(trainer_state, Path(tmp) / name)
+
+    def commit(self, tmp: Path, state: CheckpointState, shards: list[str]) -> Path:
+        """Write state.json and rename `tmp` into place once every shard is there."""
+        missing = [n for n in shards if not (tmp / n).is_file()]
+        if missing:
+            raise RuntimeError(f"checkpoint {tmp} is missing shards {missing}")
         final = self.root / f"step-{state.step:08d}"
-        tmp = staging_dir(final)
-        torch.save(trainer_state, tmp / TRAINER)
         (tmp / STATE).write_text(json.dumps(asdict(state)))
         commit_dir(tmp, final)
         for old in self._complete()[:-self.keep]:
@@ -78,7 +109,12 @@ class CheckpointManager:
         return CheckpointState.from_json((p / STATE).read_text()), p
 
     @staticmethod
-    def load_trainer_state(path: Path) -> dict[str, Any]:
+    def load_trainer_state(path: Path, name: str = TRAINER) -> dict[str, Any]:
         import torch
 
-        return torch.load(path / TRAINER, map_location="cpu", weights_only=True)
+        if not (path / name).is_file():
+            from common.errors import ConfigError
+            have = sorted(p.name for p in path.glob("trainer*.pt"))
+            raise ConfigError(f"{path} has no {name} (it has {have}): the checkpoint was written "
+                              "with another tensor/expert-parallel layout", "consumer.checkpoint_dir")
+        return torch.load(path / name, map_location="cpu", weights_only=True)

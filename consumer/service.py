@@ -16,7 +16,10 @@ Every consumed record ends in exactly one outcome counter: trained,
 dropped_stale, timed_out, duplicate, mismatch or dlq.
 
 Multi-rank (torchrun): rank 0 reads and gates; the chosen samples are
-broadcast to every rank, each rank trains on its data-parallel shard.
+broadcast to every rank, each rank trains on its data-parallel shard. Under
+tensor or expert parallelism rank 0 also broadcasts `checkpoint` (each
+(tp, ep) shard is written by one rank, rank 0 commits; consumer/checkpoint.py)
+and `export` (the weight export gathers every shard) after each step.
 """
 from __future__ import annotations
 
@@ -85,12 +88,8 @@ class ConsumerService:
         self._progress_at = 0.0
         self._building: list[ReadyGroup] = []  # gated groups of the batch being built
         self.rank, self.world = int(os.environ.get("RANK", "0")), _world_size()
-        if self.world > 1 and self.ccfg.expert_parallel_size > 1:
-            from common.errors import ConfigError
-            raise ConfigError("the consumer service checkpoints from rank 0 only, so it supports data "
-                              "parallelism across ranks; expert_parallel_size > 1 needs per-rank "
-                              "checkpoint shards (not built yet; the trainer core supports EP)",
-                              key="consumer.expert_parallel_size")
+        # tensor/expert parallel: every rank takes part in checkpoints and weight exports
+        self.sharded = self.ccfg.tensor_parallel_size > 1 or self.ccfg.expert_parallel_size > 1
 
     # ------------------------------------------------------------ lifecycle
 
@@ -105,15 +104,21 @@ class ConsumerService:
 
         self.trainer = self._build_trainer()  # collective under torchrun: every rank
         self.ckpt = CheckpointManager(self.ccfg.checkpoint_dir, self.ccfg.keep_checkpoints)
-        if self.rank != 0:  # followers: same weights as rank 0, nothing else
-            latest = self.ckpt.latest()
-            if latest is not None:
-                self.trainer.load_state_dict(self.ckpt.load_trainer_state(latest[1]))
+        latest = self.ckpt.latest() if self.rank == 0 else None
+        if self.world > 1:  # every rank resumes from the checkpoint rank 0 chose
+            path = _broadcast(str(latest[1]) if latest else None)
+        else:
+            path = str(latest[1]) if latest else None
+        if path is not None:
+            from pathlib import Path
+            self.trainer.load_state_dict(self.ckpt.load_trainer_state(
+                Path(path), self.trainer.checkpoint_shard()[0]))
+        if self.rank != 0:  # followers: the trainer, nothing else
             return
         ensure_topics(self.kafka)
         self.weights = WeightStore(self.ccfg.weight_store_dir, self.ccfg.keep_versions)
         self.assembler = GroupAssembler(self.ccfg.group_size, self.ccfg.group_timeout_s)
-        offsets = self._restore()
+        offsets = self._restore(latest)
         # fetch_max_wait 20 ms: tansu 0.6 answers a long-poll fetch only when the wait
         # expires, not when records arrive (measured: latency ~ half the wait), so the
         # default 100 ms added ~50 ms to every global step of a synchronous pipeline
@@ -143,13 +148,12 @@ class ConsumerService:
         )
         return Trainer.from_hf(self.cfg.model.path, tcfg)
 
-    def _restore(self) -> dict[int, int] | None:
-        latest = self.ckpt.latest()
+    def _restore(self, latest) -> dict[int, int] | None:
+        """Loop state from the checkpoint `start` loaded the trainer from."""
         if latest is None:
             log.info("no checkpoint in %s: starting at version 0 from the topic's start", self.ccfg.checkpoint_dir)
             return None
         st, path = latest
-        self.trainer.load_state_dict(self.ckpt.load_trainer_state(path))
         self.state.version, self.state.step = st.version, st.step
         self.state.counters.update(st.counters)
         self.state.processed = [(int(p), int(o), str(rid)) for p, o, rid in st.processed]
@@ -329,7 +333,25 @@ class ConsumerService:
         self._audit({"step": self.state.step, "version": self.state.version, "trained": self._last_trained})
         st = CheckpointState(self.state.step, self.state.version, safe,
                              [list(t) for t in self.state.processed], dict(self.state.counters))
-        self.ckpt.save(st, self.trainer.state_dict())
+        if not (self.sharded and self.world > 1):
+            self.ckpt.save(st, self.trainer.state_dict())
+            return
+        tmp = self.ckpt.begin(st.step)
+        _broadcast(("checkpoint", str(tmp)))
+        shards = self._write_shard(tmp)
+        self.ckpt.commit(tmp, st, shards)
+
+    def _write_shard(self, tmp) -> list[str]:
+        """Collective: this rank's trainer-state shard into `tmp` (if it is the
+        writer of its (tp, ep) pair), then a barrier; returns every shard name."""
+        import torch.distributed as dist
+        from pathlib import Path
+
+        name, writes, shards = self.trainer.checkpoint_shard()
+        if writes:
+            self.ckpt.write_shard(Path(tmp), name, self.trainer.state_dict())
+        dist.barrier()
+        return shards
 
     def _audit(self, entry: dict) -> None:
         """Append to <checkpoint_dir>/trained.jsonl (before the checkpoint commits).
@@ -347,6 +369,8 @@ class ConsumerService:
 
     def publish_weights(self) -> None:
         v = self.state.version
+        if self.sharded and self.world > 1:
+            _broadcast(("export", None))  # the export gathers every rank's shard
         m = self.weights.write(v, self.trainer.export_hf_state_dict(), self.cfg.model.path)
         ann = PolicyAnnouncement(version=v, uri=m["uri"], sha256=m["sha256"], bytes=m["bytes"],
                                  trainer_version=v, consumed_offsets=self._safe_offsets())
@@ -402,11 +426,18 @@ class ConsumerService:
         """
         log.info("rank %d/%d following rank 0", self.rank, self.world)
         while True:
-            kind, samples = _broadcast(None)
+            kind, arg = _broadcast(None)
             if kind == "stop":
                 log.info("rank %d stopping with rank 0", self.rank)
                 return 0
-            self.trainer.train_step(self.trainer.build_batch(samples, self.ccfg.group_size))
+            if kind == "train":
+                self.trainer.train_step(self.trainer.build_batch(arg, self.ccfg.group_size))
+            elif kind == "checkpoint":
+                self._write_shard(arg)
+            elif kind == "export":
+                self.trainer.export_hf_state_dict()
+            else:
+                raise RuntimeError(f"rank {self.rank}: unknown message {kind!r} from rank 0")
 
 
 def _broadcast(obj):

@@ -246,24 +246,71 @@ def test_sigkill_between_steps_resumes_exactly_once(broker, tiny_model_dir, tmp_
     assert sum(final.counters.values()) == len(published)
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_two_ranks_under_torchrun(broker, tiny_model_dir, tmp_path):
-    """torchrun --nproc_per_node 2: rank 0 reads and broadcasts, both ranks train, exit 0."""
-    from common.publisher import RolloutPublisher
-
-    kafka = make_kafka_settings(broker.bootstrap, tmp_path / "blobs", rollouts_partitions=2)
-    cfg = consumer_config(kafka, tiny_model_dir, tmp_path, max_steps=2)
-    cfg_path = _write_config(tmp_path / "consumer.yaml", cfg)
-    pub = RolloutPublisher(kafka)
-    published = publish_groups(pub, [synthetic_group(f"mr{i}", G, 0, np.random.default_rng(i)) for i in range(2 * B)])
-    pub.close()
+def _torchrun_consumer(cfg_path: Path) -> subprocess.CompletedProcess:
     torchrun = Path(sys.executable).with_name("torchrun")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "consumer",
-                           "-c", str(cfg_path)], env=env, capture_output=True, text=True, timeout=500)
+                           "-c", str(cfg_path)], env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "rank 1 stopping with rank 0" in proc.stderr
+    return proc
+
+
+# layout -> consumer settings; world size 2 (dp = 2 / tp)
+TWO_RANK_LAYOUTS = {"dp2": {}, "tp2": {"tensor_parallel_size": 2},
+                    "dp2_ep2": {"expert_parallel_size": 2}}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("layout", list(TWO_RANK_LAYOUTS))
+def test_two_ranks_under_torchrun(broker, tiny_model_dir, tmp_path, layout):
+    """torchrun --nproc_per_node 2: rank 0 reads and broadcasts, both ranks train,
+    exit 0. Under tensor/expert parallelism each rank writes its own checkpoint
+    shard; tp2 then restarts from those shards and trains one more step."""
+    from common.publisher import RolloutPublisher
+
+    kafka = make_kafka_settings(broker.bootstrap, tmp_path / "blobs", rollouts_partitions=2)
+    cfg = consumer_config(kafka, tiny_model_dir, tmp_path, max_steps=2, **TWO_RANK_LAYOUTS[layout])
+    cfg_path = _write_config(tmp_path / "consumer.yaml", cfg)
+    pub = RolloutPublisher(kafka)
+    try:
+        _two_rank_run(kafka, pub, tiny_model_dir, tmp_path, layout, cfg_path)
+    finally:
+        pub.close()
+
+
+def _two_rank_run(kafka, pub, tiny_model_dir, tmp_path, layout, cfg_path):
+    import torch
+
+    from consumer.checkpoint import CheckpointManager
+
+    published = publish_groups(pub, [synthetic_group(f"mr{i}", G, 0, np.random.default_rng(i))
+                                     for i in range(2 * B)])
+    _torchrun_consumer(cfg_path)
     steps = _committed_steps(tmp_path / "ckpt" / "trained.jsonl")
     assert sorted(steps) == [1, 2]
     assert sorted(rid for ids in steps.values() for rid in ids) == sorted(published)
+
+    st, path = CheckpointManager(tmp_path / "ckpt").latest()
+    shards = sorted(p.name for p in path.glob("trainer*.pt"))
+    if layout == "dp2":
+        assert shards == ["trainer.pt"]
+        return
+    want = {"tp2": ["trainer-tp0-ep0.pt", "trainer-tp1-ep0.pt"],
+            "dp2_ep2": ["trainer-tp0-ep0.pt", "trainer-tp0-ep1.pt"]}[layout]
+    assert shards == want
+    a, b = (CheckpointManager.load_trainer_state(path, n)["model"] for n in want)
+    differ = [k for k in a if a[k].shape != b[k].shape or not torch.equal(a[k], b[k])]
+    assert differ, "the two shards hold the same tensors"
+    if layout != "tp2":
+        return
+    # restart from the sharded checkpoint: loads each rank's shard, trains step 3
+    more = publish_groups(pub, [synthetic_group(f"mr2-{i}", G, 2, np.random.default_rng(100 + i))
+                                for i in range(B)])
+    cfg3 = consumer_config(kafka, tiny_model_dir, tmp_path, max_steps=3, **TWO_RANK_LAYOUTS[layout])
+    proc = _torchrun_consumer(_write_config(tmp_path / "consumer3.yaml", cfg3))
+    assert f"resumed from {path.name}" in proc.stderr
+    steps = _committed_steps(tmp_path / "ckpt" / "trained.jsonl")
+    assert sorted(steps) == [1, 2, 3]
+    assert sorted(steps[3]) == sorted(more)
