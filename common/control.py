@@ -9,8 +9,9 @@ Two small topics, both JSON, both read from the beginning by every service:
 - `rlstream.policy`: `PolicyAnnouncement` under the key `policy`; the newest
   version wins. Its `trainer_version` is the trainer's version that producers
   use for staleness backpressure. While the trainer waits for data it
-  re-announces its current version with newer `consumed_offsets` (a progress
-  update: producers update their backpressure estimate, nothing reloads).
+  re-announces its current version with newer `read_offsets` / `held_records`
+  (a progress update: producers update their backpressure estimate, nothing
+  reloads).
 
 Values are validated on both ends: `ctl set` refuses bad values before
 writing, and a follower ignores (and counts) an out-of-range or malformed
@@ -61,8 +62,16 @@ class PolicyAnnouncement(BaseModel):
     trainer_version: int = Field(ge=0)
     consumed_offsets: dict[int, int] = Field(default_factory=dict)
     """Per rollouts partition, the offset below which the trainer has processed
-    every record (its checkpointed offsets). Producers use it to estimate how
-    many groups are queued ahead of a new one (staleness backpressure)."""
+    every record (its checkpointed offsets)."""
+    read_offsets: dict[int, int] | None = None
+    """Per rollouts partition, the next offset the trainer will read."""
+    held_records: int = Field(0, ge=0)
+    """Records the trainer has read but not yet trained or dropped (partial
+    groups, complete groups waiting for a batch). Producers count the groups
+    queued ahead of a new one as (records past `read_offsets` + held_records)
+    / G: staleness backpressure. (`consumed_offsets` would over-count: one held
+    group pins it while records behind it are consumed, which once stalled
+    the whole pipeline.)"""
     created_at: float = Field(default_factory=time.time)
 
 

@@ -373,26 +373,31 @@ class ConsumerService:
             _broadcast(("export", None))  # the export gathers every rank's shard
         m = self.weights.write(v, self.trainer.export_hf_state_dict(), self.cfg.model.path)
         ann = PolicyAnnouncement(version=v, uri=m["uri"], sha256=m["sha256"], bytes=m["bytes"],
-                                 trainer_version=v, consumed_offsets=self._safe_offsets())
+                                 trainer_version=v, **self._progress())
         self._writer.announce(ann)
         self._announced, self._progress_at = ann, time.monotonic()
         _VERSION.set(v)
 
-    def announce_progress(self, every_s: float = 1.0) -> None:
-        """While waiting for data, re-announce the current version with newer consumed offsets.
+    def _progress(self) -> dict:
+        """What producers size their staleness backpressure from (common/control.py)."""
+        return {"consumed_offsets": self._safe_offsets(), "read_offsets": dict(self.reader.positions()),
+                "held_records": self.held_records()}
 
-        Producers size their staleness backpressure from the consumed offsets;
-        without this, records the gate dropped (or DLQ'd, or timed out) would
-        count as queued until the next step, and a synchronous pipeline
-        (max_staleness 0) whose queue was all dropped would wait forever.
+    def announce_progress(self, every_s: float = 1.0) -> None:
+        """While waiting for data, re-announce the current version with newer progress.
+
+        Producers count the groups queued ahead of a new one from the read
+        offsets and held records; without this, records the gate dropped (or
+        DLQ'd, or timed out) would count as queued until the next step, and a
+        pipeline whose queue was all dropped would wait forever.
         """
         now = time.monotonic()
         if self._announced is None or now - self._progress_at < every_s:
             return
         self._progress_at = now
-        safe = self._safe_offsets()
-        if safe != self._announced.consumed_offsets:
-            self._announced = self._announced.model_copy(update={"consumed_offsets": safe, "created_at": time.time()})
+        progress = self._progress()
+        if any(getattr(self._announced, k) != v for k, v in progress.items()):
+            self._announced = self._announced.model_copy(update={**progress, "created_at": time.time()})
             self._writer.announce(self._announced)
 
     def _announce_if_needed(self) -> None:

@@ -16,8 +16,9 @@ Admission control (what stops new prompts, each counted in
   `max_staleness` versions after its dispatch version. With the trainer at
   version V (last announcement), this producer at version v, B groups per
   global step and Q groups queued ahead (records on the topic past the
-  trainer's consumed offsets, divided by G, plus this producer's in-flight and
-  unpublished groups), the new group is trained at about V + floor(Q / B):
+  trainer's read offsets plus the records it holds unfinished, divided by G,
+  plus this producer's in-flight and unpublished groups; `queued_groups`),
+  the new group is trained at about V + floor(Q / B):
   admit iff V + floor(Q / B) - v <= max_staleness. max_staleness = 0 makes the
   pipeline synchronous (one batch per version).
 
@@ -65,6 +66,17 @@ _REWARD_HIST = metrics.histogram("rlstream_producer_reward", "Reward of each fin
                                  buckets=(0.0, 0.5, 1.0))
 
 
+def queued_groups(ends: dict[int, int], read_offsets: dict[int, int], held_records: int,
+                  own_unacked_records: int, own_in_flight_groups: int, G: int) -> int:
+    """Groups ahead of a new one: records on the topic the trainer has not read
+    (per partition, end - read offset) plus the records it holds unfinished
+    plus our own not yet acknowledged, in groups of G, plus our groups still
+    generating."""
+    records = held_records + own_unacked_records
+    records += sum(max(0, end - read_offsets.get(p, 0)) for p, end in ends.items())
+    return records // G + own_in_flight_groups
+
+
 @dataclass
 class GroupInfo:
     prompt_text: str
@@ -80,7 +92,8 @@ class ProducerService:
         self.producer_id = self.pcfg.producer_id or f"{socket.gethostname()}-{os.getpid()}"
         self.control = ControlState.from_settings(cfg.staleness)
         self.trainer_version = 0
-        self.consumed_offsets: dict[int, int] = {}
+        self.read_offsets: dict[int, int] = {}  # the trainer's progress (_on_policy)
+        self.held_records = 0
         self.groups: dict[str, GroupInfo] = {}
         self.pending: list[Rollout] = []
         self._stop = False
@@ -199,7 +212,10 @@ class ProducerService:
         from common.weights import stage_version, verify
 
         self.trainer_version = ann.trainer_version
-        self.consumed_offsets = dict(ann.consumed_offsets)
+        if ann.read_offsets is not None:
+            self.read_offsets, self.held_records = dict(ann.read_offsets), ann.held_records
+        else:  # an announcement without progress fields: the checkpointed offsets
+            self.read_offsets, self.held_records = dict(ann.consumed_offsets), 0
         _TRAINER_V.set(ann.trainer_version)
         if ann.version <= self.engine.version:
             return
@@ -263,11 +279,11 @@ class ProducerService:
                 self._ends = {tp.partition: off for tp, off in ends.items()}
             except Exception as e:  # noqa: BLE001 - keep the last answer; our own records still count
                 log.debug("end offsets unavailable (%s); using the last answer", e)
-        lag_records = len(self.pending) + self.publisher.buffer_depth
-        for tp in self._rollout_tps:
-            end = max(self._ends.get(tp.partition, 0), self._acked_end.get(tp.partition, 0))
-            lag_records += max(0, end - self.consumed_offsets.get(tp.partition, 0))
-        return lag_records // self.pcfg.group_size + len(self.groups)
+        ends = {tp.partition: max(self._ends.get(tp.partition, 0), self._acked_end.get(tp.partition, 0))
+                for tp in self._rollout_tps}
+        return queued_groups(ends, self.read_offsets, self.held_records,
+                             len(self.pending) + self.publisher.buffer_depth,
+                             len(self.groups), self.pcfg.group_size)
 
     def _on_delivered(self, fut) -> None:  # publisher thread
         if fut.cancelled() or fut.exception() is not None:

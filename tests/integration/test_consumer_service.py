@@ -119,6 +119,41 @@ def test_reweight_mode_via_control_topic(service):
 
 
 @pytest.mark.timeout(300)
+def test_progress_announcement_counts_held_records(service):
+    """While the trainer holds one complete group and waits for a second, its
+    progress announcement says: everything read (read_offsets = topic ends),
+    G records held. The checkpointed offsets stay pinned at the held group;
+    producers that counted from them saw a long queue and stopped admitting,
+    which stalled the 10-minute soak (tests/unit/test_admission.py)."""
+    import threading
+
+    svc, pub, _ = service
+    V = svc.state.version
+    rng = np.random.default_rng(7)
+    publish_groups(pub, [synthetic_group("held", G, V, rng)])
+    result = {}
+    waiter = threading.Thread(target=lambda: result.update(batch=svc.next_batch()), daemon=True)
+    waiter.start()
+    deadline = time.time() + 30
+    while True:
+        ann = svc._announced
+        ends = svc.reader.end_offsets()
+        if ann.held_records == G and ann.read_offsets == ends:
+            break
+        assert time.time() < deadline, f"no progress announcement with the held group: {ann}"
+        time.sleep(0.2)
+    pinned = sum(ends[p] - ann.consumed_offsets.get(p, 0) for p in ends)
+    assert pinned >= G, "the held group should pin the checkpointed offsets"
+    publish_groups(pub, [synthetic_group("second", G, V, rng)])
+    waiter.join(timeout=60)
+    assert sorted(rg.group.group_id for rg in result["batch"]) == ["held", "second"]
+    svc.train_step(result["batch"])
+    svc.checkpoint()
+    svc.publish_weights()
+    assert svc._announced.held_records == 0
+
+
+@pytest.mark.timeout(300)
 def test_announced_version_opens_in_transformers_with_same_logprobs(service):
     import torch
     from transformers import AutoModelForCausalLM
