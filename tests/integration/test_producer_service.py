@@ -94,7 +94,12 @@ def test_publishes_valid_records_then_backpressure_holds_at_max_staleness(produc
     cap = (MAX_STALENESS + 1) * B * G  # records admitted before the (absent) trainer must advance
     wait_for(lambda: metric(scrape_or_empty(port), "rlstream_producer_held_back_total", reason="staleness") > 0,
              240, proc, "staleness backpressure")
-    time.sleep(3)  # anything still in flight is published by now; nothing more is admitted
+    # backpressure engages as soon as the admitted groups are in flight, before
+    # any is finished: wait for them (slow on a loaded machine), then give a
+    # wrongly admitted group time to show up
+    wait_for(lambda: metric(scrape_or_empty(port), "rlstream_producer_samples_total") >= cap,
+             120, proc, f"{cap} finished samples")
+    time.sleep(3)
     records = read_all(kafka)
     assert len(records) == cap, f"{len(records)} records, backpressure should cap at {cap}"
     text = scrape(port)
