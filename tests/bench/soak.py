@@ -15,8 +15,13 @@ stops cleanly. Prints ONE JSON object:
 
     records_per_s            published records / run seconds
     lag_records              {max, mean, last} of the consumer's lag gauge
-    rss_mb                   per service: first-third and last-third medians, growth %
-    memory_flat              every service grew < 10 % between those medians
+    rss_mb                   per service: first-third and last-third medians, growth %,
+                             and late_growth_pct: last sixth vs the sixth after the midpoint
+                             (warm-up allocations excluded: a leak keeps growing here)
+    memory_flat              every service grew < 10 % first vs last third
+    step_wait_s              {max, p99, steps}: the consumer's wait for data per global step
+                             during the run (the drain excluded)
+    stall_free               no step waited more than 10 s (a backpressure deadlock shows here)
     published / trained / dropped_stale / timed_out / dlq / duplicate
     lost                     published - (trained + dropped_stale + timed_out + dlq); must be 0
     trained_twice            rollout ids in the audit log more than once; must be 0
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import tempfile
@@ -102,6 +108,7 @@ def main() -> int:
                 assert s.alive, f"{s.name} died:\n{s.log_tail()}"
             time.sleep(args.sample_s)
         run_s = time.monotonic() - t0
+        run_log_lines = len(consumer.log_text().splitlines())  # the drain's waits are not the run's
 
         # drain: producers finish and flush, the consumer reads everything
         published = 0
@@ -133,6 +140,13 @@ def main() -> int:
         last = statistics.median(x["rss"][s.name] for x in samples[-third:])
         rss[s.name] = {"first_third_mb": round(first / 2**20, 1), "last_third_mb": round(last / 2**20, 1),
                        "growth_pct": round(100 * (last - first) / first, 1) if first else None}
+    for s in services:
+        n = len(samples)
+        mid = statistics.median(x["rss"][s.name] for x in samples[n // 2:n // 2 + max(1, n // 6)] or samples[-1:])
+        end = statistics.median(x["rss"][s.name] for x in samples[-max(1, n // 6):])
+        rss[s.name]["late_growth_pct"] = round(100 * (end - mid) / mid, 1) if mid else None
+    waits = sorted(float(m.group(1)) for ln in consumer.log_text().splitlines()[:run_log_lines]
+                   if (m := re.search(r" step=\d+ .* wait=([0-9.]+)s", ln)))
     lags = [x["lag"] for x in samples]
     result = {
         "bench": "soak", "duration_s": round(run_s, 1), "producers": args.producers, "G": G, "B": B,
@@ -145,13 +159,17 @@ def main() -> int:
                         "last": lags[-1] if lags else 0},
         "rss_mb": rss,
         "memory_flat": all(v["growth_pct"] is not None and v["growth_pct"] < 10 for v in rss.values()),
+        "step_wait_s": {"max": waits[-1] if waits else None,
+                        "p99": waits[int(0.99 * (len(waits) - 1))] if waits else None, "steps": len(waits)},
+        "stall_free": bool(waits) and waits[-1] < 10,
         "staleness_changes": staleness_changes,
         "timeline": [{"t": x["t"], "published": x["published"], "lag": x["lag"], "version": x["version"],
                       "rss_mb": {k: round(v / 2**20) for k, v in x["rss"].items()}} for x in samples],
         "work_dir": str(tmp),
     }
     print(json.dumps(result))
-    return 0 if result["lost"] == 0 and result["trained_twice"] == 0 else 1
+    ok = result["lost"] == 0 and result["trained_twice"] == 0 and result["stall_free"]
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
