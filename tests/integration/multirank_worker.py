@@ -1,11 +1,12 @@
 """Worker for test_multirank.py: one training step on 2 ranks (gloo, CPU).
 
-    torchrun --standalone --nproc_per_node 2 multirank_worker.py MODEL_DIR OUT_DIR
+    torchrun --standalone --nproc_per_node 2 multirank_worker.py MODEL_DIR OUT_DIR [LAYOUT ...]
 
-Runs the same step once per layout in LAYOUTS: data-parallel 2, data-parallel
-2 with expert-parallel 2 (each rank holds half the experts), and tensor-
-parallel 2 (sequence parallel; each rank holds half of every matrix) with
-Routing Replay R2 and R3. Rank 0 writes the exported HF tensors and metrics of
+Runs the same step once per layout (default: every 2-rank layout of LAYOUTS):
+data-parallel 2, data-parallel 2 with expert-parallel 2 (each rank holds half
+the experts), tensor-parallel 2 (sequence parallel; each rank holds half of
+every matrix) with Routing Replay R2 and R3, and on 4 ranks all three at
+once. Rank 0 writes the exported HF tensors and metrics of
 each run to OUT_DIR/<layout>.pt. Every rank builds the same samples
 (`make_samples`) and keeps its data-parallel slice.
 """
@@ -20,7 +21,13 @@ import torch
 CFG = dict(loss="minirl", num_minibatches=2, optimizer="sgd", lr=0.05, grad_clip=1.0)
 # layout -> (parallel sizes, replay mode)
 LAYOUTS = {"dp2": (dict(dp=2), "R2"), "dp2_ep2": (dict(dp=2, ep=2), "R2"),
-           "tp2": (dict(tp=2), "R2"), "tp2_r3": (dict(tp=2), "R3")}
+           "tp2": (dict(tp=2), "R2"), "tp2_r3": (dict(tp=2), "R3"),
+           "tp2_dp2_ep2": (dict(tp=2, dp=2, ep=2), "R3")}  # 4 ranks
+
+
+def world_size(layout: str) -> int:
+    sizes = LAYOUTS[layout][0]
+    return sizes.get("tp", 1) * sizes.get("dp", 1)
 
 
 def make_samples(model_dir: str, seed: int = 0, n_groups: int = 4, group_size: int = 4):
@@ -63,12 +70,15 @@ def run(model_dir: str, layout: str):
     return trainer.export_hf_state_dict(), metrics
 
 
-def main(model_dir: str, out_dir: str) -> None:
+def main(model_dir: str, out_dir: str, layouts: list[str]) -> None:
+    import os
+
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     torch.set_num_threads(1)
-    for layout in LAYOUTS:
+    world = int(os.environ["WORLD_SIZE"])
+    for layout in layouts or [k for k in LAYOUTS if world_size(k) == world]:
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
         sd, metrics = run(model_dir, layout)
@@ -79,4 +89,4 @@ def main(model_dir: str, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], sys.argv[3:])

@@ -1,6 +1,7 @@
-"""Two CPU processes (torchrun, gloo): data-parallel 2, data-parallel 2 with
-expert-parallel 2, and tensor-parallel 2 (sequence parallel, with R2 and R3)
-give the same updated weights and metrics as one process on the whole batch."""
+"""CPU processes under torchrun (gloo): data-parallel 2, data-parallel 2 with
+expert-parallel 2, tensor-parallel 2 (sequence parallel, with R2 and R3), and
+on 4 processes tensor 2 x data 2 x expert 2, give the same updated weights and
+metrics as one process on the whole batch."""
 from __future__ import annotations
 
 import importlib.util
@@ -24,17 +25,23 @@ def load_worker():
     return mod
 
 
-@pytest.fixture(scope="module")
-def two_rank_results(sharp_model_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("multirank")
+def run_worker(model_dir, out, nproc: int) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     torchrun = Path(sys.executable).with_name("torchrun")
-    cmd = [str(torchrun), "--standalone", "--nproc_per_node", "2", str(WORKER),
-           str(sharp_model_dir), str(out)]
+    cmd = [str(torchrun), "--standalone", "--nproc_per_node", str(nproc), str(WORKER),
+           str(model_dir), str(out)]
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    worker = load_worker()
     return {name: torch.load(out / f"{name}.pt", weights_only=False)
-            for name in load_worker().LAYOUTS}
+            for name in worker.LAYOUTS if worker.world_size(name) == nproc}
+
+
+@pytest.fixture(scope="module")
+def multi_rank_results(sharp_model_dir, tmp_path_factory):
+    results = run_worker(sharp_model_dir, tmp_path_factory.mktemp("multirank2"), 2)
+    results.update(run_worker(sharp_model_dir, tmp_path_factory.mktemp("multirank4"), 4))
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -52,12 +59,12 @@ def one_rank_results(megatron_world, sharp_model_dir):
     return out
 
 
-@pytest.mark.parametrize("layout", ["dp2", "dp2_ep2", "tp2", "tp2_r3"])
-def test_same_weights_as_one_process(two_rank_results, one_rank_results, sharp_model_dir, layout):
+@pytest.mark.parametrize("layout", ["dp2", "dp2_ep2", "tp2", "tp2_r3", "tp2_dp2_ep2"])
+def test_same_weights_as_one_process(multi_rank_results, one_rank_results, sharp_model_dir, layout):
     from consumer.convert import read_hf_safetensors
 
     replay = load_worker().LAYOUTS[layout][1]
-    got, want = two_rank_results[layout], one_rank_results[replay]
+    got, want = multi_rank_results[layout], one_rank_results[replay]
     original = read_hf_safetensors(sharp_model_dir)
     assert set(got["state"]) == set(want["state"])
     # SGD, so a weight's change is lr * its (clipped) gradient: the layouts
