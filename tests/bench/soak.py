@@ -20,7 +20,7 @@ stops cleanly. Prints ONE JSON object:
                              (warm-up allocations excluded: a leak keeps growing here)
     memory_flat              every service grew < 10 % first vs last third
     step_wait_s              {max, p99, steps}: the consumer's wait for data per global step
-                             during the run (the drain excluded)
+                             during the run (step 1, the engines' start, and the drain excluded)
     stall_free               no step waited more than 10 s (a backpressure deadlock shows here)
     published / trained / dropped_stale / timed_out / dlq / duplicate
     lost                     published - (trained + dropped_stale + timed_out + dlq); must be 0
@@ -145,8 +145,9 @@ def main() -> int:
         mid = statistics.median(x["rss"][s.name] for x in samples[n // 2:n // 2 + max(1, n // 6)] or samples[-1:])
         end = statistics.median(x["rss"][s.name] for x in samples[-max(1, n // 6):])
         rss[s.name]["late_growth_pct"] = round(100 * (end - mid) / mid, 1) if mid else None
-    waits = sorted(float(m.group(1)) for ln in consumer.log_text().splitlines()[:run_log_lines]
-                   if (m := re.search(r" step=\d+ .* wait=([0-9.]+)s", ln)))
+    # step 1 waits for the producers' engines to start: not part of the run
+    waits = sorted(float(m.group(2)) for ln in consumer.log_text().splitlines()[:run_log_lines]
+                   if (m := re.search(r" step=(\d+) .* wait=([0-9.]+)s", ln)) and int(m.group(1)) > 1)
     lags = [x["lag"] for x in samples]
     result = {
         "bench": "soak", "duration_s": round(run_s, 1), "producers": args.producers, "G": G, "B": B,
