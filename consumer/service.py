@@ -29,6 +29,7 @@ import signal
 import socket
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from common import metrics
 from common.config import RlstreamConfig
@@ -105,12 +106,10 @@ class ConsumerService:
         self.trainer = self._build_trainer()  # collective under torchrun: every rank
         self.ckpt = CheckpointManager(self.ccfg.checkpoint_dir, self.ccfg.keep_checkpoints)
         latest = self.ckpt.latest() if self.rank == 0 else None
+        path = str(latest[1]) if latest else None
         if self.world > 1:  # every rank resumes from the checkpoint rank 0 chose
-            path = _broadcast(str(latest[1]) if latest else None)
-        else:
-            path = str(latest[1]) if latest else None
+            path = _broadcast(path)
         if path is not None:
-            from pathlib import Path
             self.trainer.load_state_dict(self.ckpt.load_trainer_state(
                 Path(path), self.trainer.checkpoint_shard()[0]))
         if self.rank != 0:  # followers: the trainer, nothing else
@@ -345,7 +344,6 @@ class ConsumerService:
         """Collective: this rank's trainer-state shard into `tmp` (if it is the
         writer of its (tp, ep) pair), then a barrier; returns every shard name."""
         import torch.distributed as dist
-        from pathlib import Path
 
         name, writes, shards = self.trainer.checkpoint_shard()
         if writes:
