@@ -3,7 +3,7 @@
     dims = read_hf_dims(dir)                # config.json -> HFModelDims
     init_parallel(ParallelConfig(tp, ep, dp))  # torch.distributed + Megatron groups
     model = load_hf_checkpoint(dir)         # GPTModel with the HF weights
-    lp = per_token_logprobs(model, tokens)  # [B, S-1] log p(tokens[:, 1:])
+    lp = per_token_logprobs(model, tokens)  # [B, S-1] log p(tokens[:, 1:]) (TP: vocab-parallel)
 
 The Megatron config mirrors Qwen3-MoE: RMSNorm, q/k RMSNorm per head
 (`qk_layernorm`), SwiGLU experts, RoPE (non-interleaved, HF's rotate_half)
@@ -233,7 +233,9 @@ def build_model(dims: HFModelDims, dtype: torch.dtype = torch.float32):
     model = GPTModel(
         config=transformer_config(dims, dtype), transformer_layer_spec=layer_specs(dims),
         vocab_size=dims.vocab_size, max_sequence_length=dims.max_position_embeddings,
-        pre_process=True, post_process=True, parallel_output=False,
+        # under TP each rank keeps its vocabulary shard of the logits
+        # (vocab_parallel_logprobs); with tp = 1 this changes nothing
+        pre_process=True, post_process=True, parallel_output=True,
         share_embeddings_and_output_weights=dims.tie_word_embeddings,
         position_embedding_type="rope", rotary_base=dims.rope_theta, rotary_percent=1.0,
     )
@@ -286,8 +288,9 @@ def padded_length(seq: int, model) -> int:
 def forward_logits(model, tokens: torch.Tensor) -> torch.Tensor:
     """Logits [B, S, V] (float32) for input ids [B, S] (right-padded is fine:
     the mask is causal, so padding never influences real positions). Under
-    sequence parallelism the input is right-padded to `padded_length` and the
-    logits cut back to S."""
+    tensor parallelism they are this rank's vocabulary shard [B, S, V / tp],
+    and the input is right-padded to `padded_length` and the logits cut back
+    to S. `per_token_logprobs` handles both."""
     seq = tokens.shape[1]
     device = next(model.parameters()).device
     tokens = tokens.to(device)
@@ -311,10 +314,42 @@ def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor,
     return out, ent
 
 
-def per_token_logprobs(model, tokens: torch.Tensor, with_entropy: bool = False):
-    """log p(tokens[:, t+1] | tokens[:, :t+1]) for t < S-1: [B, S-1] float32.
+def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor,
+                            with_entropy: bool = False):
+    """`logprobs_from_logits` for vocabulary-sharded logits [B, T, V / tp]
+    (tensor parallelism): no rank ever holds the full-vocabulary logits.
 
-    `tokens` is [B, S] (prompt + response); the forward input is tokens[:, :-1].
+    log p comes from Megatron's `vocab_parallel_cross_entropy` (differentiable;
+    it overwrites `logits` in place, so the entropy is computed first, without
+    gradient: it is a metric).
     """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    ent = None
+    if with_entropy:
+        group = ps.get_tensor_model_parallel_group()
+        with torch.no_grad():
+            x = logits.float()
+            m = x.max(-1).values
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+            z = x - m.unsqueeze(-1)
+            e = z.exp()
+            sums = torch.stack([e.sum(-1), (e * z).sum(-1)])  # sum exp(z), sum exp(z) z
+            dist.all_reduce(sums, group=group)
+            ent = sums[0].log() - sums[1] / sums[0]  # H = log Z - E_p[z]
+    out = -vocab_parallel_cross_entropy(logits.float(), targets.long())
+    return out if not with_entropy else (out, ent)
+
+
+def per_token_logprobs(model, tokens: torch.Tensor, with_entropy: bool = False):
+    """log p(tokens[:, t+1] | tokens[:, :t+1]) for t < S-1: [B, S-1] float32
+    (and the entropy). `tokens` is [B, S] (prompt + response); the forward
+    input is tokens[:, :-1]. Under tensor parallelism the log-softmax runs on
+    the vocabulary shards (`vocab_parallel_logprobs`)."""
     logits = forward_logits(model, tokens[:, :-1])
-    return logprobs_from_logits(logits, tokens[:, 1:].to(logits.device), with_entropy)
+    targets = tokens[:, 1:].to(logits.device)
+    if model.config.tensor_model_parallel_size > 1:
+        return vocab_parallel_logprobs(logits, targets, with_entropy)
+    return logprobs_from_logits(logits, targets, with_entropy)

@@ -37,7 +37,7 @@ from common.errors import ConfigError
 from consumer import convert
 from consumer.batch import ADVANTAGE_MODES, GlobalBatch, MiniBatch, TrainSample, build_global_batch
 from consumer.losses import ADVANTAGE_MODE, LOSSES, LossConfig, LossInputs, get_loss_fn
-from consumer.model import ParallelConfig, forward_logits, load_hf_checkpoint, logprobs_from_logits
+from consumer.model import ParallelConfig, load_hf_checkpoint, per_token_logprobs
 from consumer.replay import ReplayMode, RoutingReplay, routing_agreement
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -300,10 +300,7 @@ class Trainer:
     def _forward(self, mb: MiniBatch, timers: Timers, entropy: bool = False):
         """Model forward + log-softmax at the targets: log pi [B, S] (and entropy)."""
         with timers.time("forward"):
-            logits = forward_logits(self.model, mb.tokens[:, :-1])
-            targets = mb.tokens[:, 1:].to(logits.device)
-            out = logprobs_from_logits(logits, targets, with_entropy=entropy)
-        return out
+            return per_token_logprobs(self.model, mb.tokens, with_entropy=entropy)
 
     def _old_policy(self, i: int, mb: MiniBatch, timers: Timers, sums: MetricSums) -> OldPolicy:
         with torch.no_grad():

@@ -65,8 +65,12 @@ def trainer_config(layout: str, **parallel):
 def run(model_dir: str, layout: str):
     from consumer.trainer import Trainer
 
+    from consumer.model import forward_logits
+
     trainer = Trainer.from_hf(model_dir, trainer_config(layout))
     metrics = trainer.train_step(trainer.build_batch(make_samples(model_dir), group_size=4))
+    # under TP each rank holds only its vocabulary shard of the logits
+    metrics["logit_columns"] = forward_logits(trainer.model, torch.tensor([[5, 6, 7]])).shape[-1]
     return trainer.export_hf_state_dict(), metrics
 
 

@@ -62,6 +62,7 @@ def one_rank_results(megatron_world, sharp_model_dir):
 @pytest.mark.parametrize("layout", ["dp2", "dp2_ep2", "tp2", "tp2_r3", "tp2_dp2_ep2"])
 def test_same_weights_as_one_process(multi_rank_results, one_rank_results, sharp_model_dir, layout):
     from consumer.convert import read_hf_safetensors
+    from consumer.model import read_hf_dims
 
     replay = load_worker().LAYOUTS[layout][1]
     got, want = multi_rank_results[layout], one_rank_results[replay]
@@ -79,6 +80,8 @@ def test_same_weights_as_one_process(multi_rank_results, one_rank_results, sharp
                 "clip_frac", "routing_agreement_layer_0", "routing_agreement_layer_1"):
         assert got["metrics"][key] == pytest.approx(want["metrics"][key], rel=1e-4), key
     assert got["metrics"]["num_responses"] == 16
+    tp = load_worker().LAYOUTS[layout][0].get("tp", 1)
+    assert got["metrics"]["logit_columns"] == read_hf_dims(sharp_model_dir).vocab_size // tp
 
 
 def test_r3_differs_from_r2(one_rank_results):
