@@ -339,7 +339,8 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor,
             sums = torch.stack([e.sum(-1), (e * z).sum(-1)])  # sum exp(z), sum exp(z) z
             dist.all_reduce(sums, group=group)
             ent = sums[0].log() - sums[1] / sums[0]  # H = log Z - E_p[z]
-    out = -vocab_parallel_cross_entropy(logits.float(), targets.long())
+    # contiguous: a padded forward's logits are a slice (Megatron views them 2-D)
+    out = -vocab_parallel_cross_entropy(logits.float().contiguous(), targets.long())
     return out if not with_entropy else (out, ent)
 
 

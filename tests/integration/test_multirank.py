@@ -89,3 +89,13 @@ def test_r3_differs_from_r2(one_rank_results):
     the tp2_r3 comparison above does test the replay path under TP)."""
     a, b = one_rank_results["R2"]["state"], one_rank_results["R3"]["state"]
     assert max(float((a[k] - b[k]).abs().max()) for k in a) > 1e-4
+
+
+def test_samples_exercise_the_tp_padding(sharp_model_dir):
+    """One mini-batch has an odd number of input positions: under tp2 the
+    forward pads it and the replay indices are padded and cut per rank."""
+    from consumer.batch import build_global_batch
+
+    gb = build_global_batch(load_worker().make_samples(sharp_model_dir), 4, 2, "mean")
+    lengths = [mb.tokens.shape[1] - 1 for mb in gb.minibatches]
+    assert any(n % 2 for n in lengths) and any(n % 2 == 0 for n in lengths), lengths
