@@ -74,6 +74,14 @@ class PolicyAnnouncement(BaseModel):
     the whole pipeline.)"""
     created_at: float = Field(default_factory=time.time)
 
+    def trainer_progress(self) -> tuple[dict[int, int], int]:
+        """(read offsets, held records) for the backpressure estimate; an
+        announcement without them (an older consumer) gives its consumed
+        offsets and 0 held, which over-counts but never under-counts."""
+        if self.read_offsets is None:
+            return dict(self.consumed_offsets), 0
+        return dict(self.read_offsets), self.held_records
+
 
 def parse_control_value(key: str, raw: Any) -> Any:
     """Validate one setting (`raw` may be a string from the CLI/HTTP).
@@ -176,7 +184,7 @@ class ControlFollower:
             if kind == "policy":
                 ann = PolicyAnnouncement.model_validate_json(value or b"")
                 cur = self.view.policy
-                # a newer version, or a progress update of the current one (newer consumed offsets)
+                # a newer version, or a progress update of the current one
                 if cur is None or (ann.version, ann.created_at) > (cur.version, cur.created_at):
                     self.view.policy = ann
                     return ("policy", ann)

@@ -89,8 +89,10 @@ class ConsumerService:
         self._progress_at = 0.0
         self._building: list[ReadyGroup] = []  # gated groups of the batch being built
         self.rank, self.world = int(os.environ.get("RANK", "0")), _world_size()
-        # tensor/expert parallel: every rank takes part in checkpoints and weight exports
-        self.sharded = self.ccfg.tensor_parallel_size > 1 or self.ccfg.expert_parallel_size > 1
+        # several ranks holding different shards (tensor/expert parallel): every
+        # rank takes part in checkpoints and weight exports
+        self.sharded = self.world > 1 and (self.ccfg.tensor_parallel_size > 1
+                                           or self.ccfg.expert_parallel_size > 1)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -332,7 +334,7 @@ class ConsumerService:
         self._audit({"step": self.state.step, "version": self.state.version, "trained": self._last_trained})
         st = CheckpointState(self.state.step, self.state.version, safe,
                              [list(t) for t in self.state.processed], dict(self.state.counters))
-        if not (self.sharded and self.world > 1):
+        if not self.sharded:
             self.ckpt.save(st, self.trainer.state_dict())
             return
         tmp = self.ckpt.begin(st.step)
@@ -367,7 +369,7 @@ class ConsumerService:
 
     def publish_weights(self) -> None:
         v = self.state.version
-        if self.sharded and self.world > 1:
+        if self.sharded:
             _broadcast(("export", None))  # the export gathers every rank's shard
         m = self.weights.write(v, self.trainer.export_hf_state_dict(), self.cfg.model.path)
         ann = PolicyAnnouncement(version=v, uri=m["uri"], sha256=m["sha256"], bytes=m["bytes"],

@@ -212,10 +212,7 @@ class ProducerService:
         from common.weights import stage_version, verify
 
         self.trainer_version = ann.trainer_version
-        if ann.read_offsets is not None:
-            self.read_offsets, self.held_records = dict(ann.read_offsets), ann.held_records
-        else:  # an announcement without progress fields: the checkpointed offsets
-            self.read_offsets, self.held_records = dict(ann.consumed_offsets), 0
+        self.read_offsets, self.held_records = ann.trainer_progress()
         _TRAINER_V.set(ann.trainer_version)
         if ann.version <= self.engine.version:
             return
