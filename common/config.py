@@ -196,7 +196,7 @@ class ConsumerSettings(_Section):
     """Training precision of parameters and compute (bf16 keeps no fp32 master copy)."""
     optimizer: Literal["adamw", "sgd"] = "adamw"
     advantage: Literal["auto", "mean", "mean_std"] = "auto"
-    """auto: mean-centred for MiniRL/CISPO, mean/std for GRPO (PAPER.md)."""
+    """auto: mean-centred for MiniRL/CISPO, mean/std for GRPO (docs/algorithm.md)."""
     http: HttpSettings = HttpSettings()
     num_threads: int = Field(1, ge=1)
 

@@ -32,7 +32,7 @@ little-endian buffers (msgpack `bin`) and decode zero-copy with
 
 A *claim-check pointer* replaces a record above the configured size: the map
 `{schema, claim_check: {uri, sha256, bytes}, rollout_id, group_id}`; the blob
-at `uri` holds the full encoded record (see common/blobstore.py).
+at `uri` holds the full encoded record (see common/kafka/claimcheck.py).
 
 Staleness of a sample = trainer version at the optimizer step - its oldest
 token version (`Rollout.oldest_version`).

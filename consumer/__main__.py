@@ -1,7 +1,7 @@
 """`python -m consumer -c configs/tiny-cpu.yaml` == `rlstream consumer -c ...`."""
 import sys
 
-from common.cli import main
+from common.app.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["consumer", *sys.argv[1:]]))

@@ -1,4 +1,4 @@
-"""Policy-gradient losses: MiniRL (shared/PAPER.md), its ablations, GRPO, CISPO.
+"""Policy-gradient losses: MiniRL (docs/algorithm.md), its ablations, GRPO, CISPO.
 
 Pure functions over one mini-batch, selected by name with `get_loss_fn(name)`.
 Every function takes `(inp: LossInputs, cfg: LossConfig)` and returns

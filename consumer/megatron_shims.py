@@ -1,7 +1,7 @@
 """The four shims that let megatron-core 0.16.1 run on CPU (gloo, no CUDA).
 
 Megatron-core assumes CUDA in a few places. On a CPU-only machine (the test
-machine, CI) rlstream applies exactly these, measured in shared/DESIGN.md:
+machine, CI) rlstream applies exactly these, each one measured on the CPU test machine:
 
 1. `torch.cuda.current_device()` returns ``"cpu"`` - the rotary embedding,
    the router and a few buffers allocate on "the current CUDA device".

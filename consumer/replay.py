@@ -1,4 +1,4 @@
-"""Routing Replay (shared/PAPER.md) on megatron-core's `RouterReplay`.
+"""Routing Replay (docs/algorithm.md) on megatron-core's `RouterReplay`.
 
 Modes:
   none  the trainer's routers choose their own top-k in every forward.

@@ -33,7 +33,8 @@ from pathlib import Path
 
 from common import metrics
 from common.config import RlstreamConfig
-from common.control import ControlPlaneWriter, ControlState, PolicyAnnouncement
+from common.control.messages import ControlState, PolicyAnnouncement
+from common.control.plane import ControlPlaneWriter
 from common.lifecycle import close_attrs
 from consumer.assembler import GroupAssembler, Group
 from consumer.staleness import gate_group
@@ -97,12 +98,12 @@ class ConsumerService:
     # ------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        from common.blobstore import BlobStore
-        from common.control import ControlFollower
-        from common.kafka_conn import ensure_topics
-        from common.reader import RolloutReader
+        from common.kafka.claimcheck import BlobStore
+        from common.control.plane import ControlFollower
+        from common.kafka.client import ensure_topics
+        from common.kafka.reader import RolloutReader
         from common.record import RecordLimits
-        from common.weights import WeightStore
+        from common.weights.store import WeightStore
         from consumer.checkpoint import CheckpointManager
 
         self.trainer = self._build_trainer()  # collective under torchrun: every rank
@@ -163,7 +164,7 @@ class ConsumerService:
         return st.offsets
 
     def _start_http(self) -> None:
-        from common.http import start_service_http
+        from common.control.http import start_service_http
 
         self.http = start_service_http(self.ccfg.http, self._health, lambda: self.control,
                                        self._writer, by=f"admin@consumer-{socket.gethostname()}")
@@ -226,7 +227,7 @@ class ConsumerService:
 
         Complete groups wait ungated in `state.ready`; each is gated when it is
         taken into a batch, against the version this step trains at and the
-        control state of this batch boundary (DESIGN.md: staleness is measured
+        control state of this batch boundary (docs/algorithm.md: staleness is measured
         at the optimizer step). The reader is polled only while fewer than B
         groups are waiting, so read-ahead stays within one poll.
         """
@@ -379,7 +380,7 @@ class ConsumerService:
         _VERSION.set(v)
 
     def _progress(self) -> dict:
-        """What producers size their staleness backpressure from (common/control.py)."""
+        """What producers size their staleness backpressure from (common/control/messages.py)."""
         return {"consumed_offsets": self._safe_offsets(), "read_offsets": dict(self.reader.positions()),
                 "held_records": self.held_records()}
 
@@ -455,13 +456,10 @@ def _broadcast(obj):
 
 
 def main(cfg: RlstreamConfig) -> int:
-    from common.broker import run_with_broker
-    from common.build import ensure_model, wait_for_model
+    from common.kafka.broker import run_with_broker
 
-    if int(os.environ.get("RANK", "0")) != 0:  # followers: no Kafka, rank 0 builds the model
-        wait_for_model(cfg)
+    if int(os.environ.get("RANK", "0")) != 0:  # followers: no Kafka
         return ConsumerService(cfg, cfg.kafka.bootstrap_servers or "").run()
-    ensure_model(cfg)
     if _world_size() > 1 and not cfg.kafka.bootstrap_servers:
         from common.errors import ConfigError
         raise ConfigError("set kafka.bootstrap_servers when running several ranks (torchrun)",

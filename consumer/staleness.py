@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.control import ControlState
+from common.control.messages import ControlState
 from common.record import Rollout
 
 

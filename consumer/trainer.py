@@ -5,7 +5,7 @@
     metrics = trainer.train_step(gb)
     tensors = trainer.export_hf_state_dict()   # -> safetensors save_file
 
-One step (shared/PAPER.md):
+One step (docs/algorithm.md):
 1. old_policy_pass: for each mini-batch, a no-grad forward gives log pi_old
    (R2 records the routing, R3 replays the rollout's), the training-inference
    KL, entropy and the rollout-vs-trainer routing agreement.

@@ -1,7 +1,7 @@
 """Prompt sources for the producer: an endless, seeded stream of `Prompt`s.
 
 `JsonlPromptSource(path, seed)` reads a JSONL file of `{"prompt": ..., "answer": ...}`
-lines (the format common/tasks.py writes), validates every line up front (a
+lines (the format common/toy/tasks.py writes), validates every line up front (a
 bad file fails at startup, naming the line), and then cycles over it epoch
 after epoch, reshuffling each epoch with a generator seeded by (seed, epoch):
 the order is reproducible and independent of how far a previous run got.
@@ -113,7 +113,7 @@ class KafkaPromptSource:
     def __init__(self, kafka, topic: str, group_id: str = "rlstream-producers"):
         from kafka import KafkaConsumer, KafkaProducer
 
-        from common.kafka_conn import client_kwargs
+        from common.kafka.client import client_kwargs
 
         self.kafka, self.topic = kafka, topic
         # a group join waits for the rebalance timeout (max_poll_interval_ms): keep it short
@@ -153,7 +153,7 @@ def load_prompt_rows(path: Path) -> list[tuple[str, str, str]]:
     """[(prompt_id, prompt, answer)] of every non-blank line; ConfigError naming the bad line."""
     if not path.is_file():
         raise ConfigError(f"prompt file {str(path)!r} does not exist; write one with "
-                          "`python -m common.tasks TRAIN HELDOUT`", key="producer.prompts_path")
+                          "`python -m common.toy.tasks TRAIN HELDOUT`", key="producer.prompts_path")
     rows = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):

@@ -41,7 +41,7 @@ from pathlib import Path
 
 from common import metrics
 from common.config import RlstreamConfig
-from common.control import ControlState, PolicyAnnouncement
+from common.control.messages import ControlState, PolicyAnnouncement
 from common.lifecycle import close_attrs
 from common.record import Rollout
 
@@ -110,10 +110,10 @@ class ProducerService:
     # ------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        from common.blobstore import BlobStore
-        from common.control import ControlFollower
-        from common.kafka_conn import ensure_topics
-        from common.publisher import RolloutPublisher
+        from common.kafka.claimcheck import BlobStore
+        from common.control.plane import ControlFollower
+        from common.kafka.client import ensure_topics
+        from common.kafka.publisher import RolloutPublisher
         from producer.prompts import JsonlPromptSource, KafkaPromptSource
         from producer.verifiers import get_verifier
 
@@ -152,7 +152,7 @@ class ProducerService:
     def _make_offsets_client(self):
         from kafka import KafkaConsumer, TopicPartition
 
-        from common.kafka_conn import client_kwargs
+        from common.kafka.client import client_kwargs
 
         c = KafkaConsumer(**client_kwargs(self.kafka), group_id=None, enable_auto_commit=False)
         topic = self.kafka.topics.rollouts
@@ -160,8 +160,8 @@ class ProducerService:
         return c
 
     def _start_http(self) -> None:
-        from common.control import ControlPlaneWriter
-        from common.http import start_service_http
+        from common.control.plane import ControlPlaneWriter
+        from common.control.http import start_service_http
 
         self._writer = ControlPlaneWriter(self.kafka)
         self.http = start_service_http(self.pcfg.http, self._health, lambda: self.control,
@@ -209,7 +209,7 @@ class ProducerService:
         self.control = self.follower.view.state
 
     def _on_policy(self, ann: PolicyAnnouncement) -> None:
-        from common.weights import stage_version, verify
+        from common.weights.store import stage_version, verify
 
         self.trainer_version = ann.trainer_version
         self.read_offsets, self.held_records = ann.trainer_progress()
@@ -389,9 +389,6 @@ class ProducerService:
 
 
 def main(cfg: RlstreamConfig) -> int:
-    from common.broker import run_with_broker
-    from common.build import ensure_data, ensure_model
+    from common.kafka.broker import run_with_broker
 
-    ensure_model(cfg)
-    ensure_data(cfg)
     return run_with_broker(cfg.kafka, cfg.broker, lambda bootstrap: ProducerService(cfg, bootstrap).run())

@@ -4,7 +4,7 @@ Rewards are binary (1.0 correct, 0.0 otherwise); `info` is a small dict of
 str/int/float/bool values that travels in the record's `reward_info`.
 
 - `exact_match`: the response stripped of surrounding whitespace equals the
-  answer (the tiny arithmetic task of common/tasks.py).
+  answer (the tiny arithmetic task of common/toy/tasks.py).
 - `math`: compares values, not strings. It takes the last `\\boxed{...}` if
   there is one, strips whitespace and `$`, and parses integers ("007",
   "1,000", "+5"), decimals ("0.5") and fractions ("3/6", "\\frac{1}{2}") to

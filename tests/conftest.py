@@ -23,6 +23,6 @@ pytest_plugins = ["fixtures_kafka", "fixtures_trainer", "fixtures_producer"]
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """HF-format tiny Qwen3-MoE (random, seeded) + char tokenizer, built once."""
-    from common.tinymodel import build_tiny_model
+    from common.toy.tinymodel import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))

@@ -19,9 +19,9 @@ import uuid
 import numpy as np
 import pytest
 
-from common.broker import EmbeddedBroker
+from common.kafka.broker import EmbeddedBroker
 from common.config import BrokerSettings, KafkaSettings, TopicSettings
-from common.kafka_conn import ensure_topics
+from common.kafka.client import ensure_topics
 from common.record import Rollout, routing_dtype_for
 
 _COUNTER = itertools.count()

@@ -116,7 +116,7 @@ def megatron_world():
 
 @pytest.fixture(scope="session")
 def tied_model_dir(tmp_path_factory):
-    from common.tinymodel import TinyModelSpec, build_tiny_model
+    from common.toy.tinymodel import TinyModelSpec, build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-tied"),
                             TinyModelSpec(tie_word_embeddings=True))

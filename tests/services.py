@@ -64,7 +64,7 @@ def write_config(cfg: RlstreamConfig, path: Path) -> Path:
 
 
 def ensure_prompts(cfg: RlstreamConfig, n_train: int = 64) -> None:
-    from common.build import ensure_data
+    from common.toy.build import ensure_data
 
     ensure_data(cfg, n_train=n_train, n_heldout=8)
 
@@ -308,7 +308,7 @@ def read_topic(kafka: KafkaSettings, topic: str, quiet_s: float = 1.5, timeout_s
     """Every raw message of `topic` (all partitions), until `quiet_s` without new ones."""
     from kafka import KafkaConsumer, TopicPartition
 
-    from common.kafka_conn import client_kwargs
+    from common.kafka.client import client_kwargs
 
     c = KafkaConsumer(**client_kwargs(kafka), group_id=None, enable_auto_commit=False,
                       auto_offset_reset="earliest", max_partition_fetch_bytes=kafka.max_message_bytes + (1 << 20),
@@ -337,7 +337,7 @@ class DeadLetter:
 
 
 def read_dlq(kafka: KafkaSettings, **kw) -> list[DeadLetter]:
-    from common.reader import H_FIELD, H_REASON, H_SOURCE
+    from common.kafka.reader import H_FIELD, H_REASON, H_SOURCE
 
     out = []
     for m in read_topic(kafka, kafka.topics.dlq, **kw):
@@ -363,7 +363,7 @@ def read_rollouts(kafka: KafkaSettings, **kw) -> dict[str, object]:
 
 def latest_policy(kafka: KafkaSettings):
     """The newest PolicyAnnouncement on the policy topic (None if none)."""
-    from common.control import PolicyAnnouncement
+    from common.control.messages import PolicyAnnouncement
 
     best = None
     for m in read_topic(kafka, kafka.topics.policy, quiet_s=0.8):
@@ -380,7 +380,7 @@ def send_raw(kafka: KafkaSettings, topic: str, key: bytes | None, value: bytes) 
     """One message, acknowledged (acks=all), no validation at all."""
     from kafka import KafkaProducer
 
-    from common.kafka_conn import client_kwargs
+    from common.kafka.client import client_kwargs
 
     p = KafkaProducer(**client_kwargs(kafka), acks="all", max_request_size=kafka.max_message_bytes)
     try:
@@ -420,7 +420,7 @@ class SyntheticFeeder(threading.Thread):
                  p_partial: float = 0.1, p_stale: float = 0.15, p_bad: float = 0.05,
                  version_of=None, stale_after: int | None = None):
         super().__init__(name="synthetic-feeder", daemon=True)
-        from common.publisher import RolloutPublisher
+        from common.kafka.publisher import RolloutPublisher
 
         self.kafka, self.G = kafka, G
         self.rng = np.random.default_rng(seed)
@@ -502,7 +502,7 @@ def flush_half_batch(kafka: KafkaSettings, checkpoint_dir: Path, consumer: Servi
     their batch; a step that took a filler emptied that wait (each filler is
     fresh, so kept). `on_publish(rollouts)` sees every filler record.
     """
-    from common.publisher import RolloutPublisher
+    from common.kafka.publisher import RolloutPublisher
     from synthetic import publish_groups, synthetic_group
 
     rng = np.random.default_rng(seed)

@@ -11,7 +11,7 @@ import uuid
 import numpy as np
 
 from common.record import Rollout
-from common.tinymodel import TinyModelSpec
+from common.toy.tinymodel import TinyModelSpec
 
 
 def synthetic_group(group_id: str, G: int, version: int, rng: np.random.Generator,

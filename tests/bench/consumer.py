@@ -76,7 +76,7 @@ def synthetic_producer(kafka_dump: dict, G: int, ahead_records: int, prompt_len:
     import numpy as np
 
     from common.config import KafkaSettings
-    from common.publisher import RolloutPublisher
+    from common.kafka.publisher import RolloutPublisher
     from synthetic import synthetic_group
 
     kafka = KafkaSettings.model_validate(kafka_dump)
@@ -124,7 +124,7 @@ def run_steps(svc, n: int, read_pos, version) -> list[dict]:
         t1 = time.perf_counter()
         batch = svc.next_batch()
         t2 = time.perf_counter()
-        # staleness as DESIGN.md defines it: trainer version at this optimizer step - oldest token version
+        # staleness as docs/algorithm.md defines it: trainer version at this optimizer step - oldest token version
         v_step = svc.state.version
         train_staleness = max(v_step - r.oldest_version for rg in batch for r in rg.group.rollouts())
         m = svc.train_step(batch)
@@ -147,7 +147,7 @@ def run_steps(svc, n: int, read_pos, version) -> list[dict]:
 
 def publish_breakdown(svc, ann_producer, tmp: Path, repeats: int) -> dict:
     """export_hf_state_dict / WeightStore.write / announcement, timed apart (store of our own)."""
-    from common.weights import WeightStore
+    from common.weights.store import WeightStore
 
     store = WeightStore(tmp / "bench-weights", keep=2)
     ex, wr, an = [], [], []
@@ -168,13 +168,13 @@ def announcement_producer(kafka):
     """Our own KafkaProducer for timing announcements (as the service's: acks=all), on a side topic."""
     from kafka import KafkaProducer
 
-    from common.kafka_conn import client_kwargs
+    from common.kafka.client import client_kwargs
 
     return KafkaProducer(**client_kwargs(kafka), acks="all")
 
 
 def announce(producer, topic: str, m: dict) -> None:
-    from common.control import PolicyAnnouncement
+    from common.control.messages import PolicyAnnouncement
 
     ann = PolicyAnnouncement(version=m["version"], uri=m["uri"], sha256=m["sha256"], bytes=m["bytes"],
                              trainer_version=m["version"], consumed_offsets={0: 0})
@@ -186,8 +186,8 @@ def large_publish_and_checkpoint(svc, ann_producer, tmp: Path, repeats: int) -> 
     import torch
     from safetensors.torch import load_file
 
-    from common.tinymodel import TinyModelSpec, build_tiny_model
-    from common.weights import WeightStore
+    from common.toy.tinymodel import TinyModelSpec, build_tiny_model
+    from common.weights.store import WeightStore
     from consumer.checkpoint import CheckpointManager, CheckpointState
 
     t0 = time.perf_counter()
@@ -247,9 +247,9 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    from common.broker import EmbeddedBroker
+    from common.kafka.broker import EmbeddedBroker
     from common.config import BrokerSettings, RlstreamConfig
-    from common.tinymodel import build_tiny_model
+    from common.toy.tinymodel import build_tiny_model
     from fixtures_kafka import make_kafka_settings
 
     tmp = Path(tempfile.mkdtemp(prefix="rlstream-bench-consumer-"))

@@ -2,7 +2,7 @@
 
     .venv/bin/python tests/bench/e2e_async.py [--seconds 240] [--reps 2] [--set key=value ...]
 
-Runs `rlstream experiment async` (common/experiments.py): the same warm start,
+Runs `rlstream experiment async` (common/harness/experiments.py): the same warm start,
 task and seeds with `staleness.max_staleness=0` (one batch per version:
 generation and training alternate) and with max_staleness k. Each arm is a
 full pipeline (broker, vLLM producer, Megatron consumer as processes) until
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from common.config import load_config  # noqa: E402
-from common.experiments import run_experiment  # noqa: E402
+from common.harness.experiments import run_experiment  # noqa: E402
 
 
 def main() -> int:

@@ -29,7 +29,7 @@ publishing, and leaving it out makes the ratio conservative.
   short_responses       the same with 8-token responses (the tiny-cpu demo's max_tokens):
                         4.6x more records per token
   reload_seconds        tiny model: `engine.reload_weights` of a version written by
-                        `WeightStore.write` (median); `verify_seconds`: `common.weights.verify`
+                        `WeightStore.write` (median); `verify_seconds`: `common.weights.store.verify`
                         (size + sha256) of the same version, timed apart
   large.*               the same for a ~215 MB Qwen3-MoE (TinyModelSpec: hidden 512,
                         4 layers, 32 experts, head_dim 64) served by a second engine in a
@@ -105,7 +105,7 @@ def measure_reloads(engine, model_dir: Path, store_root: Path, repeats: int) -> 
     """Write `repeats` versions (slightly scaled weights), then verify and reload each."""
     from safetensors.torch import load_file
 
-    from common.weights import WeightStore, verify
+    from common.weights.store import WeightStore, verify
 
     base = load_file(str(model_dir / "model.safetensors"))
     store = WeightStore(store_root, keep=2)
@@ -142,7 +142,7 @@ def large_child(args) -> None:
     """Child process: build the larger model, start its engine, wait for "go", measure reloads."""
     out_fd = _stdout_to_stderr()
     _setup(args.threads)
-    from common.tinymodel import TinyModelSpec, build_tiny_model
+    from common.toy.tinymodel import TinyModelSpec, build_tiny_model
 
     tmp = Path(args.work_dir)
     t0 = time.perf_counter()
@@ -362,10 +362,10 @@ def main() -> None:
     child = None
     broker = engine = publisher = None
     try:
-        from common.broker import EmbeddedBroker
+        from common.kafka.broker import EmbeddedBroker
         from common.config import BrokerSettings
-        from common.publisher import RolloutPublisher
-        from common.tinymodel import build_tiny_model
+        from common.kafka.publisher import RolloutPublisher
+        from common.toy.tinymodel import build_tiny_model
         from fixtures_kafka import make_kafka_settings
 
         if not args.no_large:  # builds and starts its engine while ours starts

@@ -54,9 +54,9 @@ def main() -> int:
     import logging
 
     logging.basicConfig(level=logging.WARNING)
-    from common.broker import EmbeddedBroker
+    from common.kafka.broker import EmbeddedBroker
     from common.config import BrokerSettings
-    from common.tinymodel import build_tiny_model
+    from common.toy.tinymodel import build_tiny_model
     from fixtures_kafka import make_kafka_settings
     from services import (ADMIN_TOKEN, Service, audit_steps, ensure_prompts, final_outcomes, flush_half_batch,
                           group_rss_bytes, http_request, metric_value, service_config, wait_until, write_config)

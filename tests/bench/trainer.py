@@ -64,7 +64,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
-    from common.tinymodel import build_tiny_model
+    from common.toy.tinymodel import build_tiny_model
     from consumer.batch import build_global_batch
     from consumer.trainer import Trainer, TrainerConfig
 

@@ -26,11 +26,11 @@ import msgpack
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from common.broker import EmbeddedBroker  # noqa: E402
+from common.kafka.broker import EmbeddedBroker  # noqa: E402
 from common.config import BrokerSettings  # noqa: E402
-from common.kafka_conn import FETCH_OVERHEAD_BYTES, client_kwargs  # noqa: E402
-from common.publisher import RolloutPublisher  # noqa: E402
-from common.reader import RolloutReader  # noqa: E402
+from common.kafka.client import FETCH_OVERHEAD_BYTES, client_kwargs  # noqa: E402
+from common.kafka.publisher import RolloutPublisher  # noqa: E402
+from common.kafka.reader import RolloutReader  # noqa: E402
 from common.record import decode, encode  # noqa: E402
 from fixtures_kafka import make_kafka_settings, realistic_rollout  # noqa: E402
 

@@ -24,7 +24,8 @@ import pytest
 import yaml
 
 from common.config import RlstreamConfig
-from common.control import ControlPlaneWriter, encode_control
+from common.control.messages import encode_control
+from common.control.plane import ControlPlaneWriter
 from fixtures_kafka import make_kafka_settings
 from synthetic import publish_groups, synthetic_group
 
@@ -45,7 +46,7 @@ def consumer_config(kafka, tiny_model_dir, tmp: Path, **consumer) -> RlstreamCon
 @pytest.fixture(scope="module")
 def service(broker, tiny_model_dir, tmp_path_factory):
     """One in-process ConsumerService for the module (Megatron state is per process)."""
-    from common.publisher import RolloutPublisher
+    from common.kafka.publisher import RolloutPublisher
     from consumer.service import ConsumerService
 
     tmp = tmp_path_factory.mktemp("consumer")
@@ -95,7 +96,7 @@ def test_gate_drops_at_bound_and_keeps_below(service):
 def test_reweight_mode_via_control_topic(service):
     from kafka import KafkaProducer
 
-    from common.kafka_conn import client_kwargs
+    from common.kafka.client import client_kwargs
 
     svc, pub, kafka = service
     p = KafkaProducer(**client_kwargs(kafka), acks="all")
@@ -158,8 +159,8 @@ def test_announced_version_opens_in_transformers_with_same_logprobs(service):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from common.control import PolicyAnnouncement
-    from common.weights import verify
+    from common.control.messages import PolicyAnnouncement
+    from common.weights.store import verify
     from consumer.model import per_token_logprobs
 
     svc, _, kafka = service
@@ -237,7 +238,7 @@ def _wait(pred, timeout, proc=None, what=""):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_sigkill_between_steps_resumes_exactly_once(broker, tiny_model_dir, tmp_path):
-    from common.publisher import RolloutPublisher
+    from common.kafka.publisher import RolloutPublisher
     from consumer.checkpoint import CheckpointManager
 
     kafka = make_kafka_settings(broker.bootstrap, tmp_path / "blobs", rollouts_partitions=2)
@@ -303,7 +304,7 @@ def test_two_ranks_under_torchrun(broker, tiny_model_dir, tmp_path, layout):
     """torchrun --nproc_per_node 2: rank 0 reads and broadcasts, both ranks train,
     exit 0. Under tensor/expert parallelism each rank writes its own checkpoint
     shard; tp2 then restarts from those shards and trains one more step."""
-    from common.publisher import RolloutPublisher
+    from common.kafka.publisher import RolloutPublisher
 
     kafka = make_kafka_settings(broker.bootstrap, tmp_path / "blobs", rollouts_partitions=2)
     cfg = consumer_config(kafka, tiny_model_dir, tmp_path, max_steps=2, **TWO_RANK_LAYOUTS[layout])

@@ -21,7 +21,7 @@ def run_until_done(eng, max_steps=1000):
 @pytest.fixture(scope="module")
 def second_model_dir(tmp_path_factory):
     """Another tiny model (same shapes, other random weights): weight version 1."""
-    from common.tinymodel import TinyModelSpec, build_tiny_model
+    from common.toy.tinymodel import TinyModelSpec, build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model-v1"), TinyModelSpec(seed=1))
 

@@ -169,7 +169,7 @@ class Scenario:
 def scenario(broker, tiny_model_dir, tmp_path_factory):
     import numpy as np
 
-    from common.publisher import RolloutPublisher
+    from common.kafka.publisher import RolloutPublisher
 
     tmp = tmp_path_factory.mktemp("faults-consumer")
     kafka = make_kafka_settings(broker.bootstrap, tmp / "blobs", rollouts_partitions=2)
@@ -262,7 +262,7 @@ def test_consumer_dlq_counter_counts_each_dead_letter_once(scenario):
 
 @pytest.mark.timeout(60)
 def test_staleness_bound_holds_at_the_optimizer_step(scenario):
-    """Staleness = trainer version at the optimizer step - the sample's version (DESIGN.md)."""
+    """Staleness = trainer version at the optimizer step - the sample's version (docs/algorithm.md)."""
     versions = scenario.feeder.out.versions
     worst = {s: max((s - 1) - versions[r] for r in ids) for s, ids in audit_steps(scenario.ckpt).items()}
     assert max(worst.values()) <= MAX_STALENESS, {s: w for s, w in worst.items() if w > MAX_STALENESS}

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from common.broker import EmbeddedBroker, free_port
+from common.kafka.broker import EmbeddedBroker, free_port
 from common.config import BrokerSettings
 from fixtures_kafka import make_kafka_settings
 from services import (Service, audit_steps, ensure_prompts, latest_policy, read_rollouts, service_config,
@@ -62,7 +62,8 @@ class Stack:
         return read_rollouts(kafka or self.kafka, quiet_s=1.0)
 
     def announce(self, version: int, manifest: dict, offsets: dict) -> None:
-        from common.control import ControlPlaneWriter, PolicyAnnouncement
+        from common.control.messages import PolicyAnnouncement
+        from common.control.plane import ControlPlaneWriter
 
         w = ControlPlaneWriter(self.kafka_w)
         try:
@@ -73,7 +74,7 @@ class Stack:
             w.close()
 
     def end_offsets(self) -> dict[int, int]:
-        from common.reader import RolloutReader
+        from common.kafka.reader import RolloutReader
 
         with RolloutReader(self.kafka_w) as r:  # read to the end: tansu's ListOffsets under-reports
             while r.poll(max_records=5000, timeout_s=0.5):
@@ -110,7 +111,7 @@ def stack(tiny_model_dir, tmp_path_factory):
 def _write_version(store, version: int, seed: int, tmp: Path) -> dict:
     from safetensors.torch import load_file
 
-    from common.tinymodel import TinyModelSpec, build_tiny_model
+    from common.toy.tinymodel import TinyModelSpec, build_tiny_model
 
     d = build_tiny_model(tmp / f"seed{seed}", TinyModelSpec(seed=seed))
     return store.write(version, load_file(str(d / "model.safetensors")), d)
@@ -118,7 +119,7 @@ def _write_version(store, version: int, seed: int, tmp: Path) -> dict:
 
 @pytest.mark.timeout(600)
 def test_corrupt_weights_are_refused_and_the_previous_version_keeps_serving(stack):
-    from common.weights import WEIGHTS_FILE, WeightStore, uri_to_path
+    from common.weights.store import WEIGHTS_FILE, WeightStore, uri_to_path
 
     p = stack.weights_producer.start()
     wait_until(lambda: p.try_metric("rlstream_producer_samples_total", 0) > 0, 300, "first samples", [p])
@@ -303,7 +304,7 @@ def test_restarted_producer_does_not_reuse_group_ids(stack):
 
 @pytest.mark.timeout(900)
 def test_broker_outage_backpressure_retry_and_nothing_lost(stack):
-    from common.broker import kafka_ping
+    from common.kafka.broker import kafka_ping
 
     p, c, broker = stack.producer, stack.consumer, stack.broker
     assert p.alive and c.alive

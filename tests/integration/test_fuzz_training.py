@@ -103,7 +103,7 @@ def bad_record(draw) -> tuple[str, str, bytes]:
 
 class Live:
     def __init__(self, kafka, consumer: Service, ckpt: Path):
-        from common.publisher import RolloutPublisher
+        from common.kafka.publisher import RolloutPublisher
 
         self.kafka, self.consumer, self.ckpt = kafka, consumer, ckpt
         self.pub = RolloutPublisher(kafka)
@@ -310,7 +310,7 @@ def test_out_of_range_and_hostile_control_messages_on_the_topic_are_ignored(live
 def test_schema_valid_record_the_model_cannot_take_does_not_stop_training(live):
     """A record that decodes and validates but does not fit the model (token id >= vocab):
     the consumer must refuse it (DLQ or drop, counted), not crash-loop on it."""
-    from common.tinymodel import TinyModelSpec
+    from common.toy.tinymodel import TinyModelSpec
 
     c = live.consumer
     rng = np.random.default_rng(5)

@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 
 from common import metrics
-from common.blobstore import BlobStore
-from common.broker import EmbeddedBroker, ensure_broker, kafka_ping
+from common.kafka.claimcheck import BlobStore
+from common.kafka.broker import EmbeddedBroker, ensure_broker, kafka_ping
 from common.config import BrokerSettings, KafkaSettings
 from common.errors import BrokerError, InvalidRecordError
-from common.kafka_conn import client_kwargs, ensure_topics
-from common.publisher import RolloutPublisher
-from common.reader import H_FIELD, H_REASON, H_SOURCE, RolloutReader
+from common.kafka.client import client_kwargs, ensure_topics
+from common.kafka.publisher import RolloutPublisher
+from common.kafka.reader import H_FIELD, H_REASON, H_SOURCE, RolloutReader
 from common.record import encode
 from fixtures_kafka import make_kafka_settings, realistic_rollout
 
@@ -336,7 +336,7 @@ def test_run_broker_forever_stops_cleanly_on_sigterm(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     code = ("import logging, sys; logging.basicConfig(level=logging.INFO);"
-            "from common.broker import run_broker_forever; from common.config import BrokerSettings, KafkaSettings;"
+            "from common.kafka.broker import run_broker_forever; from common.config import BrokerSettings, KafkaSettings;"
             f"sys.exit(run_broker_forever(BrokerSettings(port={port}), KafkaSettings()))")
     p = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:

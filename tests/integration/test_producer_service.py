@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import yaml
 
-from common.broker import free_port
+from common.kafka.broker import free_port
 from common.config import RlstreamConfig
 from fixtures_kafka import make_kafka_settings
 from services import metric_value as metric
@@ -33,7 +33,7 @@ G, B, MAX_STALENESS = 4, 2, 1
 
 
 def read_all(kafka, timeout_s=2.0):
-    from common.reader import RolloutReader
+    from common.kafka.reader import RolloutReader
 
     with RolloutReader(kafka) as r:
         out, idle = [], 0
@@ -63,7 +63,7 @@ def wait_for(pred, timeout, proc, what):
 
 @pytest.fixture(scope="module")
 def producer(broker, tiny_model_dir, tmp_path_factory):
-    from common.build import ensure_data
+    from common.toy.build import ensure_data
 
     tmp = tmp_path_factory.mktemp("producer")
     kafka = make_kafka_settings(broker.bootstrap, tmp / "blobs", rollouts_partitions=2)
@@ -138,11 +138,11 @@ def test_weight_announcement_switches_version_and_outputs(producer, tiny_model_d
     from kafka import KafkaProducer
     from safetensors.torch import load_file
 
-    from common.control import PolicyAnnouncement
-    from common.kafka_conn import client_kwargs
-    from common.reader import RolloutReader
-    from common.tinymodel import TinyModelSpec, build_tiny_model
-    from common.weights import WeightStore
+    from common.control.messages import PolicyAnnouncement
+    from common.kafka.client import client_kwargs
+    from common.kafka.reader import RolloutReader
+    from common.toy.tinymodel import TinyModelSpec, build_tiny_model
+    from common.weights.store import WeightStore
 
     proc, kafka, tmp = producer["proc"], producer["kafka"], producer["tmp"]
     new_dir = build_tiny_model(tmp / "seed1", TinyModelSpec(seed=1))

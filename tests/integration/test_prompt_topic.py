@@ -12,7 +12,7 @@ def test_kafka_prompt_source_serves_prompts_and_dead_letters_bad_ones(kafka_sett
 
     from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
-    from common.kafka_conn import client_kwargs
+    from common.kafka.client import client_kwargs
     from producer.prompts import KafkaPromptSource
 
     topic = kafka_settings.topics.rollouts.replace("rollouts", "prompts")

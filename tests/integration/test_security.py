@@ -158,7 +158,7 @@ kafka:
 def test_sasl_ssl_settings_reach_the_kafka_client_config(tmp_path):
     from kafka import KafkaConsumer
 
-    from common.kafka_conn import client_kwargs
+    from common.kafka.client import client_kwargs
 
     cfg = _sasl_ssl_config(tmp_path, 9)
     kw = client_kwargs(cfg.kafka)
@@ -181,7 +181,7 @@ def test_sasl_ssl_client_speaks_tls_on_the_wire(tmp_path):
     """A listener that records the first bytes: the client opens with a TLS handshake record."""
     from kafka import KafkaProducer
 
-    from common.kafka_conn import client_kwargs
+    from common.kafka.client import client_kwargs
 
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))

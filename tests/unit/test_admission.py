@@ -37,7 +37,7 @@ def test_one_held_group_does_not_pin_the_queue():
 
 
 def test_announcement_progress_falls_back_to_consumed_offsets():
-    from common.control import PolicyAnnouncement
+    from common.control.messages import PolicyAnnouncement
 
     base = dict(version=3, uri="file:///w/v3", sha256="0" * 64, bytes=1, trainer_version=3,
                 consumed_offsets={0: 10})

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from common.control import ControlState
+from common.control.messages import ControlState
 from common.record import Rollout
 from consumer.assembler import GroupAssembler
 from consumer.staleness import gate_group, sample_staleness

@@ -5,9 +5,9 @@ import urllib.request
 
 import pytest
 
-from common.control import encode_control, parse_control_value
+from common.control.messages import encode_control, parse_control_value
 from common.errors import ConfigError
-from common.http import ServiceHttp
+from common.control.http import ServiceHttp
 
 
 @pytest.mark.parametrize("key,raw,want", [
@@ -82,7 +82,7 @@ def test_health_and_metrics(http):
 
 
 def test_ctl_cli_get_set_and_refusals(http, capsys):
-    from common.cli import main
+    from common.app.cli import main
 
     s, state = http
     assert main(["ctl", "set", "max_staleness", "5", "--url", s.url, "--token", "tok"]) == 0

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import json
 
-from common.demo import TopicCensus, account
-from common.report import write_report
+from common.harness.demo import TopicCensus, account
+from common.harness.report import write_report
 
 
 def _metrics(**outcomes) -> dict:
@@ -52,7 +52,7 @@ def test_report_writes_markdown_and_pngs(tmp_path):
 
 
 def test_sft_batches_mask_the_prompt():
-    from common.sft import _collate
+    from common.harness.sft import _collate
 
     x, mask, labels = _collate([([5, 6, 7, 1], 2), ([5, 6, 1], 2)], pad_id=0)
     assert x.tolist() == [[5, 6, 7, 1], [5, 6, 1, 0]]

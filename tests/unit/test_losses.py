@@ -1,5 +1,5 @@
 """Each loss and its gradient against a direct, loop-by-loop implementation of
-the formulas in shared/PAPER.md, on hand-made tensors covering every mask case
+the formulas in docs/algorithm.md, on hand-made tensors covering every mask case
 and the IS truncation."""
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 The modules that declare metrics do so at import (none of them imports vLLM,
 Megatron or torch at module level), so importing them fills
 `common.metrics._METRICS` with everything a producer or a consumer can expose.
-The exposition is then scraped over HTTP from the real `common.http`
+The exposition is then scraped over HTTP from the real `common.control.http`
 endpoint and parsed with prometheus-client's own text parser.
 """
 from __future__ import annotations
@@ -22,10 +22,10 @@ DOC = ROOT / "docs" / "metrics.md"
 
 # module -> service whose /metrics exposes what it declares
 DECLARING_MODULES = {
-    "common.publisher": "producer",
-    "common.reader": "consumer",
-    "common.control": "both",
-    "common.http": "both",
+    "common.kafka.publisher": "producer",
+    "common.kafka.reader": "consumer",
+    "common.control.plane": "both",
+    "common.control.http": "both",
     "producer.service": "producer",
     "producer.prompts": "producer",
     "consumer.service": "consumer",
@@ -131,7 +131,7 @@ def test_names_follow_prometheus_rules(registry):
 
 
 def test_scraped_exposition_has_every_documented_family(registry, documented):
-    from common.http import ServiceHttp
+    from common.control.http import ServiceHttp
 
     http = ServiceHttp("127.0.0.1", 0, lambda: (True, {})).start()
     try:

@@ -307,7 +307,7 @@ UNITS = sorted((OPS / "systemd").glob("*.service"))
 
 @pytest.mark.parametrize("unit", UNITS, ids=lambda p: p.name)
 def test_systemd_unit(unit, tmp_path):
-    from common.cli import SERVICES
+    from common.app.cli import SERVICES
 
     cp = configparser.ConfigParser(strict=False, interpolation=None)
     cp.optionxform = str

@@ -3,9 +3,9 @@ import json
 
 import pytest
 
-from common import tasks
+from common.toy import tasks
 from common.errors import ConfigError
-from common.tinymodel import CHARS
+from common.toy.tinymodel import CHARS
 from producer.prompts import JsonlPromptSource
 from producer.verifiers import get_verifier
 

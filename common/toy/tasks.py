@@ -1,12 +1,12 @@
 """The verifiable toy task: small-number arithmetic ("12+7=" -> "19").
 
-Prompts use only characters of the tiny tokenizer (`common.tinymodel.CHARS`):
+Prompts use only characters of the tiny tokenizer (`common.toy.tinymodel.CHARS`):
 digits, '+', '-' and '='. The answer is the exact integer result (negative
 results keep their '-'). Problems are generated from a seed, so a task file
 is reproducible; `write_splits` writes a train file and a held-out file with
 disjoint prompts.
 
-    python -m common.tasks data/train.jsonl data/heldout.jsonl --n-train 4096 --n-heldout 256
+    python -m common.toy.tasks data/train.jsonl data/heldout.jsonl --n-train 4096 --n-heldout 256
 
 Difficulty knobs (`TaskSpec`): operand range, number of terms, operators,
 and whether negative results are allowed.
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.errors import ConfigError
-from common.tinymodel import CHARS
+from common.toy.tinymodel import CHARS
 
 
 @dataclass(frozen=True)

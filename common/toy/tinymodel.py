@@ -5,8 +5,8 @@ Nothing is downloaded: `build_tiny_model(dir)` writes an HF-format directory
 vLLM, transformers and rlstream's Megatron converter all load as is.
 
 The tokenizer is character level (WordLevel over single characters, fused on
-decode), enough for the verifiable arithmetic task in `common/tasks.py`.
-Facts that shaped the defaults (../shared/DESIGN.md): vLLM's CPU attention
+decode), enough for the verifiable arithmetic task in `common/toy/tasks.py`.
+Facts that shaped the defaults (measured on the CPU test machine): vLLM's CPU attention
 rejects head_dim 16, 32 works.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ SPECIALS = [PAD, EOS, UNK]
 
 @dataclass(frozen=True)
 class TinyModelSpec:
-    """Shape of the tiny Qwen3-MoE. Defaults are the probe model of DESIGN.md."""
+    """Shape of the tiny Qwen3-MoE. Defaults are the model the CPU facts above were measured with."""
 
     vocab_size: int = 64
     hidden_size: int = 128

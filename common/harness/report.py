@@ -1,11 +1,11 @@
 """The run report: `report.md` plus PNG plots from a progress log.
 
-    from common.report import write_report
+    from common.harness.report import write_report
     write_report("runs/demo/runs/demo-.../progress.jsonl", "runs/demo/runs/demo-.../report", summary)
 
-    python -m common.report PROGRESS.jsonl OUT_DIR
+    python -m common.harness.report PROGRESS.jsonl OUT_DIR
 
-The progress log (written by common/demo.py) holds one JSON object per line:
+The progress log (written by common/harness/demo.py) holds one JSON object per line:
 - `kind: "tick"`: one scrape of every service's /metrics: `time` (s since the
   services were up), `version` (trainer), `reward_mean` (producers, over the
   interval), `kl` (training-inference KL of the last step), `entropy`,

@@ -12,10 +12,10 @@ import time
 from dataclasses import dataclass
 
 from common import metrics
-from common.blobstore import AbstractBlobStore, open_blob_store
+from common.kafka.claimcheck import AbstractBlobStore, open_blob_store
 from common.config import KafkaSettings
 from common.errors import BrokerError, InvalidRecordError
-from common.kafka_conn import FETCH_OVERHEAD_BYTES, client_kwargs
+from common.kafka.client import FETCH_OVERHEAD_BYTES, client_kwargs
 from common.record import DEFAULT_LIMITS, ClaimPointer, RecordLimits, Rollout, decode, decode_any
 
 log = logging.getLogger("rlstream.reader")
@@ -122,7 +122,7 @@ class RolloutReader:
             if time.monotonic() > deadline:
                 self._consumer.close()
                 raise BrokerError(f"topic {self.topic} does not exist on {self.kafka.bootstrap_servers}; "
-                                  "create it with common.kafka_conn.ensure_topics (rlstream broker does)")
+                                  "create it with common.kafka.client.ensure_topics (rlstream broker does)")
             time.sleep(0.1)
 
     # ------------------------------------------------------------------ read

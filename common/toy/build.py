@@ -23,7 +23,7 @@ def ensure_model(cfg: RlstreamConfig) -> Path:
         return path
     if not cfg.model.build_tiny:
         raise ConfigError(f"no HF model at {path} (config.json missing) and build_tiny is false", key="model.path")
-    from common.tinymodel import build_tiny_model
+    from common.toy.tinymodel import build_tiny_model
 
     log.info("building the tiny MoE model at %s", path)
     return build_tiny_model(path)
@@ -53,7 +53,7 @@ def ensure_data(cfg: RlstreamConfig, n_train: int = 4096, n_heldout: int = 256) 
     train = Path(cfg.producer.prompts_path)
     if train.is_file():
         return train
-    from common.tasks import write_splits
+    from common.toy.tasks import write_splits
 
     log.info("writing the arithmetic task to %s", train.parent)
     write_splits(train, heldout_path(cfg), n_train=n_train, n_heldout=n_heldout, seed=cfg.producer.seed)

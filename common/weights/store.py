@@ -8,7 +8,7 @@ Layout (a directory on local or shared storage):
 
 A version is written under a temporary name, every file fsynced, then renamed:
 a reader never sees a half-written version. The consumer announces it on
-`rlstream.policy` (common/control.py `PolicyAnnouncement`); producers call
+`rlstream.policy` (common/control/messages.py `PolicyAnnouncement`); producers call
 `verify()` (size and sha256 of model.safetensors) before reloading. The store
 keeps the newest `keep` versions.
 """

@@ -4,9 +4,9 @@
     rlstream experiment objectives -c configs/tiny-cpu.yaml
     rlstream experiment replay     -c configs/tiny-cpu.yaml
 
-Every arm is one full pipeline run (`common.demo.run_rl`: fresh broker,
+Every arm is one full pipeline run (`common.harness.demo.run_rl`: fresh broker,
 producer(s), consumer, run directory) from the same SFT warm start (shared and
-cached, `common.demo.prepare_warm`), the same task and seeds; arms differ only
+cached, `common.harness.demo.prepare_warm`), the same task and seeds; arms differ only
 in the overrides listed below. Arms run one after another (2 cores).
 
 - async: synchronous (`staleness.max_staleness=0`: the producers admit one
@@ -182,7 +182,7 @@ def run_experiment(name: str, cfg: RlstreamConfig, seconds: float | None = None,
     linear drift of the shared machine's load) and each arm's numbers combine
     its repetitions.
     """
-    from common.demo import StopRule, prepare_warm, run_rl, say
+    from common.harness.demo import StopRule, prepare_warm, run_rl, say
 
     arm_list = arms(name, cfg)
     only = [a for a in os.environ.get("RLSTREAM_ARMS", "").split(",") if a]

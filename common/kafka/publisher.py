@@ -43,10 +43,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from common import metrics
-from common.blobstore import AbstractBlobStore, open_blob_store
+from common.kafka.claimcheck import AbstractBlobStore, open_blob_store
 from common.config import KafkaSettings
 from common.errors import PublishError
-from common.kafka_conn import client_kwargs
+from common.kafka.client import client_kwargs
 from common.record import ClaimPointer, Rollout, encode, encode_claim_pointer
 
 log = logging.getLogger("rlstream.publisher")
@@ -351,7 +351,7 @@ class RolloutPublisher:
             return bool(self._overrides["enable_idempotence"])
         if self.kafka.security_protocol != "PLAINTEXT":
             return True  # real clusters (Kafka >= 0.11) support it
-        from common.broker import broker_api_keys
+        from common.kafka.broker import broker_api_keys
 
         host, _, port = client_kwargs(self.kafka)["bootstrap_servers"][0].rpartition(":")
         keys = broker_api_keys(host, int(port or 9092), timeout_s=self.kafka.request_timeout_ms / 1000)

@@ -46,11 +46,11 @@ def client_kwargs(kafka: KafkaSettings) -> dict[str, Any]:
 
     Only settings that are set are passed, so kafka-python's defaults apply to
     the rest. Raises BrokerError if `bootstrap_servers` is unset (call
-    `common.broker.ensure_broker` first).
+    `common.kafka.broker.ensure_broker` first).
     """
     if not kafka.bootstrap_servers:
         raise BrokerError("kafka.bootstrap_servers is unset: start the embedded broker with "
-                          "common.broker.ensure_broker() or set it to your cluster")
+                          "common.kafka.broker.ensure_broker() or set it to your cluster")
     kw: dict[str, Any] = {
         "bootstrap_servers": [s.strip() for s in kafka.bootstrap_servers.split(",") if s.strip()],
         "client_id": kafka.client_id,

@@ -1,9 +1,9 @@
 """Supervised warm start ("cold start" in the paper) of the tiny MoE model.
 
-    from common.sft import SftConfig, warm_start
+    from common.harness.sft import SftConfig, warm_start
     res = warm_start("runs/tiny-model", "runs/demo/warm-model", "train.jsonl", "heldout.jsonl")
 
-    python -m common.sft BASE_DIR OUT_DIR TRAIN.jsonl HELDOUT.jsonl [--low 0.15 --high 0.45]
+    python -m common.harness.sft BASE_DIR OUT_DIR TRAIN.jsonl HELDOUT.jsonl [--low 0.15 --high 0.45]
 
 RL only improves a policy that already solves some problems: with binary
 rewards a group whose G samples are all wrong has zero advantage everywhere.
@@ -14,7 +14,7 @@ train split, and stops on purpose while it still fails most held-out problems
 Training: plain torch loop, fp32, CPU, AdamW with a short linear warm-up, on
 "prompt + answer + <eos>" with the loss on the answer and `<eos>` tokens only
 (prompt positions are masked). Every `eval_every` steps the held-out accuracy
-(greedy, common/evaluate.py) is measured; training stops at the first
+(greedy, common/harness/evaluate.py) is measured; training stops at the first
 evaluation inside the band, or at `max_steps`. If one evaluation interval jumps
 over the band, the evaluated snapshot closest to it is kept. The result is
 saved HF-format (`save_pretrained`, safetensors) with the tokenizer, so vLLM
@@ -125,7 +125,7 @@ def train(model, tok, train_rows: list[dict], heldout, cfg: SftConfig,
     """Fine-tune `model` in place until held-out accuracy is in the band (see module doc)."""
     import torch
 
-    from common.evaluate import evaluate_model
+    from common.harness.evaluate import evaluate_model
 
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
@@ -203,7 +203,7 @@ def warm_start(base_dir, out_dir, train_path, heldout_path, cfg: SftConfig | Non
     """SFT the model in `base_dir` into `out_dir` (HF format); reuse a matching one if allowed."""
     import torch
 
-    from common.evaluate import load_model, load_problems
+    from common.harness.evaluate import load_model, load_problems
 
     cfg = cfg or SftConfig()
     if reuse and (res := load_warm(out_dir, cfg, base_dir, train_path, heldout_path)) is not None:

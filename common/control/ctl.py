@@ -15,7 +15,7 @@ import sys
 import urllib.error
 import urllib.request
 
-from common.control import parse_control_value
+from common.control.messages import parse_control_value
 from common.errors import ConfigError, RlstreamError
 
 

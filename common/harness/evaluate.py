@@ -1,19 +1,19 @@
 """Held-out accuracy of a model directory: greedy decoding, exact match.
 
-    from common.evaluate import evaluate_dir
+    from common.harness.evaluate import evaluate_dir
     r = evaluate_dir("runs/tiny-model", "runs/data/heldout.jsonl")
     print(r.accuracy, r.n, r.seconds)
 
-    python -m common.evaluate MODEL_DIR HELDOUT.jsonl [--pass-at 8]
+    python -m common.harness.evaluate MODEL_DIR HELDOUT.jsonl [--pass-at 8]
 
 The model is loaded with HF transformers (fp32, CPU), prompts are grouped by
 token length so every batch is unpadded (the arithmetic prompts come in a few
 lengths), and decoding is greedy with a KV cache until `<eos>` or
 `max_new_tokens`. A response is correct when the task's verifier says so
-(`common.tasks` when it offers one, else exact match of the stripped text).
+(`common.toy.tasks` when it offers one, else exact match of the stripped text).
 
-Used by the SFT warm start (common/sft.py), by the demo to track each weight
-version (common/demo.py), and by the end-to-end test. `pass_at_k` samples k
+Used by the SFT warm start (common/harness/sft.py), by the demo to track each weight
+version (common/harness/demo.py), and by the end-to-end test. `pass_at_k` samples k
 responses per prompt at a temperature: what RL can exploit is the gap between
 pass@k and greedy accuracy.
 """
@@ -51,7 +51,7 @@ class EvalResult:
 # ----------------------------------------------------------------- data + verifier
 
 def load_problems(path: str | os.PathLike, limit: int | None = None) -> list[Problem]:
-    """JSONL rows with `prompt` and `answer` (the task files of common/tasks.py)."""
+    """JSONL rows with `prompt` and `answer` (the task files of common/toy/tasks.py)."""
     out = []
     with open(path) as f:
         for line in f:
@@ -68,9 +68,9 @@ def exact_match(response: str, answer: str) -> bool:
 
 
 def task_verifier() -> Callable[[str, str], bool]:
-    """The arithmetic task's own check when common/tasks.py offers one, else exact match."""
+    """The arithmetic task's own check when common/toy/tasks.py offers one, else exact match."""
     try:
-        from common import tasks
+        from common.toy import tasks
     except ImportError:
         return exact_match
     for name in ("is_correct", "verify", "score"):

@@ -4,24 +4,24 @@
 
 Steps (docs/demo.md has the measured timings):
 
-    prepare   build the tiny MoE + tokenizer and the arithmetic task (common/build.py),
+    prepare   build the tiny MoE + tokenizer and the arithmetic task (common/toy/build.py),
               warm-start it by SFT until it solves a minority of held-out problems
-              (common/sft.py; reused when inputs are unchanged)
+              (common/harness/sft.py; reused when inputs are unchanged)
     start     `rlstream broker`, N x `rlstream producer`, one `rlstream consumer`,
               each a separate process with its own log, env and HTTP port, all
               pointed at the broker with --set kafka.bootstrap_servers=...
     watch     every few seconds: scrape /metrics of every service, print one
               progress line (version, reward, held-out accuracy, KL, staleness,
               samples/s), append it to progress.jsonl; evaluate the newest weight
-              version's held-out accuracy (greedy, common/evaluate.py)
+              version's held-out accuracy (greedy, common/harness/evaluate.py)
     stop      when accuracy >= warm + demo.target_gain on two evaluations in a
               row, or at demo.max_minutes: SIGTERM producers (they drain), let the
               consumer take in the rest, SIGTERM it, then the broker; check that
               every process exited 0 and account for every published record
-    report    report.md + PNG plots (common/report.py)
+    report    report.md + PNG plots (common/harness/report.py)
 
 The orchestration pieces (`prepare_warm`, `Pipeline`, `run_rl`) are reused by
-`rlstream experiment` (common/experiments.py) and the end-to-end test.
+`rlstream experiment` (common/harness/experiments.py) and the end-to-end test.
 Every wait has a timeout; a process that ignores SIGTERM is killed with its
 process group, and a failing service aborts the run with its log tail.
 """
@@ -80,9 +80,9 @@ class Warm:
 
 
 def prepare_warm(cfg: RlstreamConfig, reuse: bool | None = None) -> Warm:
-    """Base model + task data (common/build.py), then the SFT warm start under demo.work_dir."""
-    from common.build import ensure_data, ensure_model, heldout_path
-    from common.sft import SftConfig, warm_start
+    """Base model + task data (common/toy/build.py), then the SFT warm start under demo.work_dir."""
+    from common.toy.build import ensure_data, ensure_model, heldout_path
+    from common.harness.sft import SftConfig, warm_start
 
     base = ensure_model(cfg)
     train = ensure_data(cfg)
@@ -107,10 +107,10 @@ def prepare_warm(cfg: RlstreamConfig, reuse: bool | None = None) -> Warm:
 
 
 def score_dir(model_dir, heldout, metric: str, temperature: float, max_new_tokens: int) -> dict:
-    """`common.evaluate.heldout_scores` of a model directory (seeded sampling)."""
+    """`common.harness.evaluate.heldout_scores` of a model directory (seeded sampling)."""
     import torch
 
-    from common.evaluate import heldout_scores, load_model, load_problems
+    from common.harness.evaluate import heldout_scores, load_model, load_problems
 
     threads = torch.get_num_threads()
     model, tok = load_model(model_dir)
@@ -204,7 +204,7 @@ def child_env(threads: int, extra: dict[str, str] | None = None) -> dict[str, st
 
 
 def _rlstream(command: str, config: Path, sets: list[str]) -> list[str]:
-    argv = [sys.executable, "-m", "common.cli", command, "-c", str(config)]
+    argv = [sys.executable, "-m", "common.app.cli", command, "-c", str(config)]
     for s in sets:
         argv += ["--set", s]
     return argv
@@ -331,7 +331,7 @@ class Pipeline:
 
     def start(self) -> None:
         """Broker first (until it answers Kafka requests), then consumer and producers."""
-        from common.broker import free_port, kafka_ping
+        from common.kafka.broker import free_port, kafka_ping
 
         host, port = self.cfg.broker.host, free_port(self.cfg.broker.host)
         self.bootstrap = f"{host}:{port}"
@@ -352,7 +352,7 @@ class Pipeline:
     def _spawn(self, name: str, sets: list[str], threads: int, http: str | None = None,
                extra_env: dict | None = None) -> Service:
         """Start `rlstream <command>`; `http` names the section whose http.port gets a free port."""
-        from common.broker import free_port
+        from common.kafka.broker import free_port
 
         url = None
         if http is not None:
@@ -449,7 +449,7 @@ def topic_census(kafka, timeout_s: float = 60.0) -> TopicCensus:
     import msgpack
     from kafka import KafkaConsumer, TopicPartition
 
-    from common.kafka_conn import client_kwargs
+    from common.kafka.client import client_kwargs
 
     c = KafkaConsumer(**client_kwargs(kafka), group_id=None, enable_auto_commit=False,
                       fetch_max_bytes=kafka.max_message_bytes, max_partition_fetch_bytes=kafka.max_message_bytes)
@@ -588,7 +588,7 @@ class VersionEvaluator:
 
     def __init__(self, store_dir: Path, heldout: Path, metric: str = DEFAULT_METRIC,
                  temperature: float = 1.0, max_new_tokens: int = 8, limit: int | None = None):
-        from common.evaluate import load_problems
+        from common.harness.evaluate import load_problems
 
         self.store_dir = store_dir
         self.problems = load_problems(heldout, limit)
@@ -601,8 +601,8 @@ class VersionEvaluator:
 
     def evaluate_newest(self) -> tuple[int, dict] | None:
         """(version, scores) of the newest version not evaluated yet, else None."""
-        from common.evaluate import heldout_scores, load_model
-        from common.weights import WeightStore
+        from common.harness.evaluate import heldout_scores, load_model
+        from common.weights.store import WeightStore
 
         versions = WeightStore(self.store_dir, keep=1 << 30).versions()
         if not versions or versions[-1] == self.last_version:
@@ -775,7 +775,7 @@ def _final_eval(evaluator: VersionEvaluator, rows: list[dict], res: RunResult, t
 # ---------------------------------------------------------------------------- main
 
 def main(cfg: RlstreamConfig) -> int:
-    from common.report import write_report
+    from common.harness.report import write_report
 
     t0 = time.monotonic()
     budget = cfg.demo.max_minutes * 60

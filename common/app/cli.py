@@ -19,17 +19,42 @@ import logging
 import os
 import sys
 
-from common.config import dump_config, load_config
+from common.config import RlstreamConfig, dump_config, load_config
 from common.errors import RlstreamError
 
 SERVICES = {
     # subcommand -> (module with main(cfg) -> int, one-line help)
-    "broker": ("common.broker_cli", "start the bundled tansu broker on loopback"),
+    "broker": ("common.app.cli", "start the bundled tansu broker on loopback"),
     "producer": ("producer.service", "run the vLLM rollout producer service"),
     "consumer": ("consumer.service", "run the Megatron trainer (consumer) service"),
-    "demo": ("common.demo", "run the whole pipeline end to end on CPU"),
-    "build-model": ("common.build", "build the tiny MoE model, tokenizer and task data"),
+    "demo": ("common.harness.demo", "run the whole pipeline end to end on CPU"),
+    "build-model": ("common.toy.build", "build the tiny MoE model, tokenizer and task data"),
 }
+
+
+def prepare_toy_world(command: str, cfg: RlstreamConfig) -> None:
+    """The self-contained toy world (common/toy/): with `model.build_tiny`, build
+    the tiny MoE at `model.path` if it is missing, and for a producer write the
+    arithmetic task if its prompts file is missing. Services never do this
+    themselves: on a real cluster they load what the config names. Consumer
+    ranks > 0 (torchrun) wait for rank 0's build."""
+    if command not in ("producer", "consumer") or not cfg.model.build_tiny:
+        return
+    from common.toy.build import ensure_data, ensure_model, wait_for_model
+
+    if command == "consumer" and int(os.environ.get("RANK", "0")) != 0:
+        wait_for_model(cfg)
+        return
+    ensure_model(cfg)
+    if command == "producer" and not cfg.producer.prompt_topic:
+        ensure_data(cfg)
+
+
+def run_broker(cfg: RlstreamConfig) -> int:
+    """`rlstream broker`: the bundled tansu broker until SIGTERM/SIGINT."""
+    from common.kafka.broker import run_broker_forever
+
+    return run_broker_forever(cfg.broker, cfg.kafka)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -65,15 +90,18 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
     try:
         if args.command == "ctl":
-            from common.ctl import run_ctl
+            from common.control.ctl import run_ctl
             return run_ctl(args.action, args.key, args.value, args.url, args.token)
         cfg = load_config(args.config, args.set)
         if getattr(args, "dry_run", False):
             print(dump_config(cfg), end="")
             return 0
         if args.command == "experiment":
-            from common.experiments import run_experiment
+            from common.harness.experiments import run_experiment
             return run_experiment(args.name, cfg)
+        prepare_toy_world(args.command, cfg)
+        if args.command == "broker":
+            return run_broker(cfg)
         module = importlib.import_module(SERVICES[args.command][0])
         return int(module.main(cfg) or 0)
     except RlstreamError as e:

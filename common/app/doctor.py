@@ -1,4 +1,4 @@
-"""`python -m common.doctor`: check that the install is usable; say how to fix it.
+"""`python -m common.app.doctor`: check that the install is usable; say how to fix it.
 
 Run by `make install` after pip: imports vLLM, transformers, Megatron-core and
 kafka-python, and finds the bundled tansu binary.
@@ -26,7 +26,7 @@ def main() -> int:
             bad += 1
             print(f"doctor: cannot import {mod}: {e}\n  fix: {fix}", file=sys.stderr)
     try:
-        from common.broker import tansu_binary
+        from common.kafka.broker import tansu_binary
         tansu_binary()
     except Exception as e:
         bad += 1

@@ -278,7 +278,7 @@ def run_broker_forever(settings: BrokerSettings, kafka: KafkaSettings | None = N
     try:
         b.start()
         if kafka is not None:
-            from common.kafka_conn import ensure_topics
+            from common.kafka.client import ensure_topics
             ensure_topics(kafka.model_copy(update={"bootstrap_servers": b.bootstrap}))
         log.info("rlstream broker listening on %s; set kafka.bootstrap_servers=%s in other services; "
                  "SIGTERM or Ctrl-C stops it", b.bootstrap, b.bootstrap)

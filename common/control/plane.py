@@ -1,0 +1,136 @@
+"""The control plane's Kafka side: the follower every service runs and the writer.
+
+`ControlFollower` tails the control and policy topics from the beginning and
+keeps a `ControlView` (current settings, newest announcement); services call
+`poll()` at batch boundaries. `ControlPlaneWriter` writes validated control
+changes and announcements. The message types live in
+`common/control/messages.py`.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from common import metrics
+from common.config import KafkaSettings
+from common.control.messages import POLICY_KEY, ControlState, PolicyAnnouncement, encode_control, parse_control_value
+from common.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ControlView:
+    """What a follower currently believes; updated by `ControlFollower.poll`."""
+
+    state: ControlState
+    policy: PolicyAnnouncement | None = None
+    changes: list[tuple[str, Any]] = field(default_factory=list)
+
+
+_REJECTED = metrics.counter("rlstream_control_rejected_total",
+                            "Control or policy messages ignored as malformed or out of range", ["topic"])
+_SETTING = metrics.gauge("rlstream_control_setting", "Current value of a runtime setting (paused: 1/0; mode: 1=reweight)", ["key"])
+
+
+def _export(state: ControlState) -> None:
+    _SETTING.labels(key="max_staleness").set(state.max_staleness)
+    _SETTING.labels(key="decay").set(state.decay)
+    _SETTING.labels(key="paused").set(1 if state.paused else 0)
+    _SETTING.labels(key="mode").set(1 if state.mode == "reweight" else 0)
+
+
+class ControlFollower:
+    """Tails the control and policy topics (from the beginning) without a group.
+
+    `poll()` applies every new message in order and returns the changes since
+    the last call; services call it at batch boundaries, so a change takes
+    effect at the next batch.
+    """
+
+    def __init__(self, kafka: KafkaSettings, initial: ControlState):
+        from kafka import KafkaConsumer, TopicPartition
+
+        from common.kafka.client import client_kwargs
+
+        self.view = ControlView(state=initial.model_copy())
+        self._topics = {kafka.topics.control: "control", kafka.topics.policy: "policy"}
+        self._consumer = KafkaConsumer(**client_kwargs(kafka), enable_auto_commit=False,
+                                       group_id=None, fetch_max_wait_ms=50,
+                                       max_partition_fetch_bytes=1 << 20)
+        tps = [TopicPartition(t, p) for t in self._topics
+               for p in sorted(self._consumer.partitions_for_topic(t) or {0})]
+        self._consumer.assign(tps)
+        self._consumer.seek_to_beginning(*tps)
+        _export(self.view.state)
+
+    def poll(self, timeout_s: float = 0.0) -> list[tuple[str, Any]]:
+        changes: list[tuple[str, Any]] = []
+        batches = self._consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=10_000)
+        for tp, msgs in batches.items():
+            for m in msgs:
+                change = self._apply(self._topics.get(tp.topic, "?"), m.key, m.value)
+                if change:
+                    changes.append(change)
+        if changes:
+            _export(self.view.state)
+        return changes
+
+    def _apply(self, kind: str, key: bytes | None, value: bytes | None):
+        try:
+            if kind == "policy":
+                ann = PolicyAnnouncement.model_validate_json(value or b"")
+                cur = self.view.policy
+                # a newer version, or a progress update of the current one
+                if cur is None or (ann.version, ann.created_at) > (cur.version, cur.created_at):
+                    self.view.policy = ann
+                    return ("policy", ann)
+                return None
+            k = (key or b"").decode()
+            v = parse_control_value(k, json.loads(value or b"null")["value"])
+        except (ValidationError, ConfigError, ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+            _REJECTED.labels(topic=kind).inc()
+            log.warning("ignoring malformed %s message (key=%r): %s", kind, key, e)
+            return None
+        if getattr(self.view.state, k) != v:
+            setattr(self.view.state, k, v)
+            log.info("control: %s = %r", k, v)
+            return (k, v)
+        return None
+
+    def close(self) -> None:
+        self._consumer.close()
+
+
+class ControlPlaneWriter:
+    """Writes to the control and policy topics (admin changes, announcements).
+
+    Not idempotent on purpose: control values and announcements are absolute
+    (re-sending one is harmless), and kafka-python's idempotent producer stays
+    wedged after its batches expire in a broker outage.
+    """
+
+    def __init__(self, kafka: KafkaSettings):
+        from kafka import KafkaProducer
+
+        from common.kafka.client import client_kwargs
+
+        self.kafka = kafka
+        self._p = KafkaProducer(**client_kwargs(kafka), acks="all", enable_idempotence=False, retries=5)
+
+    def set_control(self, key: str, value: Any, by: str) -> Any:
+        """Validate, write and wait for the broker's acknowledgement; return the typed value."""
+        k, v = encode_control(key, value, by=by)
+        self._p.send(self.kafka.topics.control, key=k, value=v).get(timeout=30)
+        return json.loads(v)["value"]
+
+    def announce(self, ann: PolicyAnnouncement) -> None:
+        self._p.send(self.kafka.topics.policy, key=POLICY_KEY, value=ann.model_dump_json().encode()).get(timeout=30)
+
+    def close(self) -> None:
+        self._p.close(timeout=10)
+
