@@ -162,6 +162,9 @@ class ProducerSettings(_Section):
     http: HttpSettings = HttpSettings()
     num_threads: int = Field(1, ge=1)
     """torch/OpenMP threads of the engine process."""
+    run_file: str | None = None
+    """JSON status file (pid, HTTP address; final counters at stop) for supervisors
+    and tests (common/runfile.py). None: none is written."""
 
 
 # ------------------------------------------------------------- consumer
@@ -199,6 +202,9 @@ class ConsumerSettings(_Section):
     """auto: mean-centred for MiniRL/CISPO, mean/std for GRPO (docs/algorithm.md)."""
     http: HttpSettings = HttpSettings()
     num_threads: int = Field(1, ge=1)
+    run_file: str | None = None
+    """JSON status file (pid, HTTP address; final outcome counters at stop) for
+    supervisors and tests (common/runfile.py); written by rank 0. None: none."""
 
 
 class DemoSettings(_Section):

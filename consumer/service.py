@@ -33,9 +33,11 @@ from pathlib import Path
 
 from common import metrics
 from common.config import RlstreamConfig
-from common.control.messages import ControlState, PolicyAnnouncement
+from common.control.messages import ControlChange, ControlState, TrainerProgress, WeightsReady
 from common.control.plane import ControlPlaneWriter
+from common import runfile
 from common.lifecycle import close_attrs
+from common.runfile import write_run_file
 from consumer.assembler import GroupAssembler, Group
 from consumer.staleness import gate_group
 
@@ -86,7 +88,7 @@ class ConsumerService:
         self._healthy = True
         self._last_trained: list[str] = []
         self._last_step_at = time.time()
-        self._announced: PolicyAnnouncement | None = None  # the last announcement we sent
+        self._progress_sent: TrainerProgress | None = None  # the last progress message we sent
         self._progress_at = 0.0
         self._building: list[ReadyGroup] = []  # gated groups of the batch being built
         self.rank, self.world = int(os.environ.get("RANK", "0")), _world_size()
@@ -134,6 +136,8 @@ class ConsumerService:
         self._writer = ControlPlaneWriter(self.kafka)
         self._announce_if_needed()
         self._start_http()
+        write_run_file(self.ccfg.run_file, fresh=True, **runfile.started(
+            "consumer", self.http.url, self.kafka.bootstrap_servers, step=self.state.step, version=self.state.version))
 
     def _build_trainer(self):
         from consumer.trainer import Trainer, TrainerConfig
@@ -211,15 +215,17 @@ class ConsumerService:
                                                     "checkpoint": t3 - t2, "publish": t4 - t3})
         finally:
             self.close()
+        held = self.held_records() if hasattr(self, "assembler") else 0
         log.info("consumer stopped at step %d, version %d; outcomes %s; held %d",
-                 self.state.step, self.state.version, self.state.counters,
-                 self.held_records() if hasattr(self, "assembler") else 0)
+                 self.state.step, self.state.version, self.state.counters, held)
+        write_run_file(self.ccfg.run_file, **runfile.stopped(
+            step=self.state.step, version=self.state.version, outcomes=dict(self.state.counters), held=held))
         return 0
 
     def apply_control(self) -> None:
-        for key, value in self.follower.poll():
-            if key != "policy":
-                log.info("control change applied at batch boundary: %s=%r", key, value)
+        for event in self.follower.poll():
+            if isinstance(event, ControlChange):
+                log.info("control change applied at batch boundary: %s=%r", event.key, event.value)
         self.control = self.follower.view.state
 
     def next_batch(self, poll_s: float = 0.2) -> list[ReadyGroup] | None:
@@ -373,40 +379,38 @@ class ConsumerService:
         if self.sharded:
             _broadcast(("export", None))  # the export gathers every rank's shard
         m = self.weights.write(v, self.trainer.export_hf_state_dict(), self.cfg.model.path)
-        ann = PolicyAnnouncement(version=v, uri=m["uri"], sha256=m["sha256"], bytes=m["bytes"],
-                                 trainer_version=v, **self._progress())
-        self._writer.announce(ann)
-        self._announced, self._progress_at = ann, time.monotonic()
+        self._writer.announce(WeightsReady(version=v, uri=m["uri"], sha256=m["sha256"], bytes=m["bytes"]))
         _VERSION.set(v)
-
-    def _progress(self) -> dict:
-        """What producers size their staleness backpressure from (common/control/messages.py)."""
-        return {"consumed_offsets": self._safe_offsets(), "read_offsets": dict(self.reader.positions()),
-                "held_records": self.held_records()}
+        self.announce_progress(every_s=0.0)
 
     def announce_progress(self, every_s: float = 1.0) -> None:
-        """While waiting for data, re-announce the current version with newer progress.
+        """Tell producers where the trainer is (`TrainerProgress`), at most every
+        `every_s` seconds and only when something changed.
 
         Producers count the groups queued ahead of a new one from the read
-        offsets and held records; without this, records the gate dropped (or
-        DLQ'd, or timed out) would count as queued until the next step, and a
-        pipeline whose queue was all dropped would wait forever.
+        offsets and held records; without updates while the trainer waits,
+        records the gate dropped (or DLQ'd, or timed out) would count as
+        queued until the next step, and a pipeline whose queue was all
+        dropped would wait forever.
         """
         now = time.monotonic()
-        if self._announced is None or now - self._progress_at < every_s:
+        if now - self._progress_at < every_s:
             return
         self._progress_at = now
-        progress = self._progress()
-        if any(getattr(self._announced, k) != v for k, v in progress.items()):
-            self._announced = self._announced.model_copy(update={**progress, "created_at": time.time()})
-            self._writer.announce(self._announced)
+        msg = TrainerProgress(trainer_version=self.state.version, read_offsets=dict(self.reader.positions()),
+                              held_records=self.held_records(), groups_per_batch=self.ccfg.groups_per_batch,
+                              group_size=self.ccfg.group_size)
+        sent = self._progress_sent
+        if sent is None or sent.model_dump(exclude={"created_at"}) != msg.model_dump(exclude={"created_at"}):
+            self._writer.announce(msg)
+            self._progress_sent = msg
 
     def _announce_if_needed(self) -> None:
-        latest = self.follower.view.policy
+        latest = self.follower.view.weights
         if latest is None or latest.version < self.state.version:
             self.publish_weights()
-        else:  # already announced (a restart): progress updates reuse it
-            self._announced, self._progress_at = latest, time.monotonic()
+        else:  # already announced (a restart): tell producers where we are
+            self.announce_progress(every_s=0.0)
         _VERSION.set(self.state.version)
 
     def _observe(self, step_metrics: dict, batch: list[ReadyGroup], phases: dict) -> None:

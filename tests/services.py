@@ -362,16 +362,16 @@ def read_rollouts(kafka: KafkaSettings, **kw) -> dict[str, object]:
 
 
 def latest_policy(kafka: KafkaSettings):
-    """The newest PolicyAnnouncement on the policy topic (None if none)."""
-    from common.control.messages import PolicyAnnouncement
+    """The newest WeightsReady on the policy topic (None if none)."""
+    from common.control.messages import WeightsReady, parse_policy_message
 
     best = None
     for m in read_topic(kafka, kafka.topics.policy, quiet_s=0.8):
         try:
-            a = PolicyAnnouncement.model_validate_json(m.value)
+            a = parse_policy_message(m.value)
         except Exception:  # noqa: BLE001
             continue
-        if best is None or a.version > best.version:
+        if isinstance(a, WeightsReady) and (best is None or a.version > best.version):
             best = a
     return best
 

@@ -1,4 +1,4 @@
-"""Control-plane messages and the follower that every service runs.
+"""Control-plane messages: runtime settings and the policy topic's typed messages.
 
 Two small topics, both JSON, both read from the beginning by every service:
 
@@ -6,12 +6,11 @@ Two small topics, both JSON, both read from the beginning by every service:
   `decay`, `paused`); the value is `{"value": ..., "by": ..., "at": ...}`. The
   newest value per key wins, so a restarted service recovers the current
   settings from the topic.
-- `rlstream.policy`: `PolicyAnnouncement` under the key `policy`; the newest
-  version wins. Its `trainer_version` is the trainer's version that producers
-  use for staleness backpressure. While the trainer waits for data it
-  re-announces its current version with newer `read_offsets` / `held_records`
-  (a progress update: producers update their backpressure estimate, nothing
-  reloads).
+- `rlstream.policy`: two kinds of message, tagged by `kind` (the Kafka key is
+  the kind too): `WeightsReady` (a new policy version; the newest version
+  wins) and `TrainerProgress` (the trainer's version, read offsets, held
+  records and batch shape; the newest message wins), which producers size
+  their staleness backpressure from.
 
 Values are validated on both ends: `ctl set` refuses bad values before
 writing, and a follower ignores (and counts) an out-of-range or malformed
@@ -21,15 +20,15 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from common.config import StalenessSettings
 from common.errors import ConfigError
 
 CONTROL_KEYS = ("max_staleness", "mode", "decay", "paused")
-POLICY_KEY = b"policy"
 
 
 class ControlState(BaseModel):
@@ -46,36 +45,66 @@ class ControlState(BaseModel):
         return cls(max_staleness=s.max_staleness, mode=s.mode, decay=s.decay)
 
 
-class PolicyAnnouncement(BaseModel):
-    """A new policy version in the weight store."""
+class WeightsReady(BaseModel):
+    """The consumer published a new policy version (`kind: weights_ready`).
+
+    Producers reload it between engine steps once it verifies; the newest
+    version wins.
+    """
 
     model_config = ConfigDict(extra="forbid")
+    kind: Literal["weights_ready"] = "weights_ready"
     version: int = Field(ge=0)
-    uri: str
+    uri: str = Field(min_length=1)
+    """Where the version lives (file:// URI of a weight-store directory)."""
     sha256: str = Field(min_length=64, max_length=64)
     bytes: int = Field(ge=1)
+    created_at: float = Field(default_factory=time.time)
+
+
+class TrainerProgress(BaseModel):
+    """Where the trainer is (`kind: trainer_progress`): what producers size
+    their staleness backpressure from (producer/service.py `admission_block`).
+
+    Sent after every global step and, while the trainer waits for data, about
+    once a second when it changed. The newest message in the log wins.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    kind: Literal["trainer_progress"] = "trainer_progress"
     trainer_version: int = Field(ge=0)
-    consumed_offsets: dict[int, int] = Field(default_factory=dict)
-    """Per rollouts partition, the offset below which the trainer has processed
-    every record (its checkpointed offsets)."""
-    read_offsets: dict[int, int] | None = None
+    """The version the trainer's next optimizer step produces minus one:
+    the number of completed global steps."""
+    read_offsets: dict[int, int] = Field(default_factory=dict)
     """Per rollouts partition, the next offset the trainer will read."""
     held_records: int = Field(0, ge=0)
     """Records the trainer has read but not yet trained or dropped (partial
     groups, complete groups waiting for a batch). Producers count the groups
     queued ahead of a new one as (records past `read_offsets` + held_records)
-    / G: staleness backpressure. (`consumed_offsets` would over-count: one held
-    group pins it while records behind it are consumed, which once stalled
-    the whole pipeline.)"""
+    / G. (The checkpointed offsets would over-count: one held group pins them
+    while records behind it are consumed, which once stalled the pipeline.)"""
+    groups_per_batch: int = Field(ge=1)
+    """B: groups per global step, so producers never read the consumer's config."""
+    group_size: int = Field(ge=1)
+    """G: samples per group."""
     created_at: float = Field(default_factory=time.time)
 
-    def trainer_progress(self) -> tuple[dict[int, int], int]:
-        """(read offsets, held records) for the backpressure estimate; an
-        announcement without them (an older consumer) gives its consumed
-        offsets and 0 held, which over-counts but never under-counts."""
-        if self.read_offsets is None:
-            return dict(self.consumed_offsets), 0
-        return dict(self.read_offsets), self.held_records
+
+PolicyMessage = Annotated[Union[WeightsReady, TrainerProgress], Field(discriminator="kind")]
+_POLICY_MESSAGE = TypeAdapter(PolicyMessage)
+
+
+def parse_policy_message(value: bytes) -> WeightsReady | TrainerProgress:
+    """One message of the policy topic; raises pydantic's ValidationError."""
+    return _POLICY_MESSAGE.validate_json(value)
+
+
+@dataclass(frozen=True)
+class ControlChange:
+    """A runtime setting changed (the follower's event for the control topic)."""
+
+    key: str
+    value: Any
 
 
 def parse_control_value(key: str, raw: Any) -> Any:

@@ -10,17 +10,21 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
 
 from common import metrics
 from common.config import KafkaSettings
-from common.control.messages import POLICY_KEY, ControlState, PolicyAnnouncement, encode_control, parse_control_value
+from common.control.messages import (ControlChange, ControlState, TrainerProgress, WeightsReady, encode_control,
+                                     parse_control_value, parse_policy_message)
 from common.errors import ConfigError
 
 log = logging.getLogger(__name__)
+
+Event = ControlChange | WeightsReady | TrainerProgress
+"""What `ControlFollower.poll` returns, in log order."""
 
 
 @dataclass
@@ -28,8 +32,10 @@ class ControlView:
     """What a follower currently believes; updated by `ControlFollower.poll`."""
 
     state: ControlState
-    policy: PolicyAnnouncement | None = None
-    changes: list[tuple[str, Any]] = field(default_factory=list)
+    weights: WeightsReady | None = None
+    """The newest version announced."""
+    progress: TrainerProgress | None = None
+    """The trainer's latest progress message."""
 
 
 _REJECTED = metrics.counter("rlstream_control_rejected_total",
@@ -47,9 +53,11 @@ def _export(state: ControlState) -> None:
 class ControlFollower:
     """Tails the control and policy topics (from the beginning) without a group.
 
-    `poll()` applies every new message in order and returns the changes since
-    the last call; services call it at batch boundaries, so a change takes
-    effect at the next batch.
+    `poll()` applies every new message in order and returns the events since
+    the last call, in log order: `ControlChange` (a setting changed),
+    `WeightsReady` (a version newer than any seen), `TrainerProgress`.
+    Services call it at batch boundaries, so a change takes effect at the
+    next batch.
     """
 
     def __init__(self, kafka: KafkaSettings, initial: ControlState):
@@ -68,28 +76,22 @@ class ControlFollower:
         self._consumer.seek_to_beginning(*tps)
         _export(self.view.state)
 
-    def poll(self, timeout_s: float = 0.0) -> list[tuple[str, Any]]:
-        changes: list[tuple[str, Any]] = []
+    def poll(self, timeout_s: float = 0.0) -> list[Event]:
+        changes: list[Event] = []
         batches = self._consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=10_000)
         for tp, msgs in batches.items():
             for m in msgs:
                 change = self._apply(self._topics.get(tp.topic, "?"), m.key, m.value)
                 if change:
                     changes.append(change)
-        if changes:
+        if any(isinstance(c, ControlChange) for c in changes):
             _export(self.view.state)
         return changes
 
     def _apply(self, kind: str, key: bytes | None, value: bytes | None):
         try:
             if kind == "policy":
-                ann = PolicyAnnouncement.model_validate_json(value or b"")
-                cur = self.view.policy
-                # a newer version, or a progress update of the current one
-                if cur is None or (ann.version, ann.created_at) > (cur.version, cur.created_at):
-                    self.view.policy = ann
-                    return ("policy", ann)
-                return None
+                return self._apply_policy(parse_policy_message(value or b""))
             k = (key or b"").decode()
             v = parse_control_value(k, json.loads(value or b"null")["value"])
         except (ValidationError, ConfigError, ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
@@ -99,7 +101,16 @@ class ControlFollower:
         if getattr(self.view.state, k) != v:
             setattr(self.view.state, k, v)
             log.info("control: %s = %r", k, v)
-            return (k, v)
+            return ControlChange(k, v)
+        return None
+
+    def _apply_policy(self, msg: WeightsReady | TrainerProgress) -> Event | None:
+        if isinstance(msg, TrainerProgress):
+            self.view.progress = msg
+            return msg
+        if self.view.weights is None or msg.version > self.view.weights.version:
+            self.view.weights = msg
+            return msg
         return None
 
     def close(self) -> None:
@@ -128,8 +139,10 @@ class ControlPlaneWriter:
         self._p.send(self.kafka.topics.control, key=k, value=v).get(timeout=30)
         return json.loads(v)["value"]
 
-    def announce(self, ann: PolicyAnnouncement) -> None:
-        self._p.send(self.kafka.topics.policy, key=POLICY_KEY, value=ann.model_dump_json().encode()).get(timeout=30)
+    def announce(self, msg: WeightsReady | TrainerProgress) -> None:
+        """Send one policy-topic message (keyed by its kind) and wait for the ack."""
+        self._p.send(self.kafka.topics.policy, key=msg.kind.encode(),
+                     value=msg.model_dump_json().encode()).get(timeout=30)
 
     def close(self) -> None:
         self._p.close(timeout=10)

@@ -174,11 +174,10 @@ def announcement_producer(kafka):
 
 
 def announce(producer, topic: str, m: dict) -> None:
-    from common.control.messages import PolicyAnnouncement
+    from common.control.messages import WeightsReady
 
-    ann = PolicyAnnouncement(version=m["version"], uri=m["uri"], sha256=m["sha256"], bytes=m["bytes"],
-                             trainer_version=m["version"], consumed_offsets={0: 0})
-    producer.send(topic, key=b"policy", value=ann.model_dump_json().encode()).get(timeout=30)
+    ann = WeightsReady(version=m["version"], uri=m["uri"], sha256=m["sha256"], bytes=m["bytes"])
+    producer.send(topic, key=ann.kind.encode(), value=ann.model_dump_json().encode()).get(timeout=30)
 
 
 def large_publish_and_checkpoint(svc, ann_producer, tmp: Path, repeats: int) -> dict:

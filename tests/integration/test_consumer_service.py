@@ -137,13 +137,14 @@ def test_progress_announcement_counts_held_records(service):
     waiter.start()
     deadline = time.time() + 30
     while True:
-        ann = svc._announced
+        ann = svc._progress_sent
         ends = svc.reader.end_offsets()
         if ann.held_records == G and ann.read_offsets == ends:
             break
         assert time.time() < deadline, f"no progress announcement with the held group: {ann}"
         time.sleep(0.2)
-    pinned = sum(ends[p] - ann.consumed_offsets.get(p, 0) for p in ends)
+    checkpointed = svc._safe_offsets()
+    pinned = sum(ends[p] - checkpointed.get(p, 0) for p in ends)
     assert pinned >= G, "the held group should pin the checkpointed offsets"
     publish_groups(pub, [synthetic_group("second", G, V, rng)])
     waiter.join(timeout=60)
@@ -151,7 +152,7 @@ def test_progress_announcement_counts_held_records(service):
     svc.train_step(result["batch"])
     svc.checkpoint()
     svc.publish_weights()
-    assert svc._announced.held_records == 0
+    assert svc._progress_sent.held_records == 0
 
 
 @pytest.mark.timeout(300)
@@ -159,16 +160,16 @@ def test_announced_version_opens_in_transformers_with_same_logprobs(service):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from common.control.messages import PolicyAnnouncement
+    from common.control.messages import WeightsReady
     from common.weights.store import verify
     from consumer.model import per_token_logprobs
 
     svc, _, kafka = service
     deadline = time.time() + 10
-    while svc.follower.view.policy is None or svc.follower.view.policy.version < svc.state.version:
+    while svc.follower.view.weights is None or svc.follower.view.weights.version < svc.state.version:
         svc.apply_control()
         assert time.time() < deadline, "announcement not seen on the policy topic"
-    ann: PolicyAnnouncement = svc.follower.view.policy
+    ann: WeightsReady = svc.follower.view.weights
     d = verify(ann.uri, ann.sha256, ann.bytes)
     hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     tokens = torch.tensor([[4, 13, 5, 17, 20, 6, 7, 1]])

@@ -62,14 +62,16 @@ class Stack:
         return read_rollouts(kafka or self.kafka, quiet_s=1.0)
 
     def announce(self, version: int, manifest: dict, offsets: dict) -> None:
-        from common.control.messages import PolicyAnnouncement
+        from common.control.messages import TrainerProgress, WeightsReady
         from common.control.plane import ControlPlaneWriter
 
         w = ControlPlaneWriter(self.kafka_w)
-        try:
-            w.announce(PolicyAnnouncement(version=version, uri=manifest["uri"], sha256=manifest["sha256"],
-                                          bytes=manifest["bytes"], trainer_version=version,
-                                          consumed_offsets=offsets))
+        try:  # "the trainer" read everything up to `offsets` and published `version`
+            w.announce(WeightsReady(version=version, uri=manifest["uri"], sha256=manifest["sha256"],
+                                    bytes=manifest["bytes"]))
+            w.announce(TrainerProgress(trainer_version=version, read_offsets=offsets,
+                                       groups_per_batch=self.cfg.consumer.groups_per_batch,
+                                       group_size=self.cfg.consumer.group_size))
         finally:
             w.close()
 

@@ -282,12 +282,16 @@ def test_out_of_range_and_hostile_control_messages_on_the_topic_are_ignored(live
     for key, value in hostile_control:
         send_raw(k, k.topics.control, key, value)
     ok_sha = "0" * 64
+    ready = {"kind": "weights_ready", "uri": "file:///x"}
+    progress = {"kind": "trainer_progress", "groups_per_batch": 2, "group_size": 4}
     hostile_policy = [
-        json.dumps({"version": -1, "uri": "file:///x", "sha256": ok_sha, "bytes": 1, "trainer_version": 0}),
-        json.dumps({"version": 10**6, "uri": "file:///x", "sha256": "short", "bytes": 1, "trainer_version": 0}),
-        json.dumps({"version": 10**6, "uri": "file:///x", "sha256": ok_sha, "bytes": 0, "trainer_version": 0}),
-        json.dumps({"version": 10**6, "uri": "file:///x", "sha256": ok_sha, "bytes": 1, "trainer_version": 0,
-                    "exec": "__import__('os')"}),
+        json.dumps({**ready, "version": -1, "sha256": ok_sha, "bytes": 1}),
+        json.dumps({**ready, "version": 10**6, "sha256": "short", "bytes": 1}),
+        json.dumps({**ready, "version": 10**6, "sha256": ok_sha, "bytes": 0}),
+        json.dumps({**ready, "version": 10**6, "sha256": ok_sha, "bytes": 1, "exec": "__import__('os')"}),
+        json.dumps({"version": 10**6, "uri": "file:///x", "sha256": ok_sha, "bytes": 1}),  # no kind
+        json.dumps({**progress, "trainer_version": -3}),
+        json.dumps({**progress, "trainer_version": 1, "groups_per_batch": 0}),
         "not json",
     ]
     for value in hostile_policy:

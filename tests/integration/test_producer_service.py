@@ -61,6 +61,20 @@ def wait_for(pred, timeout, proc, what):
         time.sleep(0.5)
 
 
+def announce_trainer_start(kafka) -> None:
+    """What a consumer says when it starts: version 0, nothing read yet, its batch
+    shape (B, G). The producers' backpressure needs B; this test has no trainer."""
+    from kafka import KafkaProducer
+
+    from common.control.messages import TrainerProgress
+    from common.kafka.client import client_kwargs
+
+    msg = TrainerProgress(trainer_version=0, groups_per_batch=B, group_size=G)
+    p = KafkaProducer(**client_kwargs(kafka), acks="all")
+    p.send(kafka.topics.policy, key=msg.kind.encode(), value=msg.model_dump_json().encode()).get(timeout=10)
+    p.close()
+
+
 @pytest.fixture(scope="module")
 def producer(broker, tiny_model_dir, tmp_path_factory):
     from common.toy.build import ensure_data
@@ -72,10 +86,11 @@ def producer(broker, tiny_model_dir, tmp_path_factory):
         "kafka": kafka.model_dump(), "model": {"path": str(tiny_model_dir), "build_tiny": False},
         "staleness": {"max_staleness": MAX_STALENESS},
         "producer": {"group_size": G, "max_tokens": 6, "prompts_path": str(tmp / "data" / "train.jsonl"),
-                     "http": {"port": port}, "max_groups_in_flight": 8,
+                     "http": {"port": port}, "max_groups_in_flight": 8, "run_file": str(tmp / "producer.run.json"),
                      "engine": {"kv_cache_memory_bytes": 64 << 20, "max_model_len": 64}},
         "consumer": {"group_size": G, "groups_per_batch": B}})
     ensure_data(cfg, n_train=64, n_heldout=8)
+    announce_trainer_start(kafka)
     path = tmp / "producer.yaml"
     path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
     log = tmp / "producer.log"
@@ -138,7 +153,7 @@ def test_weight_announcement_switches_version_and_outputs(producer, tiny_model_d
     from kafka import KafkaProducer
     from safetensors.torch import load_file
 
-    from common.control.messages import PolicyAnnouncement
+    from common.control.messages import TrainerProgress, WeightsReady
     from common.kafka.client import client_kwargs
     from common.kafka.reader import RolloutReader
     from common.toy.tinymodel import TinyModelSpec, build_tiny_model
@@ -149,10 +164,12 @@ def test_weight_announcement_switches_version_and_outputs(producer, tiny_model_d
     m = WeightStore(tmp / "weights").write(1, load_file(str(new_dir / "model.safetensors")), new_dir)
     with RolloutReader(kafka) as r:
         ends = r.end_offsets()
-    ann = PolicyAnnouncement(version=1, uri=m["uri"], sha256=m["sha256"], bytes=m["bytes"],
-                             trainer_version=1, consumed_offsets=ends)  # the trainer consumed everything
+    ready = WeightsReady(version=1, uri=m["uri"], sha256=m["sha256"], bytes=m["bytes"])
+    progress = TrainerProgress(trainer_version=1, read_offsets=ends,  # the trainer read everything
+                               groups_per_batch=B, group_size=G)
     p = KafkaProducer(**client_kwargs(kafka), acks="all")
-    p.send(kafka.topics.policy, key=b"policy", value=ann.model_dump_json().encode()).get(timeout=10)
+    for msg in (ready, progress):
+        p.send(kafka.topics.policy, key=msg.kind.encode(), value=msg.model_dump_json().encode()).get(timeout=10)
     p.close()
 
     def new_records():
@@ -176,4 +193,8 @@ def test_sigterm_exits_zero_and_loses_no_acknowledged_sample(producer):
     acked = int(line[-1].split("published=")[1].split()[0])
     records = read_all(kafka)
     assert len({r.rollout_id for r in records}) == acked == len(records)
+    from common.runfile import read_run_file
+    status = read_run_file(producer["tmp"] / "producer.run.json")
+    assert status["state"] == "stopped" and status["published"] == acked and status["pid"] == proc.pid
+    assert status["http_url"] == f"http://127.0.0.1:{producer['port']}"
     assert set(Counter(r.group_id for r in records).values()) == {G}, "a partial group was published"

@@ -34,13 +34,3 @@ def test_one_held_group_does_not_pin_the_queue():
     assert pinned == 25 and not admits(884, 884, pinned, max_staleness=2)
     actual = queued_groups(ends, read, G, 0, 0, G)
     assert actual == 1 and admits(884, 884, actual, max_staleness=2)
-
-
-def test_announcement_progress_falls_back_to_consumed_offsets():
-    from common.control.messages import PolicyAnnouncement
-
-    base = dict(version=3, uri="file:///w/v3", sha256="0" * 64, bytes=1, trainer_version=3,
-                consumed_offsets={0: 10})
-    assert PolicyAnnouncement(**base).trainer_progress() == ({0: 10}, 0)
-    ann = PolicyAnnouncement(**base, read_offsets={0: 30}, held_records=4)
-    assert ann.trainer_progress() == ({0: 30}, 4)

@@ -96,3 +96,35 @@ def test_ctl_cli_get_set_and_refusals(http, capsys):
     # a wrong token is refused by the service, with a hint
     assert main(["ctl", "set", "max_staleness", "7", "--url", s.url, "--token", "nope"]) == 2
     assert "401" in capsys.readouterr().err and state["max_staleness"] == 5
+
+
+def test_policy_messages_are_tagged_by_kind():
+    import pydantic
+
+    from common.control.messages import TrainerProgress, WeightsReady, parse_policy_message
+
+    ready = WeightsReady(version=3, uri="file:///w/v3", sha256="0" * 64, bytes=10)
+    progress = TrainerProgress(trainer_version=3, read_offsets={0: 30}, held_records=4,
+                               groups_per_batch=2, group_size=4)
+    assert parse_policy_message(ready.model_dump_json().encode()) == ready
+    back = parse_policy_message(progress.model_dump_json().encode())
+    assert isinstance(back, TrainerProgress) and back.read_offsets == {0: 30} and back.groups_per_batch == 2
+    for bad in (b'{"version": 3, "uri": "file:///x", "sha256": "' + b"0" * 64 + b'", "bytes": 1}',  # no kind
+                b'{"kind": "trainer_progress", "trainer_version": 1, "groups_per_batch": 0, "group_size": 4}',
+                b'{"kind": "weights_ready", "version": 1, "uri": "", "sha256": "x", "bytes": 1}'):
+        with pytest.raises(pydantic.ValidationError):
+            parse_policy_message(bad)
+
+
+def test_follower_keeps_the_newest_version_and_the_latest_progress():
+    from common.control.messages import ControlState, TrainerProgress, WeightsReady
+    from common.control.plane import ControlFollower, ControlView
+
+    f = ControlFollower.__new__(ControlFollower)  # no Kafka: exercise the apply rule alone
+    f.view = ControlView(state=ControlState())
+    v2 = WeightsReady(version=2, uri="file:///w/v2", sha256="0" * 64, bytes=1)
+    v1 = WeightsReady(version=1, uri="file:///w/v1", sha256="0" * 64, bytes=1)
+    p5 = TrainerProgress(trainer_version=5, groups_per_batch=2, group_size=4)
+    p4 = TrainerProgress(trainer_version=4, groups_per_batch=2, group_size=4)
+    assert f._apply_policy(v2) is v2 and f._apply_policy(v1) is None and f.view.weights is v2
+    assert f._apply_policy(p5) is p5 and f._apply_policy(p4) is p4 and f.view.progress is p4  # log order wins
