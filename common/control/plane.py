@@ -20,6 +20,7 @@ from common.config import KafkaSettings
 from common.control.messages import (ControlChange, ControlState, TrainerProgress, WeightsReady, encode_control,
                                      parse_control_value, parse_policy_message)
 from common.errors import ConfigError
+from common.kafka.client import make_consumer, make_producer
 
 log = logging.getLogger(__name__)
 
@@ -61,15 +62,11 @@ class ControlFollower:
     """
 
     def __init__(self, kafka: KafkaSettings, initial: ControlState):
-        from kafka import KafkaConsumer, TopicPartition
-
-        from common.kafka.client import client_kwargs
+        from kafka import TopicPartition
 
         self.view = ControlView(state=initial.model_copy())
         self._topics = {kafka.topics.control: "control", kafka.topics.policy: "policy"}
-        self._consumer = KafkaConsumer(**client_kwargs(kafka), enable_auto_commit=False,
-                                       group_id=None, fetch_max_wait_ms=50,
-                                       max_partition_fetch_bytes=1 << 20)
+        self._consumer = make_consumer(kafka, fetch_max_wait_ms=50, max_partition_fetch_bytes=1 << 20)
         tps = [TopicPartition(t, p) for t in self._topics
                for p in sorted(self._consumer.partitions_for_topic(t) or {0})]
         self._consumer.assign(tps)
@@ -126,12 +123,8 @@ class ControlPlaneWriter:
     """
 
     def __init__(self, kafka: KafkaSettings):
-        from kafka import KafkaProducer
-
-        from common.kafka.client import client_kwargs
-
         self.kafka = kafka
-        self._p = KafkaProducer(**client_kwargs(kafka), acks="all", enable_idempotence=False, retries=5)
+        self._p = make_producer(kafka, "control")
 
     def set_control(self, key: str, value: Any, by: str) -> Any:
         """Validate, write and wait for the broker's acknowledgement; return the typed value."""
