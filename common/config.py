@@ -105,13 +105,31 @@ class ModelSettings(_Section):
     """Build the tiny Qwen3-MoE at `path` if it does not exist (no downloads)."""
 
 
-class StalenessSettings(_Section):
+class ControlSettings(_Section):
+    """The runtime-tunable settings, declared once: the `staleness` section sets
+    their start values, and the control plane (common/control/: `rlstream ctl
+    set`, the admin API, the compacted control topic) changes them while the
+    services run, validated by this same model."""
+
     max_staleness: int = Field(2, ge=0, le=1000)
     """Samples older than this many versions are dropped (and counted)."""
     mode: Literal["drop", "reweight"] = "drop"
     """drop: discard beyond max_staleness. reweight: also scale by decay**staleness."""
     decay: float = Field(1.0, gt=0.0, le=1.0)
     """Per-version sample weight gamma in reweight mode (1.0 = no decay)."""
+    paused: bool = False
+    """Pause the pipeline: producers admit no new groups, the trainer takes no new batch."""
+
+    @classmethod
+    def from_settings(cls, s: "ControlSettings") -> "ControlSettings":
+        """A service's own, mutable copy of the runtime settings in `s` (e.g. `cfg.staleness`)."""
+        return cls(**{k: getattr(s, k) for k in cls.model_fields})
+
+
+class StalenessSettings(ControlSettings):
+    """The `staleness` section: the start values of the runtime settings, plus
+    what cannot change at run time."""
+
     audit_stale: bool = False
     """Copy dropped samples to the stale topic for audit."""
 

@@ -16,8 +16,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from common import metrics
-from common.config import KafkaSettings
-from common.control.messages import (ControlChange, ControlState, TrainerProgress, WeightsReady, encode_control,
+from common.config import ControlSettings, KafkaSettings
+from common.control.messages import (ControlChange, TrainerProgress, WeightsReady, encode_control,
                                      parse_control_value, parse_policy_message)
 from common.errors import ConfigError
 from common.kafka.client import make_consumer, make_producer
@@ -32,7 +32,7 @@ Event = ControlChange | WeightsReady | TrainerProgress
 class ControlView:
     """What a follower currently believes; updated by `ControlFollower.poll`."""
 
-    state: ControlState
+    state: ControlSettings
     weights: WeightsReady | None = None
     """The newest version announced."""
     progress: TrainerProgress | None = None
@@ -44,7 +44,7 @@ _REJECTED = metrics.counter("rlstream_control_rejected_total",
 _SETTING = metrics.gauge("rlstream_control_setting", "Current value of a runtime setting (paused: 1/0; mode: 1=reweight)", ["key"])
 
 
-def _export(state: ControlState) -> None:
+def _export(state: ControlSettings) -> None:
     _SETTING.labels(key="max_staleness").set(state.max_staleness)
     _SETTING.labels(key="decay").set(state.decay)
     _SETTING.labels(key="paused").set(1 if state.paused else 0)
@@ -61,7 +61,7 @@ class ControlFollower:
     next batch.
     """
 
-    def __init__(self, kafka: KafkaSettings, initial: ControlState):
+    def __init__(self, kafka: KafkaSettings, initial: ControlSettings):
         from kafka import TopicPartition
 
         self.view = ControlView(state=initial.model_copy())

@@ -64,3 +64,25 @@ def test_dry_run_dump_masks_secrets():
     cfg = load_config(None, ["producer.http.admin_token=s3cret", "kafka.sasl_plain_password=pw"], environ={})
     out = dump_config(cfg)
     assert "s3cret" not in out and "pw\n" not in out and "***" in out
+
+
+def test_the_control_settings_are_one_model_for_the_file_and_the_control_plane():
+    from common.config import ControlSettings, StalenessSettings
+    from common.control.messages import CONTROL_KEYS, parse_control_value
+
+    assert issubclass(StalenessSettings, ControlSettings) and CONTROL_KEYS == tuple(ControlSettings.model_fields)
+    assert set(StalenessSettings.model_fields) - set(ControlSettings.model_fields) == {"audit_stale"}
+    for key, value in [("max_staleness", 1001), ("max_staleness", -1), ("mode", "sometimes"), ("decay", 0),
+                       ("decay", 1.5), ("paused", "maybe")]:
+        with pytest.raises(ConfigError) as file_err:
+            load_config(None, [f"staleness.{key}={value}"], environ={})
+        with pytest.raises(ConfigError) as ctl_err:
+            parse_control_value(key, value)
+        assert file_err.value.key == f"staleness.{key}" and ctl_err.value.key == key
+    cfg = load_config(None, ["staleness.max_staleness=5", "staleness.paused=true", "staleness.audit_stale=true"],
+                      environ={})
+    start = ControlSettings.from_settings(cfg.staleness)
+    assert type(start) is ControlSettings and start.model_dump() == {"max_staleness": 5, "mode": "drop",
+                                                                      "decay": 1.0, "paused": True}
+    start.max_staleness = 0
+    assert cfg.staleness.max_staleness == 5, "a service's runtime copy is its own"

@@ -117,11 +117,12 @@ def test_policy_messages_are_tagged_by_kind():
 
 
 def test_follower_keeps_the_newest_version_and_the_latest_progress():
-    from common.control.messages import ControlState, TrainerProgress, WeightsReady
+    from common.config import ControlSettings
+    from common.control.messages import TrainerProgress, WeightsReady
     from common.control.plane import ControlFollower, ControlView
 
     f = ControlFollower.__new__(ControlFollower)  # no Kafka: exercise the apply rule alone
-    f.view = ControlView(state=ControlState())
+    f.view = ControlView(state=ControlSettings())
     v2 = WeightsReady(version=2, uri="file:///w/v2", sha256="0" * 64, bytes=1)
     v1 = WeightsReady(version=1, uri="file:///w/v1", sha256="0" * 64, bytes=1)
     p5 = TrainerProgress(trainer_version=5, groups_per_batch=2, group_size=4)
