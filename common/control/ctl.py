@@ -16,7 +16,7 @@ import urllib.error
 import urllib.request
 
 from common.control.messages import parse_control_value
-from common.errors import ConfigError, RlstreamError
+from common.errors import AdminApiError, ConfigError
 
 
 def _request(url: str, token: str | None, body: dict | None = None) -> dict:
@@ -32,9 +32,9 @@ def _request(url: str, token: str | None, body: dict | None = None) -> dict:
     except urllib.error.HTTPError as e:
         detail = e.read().decode(errors="replace")
         hint = " (set --token or RLSTREAM_ADMIN_TOKEN)" if e.code == 401 else ""
-        raise RlstreamError(f"{url} answered {e.code}: {detail}{hint}") from None
+        raise AdminApiError(f"{url} answered {e.code}: {detail}{hint}", status=e.code) from None
     except (urllib.error.URLError, OSError) as e:
-        raise RlstreamError(f"cannot reach {url}: {e}; is the service running? (--url)") from None
+        raise AdminApiError(f"cannot reach {url}: {e}; is the service running? (--url)") from None
 
 
 def run_ctl(action: str, key: str | None, value: str | None, url: str, token: str | None) -> int:

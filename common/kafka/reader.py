@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from common import metrics
 from common.config import KafkaSettings
-from common.errors import BrokerError, InvalidRecordError
+from common.errors import BrokerError, InvalidRecordError, OffsetError
 from common.kafka.claimcheck import AbstractBlobStore, open_blob_store
 from common.kafka.client import FETCH_OVERHEAD_BYTES, end_offsets, make_consumer
 from common.kafka.dlq import H_FIELD, H_REASON, H_SOURCE, DeadLetterWriter  # noqa: F401 - H_*: re-exported
@@ -99,7 +99,8 @@ class RolloutReader:
         extra = set(start_offsets) - set(parts)
         if extra:
             self._consumer.close()
-            raise ValueError(f"start_offsets names unassigned partition(s) {sorted(extra)}")
+            raise OffsetError(f"start_offsets names partition(s) {sorted(extra)} of {self.topic}, but this reader "
+                              f"is assigned {parts}; a checkpoint from a topic with other partitions?")
         self._positions: dict[int, int] = {}
         for p, tp in self._tps.items():
             if p in start_offsets:
@@ -206,10 +207,11 @@ class RolloutReader:
         """Continue each given partition at the given offset (e.g. from a checkpoint)."""
         unknown = set(offsets) - set(self._tps)
         if unknown:
-            raise ValueError(f"seek names unassigned partition(s) {sorted(unknown)}")
+            raise OffsetError(f"seek names partition(s) {sorted(unknown)} of {self.topic}, but this reader is "
+                              f"assigned {sorted(self._tps)}")
         for p, off in offsets.items():
             if off < 0:
-                raise ValueError(f"offset {off} for partition {p} must be >= 0")
+                raise OffsetError(f"offset {off} for partition {p} of {self.topic} must be >= 0")
             self._consumer.seek(self._tps[p], int(off))
             self._positions[p] = int(off)
 

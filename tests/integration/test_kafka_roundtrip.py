@@ -19,7 +19,7 @@ from common import metrics
 from common.kafka.claimcheck import BlobStore
 from common.kafka.broker import EmbeddedBroker, ensure_broker, kafka_ping
 from common.config import BrokerSettings, KafkaSettings
-from common.errors import BrokerError, InvalidRecordError
+from common.errors import BrokerError, InvalidRecordError, OffsetError
 from common.kafka.client import end_offsets, ensure_topics, make_consumer
 from common.kafka.dlq import H_FIELD, H_REASON, H_SOURCE, DeadLetterWriter
 from common.kafka.publisher import RolloutPublisher
@@ -277,6 +277,19 @@ def test_dlq_failure_keeps_positions(broker, tmp_path):
         assert [it.rollout.rollout_id for it in read_n(rd, 1)] == [good.rollout_id]
         read_n(rd, 5, timeout_s=1)
         assert rd.positions() == {d.partition: d.offset + 1} and rd.dlq_total == 1
+
+
+@pytest.mark.broker
+@pytest.mark.timeout(60)
+def test_offsets_naming_unassigned_partitions_or_negative_are_refused(kafka_settings):
+    with pytest.raises(OffsetError, match=r"partition\(s\) \[7\].*assigned \[0, 1\]"):
+        RolloutReader(kafka_settings, partitions=[0, 1], start_offsets={0: 0, 7: 3})
+    with RolloutReader(kafka_settings, partitions=[0, 1]) as rd:
+        with pytest.raises(OffsetError, match=r"partition\(s\) \[2\]"):
+            rd.seek({2: 0})
+        with pytest.raises(OffsetError, match="must be >= 0"):
+            rd.seek({1: -1})
+        assert rd.positions() == {0: 0, 1: 0}
 
 
 @pytest.mark.broker

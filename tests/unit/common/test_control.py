@@ -116,6 +116,15 @@ def test_ctl_takes_url_and_token_from_the_declared_environment_and_flags_win(htt
     assert "cannot reach http://127.0.0.1:9" in capsys.readouterr().err
 
 
+def test_admin_api_errors_carry_the_status():
+    from common.control.ctl import _request
+    from common.errors import AdminApiError
+
+    with pytest.raises(AdminApiError) as e:
+        _request("http://127.0.0.1:9", None)
+    assert e.value.status is None
+
+
 def test_dry_run_prints_the_resolved_declared_variables_masked(capsys, monkeypatch):
     import yaml
 
