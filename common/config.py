@@ -268,8 +268,11 @@ class CliSettings(_Section):
 
     @field_validator("log_level", mode="before")
     @classmethod
-    def _upper(cls, v):
-        return v.upper() if isinstance(v, str) else v
+    def _level_name(cls, v):
+        if not isinstance(v, str):
+            return v
+        v = v.strip().upper()
+        return {"WARN": "WARNING", "FATAL": "CRITICAL"}.get(v, v)  # the aliases logging itself accepts
 
 
 class RlstreamConfig(_Section):

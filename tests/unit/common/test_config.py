@@ -97,6 +97,11 @@ def test_env_alias_values_are_taken_verbatim_and_empty_is_unset():
     assert load_config(None, environ={"RLSTREAM_ADMIN_TOKEN": ""}).producer.http.admin_token is None
 
 
+def test_log_level_takes_the_names_logging_takes():
+    for given, want in [("debug", "DEBUG"), (" Info ", "INFO"), ("warn", "WARNING"), ("fatal", "CRITICAL")]:
+        assert load_config(None, environ={"RLSTREAM_LOG_LEVEL": given}).cli.log_level == want
+
+
 def test_a_bad_alias_value_names_the_setting():
     with pytest.raises(ConfigError) as e:
         load_config(None, environ={"RLSTREAM_LOG_LEVEL": "chatty"})
