@@ -11,7 +11,6 @@ then by the service, which writes the change to `rlstream.control`.
 from __future__ import annotations
 
 import json
-import sys
 import urllib.error
 import urllib.request
 
@@ -47,7 +46,3 @@ def run_ctl(action: str, key: str | None, value: str | None, url: str, token: st
     typed = parse_control_value(key, value)
     print(json.dumps(_request(url, token, {"key": key, "value": typed})))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(run_ctl(*sys.argv[1:4], url="http://127.0.0.1:8081", token=None))
