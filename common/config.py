@@ -1,14 +1,21 @@
 """Typed, validated configuration: one model per service, one YAML file per deployment.
 
 A file in `configs/` has top-level sections; each service reads the shared ones
-(`kafka`, `model`, `staleness`) and its own (`broker`, `producer`, `consumer`,
-`demo`). Every field has a default, bounds and a docstring; unknown keys and bad
-values are refused with a message naming the dotted key.
+(`kafka`, `model`, `staleness`, `cli`) and its own (`broker`, `producer`,
+`consumer`, `demo`). Every field has a default, bounds and a docstring; unknown
+keys and bad values are refused with a message naming the dotted key.
 
-Precedence (later wins): defaults < YAML file < environment < CLI flags.
-- environment: `RLSTREAM__SECTION__KEY=value`, e.g.
+Precedence (later wins):
+  defaults < YAML file < declared aliases < RLSTREAM__SECTION__KEY < --set < dedicated flags
+- declared aliases (`ENV_ALIASES`): the few short `RLSTREAM_*` variables
+  deployments set, each declared once with the settings it sets and its docs;
+  taken verbatim as strings (a token is never parsed as a number). The
+  generic form below and `--set` override them, so one service can differ.
+- generic environment: `RLSTREAM__SECTION__KEY=value`, e.g.
   `RLSTREAM__KAFKA__BOOTSTRAP_SERVERS=broker:9092` (values parsed as YAML scalars)
-- CLI: `--set section.key=value` (repeatable)
+- CLI: `--set section.key=value` (repeatable), then the dedicated flags of
+  `rlstream` (`--log-level`; `ctl --url/--token`), passed as `flags`.
+`--dry-run` prints the result, secrets (`SECRET_KEYS`) masked.
 
 This module imports neither torch, vLLM nor Megatron, so a typo fails in a
 second, before any engine starts.
@@ -16,11 +23,13 @@ second, before any engine starts.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from common.errors import ConfigError
 
@@ -105,13 +114,31 @@ class ModelSettings(_Section):
     """Build the tiny Qwen3-MoE at `path` if it does not exist (no downloads)."""
 
 
-class StalenessSettings(_Section):
+class ControlSettings(_Section):
+    """The runtime-tunable settings, declared once: the `staleness` section sets
+    their start values, and the control plane (common/control/: `rlstream ctl
+    set`, the admin API, the compacted control topic) changes them while the
+    services run, validated by this same model."""
+
     max_staleness: int = Field(2, ge=0, le=1000)
     """Samples older than this many versions are dropped (and counted)."""
     mode: Literal["drop", "reweight"] = "drop"
     """drop: discard beyond max_staleness. reweight: also scale by decay**staleness."""
     decay: float = Field(1.0, gt=0.0, le=1.0)
     """Per-version sample weight gamma in reweight mode (1.0 = no decay)."""
+    paused: bool = False
+    """Pause the pipeline: producers admit no new groups, the trainer takes no new batch."""
+
+    @classmethod
+    def from_settings(cls, s: "ControlSettings") -> "ControlSettings":
+        """A service's own, mutable copy of the runtime settings in `s` (e.g. `cfg.staleness`)."""
+        return cls(**{k: getattr(s, k) for k in cls.model_fields})
+
+
+class StalenessSettings(ControlSettings):
+    """The `staleness` section: the start values of the runtime settings, plus
+    what cannot change at run time."""
+
     audit_stale: bool = False
     """Copy dropped samples to the stale topic for audit."""
 
@@ -121,7 +148,7 @@ class HttpSettings(_Section):
     port: int = Field(0, ge=0, le=65535)
     """/metrics, /healthz and the admin API. 0 picks a free port (logged)."""
     admin_token: str | None = None
-    """Bearer token of the admin API; env RLSTREAM_ADMIN_TOKEN wins. None: admin off."""
+    """Bearer token of the admin API (env RLSTREAM_ADMIN_TOKEN, see ENV_ALIASES). None: admin off."""
 
 
 # ------------------------------------------------------------- producer
@@ -226,6 +253,28 @@ class DemoSettings(_Section):
     progress_every_s: float = Field(5.0, gt=0)
 
 
+# ----------------------------------------------------------- the command
+
+class CliSettings(_Section):
+    """The `rlstream` command itself: the log level of every subcommand and the
+    service `rlstream ctl` talks to."""
+
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
+    """Log level of every rlstream process (env RLSTREAM_LOG_LEVEL, flag --log-level); case-insensitive."""
+    admin_url: str = "http://127.0.0.1:8081"
+    """HTTP address of the service `rlstream ctl` calls (env RLSTREAM_ADMIN_URL, flag ctl --url)."""
+    admin_token: str | None = None
+    """Bearer token `rlstream ctl` sends (env RLSTREAM_ADMIN_TOKEN, flag ctl --token)."""
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _level_name(cls, v):
+        if not isinstance(v, str):
+            return v
+        v = v.strip().upper()
+        return {"WARN": "WARNING", "FATAL": "CRITICAL"}.get(v, v)  # the aliases logging itself accepts
+
+
 class RlstreamConfig(_Section):
     """The whole deployment file. Each service reads its sections."""
 
@@ -236,12 +285,40 @@ class RlstreamConfig(_Section):
     producer: ProducerSettings = ProducerSettings()
     consumer: ConsumerSettings = ConsumerSettings()
     demo: DemoSettings = DemoSettings()
+    cli: CliSettings = CliSettings()
 
     @model_validator(mode="after")
     def _groups_agree(self):
         if self.producer.group_size != self.consumer.group_size:
             raise ValueError(f"producer.group_size ({self.producer.group_size}) != consumer.group_size ({self.consumer.group_size})")
         return self
+
+
+# ------------------------------------------------- environment variables
+
+@dataclass(frozen=True)
+class EnvAlias:
+    """A declared `RLSTREAM_*` environment variable: a short name for `keys`."""
+
+    name: str
+    keys: tuple[str, ...]
+    """Dotted settings it sets (to its value, verbatim)."""
+    doc: str
+
+
+ENV_ALIASES: tuple[EnvAlias, ...] = (
+    EnvAlias("RLSTREAM_ADMIN_TOKEN", ("producer.http.admin_token", "consumer.http.admin_token", "cli.admin_token"),
+             "The deployment's admin bearer token, for the services' admin API and `rlstream ctl`; "
+             "keep it in the environment (a Kubernetes Secret, an env file), not in a config file."),
+    EnvAlias("RLSTREAM_ADMIN_URL", ("cli.admin_url",), "The service `rlstream ctl` calls."),
+    EnvAlias("RLSTREAM_LOG_LEVEL", ("cli.log_level",), "Log level of every rlstream process."),
+)
+"""Every `RLSTREAM_*` variable rlstream reads besides the generic RLSTREAM__SECTION__KEY form
+(the harness's experiment knobs use the generic form). An empty value counts as unset."""
+
+SECRET_KEYS = ("kafka.sasl_plain_password", "producer.http.admin_token", "consumer.http.admin_token",
+               "cli.admin_token")
+"""Settings `dump_config` (--dry-run) masks."""
 
 
 # ---------------------------------------------------------------- loading
@@ -266,12 +343,29 @@ def _scalar(text: str) -> Any:
         return text
 
 
-def _env_overrides(environ: dict[str, str]) -> list[tuple[str, Any]]:
+def _alias_overrides(environ: Mapping[str, str]) -> list[tuple[str, Any, str]]:
+    """(dotted key, value, source) of every declared alias that is set."""
+    return [(key, environ[a.name], f"environment {a.name}")
+            for a in ENV_ALIASES if environ.get(a.name) for key in a.keys]
+
+
+def _env_overrides(environ: Mapping[str, str]) -> list[tuple[str, Any, str]]:
+    """(dotted key, value, source) of every RLSTREAM__SECTION__KEY variable, values as YAML scalars."""
     out = []
     for name, value in sorted(environ.items()):
         if name.startswith(ENV_PREFIX):
             dotted = name[len(ENV_PREFIX):].lower().replace("__", ".")
-            out.append((dotted, _scalar(value)))
+            out.append((dotted, _scalar(value), f"environment {name}"))
+    return out
+
+
+def _set_overrides(items: list[str]) -> list[tuple[str, Any, str]]:
+    out = []
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"--set expects key=value, got {item!r}")
+        k, v = item.split("=", 1)
+        out.append((k.strip(), _scalar(v), "--set"))
     return out
 
 
@@ -287,30 +381,35 @@ def _format_validation(e: ValidationError) -> ConfigError:
         else ConfigError(lines[0].split(": ", 1)[1], key=first_key)
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None,
-                environ: dict[str, str] | None = None) -> RlstreamConfig:
-    """File + env + `--set key=value` overrides -> validated RlstreamConfig.
+def _read_file(path: str | os.PathLike | None) -> dict[str, Any]:
+    if path is None:
+        return {}
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {p} does not exist (try configs/tiny-cpu.yaml)")
+    try:
+        tree = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p} is not valid YAML: {e}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{p} must hold a mapping of sections")
+    return tree
 
-    Raises ConfigError naming the offending key.
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None,
+                environ: Mapping[str, str] | None = None,
+                flags: Mapping[str, Any] | None = None) -> RlstreamConfig:
+    """File + declared aliases + env + `--set key=value` + flags -> validated RlstreamConfig.
+
+    `flags`: {dotted key: value} of dedicated command-line flags, verbatim
+    (None values are skipped). Raises ConfigError naming the offending key.
     """
-    tree: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {p} does not exist (try configs/tiny-cpu.yaml)")
-        try:
-            tree = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{p} is not valid YAML: {e}") from None
-        if not isinstance(tree, dict):
-            raise ConfigError(f"{p} must hold a mapping of sections")
-    for dotted, value in _env_overrides(dict(os.environ if environ is None else environ)):
-        _set_path(tree, dotted, value, f"environment {ENV_PREFIX}{dotted.upper().replace('.', '__')}")
-    for item in overrides or []:
-        if "=" not in item:
-            raise ConfigError(f"--set expects key=value, got {item!r}")
-        k, v = item.split("=", 1)
-        _set_path(tree, k.strip(), _scalar(v), "--set")
+    tree = _read_file(path)
+    environ = os.environ if environ is None else environ
+    layers = (_alias_overrides(environ) + _env_overrides(environ) + _set_overrides(overrides or [])
+              + [(k, v, "command-line flag") for k, v in (flags or {}).items() if v is not None])
+    for dotted, value, source in layers:
+        _set_path(tree, dotted, value, source)
     try:
         return RlstreamConfig.model_validate(tree)
     except ValidationError as e:
@@ -318,11 +417,13 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
 
 
 def dump_config(cfg: RlstreamConfig) -> str:
-    """The resolved config as YAML (for --dry-run). Secrets are masked."""
+    """The resolved config as YAML (for --dry-run). Secrets (SECRET_KEYS) are masked."""
     data = cfg.model_dump(mode="json")
-    for section in ("producer", "consumer"):
-        if data[section]["http"].get("admin_token"):
-            data[section]["http"]["admin_token"] = "***"
-    if data["kafka"].get("sasl_plain_password"):
-        data["kafka"]["sasl_plain_password"] = "***"
+    for dotted in SECRET_KEYS:
+        *sections, key = dotted.split(".")
+        node = data
+        for name in sections:
+            node = node[name]
+        if node.get(key):
+            node[key] = "***"
     return yaml.safe_dump(data, sort_keys=False)

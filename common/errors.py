@@ -43,5 +43,16 @@ class WeightStoreError(RlstreamError):
     """A weight version is missing, incomplete, or fails its size/sha256 check."""
 
 
-class NotReadyError(RlstreamError):
-    """A subcommand or feature whose implementation has not landed yet."""
+class OffsetError(RlstreamError):
+    """A start or seek offset cannot be used: it names a partition the reader is
+    not assigned (e.g. a checkpoint taken on a topic with other partitions) or
+    is negative."""
+
+
+class AdminApiError(RlstreamError):
+    """A service's admin API refused a request (`status` is the HTTP code: 401
+    wrong token, 400 bad value) or could not be reached (`status` None)."""
+
+    def __init__(self, message: str, status: int | None = None):
+        self.status = status
+        super().__init__(message)

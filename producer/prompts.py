@@ -111,17 +111,16 @@ class KafkaPromptSource:
     """
 
     def __init__(self, kafka, topic: str, group_id: str = "rlstream-producers"):
-        from kafka import KafkaConsumer, KafkaProducer
-
-        from common.kafka.client import client_kwargs
+        from common.kafka.client import make_consumer
+        from common.kafka.dlq import DeadLetterWriter
 
         self.kafka, self.topic = kafka, topic
         # a group join waits for the rebalance timeout (max_poll_interval_ms): keep it short
-        self._consumer = KafkaConsumer(
-            topic, **client_kwargs(kafka), group_id=group_id, enable_auto_commit=True,
+        self._consumer = make_consumer(
+            kafka, topic, group_id=group_id, enable_auto_commit=True,
             auto_offset_reset="earliest", max_poll_interval_ms=5000, session_timeout_ms=6000,
             heartbeat_interval_ms=1000)
-        self._dlq = KafkaProducer(**client_kwargs(kafka), acks="all", enable_idempotence=False)
+        self._dlq = DeadLetterWriter(kafka)
         self._buffer: list[Prompt] = []
 
     def take(self, timeout_s: float = 0.0) -> Prompt | None:
@@ -137,10 +136,8 @@ class KafkaPromptSource:
             pid, text, answer = parse_prompt_row(json.loads(m.value or b""), where)
         except (ValueError, ConfigError) as e:
             _BAD_PROMPTS.inc()
-            reason = str(e).encode("utf-8", "replace")[:4000]
-            self._dlq.send(self.kafka.topics.dlq, key=m.key, value=m.value or b"",
-                           headers=[("rlstream-reason", reason), ("rlstream-field", b"prompt"),
-                                    ("rlstream-source", where.encode())]).get(timeout=30)
+            self._dlq.send(m, "prompt", str(e))
+            self._dlq.confirm()
             return
         self._buffer.append(Prompt(pid, text, answer, 0))
 

@@ -43,6 +43,7 @@ from common import metrics
 from common.config import RlstreamConfig
 from common.control.messages import ControlState, TrainerProgress, WeightsReady
 from common import runfile
+from common.kafka.client import end_offsets
 from common.lifecycle import close_attrs
 from common.runfile import write_run_file
 from common.record import Rollout
@@ -154,11 +155,11 @@ class ProducerService:
             extra_engine_args={} if e.quantization == "none" else {"quantization": e.quantization}), version=0)
 
     def _make_offsets_client(self):
-        from kafka import KafkaConsumer, TopicPartition
+        from kafka import TopicPartition
 
-        from common.kafka.client import client_kwargs
+        from common.kafka.client import make_consumer
 
-        c = KafkaConsumer(**client_kwargs(self.kafka), group_id=None, enable_auto_commit=False)
+        c = make_consumer(self.kafka)
         topic = self.kafka.topics.rollouts
         self._rollout_tps = [TopicPartition(topic, p) for p in sorted(c.partitions_for_topic(topic) or {0})]
         return c
@@ -277,8 +278,7 @@ class ProducerService:
         if now - self._ends_at > 0.2:
             self._ends_at = now
             try:  # short timeout: in a broker outage the loop must keep stepping the engine
-                ends = self._offsets_client.end_offsets(self._rollout_tps, timeout_ms=250)
-                self._ends = {tp.partition: off for tp, off in ends.items()}
+                self._ends = end_offsets(self._offsets_client, self._rollout_tps, timeout_ms=250)
             except Exception as e:  # noqa: BLE001 - keep the last answer; our own records still count
                 log.debug("end offsets unavailable (%s); using the last answer", e)
         ends = {tp.partition: max(self._ends.get(tp.partition, 0), self._acked_end.get(tp.partition, 0))

@@ -7,9 +7,13 @@
     rlstream ctl get|set KEY [VALUE] --url URL      # runtime control client
     rlstream build-model -c configs/tiny-cpu.yaml   # the tiny MoE + tokenizer + task data
 
-Every subcommand validates its configuration (file < env < --set) before it
-imports vLLM or Megatron, so a typo fails in a second; `--dry-run` prints the
-resolved configuration and exits.
+Every subcommand validates its configuration (defaults < file < declared
+RLSTREAM_* aliases < RLSTREAM__SECTION__KEY < --set < dedicated flags; see
+common/config.py) before it imports vLLM or Megatron, so a typo fails in a
+second; `--dry-run` prints the resolved configuration (secrets masked) and
+exits. `--log-level` (env RLSTREAM_LOG_LEVEL) is `cli.log_level`; `ctl --url`
+and `--token` (env RLSTREAM_ADMIN_URL, RLSTREAM_ADMIN_TOKEN) are
+`cli.admin_url` and `cli.admin_token`.
 """
 from __future__ import annotations
 
@@ -59,7 +63,7 @@ def run_broker(cfg: RlstreamConfig) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rlstream", description=__doc__.split("\n\n")[0])
-    p.add_argument("--log-level", default=os.environ.get("RLSTREAM_LOG_LEVEL", "INFO"))
+    p.add_argument("--log-level", help="setting cli.log_level (env RLSTREAM_LOG_LEVEL; default INFO)")
     sub = p.add_subparsers(dest="command", required=True)
     for name, (_, help_) in SERVICES.items():
         s = sub.add_parser(name, help=help_)
@@ -71,10 +75,10 @@ def _parser() -> argparse.ArgumentParser:
     ctl.add_argument("action", choices=["get", "set"])
     ctl.add_argument("key", nargs="?")
     ctl.add_argument("value", nargs="?")
-    ctl.add_argument("--url", default=os.environ.get("RLSTREAM_ADMIN_URL", "http://127.0.0.1:8081"),
-                     help="a service's HTTP address (env RLSTREAM_ADMIN_URL)")
-    ctl.add_argument("--token", default=os.environ.get("RLSTREAM_ADMIN_TOKEN"),
-                     help="admin bearer token (env RLSTREAM_ADMIN_TOKEN)")
+    ctl.add_argument("--url", help="a service's HTTP address: setting cli.admin_url (env RLSTREAM_ADMIN_URL; "
+                                    "default http://127.0.0.1:8081)")
+    ctl.add_argument("--token", help="admin bearer token: setting cli.admin_token (env RLSTREAM_ADMIN_TOKEN)")
+    ctl.add_argument("-c", "--config", help="YAML file to take cli.admin_url / cli.admin_token from")
     exp = sub.add_parser("experiment", help="run a side-by-side experiment (async, objectives, replay)")
     exp.add_argument("name", choices=["async", "objectives", "replay"])
     exp.add_argument("-c", "--config", default="configs/tiny-cpu.yaml")
@@ -82,17 +86,26 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def _flags(args: argparse.Namespace) -> dict[str, str | None]:
+    """The dedicated flags as settings (the top of the precedence order)."""
+    return {"cli.log_level": args.log_level, "cli.admin_url": getattr(args, "url", None),
+            "cli.admin_token": getattr(args, "token", None)}
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("kafka", "vllm", "urllib3", "filelock"):  # their INFO is per-connection chatter
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     try:
+        cfg = load_config(args.config, getattr(args, "set", []), flags=_flags(args))
+        _configure_logging(cfg.cli.log_level)
         if args.command == "ctl":
             from common.control.ctl import run_ctl
-            return run_ctl(args.action, args.key, args.value, args.url, args.token)
-        cfg = load_config(args.config, args.set)
+            return run_ctl(args.action, args.key, args.value, cfg.cli.admin_url, cfg.cli.admin_token)
         if getattr(args, "dry_run", False):
             print(dump_config(cfg), end="")
             return 0

@@ -11,12 +11,11 @@ then by the service, which writes the change to `rlstream.control`.
 from __future__ import annotations
 
 import json
-import sys
 import urllib.error
 import urllib.request
 
 from common.control.messages import parse_control_value
-from common.errors import ConfigError, RlstreamError
+from common.errors import AdminApiError, ConfigError
 
 
 def _request(url: str, token: str | None, body: dict | None = None) -> dict:
@@ -32,9 +31,9 @@ def _request(url: str, token: str | None, body: dict | None = None) -> dict:
     except urllib.error.HTTPError as e:
         detail = e.read().decode(errors="replace")
         hint = " (set --token or RLSTREAM_ADMIN_TOKEN)" if e.code == 401 else ""
-        raise RlstreamError(f"{url} answered {e.code}: {detail}{hint}") from None
+        raise AdminApiError(f"{url} answered {e.code}: {detail}{hint}", status=e.code) from None
     except (urllib.error.URLError, OSError) as e:
-        raise RlstreamError(f"cannot reach {url}: {e}; is the service running? (--url)") from None
+        raise AdminApiError(f"cannot reach {url}: {e}; is the service running? (--url)") from None
 
 
 def run_ctl(action: str, key: str | None, value: str | None, url: str, token: str | None) -> int:
@@ -47,7 +46,3 @@ def run_ctl(action: str, key: str | None, value: str | None, url: str, token: st
     typed = parse_control_value(key, value)
     print(json.dumps(_request(url, token, {"key": key, "value": typed})))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(run_ctl(*sys.argv[1:4], url="http://127.0.0.1:8081", token=None))

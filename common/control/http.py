@@ -8,7 +8,8 @@
   batch boundary. 401 without the right token (compared in constant time),
   400 for an invalid key or value; neither changes anything.
 
-The admin API is off (404) when no token is configured.
+The admin API is off (404) when no token is configured (`*.http.admin_token`,
+or env RLSTREAM_ADMIN_TOKEN: common/config.py ENV_ALIASES).
 """
 from __future__ import annotations
 
@@ -139,13 +140,11 @@ class _Handler(BaseHTTPRequestHandler):
 def start_service_http(settings, health, control_view, writer, by: str) -> ServiceHttp:
     """The HTTP endpoint of a service (`settings`: config.HttpSettings).
 
-    The admin token comes from env RLSTREAM_ADMIN_TOKEN, else the config; the
-    admin API writes through `writer` (a control.ControlPlaneWriter).
+    The admin token is `settings.admin_token` (the config loader applies the
+    RLSTREAM_ADMIN_TOKEN alias); the admin API writes through `writer` (a
+    control.plane.ControlPlaneWriter).
     """
-    import os
-
-    token = os.environ.get("RLSTREAM_ADMIN_TOKEN") or settings.admin_token
-    return ServiceHttp(settings.host, settings.port, health, token,
+    return ServiceHttp(settings.host, settings.port, health, settings.admin_token,
                        get_control=lambda: control_view().model_dump(),
                        set_control=lambda key, value: writer.set_control(key, value, by=by)).start()
 

@@ -2,9 +2,11 @@
 
 Two small topics, both JSON, both read from the beginning by every service:
 
-- `rlstream.control` (compacted): one key per setting (`max_staleness`, `mode`,
-  `decay`, `paused`); the value is `{"value": ..., "by": ..., "at": ...}`. The
-  newest value per key wins, so a restarted service recovers the current
+- `rlstream.control` (compacted): one key per setting of
+  `common.config.ControlSettings` (`max_staleness`, `mode`, `decay`, `paused`:
+  their types and bounds are declared there, once, for the config file and
+  the control plane); the value is `{"value": ..., "by": ..., "at": ...}`.
+  The newest value per key wins, so a restarted service recovers the current
   settings from the topic.
 - `rlstream.policy`: two kinds of message, tagged by `kind` (the Kafka key is
   the kind too): `WeightsReady` (a new policy version; the newest version
@@ -25,24 +27,15 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from common.config import StalenessSettings
+from common.config import ControlSettings
 from common.errors import ConfigError
 
-CONTROL_KEYS = ("max_staleness", "mode", "decay", "paused")
+CONTROL_KEYS = tuple(ControlSettings.model_fields)
+"""The keys of the control topic: max_staleness, mode, decay, paused."""
 
-
-class ControlState(BaseModel):
-    """The runtime-tunable settings (same bounds as the config file's)."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-    max_staleness: int = Field(2, ge=0, le=1000)
-    mode: str = Field("drop", pattern="^(drop|reweight)$")
-    decay: float = Field(1.0, gt=0.0, le=1.0)
-    paused: bool = False
-
-    @classmethod
-    def from_settings(cls, s: StalenessSettings) -> "ControlState":
-        return cls(max_staleness=s.max_staleness, mode=s.mode, decay=s.decay)
+ControlState = ControlSettings
+"""The control plane's former name for `common.config.ControlSettings` (one model, one set of bounds);
+kept while producer/ and consumer/ still import it. New code uses ControlSettings."""
 
 
 class WeightsReady(BaseModel):
@@ -133,7 +126,7 @@ def parse_control_value(key: str, raw: Any) -> Any:
         else:
             raw = text
     try:
-        state = ControlState()
+        state = ControlSettings()
         setattr(state, key, raw)
         return getattr(state, key)
     except ValidationError as e:

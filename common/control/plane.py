@@ -16,10 +16,11 @@ from typing import Any
 from pydantic import ValidationError
 
 from common import metrics
-from common.config import KafkaSettings
-from common.control.messages import (ControlChange, ControlState, TrainerProgress, WeightsReady, encode_control,
+from common.config import ControlSettings, KafkaSettings
+from common.control.messages import (ControlChange, TrainerProgress, WeightsReady, encode_control,
                                      parse_control_value, parse_policy_message)
 from common.errors import ConfigError
+from common.kafka.client import make_consumer, make_producer
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ Event = ControlChange | WeightsReady | TrainerProgress
 class ControlView:
     """What a follower currently believes; updated by `ControlFollower.poll`."""
 
-    state: ControlState
+    state: ControlSettings
     weights: WeightsReady | None = None
     """The newest version announced."""
     progress: TrainerProgress | None = None
@@ -43,7 +44,7 @@ _REJECTED = metrics.counter("rlstream_control_rejected_total",
 _SETTING = metrics.gauge("rlstream_control_setting", "Current value of a runtime setting (paused: 1/0; mode: 1=reweight)", ["key"])
 
 
-def _export(state: ControlState) -> None:
+def _export(state: ControlSettings) -> None:
     _SETTING.labels(key="max_staleness").set(state.max_staleness)
     _SETTING.labels(key="decay").set(state.decay)
     _SETTING.labels(key="paused").set(1 if state.paused else 0)
@@ -60,16 +61,12 @@ class ControlFollower:
     next batch.
     """
 
-    def __init__(self, kafka: KafkaSettings, initial: ControlState):
-        from kafka import KafkaConsumer, TopicPartition
-
-        from common.kafka.client import client_kwargs
+    def __init__(self, kafka: KafkaSettings, initial: ControlSettings):
+        from kafka import TopicPartition
 
         self.view = ControlView(state=initial.model_copy())
         self._topics = {kafka.topics.control: "control", kafka.topics.policy: "policy"}
-        self._consumer = KafkaConsumer(**client_kwargs(kafka), enable_auto_commit=False,
-                                       group_id=None, fetch_max_wait_ms=50,
-                                       max_partition_fetch_bytes=1 << 20)
+        self._consumer = make_consumer(kafka, fetch_max_wait_ms=50, max_partition_fetch_bytes=1 << 20)
         tps = [TopicPartition(t, p) for t in self._topics
                for p in sorted(self._consumer.partitions_for_topic(t) or {0})]
         self._consumer.assign(tps)
@@ -126,12 +123,8 @@ class ControlPlaneWriter:
     """
 
     def __init__(self, kafka: KafkaSettings):
-        from kafka import KafkaProducer
-
-        from common.kafka.client import client_kwargs
-
         self.kafka = kafka
-        self._p = KafkaProducer(**client_kwargs(kafka), acks="all", enable_idempotence=False, retries=5)
+        self._p = make_producer(kafka, "control")
 
     def set_control(self, key: str, value: Any, by: str) -> Any:
         """Validate, write and wait for the broker's acknowledgement; return the typed value."""

@@ -447,12 +447,11 @@ class TopicCensus:
 def topic_census(kafka, timeout_s: float = 60.0) -> TopicCensus:
     """Count what the producers published, independently of every service's counters."""
     import msgpack
-    from kafka import KafkaConsumer, TopicPartition
+    from kafka import TopicPartition
 
-    from common.kafka.client import client_kwargs
+    from common.kafka.client import make_consumer
 
-    c = KafkaConsumer(**client_kwargs(kafka), group_id=None, enable_auto_commit=False,
-                      fetch_max_bytes=kafka.max_message_bytes, max_partition_fetch_bytes=kafka.max_message_bytes)
+    c = make_consumer(kafka, fetch_max_bytes=kafka.max_message_bytes, max_partition_fetch_bytes=kafka.max_message_bytes)
     try:
         topic = kafka.topics.rollouts
         tps = [TopicPartition(topic, p) for p in sorted(c.partitions_for_topic(topic) or [])]

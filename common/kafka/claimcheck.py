@@ -32,7 +32,7 @@ import tempfile
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-from common.errors import InvalidRecordError
+from common.errors import ConfigError, InvalidRecordError
 
 
 class AbstractBlobStore(abc.ABC):
@@ -116,4 +116,5 @@ def open_blob_store(url_or_dir: str | os.PathLike) -> AbstractBlobStore:
     u = urlparse(s)
     if u.scheme in ("", "file"):
         return BlobStore(unquote(u.path) if u.scheme == "file" else s)
-    raise ValueError(f"unsupported blob store {s!r}: only directories / file:// are implemented")
+    raise ConfigError(f"unsupported blob store {s!r}: only a directory or a file:// URL is implemented",
+                      key="kafka.blob_dir")

@@ -1,9 +1,39 @@
-"""Kafka connection settings and topic administration.
+"""The driver layer: every kafka-python client rlstream uses is built here.
 
-`client_kwargs(kafka)` turns `KafkaSettings` into the keyword arguments every
-kafka-python client takes (bootstrap, client id, SASL/SSL pass-through), so the
-publisher, the reader and the admin client connect the same way to the
-embedded tansu broker and to a real cluster.
+Nothing else in `common/`, `producer/` or `consumer/` constructs a
+KafkaProducer, KafkaConsumer or KafkaAdminClient (tests/integration/
+test_security.py checks it), so connection and security settings cannot be
+dropped on the way to one client:
+
+- `client_kwargs(kafka)`: what every client takes (bootstrap, client id,
+  SASL/SSL pass-through, request timeout, retry backoff), built from
+  `KafkaSettings`; the same for the embedded tansu broker and a real cluster.
+- `make_producer(kafka, role, **overrides)`: a producer for one of the
+  `PRODUCER_ROLES` (their settings and why are listed below), with the
+  caller's overrides on top.
+- `make_consumer(kafka, *topics, **overrides)`: a consumer. The rlstream
+  default is no consumer group and no auto-commit (partitions are assigned and
+  offsets are the caller's); a caller that wants a group passes `group_id`.
+- `make_admin(kafka)`: the admin client of `ensure_topics`.
+- `end_offsets(consumer, tps, timeout_ms)`: where partitions end, with the
+  tansu quirk handled (see its docstring; the one place that describes it).
+
+Construction failures raise `BrokerError` naming the bootstrap servers.
+
+Producer roles (M = kafka.max_message_bytes, rt = kafka.request_timeout_ms):
+- `rollouts` (`RolloutPublisher`): acks=all; idempotent if the broker supports
+  it (the publisher probes and passes it); retries 2^31-1 within
+  `delivery_timeout_ms` = 2 rt + linger; `max_request_size` M; 1 MiB batches,
+  linger 2 ms, 5 in flight, `kafka.compression`; no topic auto-creation.
+- `dlq` (`DeadLetterWriter`: the reader, the prompt topic): acks=all, not
+  idempotent, 5 retries; `max_request_size` M + 1 MiB (original bytes plus
+  headers); linger 0; `delivery_timeout_ms` 2 rt; `max_block_ms` rt.
+- `control` (`ControlPlaneWriter`): acks=all, not idempotent, 5 retries.
+
+Not idempotent where a re-sent message is harmless (control values and
+announcements are absolute; a dead letter may be stored twice): kafka-python's
+idempotent producer stays wedged after its batches expire in a broker outage
+(common/kafka/publisher.py), and only the publisher rebuilds its producer.
 
 `ensure_topics(kafka)` creates the five rlstream topics, idempotently:
 
@@ -30,7 +60,8 @@ configs, so they are set for real clusters.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, Literal
 
 from common.config import KafkaSettings
 from common.errors import BrokerError
@@ -72,6 +103,119 @@ def client_kwargs(kafka: KafkaSettings) -> dict[str, Any]:
     return kw
 
 
+# ------------------------------------------------------------------ clients
+
+def _rollouts_producer(kafka: KafkaSettings) -> dict[str, Any]:
+    rt, linger = kafka.request_timeout_ms, 2
+    return dict(acks="all", enable_idempotence=True, retries=2**31 - 1, max_request_size=kafka.max_message_bytes,
+                compression_type=None if kafka.compression == "none" else kafka.compression,
+                linger_ms=linger, batch_size=1 << 20, delivery_timeout_ms=2 * rt + linger, max_block_ms=rt,
+                max_in_flight_requests_per_connection=5,
+                allow_auto_create_topics=False)  # topics come from ensure_topics, with their partitions and configs
+
+
+def _dlq_producer(kafka: KafkaSettings) -> dict[str, Any]:
+    rt = kafka.request_timeout_ms
+    return dict(acks="all", enable_idempotence=False, retries=5,
+                max_request_size=kafka.max_message_bytes + FETCH_OVERHEAD_BYTES,
+                linger_ms=0, delivery_timeout_ms=2 * rt, max_block_ms=rt)
+
+
+def _control_producer(kafka: KafkaSettings) -> dict[str, Any]:
+    return dict(acks="all", enable_idempotence=False, retries=5)
+
+
+ProducerRole = Literal["rollouts", "dlq", "control"]
+
+PRODUCER_ROLES: dict[str, Callable[[KafkaSettings], dict[str, Any]]] = {
+    "rollouts": _rollouts_producer,
+    "dlq": _dlq_producer,
+    "control": _control_producer,
+}
+"""role -> its producer settings (the module docstring's table)."""
+
+
+def producer_kwargs(kafka: KafkaSettings, role: ProducerRole, **overrides) -> dict[str, Any]:
+    """Everything `make_producer` passes to KafkaProducer: connection, role, overrides (later wins)."""
+    return {**client_kwargs(kafka), **PRODUCER_ROLES[role](kafka), **overrides}
+
+
+def consumer_kwargs(kafka: KafkaSettings, **overrides) -> dict[str, Any]:
+    """Everything `make_consumer` passes to KafkaConsumer: connection, no group, no auto-commit, overrides."""
+    return {**client_kwargs(kafka), "group_id": None, "enable_auto_commit": False, **overrides}
+
+
+def make_producer(kafka: KafkaSettings, role: ProducerRole, **overrides):
+    """A KafkaProducer for `role` (see PRODUCER_ROLES), `overrides` on top. BrokerError if it cannot be built."""
+    from kafka import KafkaProducer
+
+    return _build(KafkaProducer, kafka, producer_kwargs(kafka, role, **overrides), f"{role} producer")
+
+
+def make_consumer(kafka: KafkaSettings, *topics: str, **overrides):
+    """A KafkaConsumer (subscribed to `topics` if given), `overrides` on top. BrokerError if it cannot be built."""
+    from kafka import KafkaConsumer
+
+    kwargs = consumer_kwargs(kafka, **overrides)
+    return _build(lambda **kw: KafkaConsumer(*topics, **kw), kafka, kwargs, "consumer")
+
+
+def make_admin(kafka: KafkaSettings):
+    """A KafkaAdminClient (it connects at once). BrokerError if the broker cannot be reached."""
+    from kafka import KafkaAdminClient
+
+    return _build(KafkaAdminClient, kafka, client_kwargs(kafka), "admin client")
+
+
+def _build(cls, kafka: KafkaSettings, kwargs: dict[str, Any], what: str):
+    try:
+        return cls(**kwargs)
+    except Exception as e:
+        raise BrokerError(f"cannot create a Kafka {what} for {kafka.bootstrap_servers} ({type(e).__name__}: {e}); "
+                          "is the broker running and kafka.bootstrap_servers right?") from e
+
+
+# -------------------------------------------------------------- end offsets
+
+def end_offsets(consumer, tps: Iterable, timeout_ms: int) -> dict[int, int]:
+    """{partition: end offset} of `tps` (TopicPartitions of one topic): the offset the next record gets.
+
+    The tansu quirk, described here once: tansu 0.6 answers
+    ListOffsets(latest) -- kafka-python's `end_offsets()`, also behind
+    `seek_to_end` -- with the last record batch's base offset + 1, an
+    under-count whenever that batch holds several records (9 for 13 records,
+    measured; Apache Kafka answers 13). Fetch responses carry the right high
+    watermark, so this helper prefers it: a partition `consumer` has assigned
+    and fetched is answered from its high watermark, every other one by
+    ListOffsets (on tansu a lower bound). A producer knows more than
+    ListOffsets about partitions it wrote to: a partition's end is at least
+    1 + the offset of its newest acknowledged record, so it raises the answer
+    to that (producer/service.py, from its delivery callbacks).
+
+    Raises BrokerError if ListOffsets fails or times out (`timeout_ms`).
+    """
+    tps = list(tps)
+    assigned = consumer.assignment()
+    out: dict[int, int] = {}
+    ask = []
+    for tp in tps:
+        hw = consumer.highwater(tp) if tp in assigned else None
+        if hw is None:
+            ask.append(tp)
+        else:
+            out[tp.partition] = int(hw)
+    if ask:
+        try:
+            answer = consumer.end_offsets(ask, timeout_ms=timeout_ms)
+        except Exception as e:
+            raise BrokerError(f"ListOffsets for {sorted(tp.partition for tp in ask)} of {ask[0].topic} failed "
+                              f"({type(e).__name__}: {e}); is the broker reachable?") from e
+        out.update({tp.partition: int(off) for tp, off in answer.items()})
+    return out
+
+
+# ------------------------------------------------------------------- topics
+
 def topic_specs(kafka: KafkaSettings) -> dict[str, tuple[int, dict[str, str]]]:
     """name -> (partitions, topic configs) of every rlstream topic."""
     t = kafka.topics
@@ -86,16 +230,6 @@ def topic_specs(kafka: KafkaSettings) -> dict[str, tuple[int, dict[str, str]]]:
     }
 
 
-def admin_client(kafka: KafkaSettings):
-    from kafka import KafkaAdminClient
-
-    try:
-        return KafkaAdminClient(**client_kwargs(kafka))
-    except Exception as e:
-        raise BrokerError(f"cannot reach Kafka at {kafka.bootstrap_servers} ({type(e).__name__}: {e}); "
-                          "is the broker running and kafka.bootstrap_servers right?") from e
-
-
 def ensure_topics(kafka: KafkaSettings) -> dict[str, str]:
     """Create the missing rlstream topics. Returns {topic: "created" | "exists"}.
 
@@ -106,7 +240,7 @@ def ensure_topics(kafka: KafkaSettings) -> dict[str, str]:
     from kafka.errors import TopicAlreadyExistsError
 
     specs = topic_specs(kafka)
-    admin = admin_client(kafka)
+    admin = make_admin(kafka)
     out: dict[str, str] = {}
     try:
         existing = set(admin.list_topics())

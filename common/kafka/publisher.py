@@ -43,10 +43,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from common import metrics
-from common.kafka.claimcheck import AbstractBlobStore, open_blob_store
 from common.config import KafkaSettings
-from common.errors import PublishError
-from common.kafka.client import client_kwargs
+from common.errors import BrokerError, PublishError
+from common.kafka.claimcheck import AbstractBlobStore, open_blob_store
+from common.kafka.client import client_kwargs, make_producer
 from common.record import ClaimPointer, Rollout, encode, encode_claim_pointer
 
 log = logging.getLogger("rlstream.publisher")
@@ -363,27 +363,16 @@ class RolloutPublisher:
         return True
 
     def _new_producer(self):
-        from kafka import KafkaProducer
-
-        rt = self.kafka.request_timeout_ms
-        cfg = client_kwargs(self.kafka)
-        cfg.update(
-            acks="all", enable_idempotence=self.idempotent, retries=2**31 - 1,
-            max_request_size=self.kafka.max_message_bytes,
-            compression_type=None if self.kafka.compression == "none" else self.kafka.compression,
-            linger_ms=self._linger_ms, batch_size=1 << 20,
-            delivery_timeout_ms=2 * rt + self._linger_ms, max_block_ms=rt,
-            max_in_flight_requests_per_connection=5,
-            allow_auto_create_topics=False,  # topics come from ensure_topics, with their partitions and configs
-        )
+        """A producer of role "rollouts" (common/kafka/client.py) with this publisher's idempotence and linger."""
+        cfg = dict(enable_idempotence=self.idempotent, linger_ms=self._linger_ms,
+                   delivery_timeout_ms=2 * self.kafka.request_timeout_ms + self._linger_ms)
         if self._api_version is not None:
             cfg["api_version"] = self._api_version  # no bootstrap round trip (works while the broker is down)
         cfg.update({k: v for k, v in self._overrides.items() if k != "enable_idempotence"})
         try:
-            p = KafkaProducer(**cfg)
-        except Exception as e:
-            raise PublishError(f"cannot create a Kafka producer for {self.kafka.bootstrap_servers} "
-                               f"({type(e).__name__}: {e}); is the broker reachable?") from e
+            p = make_producer(self.kafka, "rollouts", **cfg)
+        except BrokerError as e:
+            raise PublishError(str(e)) from e
         self._api_version = p.config["api_version"]
         return p
 

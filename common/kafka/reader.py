@@ -12,10 +12,11 @@ import time
 from dataclasses import dataclass
 
 from common import metrics
-from common.kafka.claimcheck import AbstractBlobStore, open_blob_store
 from common.config import KafkaSettings
-from common.errors import BrokerError, InvalidRecordError
-from common.kafka.client import FETCH_OVERHEAD_BYTES, client_kwargs
+from common.errors import BrokerError, InvalidRecordError, OffsetError
+from common.kafka.claimcheck import AbstractBlobStore, open_blob_store
+from common.kafka.client import FETCH_OVERHEAD_BYTES, end_offsets, make_consumer
+from common.kafka.dlq import H_FIELD, H_REASON, H_SOURCE, DeadLetterWriter  # noqa: F401 - H_*: re-exported
 from common.record import DEFAULT_LIMITS, ClaimPointer, RecordLimits, Rollout, decode, decode_any
 
 log = logging.getLogger("rlstream.reader")
@@ -26,7 +27,6 @@ _DLQ = metrics.counter("rlstream_dlq_records_total", "Invalid records sent to th
                        ["field"])
 _LAG = metrics.gauge("rlstream_reader_lag_records", "Records in assigned partitions not yet read (last lag() call)")
 
-H_REASON, H_FIELD, H_SOURCE = "rlstream-reason", "rlstream-field", "rlstream-source"
 INTERNAL_FIELD = "<internal>"
 """DLQ field of a record whose decoding raised something other than InvalidRecordError (a bug)."""
 
@@ -51,7 +51,8 @@ class RolloutReader:
     `rlstream-field`, `rlstream-source` = "topic/partition/offset" and its
     original key and bytes, and counted once in
     `rlstream_dlq_records_total{field}`. `positions()` never moves past a
-    record that is neither. If the DLQ send fails, `poll()` raises BrokerError,
+    record that is neither (dead letters go through `common.kafka.dlq`, which
+    confirms them before `poll()` advances). If the DLQ send fails, `poll()` raises BrokerError,
     returns nothing and leaves `positions()` unchanged, so the next `poll()`
     reads the same records again (the DLQ may then hold a record twice).
 
@@ -70,41 +71,36 @@ class RolloutReader:
                  start_offsets: dict[int, int] | None = None, blobs: AbstractBlobStore | None = None,
                  limits: RecordLimits = DEFAULT_LIMITS, *, topic: str | None = None,
                  fetch_max_wait_ms: int = 100):
-        from kafka import KafkaConsumer
+        from kafka import TopicPartition
 
         self.kafka = kafka
         self.topic = topic or kafka.topics.rollouts
         self.limits = limits
         self._blobs = blobs
-        self._dlq_producer = None
+        self._dlq = DeadLetterWriter(kafka)
         self.dlq_total = 0
         """Records this reader stored in the DLQ (broker-acknowledged)."""
         self._dead_since_take: list[tuple[int, int]] = []
         per_partition = kafka.max_message_bytes + FETCH_OVERHEAD_BYTES
         fetch_max = max(52_428_800, per_partition)
-        try:
-            self._consumer = KafkaConsumer(
-                **client_kwargs(kafka), group_id=None, enable_auto_commit=False, auto_offset_reset="earliest",
-                fetch_max_bytes=fetch_max, max_partition_fetch_bytes=per_partition,
-                receive_message_max_bytes=fetch_max + FETCH_OVERHEAD_BYTES, fetch_max_wait_ms=fetch_max_wait_ms,
-                check_crcs=True,
-            )
-        except Exception as e:
-            raise BrokerError(f"cannot connect a reader to {kafka.bootstrap_servers} ({type(e).__name__}: {e})") from e
-        from kafka import TopicPartition
-
-        self._TP = TopicPartition
+        self._consumer = make_consumer(
+            kafka, auto_offset_reset="earliest", fetch_max_bytes=fetch_max, max_partition_fetch_bytes=per_partition,
+            receive_message_max_bytes=fetch_max + FETCH_OVERHEAD_BYTES, fetch_max_wait_ms=fetch_max_wait_ms,
+            check_crcs=True)
         known = self._partitions_for_topic()
         parts = sorted(known) if partitions is None else sorted(set(partitions))
         missing = set(parts) - known
         if missing:
+            self._consumer.close()
             raise BrokerError(f"topic {self.topic} has no partition(s) {sorted(missing)} (it has {sorted(known)})")
         self._tps = {p: TopicPartition(self.topic, p) for p in parts}
         self._consumer.assign(list(self._tps.values()))
         start_offsets = dict(start_offsets or {})
         extra = set(start_offsets) - set(parts)
         if extra:
-            raise ValueError(f"start_offsets names unassigned partition(s) {sorted(extra)}")
+            self._consumer.close()
+            raise OffsetError(f"start_offsets names partition(s) {sorted(extra)} of {self.topic}, but this reader "
+                              f"is assigned {parts}; a checkpoint from a topic with other partitions?")
         self._positions: dict[int, int] = {}
         for p, tp in self._tps.items():
             if p in start_offsets:
@@ -133,7 +129,7 @@ class RolloutReader:
         """
         raw = self._consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
         items: list[ReadItem] = []
-        dead: list[tuple[object, str, int, int]] = []  # (future, field, partition, offset)
+        dead: list[tuple[str, int, int]] = []  # (field, partition, offset) sent to the DLQ, not yet confirmed
         advance: dict[int, int] = {}
         nbytes = 0
         try:
@@ -144,24 +140,25 @@ class RolloutReader:
                         rollout, claim = self._decode(m)
                         items.append(ReadItem(tp.partition, m.offset, rollout, claim))
                     except InvalidRecordError as e:
-                        dead.append((self._send_dlq(m, e.field, e.reason), e.field, tp.partition, m.offset))
+                        self._dlq.send(m, e.field, e.reason)
+                        dead.append((e.field, tp.partition, m.offset))
                     except Exception as e:  # a decoder bug must not stop training; it is loud in the DLQ
                         log.exception("unexpected %s decoding %s/%d/%d", type(e).__name__, m.topic, m.partition,
                                       m.offset)
-                        dead.append((self._send_dlq(m, INTERNAL_FIELD, f"{type(e).__name__}: {e}"), INTERNAL_FIELD,
-                                     tp.partition, m.offset))
+                        self._dlq.send(m, INTERNAL_FIELD, f"{type(e).__name__}: {e}")
+                        dead.append((INTERNAL_FIELD, tp.partition, m.offset))
                     advance[tp.partition] = m.offset + 1
             if dead:
-                self._confirm_dlq(dead)
+                self._dlq.confirm()
         except BaseException as e:
             for p in advance:  # re-read this batch on the next poll; positions() stays where it was
                 self._consumer.seek(self._tps[p], self._positions[p])
-            if isinstance(e, Exception) and not isinstance(e, BrokerError):
-                raise BrokerError(f"could not store invalid record(s) in {self.kafka.topics.dlq} "
-                                  f"({type(e).__name__}: {e}); positions unchanged, the next poll retries") from e
+            if isinstance(e, Exception):
+                why = str(e) if isinstance(e, BrokerError) else f"{type(e).__name__}: {e}"
+                raise BrokerError(f"{why}; positions unchanged, the next poll reads these records again") from e
             raise
         self._positions.update(advance)
-        for _, field, partition, offset in dead:
+        for field, partition, offset in dead:
             _DLQ.labels(field).inc()
             self._dead_since_take.append((partition, offset))
         self.dlq_total += len(dead)
@@ -188,42 +185,6 @@ class RolloutReader:
                                      f"{r.group_id!r} (a group must stay in one partition)")
         return r, claim
 
-    # ------------------------------------------------------------------- DLQ
-    def _send_dlq(self, m, field: str, reason: str):
-        if self._dlq_producer is None:
-            self._dlq_producer = self._new_dlq_producer()
-        headers = list(m.headers or []) + [
-            (H_REASON, reason.encode("utf-8", "replace")[:4000]),
-            (H_FIELD, field.encode("utf-8", "replace")),
-            (H_SOURCE, f"{m.topic}/{m.partition}/{m.offset}".encode()),
-        ]
-        log.warning("invalid record %s/%d/%d -> %s: field %s: %s", m.topic, m.partition, m.offset,
-                    self.kafka.topics.dlq, field, reason[:200])
-        return self._dlq_producer.send(self.kafka.topics.dlq, key=m.key, value=m.value or b"", headers=headers)
-
-    def _confirm_dlq(self, dead) -> None:
-        timeout = 2 * self.kafka.request_timeout_ms / 1000 + 5
-        try:
-            for fut, *_ in dead:
-                fut.get(timeout=timeout)
-        except Exception as e:
-            if self._dlq_producer is not None:
-                try:
-                    self._dlq_producer.close(timeout=0)
-                except Exception:
-                    pass
-                self._dlq_producer = None
-            raise BrokerError(f"could not store invalid record(s) in {self.kafka.topics.dlq} ({type(e).__name__}: "
-                              f"{e}); positions unchanged, the next poll retries") from e
-
-    def _new_dlq_producer(self):
-        from kafka import KafkaProducer
-
-        rt = self.kafka.request_timeout_ms
-        return KafkaProducer(**client_kwargs(self.kafka), acks="all", enable_idempotence=False, retries=5,
-                             max_request_size=self.kafka.max_message_bytes + FETCH_OVERHEAD_BYTES,
-                             linger_ms=0, delivery_timeout_ms=2 * rt, max_block_ms=rt)
-
     def take_dead(self) -> list[tuple[int, int]]:
         """(partition, offset) of records sent to the DLQ since the previous call.
 
@@ -246,32 +207,18 @@ class RolloutReader:
         """Continue each given partition at the given offset (e.g. from a checkpoint)."""
         unknown = set(offsets) - set(self._tps)
         if unknown:
-            raise ValueError(f"seek names unassigned partition(s) {sorted(unknown)}")
+            raise OffsetError(f"seek names partition(s) {sorted(unknown)} of {self.topic}, but this reader is "
+                              f"assigned {sorted(self._tps)}")
         for p, off in offsets.items():
             if off < 0:
-                raise ValueError(f"offset {off} for partition {p} must be >= 0")
+                raise OffsetError(f"offset {off} for partition {p} of {self.topic} must be >= 0")
             self._consumer.seek(self._tps[p], int(off))
             self._positions[p] = int(off)
 
     def end_offsets(self) -> dict[int, int]:
-        """High watermark per partition: the fetch-reported one when known, else ListOffsets.
-
-        tansu 0.6 answers ListOffsets(latest) with last-batch-base + 1, which
-        undercounts when the last batch holds several records; fetch responses
-        carry the right high watermark, so it is preferred.
-        """
-        out: dict[int, int] = {}
-        unknown = []
-        for p, tp in self._tps.items():
-            hw = self._consumer.highwater(tp)
-            if hw is None:
-                unknown.append(tp)
-            else:
-                out[p] = int(hw)
-        if unknown:
-            for tp, off in self._consumer.end_offsets(unknown, timeout_ms=self.kafka.request_timeout_ms).items():
-                out[tp.partition] = int(off)
-        return out
+        """End offset per assigned partition (`common.kafka.client.end_offsets`: the fetch-reported
+        high watermark where known, which is right on tansu too). BrokerError if the broker does not answer."""
+        return end_offsets(self._consumer, self._tps.values(), self.kafka.request_timeout_ms)
 
     def lag(self) -> int:
         """Records in the assigned partitions at or after positions() (see end_offsets)."""
@@ -281,12 +228,7 @@ class RolloutReader:
         return total
 
     def close(self) -> None:
-        if self._dlq_producer is not None:
-            try:
-                self._dlq_producer.close(timeout=5)
-            except Exception as e:
-                log.warning("DLQ producer did not close cleanly: %s", e)
-            self._dlq_producer = None
+        self._dlq.close()
         self._consumer.close()
 
     def __enter__(self) -> "RolloutReader":

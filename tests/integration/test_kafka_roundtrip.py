@@ -1,4 +1,5 @@
-"""Publisher -> real tansu broker (TCP, loopback) -> reader: shapes, claim check, keys, DLQ, offsets."""
+"""Publisher -> real tansu broker (TCP, loopback) -> reader: shapes, claim check, keys, DLQ, offsets;
+the dead-letter writer and the end-offsets helper against the real broker."""
 from __future__ import annotations
 
 import hashlib
@@ -18,10 +19,11 @@ from common import metrics
 from common.kafka.claimcheck import BlobStore
 from common.kafka.broker import EmbeddedBroker, ensure_broker, kafka_ping
 from common.config import BrokerSettings, KafkaSettings
-from common.errors import BrokerError, InvalidRecordError
-from common.kafka.client import client_kwargs, ensure_topics
+from common.errors import BrokerError, InvalidRecordError, OffsetError
+from common.kafka.client import end_offsets, ensure_topics, make_consumer
+from common.kafka.dlq import H_FIELD, H_REASON, H_SOURCE, DeadLetterWriter
 from common.kafka.publisher import RolloutPublisher
-from common.kafka.reader import H_FIELD, H_REASON, H_SOURCE, RolloutReader
+from common.kafka.reader import RolloutReader
 from common.record import encode
 from fixtures_kafka import make_kafka_settings, realistic_rollout
 
@@ -39,10 +41,9 @@ def read_n(reader: RolloutReader, n: int, timeout_s: float = 30.0) -> list:
 
 def read_topic_raw(kafka: KafkaSettings, topic: str, n: int, timeout_s: float = 20.0) -> list:
     """Every message of `topic` (all partitions) with a plain kafka-python consumer, until n are seen."""
-    from kafka import KafkaConsumer, TopicPartition
+    from kafka import TopicPartition
 
-    c = KafkaConsumer(**client_kwargs(kafka), group_id=None, enable_auto_commit=False,
-                      max_partition_fetch_bytes=80 << 20, fetch_max_bytes=80 << 20)
+    c = make_consumer(kafka, max_partition_fetch_bytes=80 << 20, fetch_max_bytes=80 << 20)
     try:
         tps = [TopicPartition(topic, p) for p in sorted(c.partitions_for_topic(topic) or {0})]
         c.assign(tps)
@@ -278,6 +279,68 @@ def test_dlq_failure_keeps_positions(broker, tmp_path):
         assert rd.positions() == {d.partition: d.offset + 1} and rd.dlq_total == 1
 
 
+@pytest.mark.broker
+@pytest.mark.timeout(60)
+def test_offsets_naming_unassigned_partitions_or_negative_are_refused(kafka_settings):
+    with pytest.raises(OffsetError, match=r"partition\(s\) \[7\].*assigned \[0, 1\]"):
+        RolloutReader(kafka_settings, partitions=[0, 1], start_offsets={0: 0, 7: 3})
+    with RolloutReader(kafka_settings, partitions=[0, 1]) as rd:
+        with pytest.raises(OffsetError, match=r"partition\(s\) \[2\]"):
+            rd.seek({2: 0})
+        with pytest.raises(OffsetError, match="must be >= 0"):
+            rd.seek({1: -1})
+        assert rd.positions() == {0: 0, 1: 0}
+
+
+@pytest.mark.broker
+@pytest.mark.timeout(60)
+def test_dead_letter_writer_stores_the_original_with_reason_headers(kafka_settings):
+    """The shared DLQ writer (reader and prompt topic) on its own: confirm() returns once both are stored."""
+    from types import SimpleNamespace
+
+    refused = [SimpleNamespace(topic="src", partition=3, offset=17, key=b"k1", value=b"\x00raw",
+                               headers=[("trace", b"t1")]),
+               SimpleNamespace(topic="src", partition=0, offset=2, key=None, value=None, headers=None)]
+    w = DeadLetterWriter(kafka_settings)
+    try:
+        w.send(refused[0], "logprobs", "must be <= 0")
+        w.send(refused[1], "<bytes>", "empty message")
+        assert w.confirm() == 2
+    finally:
+        w.close()
+    got = read_topic_raw(kafka_settings, kafka_settings.topics.dlq, 2)
+    assert [(m.key, m.value) for m in got] == [(b"k1", b"\x00raw"), (None, b"")]
+    assert [list(m.headers) for m in got] == [
+        [("trace", b"t1"), (H_REASON, b"must be <= 0"), (H_FIELD, b"logprobs"), (H_SOURCE, b"src/3/17")],
+        [(H_REASON, b"empty message"), (H_FIELD, b"<bytes>"), (H_SOURCE, b"src/0/2")]]
+
+
+@pytest.mark.broker
+@pytest.mark.timeout(60)
+def test_end_offsets_count_every_record_of_a_multi_record_batch(kafka_settings):
+    """13 records of one key published in one linger window (one batch on one partition): a reader that
+    fetched reports all 13 (fetch high watermark); ListOffsets from a client that never fetched is only
+    a lower bound on tansu (measured 9 for 13: the last batch's base offset + 1)."""
+    from kafka import TopicPartition
+
+    rs = [realistic_rollout(response_tokens=8, prompt_tokens=4, layers=2, seed=900 + i, group_id="batch",
+                            sample_idx=i, group_size=13) for i in range(13)]
+    with RolloutPublisher(kafka_settings, linger_ms=300) as pub:
+        deliveries = [f.result(30) for f in [pub.publish(r) for r in rs]]
+    (p,) = {d.partition for d in deliveries}
+    assert sorted(d.offset for d in deliveries) == list(range(13))
+    c = make_consumer(kafka_settings)
+    try:
+        listed = end_offsets(c, [TopicPartition(kafka_settings.topics.rollouts, p)], timeout_ms=5000)[p]
+    finally:
+        c.close()
+    with RolloutReader(kafka_settings, partitions=[p]) as rd:
+        assert len(read_n(rd, 13)) == 13
+        assert rd.end_offsets() == {p: 13} and rd.lag() == 0
+    print(f"ListOffsets(latest) answered {listed} for 13 records")
+    assert 1 <= listed <= 13
+
+
 # ------------------------------------------------------------ admin, broker
 
 @pytest.mark.broker
@@ -287,26 +350,12 @@ def test_ensure_topics_idempotent(broker, tmp_path):
     first = ensure_topics(kafka)
     assert set(first.values()) == {"created"} and len(first) == 5
     assert set(ensure_topics(kafka).values()) == {"exists"}
-    from kafka import KafkaConsumer
-    c = KafkaConsumer(**client_kwargs(kafka))
+    c = make_consumer(kafka)
     try:
         assert c.partitions_for_topic(kafka.topics.rollouts) == {0, 1, 2}
         assert c.partitions_for_topic(kafka.topics.control) == {0}
     finally:
         c.close()
-
-
-@pytest.mark.timeout(30)
-def test_client_kwargs_pass_sasl_ssl_through():
-    k = KafkaSettings(bootstrap_servers="a:9093, b:9093", security_protocol="SASL_SSL", sasl_mechanism="SCRAM-SHA-512",
-                      sasl_plain_username="u", sasl_plain_password="p", ssl_cafile="/ca.pem", ssl_check_hostname=False)
-    kw = client_kwargs(k)
-    assert kw["bootstrap_servers"] == ["a:9093", "b:9093"]
-    assert (kw["security_protocol"], kw["sasl_mechanism"], kw["sasl_plain_username"], kw["sasl_plain_password"],
-            kw["ssl_cafile"], kw["ssl_check_hostname"]) == ("SASL_SSL", "SCRAM-SHA-512", "u", "p", "/ca.pem", False)
-    assert "ssl_certfile" not in client_kwargs(KafkaSettings(bootstrap_servers="a:1"))
-    with pytest.raises(BrokerError):
-        client_kwargs(KafkaSettings())
 
 
 @pytest.mark.broker

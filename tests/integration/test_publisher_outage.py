@@ -1,4 +1,5 @@
-"""Broker outages while publishing: backpressure, no false successes, every record delivered after.
+"""Broker outages while publishing: backpressure, no false successes, every record delivered after;
+the dead-letter writer through a hung broker.
 
 Each test runs its own tansu broker (`fresh_broker`) so pausing or stopping
 it does not disturb the session broker.
@@ -122,3 +123,51 @@ def test_broker_restart_records_published_while_down_arrive(tmp_path):
         check_delivered(futs, rs[1:], read_everything(kafka))
     finally:
         b.stop()
+
+
+@pytest.mark.broker
+@pytest.mark.timeout(120)
+def test_dead_letter_writer_fails_loudly_while_the_broker_hangs_and_recovers_with_a_new_producer(
+        fresh_broker, tmp_path):
+    """confirm() raises BrokerError (never a false success) while the broker is frozen; the writer drops
+    its producer, and after SIGCONT the caller's re-send goes through a fresh one."""
+    from types import SimpleNamespace
+
+    from common.errors import BrokerError
+    from common.kafka.dlq import H_SOURCE, DeadLetterWriter
+
+    kafka = make_kafka_settings(fresh_broker.bootstrap, tmp_path, request_timeout_ms=1000, retry_backoff_ms=100)
+
+    def refused(offset):
+        return SimpleNamespace(topic="src", partition=0, offset=offset, key=b"k", value=b"v%d" % offset,
+                               headers=None)
+    w = DeadLetterWriter(kafka)
+    try:
+        w.send(refused(1), "key", "bad key")
+        assert w.confirm() == 1
+        first = w._producer
+        fresh_broker.pause()
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(BrokerError, match=kafka.topics.dlq):
+                w.send(refused(2), "key", "bad key")
+                w.confirm()
+            assert time.monotonic() - t0 < 20
+            assert w._producer is None
+        finally:
+            fresh_broker.resume()
+        w.send(refused(2), "key", "bad key")  # the caller re-reads the record and sends it again
+        assert w.confirm() == 1 and w._producer is not first
+    finally:
+        w.close()
+    from common.kafka.client import make_consumer
+    from kafka import TopicPartition
+
+    c = make_consumer(kafka, auto_offset_reset="earliest")
+    c.assign([TopicPartition(kafka.topics.dlq, 0)])
+    got, deadline = [], time.monotonic() + 20
+    while {b"v1", b"v2"} - {m.value for m in got} and time.monotonic() < deadline:
+        got += [m for batch in c.poll(timeout_ms=300).values() for m in batch]
+    c.close()
+    sources = [dict(m.headers)[H_SOURCE] for m in got]
+    assert {b"src/0/1", b"src/0/2"} <= set(sources) and set(sources) <= {b"src/0/1", b"src/0/2"}

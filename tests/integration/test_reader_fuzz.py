@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from common import metrics
 from common.kafka.publisher import RolloutPublisher
-from common.kafka.reader import H_FIELD, H_REASON, H_SOURCE, INTERNAL_FIELD, RolloutReader
+from common.kafka.dlq import H_FIELD, H_REASON, H_SOURCE
+from common.kafka.reader import INTERNAL_FIELD, RolloutReader
 from common.record import encode
 from fixtures_kafka import make_kafka_settings, realistic_rollout
 
@@ -139,11 +140,11 @@ def test_valid_record_still_returned_and_dlq_entries_carry_reasons(harness):
     returned, dead = harness.run([VALID_BYTES])
     assert (returned, dead) == (1, 0)
     # every DLQ entry so far: original bytes, a reason, a field, its source; no decoder bug
-    from kafka import KafkaConsumer, TopicPartition
+    from kafka import TopicPartition
 
-    from common.kafka.client import client_kwargs
+    from common.kafka.client import make_consumer
 
-    c = KafkaConsumer(**client_kwargs(harness.kafka), group_id=None, enable_auto_commit=False)
+    c = make_consumer(harness.kafka)
     tp = TopicPartition(harness.kafka.topics.dlq, 0)
     c.assign([tp])
     c.seek_to_beginning(tp)

@@ -5,9 +5,11 @@
   pickle/marshal/eval/exec/unsafe yaml/torch.load without weights_only; a
   checkpoint whose trainer.pt carries a pickle payload is refused by the real
   CheckpointManager without running it.
-- Kafka SASL_SSL settings in a config file reach the Kafka client: through
-  `load_config` -> `client_kwargs` into kafka-python's own config, and on the
-  wire (the client opens with a TLS ClientHello on a loopback listener).
+- Kafka SASL_SSL settings in a config file reach the Kafka client: every
+  client is built by the driver layer (common/kafka/client.py), through
+  `load_config` -> `make_consumer`/`make_producer` into kafka-python's own
+  config, and on the wire (the client opens with a TLS ClientHello on a
+  loopback listener).
 
 The admin API (missing/wrong tokens, out-of-range values) and hostile
 control/policy messages are tested against a live consumer in
@@ -90,19 +92,30 @@ def test_no_unpickling_or_evaluation_in_the_services():
     assert not bad, "\n".join(bad)
 
 
-def test_every_kafka_client_is_built_from_client_kwargs():
-    """SASL/SSL settings can only be dropped by a client constructed without client_kwargs()."""
+KAFKA_CLIENTS = ("KafkaProducer", "KafkaConsumer", "KafkaAdminClient")
+DRIVER_LAYER = "common/kafka/client.py"
+
+
+def test_every_kafka_client_is_built_by_the_driver_layer():
+    """SASL/SSL settings can only be dropped by a client built outside common/kafka/client.py: no other
+    module of the services imports or calls a kafka-python client class. Inside it, every client is
+    built from `client_kwargs` (tests/unit/common/kafka/test_kafka_client.py checks each one's kwargs)."""
     bad = []
     for path in _sources():
         rel = path.relative_to(ROOT).as_posix()
-        for node, _, name in _calls(ast.parse(path.read_text(), rel)):
-            if name in ("KafkaProducer", "KafkaConsumer", "KafkaAdminClient"):
-                spread = [k.value for k in node.keywords if k.arg is None]
-                if not any(isinstance(v, ast.Call) and getattr(v.func, "id", getattr(v.func, "attr", "")) ==
-                           "client_kwargs" for v in spread) and not any(
-                        isinstance(v, ast.Name) for v in spread):
-                    bad.append(f"{rel}:{node.lineno} {name}(...) without **client_kwargs(kafka)")
+        tree = ast.parse(path.read_text(), rel)
+        if rel == DRIVER_LAYER:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "kafka":
+                bad += [f"{rel}:{node.lineno} imports {a.name}" for a in node.names if a.name in KAFKA_CLIENTS]
+        for node, _, name in _calls(tree):
+            if name in KAFKA_CLIENTS:
+                bad.append(f"{rel}:{node.lineno} {name}(...) outside {DRIVER_LAYER}")
     assert not bad, "\n".join(bad)
+    driver = ast.parse((ROOT / DRIVER_LAYER).read_text())
+    built = {n.id for n in ast.walk(driver) if isinstance(n, ast.Name) and n.id in KAFKA_CLIENTS}
+    assert built == set(KAFKA_CLIENTS), built
 
 
 def test_a_pickled_checkpoint_is_refused_without_running_it(tmp_path):
@@ -156,22 +169,23 @@ kafka:
 
 
 def test_sasl_ssl_settings_reach_the_kafka_client_config(tmp_path):
-    from kafka import KafkaConsumer
-
-    from common.kafka.client import client_kwargs
+    from common.kafka.client import client_kwargs, make_consumer, make_producer
 
     cfg = _sasl_ssl_config(tmp_path, 9)
     kw = client_kwargs(cfg.kafka)
     assert kw["security_protocol"] == "SASL_SSL" and kw["sasl_mechanism"] == "SCRAM-SHA-512"
     assert kw["sasl_plain_username"] == "rl-user" and kw["sasl_plain_password"] == "s3cret-from-config"
     assert kw["ssl_cafile"] == _cafile() and kw["ssl_check_hostname"] is True
-    c = KafkaConsumer(**kw, group_id=None, api_version=(2, 8), enable_auto_commit=False)  # no bootstrap I/O
+    c = make_consumer(cfg.kafka, api_version=(2, 8))  # no bootstrap I/O
+    p = make_producer(cfg.kafka, "dlq", api_version=(2, 8))
     try:
-        for k in ("security_protocol", "sasl_mechanism", "sasl_plain_username", "sasl_plain_password",
-                  "ssl_cafile", "ssl_check_hostname"):
-            assert c.config[k] == kw[k], k
+        for client in (c, p):
+            for k in ("security_protocol", "sasl_mechanism", "sasl_plain_username", "sasl_plain_password",
+                      "ssl_cafile", "ssl_check_hostname"):
+                assert client.config[k] == kw[k], (type(client).__name__, k)
     finally:
         c.close()
+        p.close(timeout=0)
     from common.config import dump_config
 
     assert "s3cret-from-config" not in dump_config(cfg), "--dry-run prints the SASL password"
@@ -179,9 +193,7 @@ def test_sasl_ssl_settings_reach_the_kafka_client_config(tmp_path):
 
 def test_sasl_ssl_client_speaks_tls_on_the_wire(tmp_path):
     """A listener that records the first bytes: the client opens with a TLS handshake record."""
-    from kafka import KafkaProducer
-
-    from common.kafka.client import client_kwargs
+    from common.kafka.client import make_producer
 
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
@@ -200,7 +212,7 @@ def test_sasl_ssl_client_speaks_tls_on_the_wire(tmp_path):
     t = threading.Thread(target=accept, daemon=True)
     t.start()
     cfg = _sasl_ssl_config(tmp_path, srv.getsockname()[1])
-    p = KafkaProducer(**client_kwargs(cfg.kafka), api_version=(2, 8), max_block_ms=3000)
+    p = make_producer(cfg.kafka, "rollouts", api_version=(2, 8), max_block_ms=3000)
     try:
         with pytest.raises(Exception):  # no TLS server there: metadata never arrives
             p.partitions_for("rlstream.rollouts")

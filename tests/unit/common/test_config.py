@@ -64,3 +64,105 @@ def test_dry_run_dump_masks_secrets():
     cfg = load_config(None, ["producer.http.admin_token=s3cret", "kafka.sasl_plain_password=pw"], environ={})
     out = dump_config(cfg)
     assert "s3cret" not in out and "pw\n" not in out and "***" in out
+
+
+# ------------------------------------------------------ declared environment variables
+
+def test_env_aliases_precedence_default_file_alias_generic_set_flag(tmp_path):
+    """default < file < declared alias < RLSTREAM__SECTION__KEY < --set < dedicated flag."""
+    f = tmp_path / "c.yaml"
+    f.write_text("producer: {http: {admin_token: from-file}}\ncli: {log_level: warning}\n")
+    assert load_config(None, environ={}).producer.http.admin_token is None
+    assert load_config(f, environ={}).producer.http.admin_token == "from-file"
+    env = {"RLSTREAM_ADMIN_TOKEN": "from-alias"}
+    cfg = load_config(f, environ=env)
+    assert (cfg.producer.http.admin_token, cfg.consumer.http.admin_token, cfg.cli.admin_token) == ("from-alias",) * 3
+    env["RLSTREAM__PRODUCER__HTTP__ADMIN_TOKEN"] = "from-generic"
+    cfg = load_config(f, environ=env)
+    assert (cfg.producer.http.admin_token, cfg.consumer.http.admin_token) == ("from-generic", "from-alias")
+    cfg = load_config(f, ["producer.http.admin_token=from-set"], environ=env)
+    assert cfg.producer.http.admin_token == "from-set"
+    assert load_config(f, ["cli.log_level=error"], environ={"RLSTREAM_LOG_LEVEL": "debug"},
+                       flags={"cli.log_level": "critical"}).cli.log_level == "CRITICAL"
+    assert load_config(f, ["cli.log_level=error"], environ={"RLSTREAM_LOG_LEVEL": "debug"},
+                       flags={"cli.log_level": None}).cli.log_level == "ERROR"
+    assert load_config(f, environ={"RLSTREAM_LOG_LEVEL": "debug"}).cli.log_level == "DEBUG"
+    assert load_config(f, environ={}).cli.log_level == "WARNING"
+
+
+def test_env_alias_values_are_taken_verbatim_and_empty_is_unset():
+    cfg = load_config(None, environ={"RLSTREAM_ADMIN_TOKEN": "0123", "RLSTREAM_ADMIN_URL": "http://c:8082"})
+    assert cfg.cli.admin_token == "0123" and cfg.producer.http.admin_token == "0123"  # not the number 123
+    assert cfg.cli.admin_url == "http://c:8082"
+    assert load_config(None, environ={"RLSTREAM_ADMIN_TOKEN": ""}).producer.http.admin_token is None
+
+
+def test_log_level_takes_the_names_logging_takes():
+    for given, want in [("debug", "DEBUG"), (" Info ", "INFO"), ("warn", "WARNING"), ("fatal", "CRITICAL")]:
+        assert load_config(None, environ={"RLSTREAM_LOG_LEVEL": given}).cli.log_level == want
+
+
+def test_a_bad_alias_value_names_the_setting():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, environ={"RLSTREAM_LOG_LEVEL": "chatty"})
+    assert e.value.key == "cli.log_level"
+
+
+def test_dry_run_shows_resolved_aliases_with_secrets_masked():
+    import yaml
+
+    cfg = load_config(None, environ={"RLSTREAM_ADMIN_TOKEN": "t0k3n", "RLSTREAM_LOG_LEVEL": "debug"})
+    out = dump_config(cfg)
+    data = yaml.safe_load(out)
+    assert "t0k3n" not in out
+    assert data["producer"]["http"]["admin_token"] == data["consumer"]["http"]["admin_token"] == "***"
+    assert data["cli"] == {"log_level": "DEBUG", "admin_url": "http://127.0.0.1:8081", "admin_token": "***"}
+
+
+def test_every_rlstream_environment_variable_is_declared():
+    """Runtime code and ops/ use no RLSTREAM_* variable that ENV_ALIASES does not declare (the generic
+    RLSTREAM__SECTION__KEY form maps onto settings by construction; the harness owns its own knobs)."""
+    import re
+
+    from common.config import ENV_ALIASES, RlstreamConfig
+
+    def names(paths):
+        return {m for p in paths for m in re.findall(r"\bRLSTREAM_[A-Z][A-Z_]*[A-Z]\b", p.read_text(errors="replace"))}
+
+    root = CONFIGS[0].parents[1]
+    declared = {a.name for a in ENV_ALIASES}
+    runtime = names(p for pkg in ("common", "producer", "consumer") for p in (root / pkg).rglob("*.py")
+                    if "harness" not in p.parts)
+    assert runtime and runtime <= declared, sorted(runtime - declared)
+    compose_only = {"RLSTREAM_CONFIG"}  # compose's own variable: the file its shell commands pass to -c
+    deployed = names(p for p in (root / "ops").rglob("*") if p.is_file())
+    assert deployed <= declared | compose_only, sorted(deployed - declared - compose_only)
+    for a in ENV_ALIASES:  # every alias names settings that exist
+        for key in a.keys:
+            section, *rest = key.split(".")
+            model = RlstreamConfig.model_fields[section].annotation
+            for name in rest[:-1]:
+                model = model.model_fields[name].annotation
+            assert rest[-1] in model.model_fields, key
+
+
+def test_the_control_settings_are_one_model_for_the_file_and_the_control_plane():
+    from common.config import ControlSettings, StalenessSettings
+    from common.control.messages import CONTROL_KEYS, parse_control_value
+
+    assert issubclass(StalenessSettings, ControlSettings) and CONTROL_KEYS == tuple(ControlSettings.model_fields)
+    assert set(StalenessSettings.model_fields) - set(ControlSettings.model_fields) == {"audit_stale"}
+    for key, value in [("max_staleness", 1001), ("max_staleness", -1), ("mode", "sometimes"), ("decay", 0),
+                       ("decay", 1.5), ("paused", "maybe")]:
+        with pytest.raises(ConfigError) as file_err:
+            load_config(None, [f"staleness.{key}={value}"], environ={})
+        with pytest.raises(ConfigError) as ctl_err:
+            parse_control_value(key, value)
+        assert file_err.value.key == f"staleness.{key}" and ctl_err.value.key == key
+    cfg = load_config(None, ["staleness.max_staleness=5", "staleness.paused=true", "staleness.audit_stale=true"],
+                      environ={})
+    start = ControlSettings.from_settings(cfg.staleness)
+    assert type(start) is ControlSettings and start.model_dump() == {"max_staleness": 5, "mode": "drop",
+                                                                      "decay": 1.0, "paused": True}
+    start.max_staleness = 0
+    assert cfg.staleness.max_staleness == 5, "a service's runtime copy is its own"

@@ -98,6 +98,51 @@ def test_ctl_cli_get_set_and_refusals(http, capsys):
     assert "401" in capsys.readouterr().err and state["max_staleness"] == 5
 
 
+def test_ctl_takes_url_and_token_from_the_declared_environment_and_flags_win(http, capsys, monkeypatch):
+    from common.app.cli import main
+
+    s, state = http
+    monkeypatch.setenv("RLSTREAM_ADMIN_URL", s.url)
+    monkeypatch.setenv("RLSTREAM_ADMIN_TOKEN", "tok")
+    assert main(["ctl", "set", "max_staleness", "6"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"key": "max_staleness", "value": 6}
+    assert state["max_staleness"] == 6
+    assert main(["ctl", "set", "max_staleness", "8", "--token", "nope"]) == 2  # the flag wins over the env
+    assert "401" in capsys.readouterr().err and state["max_staleness"] == 6
+    monkeypatch.setenv("RLSTREAM_ADMIN_URL", "http://127.0.0.1:9")  # nothing listens there
+    assert main(["ctl", "get", "--url", s.url]) == 0
+    assert json.loads(capsys.readouterr().out) == {"max_staleness": 6}
+    assert main(["ctl", "get"]) == 2
+    assert "cannot reach http://127.0.0.1:9" in capsys.readouterr().err
+
+
+def test_admin_api_errors_carry_the_status():
+    from common.control.ctl import _request
+    from common.errors import AdminApiError
+
+    with pytest.raises(AdminApiError) as e:
+        _request("http://127.0.0.1:9", None)
+    assert e.value.status is None
+
+
+def test_dry_run_prints_the_resolved_declared_variables_masked(capsys, monkeypatch):
+    import yaml
+
+    from common.app.cli import main
+
+    monkeypatch.setenv("RLSTREAM_ADMIN_TOKEN", "s3cret-token")
+    monkeypatch.setenv("RLSTREAM_LOG_LEVEL", "debug")
+    assert main(["producer", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    data = yaml.safe_load(out)
+    assert "s3cret-token" not in out and data["producer"]["http"]["admin_token"] == "***"
+    assert data["cli"]["log_level"] == "DEBUG"
+    assert main(["--log-level", "error", "consumer", "--dry-run"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["cli"]["log_level"] == "ERROR"
+    assert main(["--log-level", "chatty", "consumer", "--dry-run"]) == 2
+    assert "cli.log_level" in capsys.readouterr().err
+
+
 def test_policy_messages_are_tagged_by_kind():
     import pydantic
 
@@ -117,11 +162,12 @@ def test_policy_messages_are_tagged_by_kind():
 
 
 def test_follower_keeps_the_newest_version_and_the_latest_progress():
-    from common.control.messages import ControlState, TrainerProgress, WeightsReady
+    from common.config import ControlSettings
+    from common.control.messages import TrainerProgress, WeightsReady
     from common.control.plane import ControlFollower, ControlView
 
     f = ControlFollower.__new__(ControlFollower)  # no Kafka: exercise the apply rule alone
-    f.view = ControlView(state=ControlState())
+    f.view = ControlView(state=ControlSettings())
     v2 = WeightsReady(version=2, uri="file:///w/v2", sha256="0" * 64, bytes=1)
     v1 = WeightsReady(version=1, uri="file:///w/v1", sha256="0" * 64, bytes=1)
     p5 = TrainerProgress(trainer_version=5, groups_per_batch=2, group_size=4)
