@@ -23,7 +23,7 @@ Admission control (what stops new prompts, each counted in
   pipeline synchronous (one batch per version).
 
 On SIGTERM: stop admitting, let in-flight samples finish (up to
-`drain_timeout_s`, then abort them), publish every finished sample, flush, exit 0.
+`producer.drain_timeout_s`, then abort them), publish every finished sample, flush, exit 0.
 """
 from __future__ import annotations
 
@@ -42,10 +42,12 @@ from pathlib import Path
 from common import metrics
 from common.config import RlstreamConfig
 from common.control.messages import ControlState, TrainerProgress, WeightsReady
+from common.errors import WeightReloadError
 from common import runfile
 from common.lifecycle import close_attrs
 from common.runfile import write_run_file
 from common.record import Rollout
+from producer.sample import SamplingConfig
 
 log = logging.getLogger("rlstream.producer")
 
@@ -84,7 +86,7 @@ class GroupInfo:
     prompt_text: str
     answer: str
     prompt_ids: object
-    pending: int  # samples of the group not finished yet
+    remaining: int  # samples of the group not finished yet
 
 
 class ProducerService:
@@ -107,7 +109,8 @@ class ProducerService:
         self._ends: dict[int, int] = {}  # rollouts topic end offsets, as last queried
         self._ends_at = 0.0
         self._acked_end: dict[int, int] = {}  # partition -> 1 + offset of our newest acknowledged record
-        self.drain_timeout_s = 60.0
+        self.sampling = SamplingConfig(max_tokens=self.pcfg.max_tokens, temperature=self.pcfg.temperature,
+                                       top_p=self.pcfg.top_p)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -116,14 +119,11 @@ class ProducerService:
         from common.control.plane import ControlFollower
         from common.kafka.client import ensure_topics
         from common.kafka.publisher import RolloutPublisher
-        from producer.prompts import JsonlPromptSource, KafkaPromptSource
+        from producer.prompts import open_prompt_source
         from producer.verifiers import get_verifier
 
         ensure_topics(self.kafka)
-        if self.pcfg.prompt_topic:
-            self.prompts = KafkaPromptSource(self.kafka, self.pcfg.prompt_topic)
-        else:
-            self.prompts = JsonlPromptSource(self.pcfg.prompts_path, seed=self.pcfg.seed)
+        self.prompts = open_prompt_source(self.pcfg.prompts, self.kafka)
         self.verify = get_verifier(self.pcfg.verifier)
         self.follower = ControlFollower(self.kafka, self.control)
         self.follower.poll(timeout_s=1.0)
@@ -142,16 +142,10 @@ class ProducerService:
     def _build_engine(self):
         import torch
 
-        from producer.engine import EngineConfig, RolloutEngine
+        from producer.engine import RolloutEngine
 
         torch.set_num_threads(self.pcfg.num_threads)
-        e = self.pcfg.engine
-        return RolloutEngine(EngineConfig(
-            model_dir=self.cfg.model.path, dtype=e.dtype, max_model_len=e.max_model_len,
-            kv_cache_memory_bytes=e.kv_cache_memory_bytes, tensor_parallel_size=e.tensor_parallel_size,
-            seed=e.seed, max_num_seqs=e.max_num_seqs, enforce_eager=e.enforce_eager,
-            gpu_memory_utilization=e.gpu_memory_utilization, max_num_batched_tokens=e.max_num_batched_tokens,
-            extra_engine_args={} if e.quantization == "none" else {"quantization": e.quantization}), version=0)
+        return RolloutEngine(self.pcfg.engine, self.cfg.model.path, version=0)
 
     def _make_offsets_client(self):
         from kafka import KafkaConsumer, TopicPartition
@@ -248,7 +242,7 @@ class ProducerService:
         try:
             self.engine.reload_weights(self._loaded, self.engine.version)
         except Exception as e:
-            raise RuntimeError(f"weights are inconsistent after a failed reload and restoring "
+            raise WeightReloadError(f"weights are inconsistent after a failed reload and restoring "
                                f"{self._loaded} failed too ({e}); exiting so a supervisor restarts us") from e
 
     def admission_block(self) -> str | None:
@@ -295,8 +289,6 @@ class ProducerService:
             self._acked_end[d.partition] = d.offset + 1
 
     def admit(self) -> None:
-        from producer.engine import SamplingConfig
-
         while not self._stop:
             reason = self.admission_block()
             if reason is not None:
@@ -310,38 +302,23 @@ class ProducerService:
             ids = self.engine.encode(prompt.text)
             self._group_seq += 1
             gid = f"{self.producer_id}-{self._incarnation}-{self._group_seq}"
-            self.engine.submit_group(ids, n=self.pcfg.group_size, tag=gid, sampling=SamplingConfig(
-                max_tokens=self.pcfg.max_tokens, temperature=self.pcfg.temperature, top_p=self.pcfg.top_p))
+            self.engine.submit_group(ids, n=self.pcfg.group_size, tag=gid, sampling=self.sampling)
             self.groups[gid] = GroupInfo(prompt.text, prompt.answer, ids, self.pcfg.group_size)
         _INFLIGHT.set(self.engine.num_in_flight)
 
     def score_and_publish(self, finished) -> None:
         for s in finished:
             info = self.groups[s.tag]
-            info.pending -= 1
-            if info.pending == 0:
+            info.remaining -= 1
+            if info.remaining == 0:
                 del self.groups[s.tag]
             text = self.engine.decode(s.response_ids)
             reward, rinfo = self.verify(text, info.answer)
-            self.pending.append(self._to_record(s, info, float(reward), rinfo))
+            self.pending.append(s.to_rollout(float(reward), rinfo, self.producer_id, self.sampling,
+                                             prompt_text=info.prompt_text))
             self._note_sample(s, float(reward))
         self.flush_pending()
         _INFLIGHT.set(self.engine.num_in_flight)
-
-    def _to_record(self, s, info: GroupInfo, reward: float, rinfo: dict) -> Rollout:
-        import numpy as np
-
-        tv = np.asarray(s.token_versions, dtype=np.int64) if s.weights_changed else None
-        return Rollout(
-            rollout_id=Rollout.new_id(), group_id=s.tag, sample_idx=s.sample_idx,
-            group_size=s.group_size, prompt_ids=s.prompt_ids, response_ids=s.response_ids,
-            logprobs=np.minimum(s.logprobs, 0.0), policy_version=s.dispatch_version, reward=reward,
-            finish_reason=s.finish_reason if s.finish_reason in ("stop", "length", "abort") else "stop",
-            producer_id=self.producer_id, prompt_text=info.prompt_text, token_versions=tv,
-            routed_experts=s.routed_experts, num_experts=s.num_experts if s.routed_experts is not None else 0,
-            reward_info={k: v for k, v in rinfo.items() if isinstance(v, (str, int, float, bool))},
-            sampling_digest=f"t={self.pcfg.temperature},p={self.pcfg.top_p},max={self.pcfg.max_tokens}",
-            model_digest=f"v{s.dispatch_version}")
 
     def flush_pending(self) -> None:
         while self.pending:
@@ -375,7 +352,7 @@ class ProducerService:
 
     def drain(self) -> None:
         """SIGTERM: finish in-flight samples (bounded), publish all, flush."""
-        deadline = time.monotonic() + self.drain_timeout_s
+        deadline = time.monotonic() + self.pcfg.drain_timeout_s
         while self.engine.has_work() and time.monotonic() < deadline:
             self.score_and_publish(self.engine.step())
         aborted = self.engine.abort_all()
