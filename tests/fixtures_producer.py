@@ -14,13 +14,12 @@ import pytest
 @pytest.fixture(scope="session")
 def vllm_engine(tiny_model_dir):
     """The session's RolloutEngine (fp32, CPU routing capture, version 0 = tiny_model_dir)."""
-    from producer.engine import EngineConfig, RolloutEngine
+    from common.config import EngineSettings
+    from producer.engine import RolloutEngine
 
-    cfg = EngineConfig(
-        model_dir=str(tiny_model_dir), dtype="float32", max_model_len=256,
-        kv_cache_memory_bytes=64 << 20, max_num_seqs=32, seed=0, enforce_eager=True,
-    )
-    engine = RolloutEngine(cfg, version=0)
+    settings = EngineSettings(dtype="float32", max_model_len=256, kv_cache_memory_bytes=64 << 20,
+                              max_num_seqs=32, seed=0, enforce_eager=True)
+    engine = RolloutEngine(settings, tiny_model_dir, version=0)
     yield engine
     engine.close()
 

@@ -48,7 +48,7 @@ def service_config(kafka: KafkaSettings, model_dir, tmp: Path, *, G: int = 4, B:
     c = {"group_size": G, "groups_per_batch": B, "lr": 1e-3, "checkpoint_dir": str(tmp / "ckpt"),
          "weight_store_dir": str(tmp / "weights"), "group_timeout_s": 30.0,
          "http": {"port": 0, "admin_token": ADMIN_TOKEN}, **(consumer or {})}
-    p = {"group_size": G, "max_tokens": 6, "prompts_path": str(tmp / "data" / "train.jsonl"),
+    p = {"group_size": G, "max_tokens": 6, "prompts": {"type": "jsonl", "path": str(tmp / "data" / "train.jsonl")},
          "max_groups_in_flight": 8, "http": {"port": 0, "admin_token": ADMIN_TOKEN},
          "engine": {"kv_cache_memory_bytes": 64 << 20, "max_model_len": 64}, **(producer or {})}
     return RlstreamConfig.model_validate({

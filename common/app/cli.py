@@ -50,7 +50,7 @@ def prepare_toy_world(command: str, cfg: RlstreamConfig) -> None:
         wait_for_model(cfg)
         return
     ensure_model(cfg)
-    if command == "producer" and not cfg.producer.prompt_topic:
+    if command == "producer" and cfg.producer.prompts.type == "jsonl":
         ensure_data(cfg)
 
 

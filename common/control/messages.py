@@ -57,7 +57,7 @@ class WeightsReady(BaseModel):
 
 class TrainerProgress(BaseModel):
     """Where the trainer is (`kind: trainer_progress`): what producers size
-    their staleness backpressure from (producer/service.py `admission_block`).
+    their staleness backpressure from (producer/admission.py `admission_block`).
 
     Sent after every global step and, while the trainer waits for data, about
     once a second when it changed. The newest message in the log wins.

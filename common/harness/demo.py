@@ -90,7 +90,7 @@ def prepare_warm(cfg: RlstreamConfig, reuse: bool | None = None) -> Warm:
     sft_cfg = SftConfig(band_low=_opt(cfg, "sft_band_low", SftConfig.band_low),
                         band_high=_opt(cfg, "sft_band_high", SftConfig.band_high),
                         max_steps=_opt(cfg, "sft_max_steps", SftConfig.max_steps),
-                        seed=cfg.producer.seed)
+                        seed=cfg.producer.prompts.seed)
     reuse = _opt(cfg, "reuse_warm_start", True) if reuse is None else reuse
     out = Path(cfg.demo.work_dir) / "warm-model"
     t0 = time.monotonic()
@@ -255,7 +255,7 @@ def write_run_config(cfg: RlstreamConfig, dirs: RunDirs, warm: Warm,
     """The resolved config of one run: the warm model, fresh stores under the run dir."""
     data = cfg.model_dump(mode="json")
     for k, v in {"model.path": str(warm.model_dir), "model.build_tiny": False,
-                 "producer.prompts_path": str(warm.train_path),
+                 "producer.prompts.path": str(warm.train_path),
                  "consumer.weight_store_dir": str(dirs.weights),
                  "consumer.checkpoint_dir": str(dirs.checkpoints),
                  "kafka.blob_dir": str(dirs.blobs)}.items():
@@ -342,7 +342,7 @@ class Pipeline:
         ncpu = os.cpu_count() or 1
         for i in range(self.num_producers):
             self._spawn(f"producer-{i}", [kafka, f"producer.producer_id=p{i}",
-                                          f"producer.seed={self.cfg.producer.seed + i}",
+                                          f"producer.prompts.seed={self.cfg.producer.prompts.seed + i}",
                                           f"producer.engine.seed={self.cfg.producer.engine.seed + i}"],
                         threads=self.cfg.producer.num_threads, http="producer",
                         extra_env={"VLLM_CPU_OMP_THREADS_BIND": str(i % ncpu)})

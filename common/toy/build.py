@@ -45,18 +45,25 @@ def wait_for_model(cfg: RlstreamConfig, timeout_s: float = 300.0) -> Path:
     return path
 
 
+def _prompt_file(cfg: RlstreamConfig):
+    """The JSONL prompt settings the toy task is written to."""
+    if cfg.producer.prompts.type != "jsonl":
+        raise ConfigError("the toy task is a JSONL file: set type: jsonl", key="producer.prompts.type")
+    return cfg.producer.prompts
+
+
 def heldout_path(cfg: RlstreamConfig) -> Path:
-    return Path(cfg.producer.prompts_path).with_name("heldout.jsonl")
+    return Path(_prompt_file(cfg).path).with_name("heldout.jsonl")
 
 
 def ensure_data(cfg: RlstreamConfig, n_train: int = 4096, n_heldout: int = 256) -> Path:
-    train = Path(cfg.producer.prompts_path)
+    train = Path(_prompt_file(cfg).path)
     if train.is_file():
         return train
     from common.toy.tasks import write_splits
 
     log.info("writing the arithmetic task to %s", train.parent)
-    write_splits(train, heldout_path(cfg), n_train=n_train, n_heldout=n_heldout, seed=cfg.producer.seed)
+    write_splits(train, heldout_path(cfg), n_train=n_train, n_heldout=n_heldout, seed=_prompt_file(cfg).seed)
     return train
 
 

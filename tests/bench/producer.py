@@ -9,10 +9,10 @@ taken per repetition, between rounds seconds apart, then the median):
 
   without   the engine loop alone: submit groups (keeping `--max-groups` in
             flight, as the service's admission does), step, collect samples.
-  encode    + `ProducerService._to_record` and `common.record.encode` of every
+  encode    + `FinishedSample.to_rollout` and `common.record.encode` of every
             finished sample on the engine thread (no Kafka).
-  with      + exactly the service's per-sample path: `_to_record` and
-            `flush_pending` (encode + `try_publish` on the engine thread; the
+  with      + exactly the service's per-sample path: `to_rollout` and
+            `Outbox.flush` (encode + `try_publish` on the engine thread; the
             publisher's dispatch thread and kafka-python's sender thread do the
             network work), then a drain: every record acknowledged by the
             broker before the round's clock stops.
@@ -92,10 +92,11 @@ def _med(xs) -> float:
 
 
 def _engine(model_dir: Path, kv_bytes: int = 64 << 20, max_model_len: int = 128):
-    from producer.engine import EngineConfig, RolloutEngine
+    from common.config import EngineSettings
+    from producer.engine import RolloutEngine
 
-    return RolloutEngine(EngineConfig(model_dir=str(model_dir), dtype="float32", max_model_len=max_model_len,
-                                      kv_cache_memory_bytes=kv_bytes, max_num_seqs=64, seed=0), version=0)
+    return RolloutEngine(EngineSettings(dtype="float32", max_model_len=max_model_len, kv_cache_memory_bytes=kv_bytes,
+                                        max_num_seqs=64, seed=0), model_dir, version=0)
 
 
 # ---------------------------------------------------------------------------
@@ -124,7 +125,7 @@ def measure_reloads(engine, model_dir: Path, store_root: Path, repeats: int) -> 
         reload_s.append(engine.reload_weights(path, v))
         nbytes = m["bytes"]
     # the reloaded engine still generates
-    from producer.engine import SamplingConfig
+    from producer.sample import SamplingConfig
 
     engine.submit_group([5, 6, 7, 8], n=2, sampling=SamplingConfig(max_tokens=4, ignore_eos=True), tag="reload-check")
     out = []
@@ -181,16 +182,17 @@ def run_round(engine, workload, G: int, max_groups: int, tag: str, svc, mode: st
     """Generate every group of `workload`, keeping `max_groups` groups in flight.
 
     mode "with": every finished sample goes through the service's own
-    `_to_record` and `flush_pending` (`svc` is a ProducerService that was not
-    started, given our engine and publisher), then the round drains and waits
-    for every acknowledgement. "encode": `_to_record` + `common.record.encode`
+    `to_rollout` and `Outbox.flush` (`svc` is a ProducerService that was not
+    started, given our engine and outbox), then the round drains and waits
+    for every acknowledgement. "encode": `to_rollout` + `common.record.encode`
     only (the engine thread's share of the work, no Kafka). "without": nothing.
     """
     from common.record import encode
-    from producer.engine import SamplingConfig
-    from producer.service import GroupInfo
+    from producer.sample import SamplingConfig
 
-    info = GroupInfo(prompt_text="", answer="", prompt_ids=None, pending=G)
+    def to_record(s):
+        return s.to_rollout(0.0, {}, svc.producer_id, svc.sampling, prompt_text="")
+
     todo = list(enumerate(workload))
     left: dict[str, int] = {}
     tokens0, pub_s, n_samples = engine.stats.generated_tokens, 0.0, 0
@@ -213,19 +215,17 @@ def run_round(engine, workload, G: int, max_groups: int, tag: str, svc, mode: st
         if mode == "with" and finished:
             tp = time.perf_counter()
             for s in finished:
-                svc.pending.append(svc._to_record(s, info, 0.0, {}))
-            svc.flush_pending()
+                svc.outbox.add(to_record(s))
+            svc.outbox.flush()
             pub_s += time.perf_counter() - tp
         elif mode == "encode" and finished:
             tp = time.perf_counter()
             for s in finished:
-                encode(svc._to_record(s, info, 0.0, {}))
+                encode(to_record(s))
             pub_s += time.perf_counter() - tp
     if mode == "with":  # the drain: what the buffer still holds, then every acknowledgement
         tp = time.perf_counter()
-        while svc.pending:
-            svc.publisher.publish(svc.pending.pop(0), timeout=60)
-        svc.publisher.flush(timeout=60)
+        svc.outbox.drain(timeout_s=60)
         pub_s += time.perf_counter() - tp
     wall = time.perf_counter() - t0
     broker_cpu = _pid_cpu_seconds(BROKER_PID) - broker0
@@ -236,7 +236,8 @@ def run_round(engine, workload, G: int, max_groups: int, tag: str, svc, mode: st
 
 
 def service_stand_in(kafka, args, engine, publisher, max_tokens: int):
-    """A real ProducerService (its per-sample code), not started: our engine and publisher plugged in."""
+    """A real ProducerService (its per-sample code), not started: our engine and publisher plugged in
+    (the outbox's acknowledgement callback feeds a real TopicEnds, as in the service)."""
     from common.config import RlstreamConfig
     from producer.service import ProducerService
 
@@ -246,7 +247,11 @@ def service_stand_in(kafka, args, engine, publisher, max_tokens: int):
                      "max_groups_in_flight": args.max_groups, "num_threads": args.threads},
         "consumer": {"group_size": args.group_size}})
     svc = ProducerService(cfg, kafka.bootstrap_servers)
-    svc.engine, svc.publisher = engine, publisher
+    from producer.admission import TopicEnds
+    from producer.outbox import Outbox
+
+    svc.engine, svc.publisher, svc.topic_ends = engine, publisher, TopicEnds(kafka)
+    svc.outbox = Outbox(publisher, on_delivered=svc.topic_ends.on_delivered)
     return svc
 
 

@@ -75,7 +75,7 @@ def main() -> int:
     for i in range(args.producers):
         pc = cfg.model_copy(deep=True)
         pc.producer.producer_id = f"soak-p{i}"
-        pc.producer.seed = i
+        pc.producer.prompts.seed = i
         producers.append(Service("producer", write_config(pc, tmp / f"producer-{i}.yaml"), tmp / "logs",
                                  name=f"producer-{i}"))
     ckpt = Path(cfg.consumer.checkpoint_dir)

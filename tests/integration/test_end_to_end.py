@@ -66,7 +66,7 @@ def test_reward_window_helper_can_fail():
 @pytest.mark.timeout(900)
 def test_pipeline_learns_accounts_and_stops_cleanly(tmp_path):
     cfg = load_config(ROOT / "configs" / "tiny-cpu.yaml", [
-        f"model.path={tmp_path / 'tiny-model'}", f"producer.prompts_path={tmp_path / 'data' / 'train.jsonl'}",
+        f"model.path={tmp_path / 'tiny-model'}", f"producer.prompts.path={tmp_path / 'data' / 'train.jsonl'}",
         f"demo.work_dir={tmp_path / 'demo'}", *RL_SETTINGS], environ={})
     warm = prepare_warm(cfg)
     assert 0.05 <= warm.accuracy <= 0.5, f"warm start outside its band: {warm.accuracy}"

@@ -28,7 +28,7 @@ def second_model_dir(tmp_path_factory):
 
 @pytest.mark.timeout(300)
 def test_groups_produce_well_formed_samples(rollout_engine):
-    from producer.engine import SamplingConfig
+    from producer.sample import SamplingConfig
 
     eng = rollout_engine
     groups = {"g-a": "12+7=", "g-b": "99-45=", "g-c": "3+4+5="}
@@ -70,7 +70,7 @@ def test_groups_produce_well_formed_samples(rollout_engine):
 
 @pytest.mark.timeout(300)
 def test_reload_switches_version_and_greedy_outputs(rollout_engine, second_model_dir, tiny_model_dir):
-    from producer.engine import SamplingConfig
+    from producer.sample import SamplingConfig
 
     eng = rollout_engine
     greedy = SamplingConfig(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -98,7 +98,7 @@ def test_reload_switches_version_and_greedy_outputs(rollout_engine, second_model
 
 @pytest.mark.timeout(300)
 def test_tokens_after_a_mid_sample_reload_carry_the_new_version(rollout_engine, second_model_dir):
-    from producer.engine import SamplingConfig
+    from producer.sample import SamplingConfig
 
     eng = rollout_engine
     greedy = SamplingConfig(max_tokens=20, temperature=0.0, ignore_eos=True)
@@ -115,7 +115,10 @@ def test_tokens_after_a_mid_sample_reload_carry_the_new_version(rollout_engine, 
     for s in mixed:
         assert s.dispatch_version == 0
         assert s.token_versions == [(0, 5), (7, 15)]
-        assert s.weights_changed and s.oldest_version == 0
+        # the record carries the runs; staleness is measured from its oldest version
+        record = s.to_rollout(0.0, {}, "test", greedy)
+        assert s.weights_changed and record.oldest_version == 0
+        np.testing.assert_array_equal(record.token_versions, [[0, 5], [7, 15]])
         np.testing.assert_array_equal(s.response_ids[:5], pure.response_ids[:5])
         assert not np.array_equal(s.response_ids[5:], pure.response_ids[5:])
         assert s.routed_experts.shape[0] == s.prompt_ids.size + 19
@@ -123,7 +126,7 @@ def test_tokens_after_a_mid_sample_reload_carry_the_new_version(rollout_engine, 
 
 @pytest.mark.timeout(300)
 def test_abort_all_drops_in_flight_samples(rollout_engine):
-    from producer.engine import SamplingConfig
+    from producer.sample import SamplingConfig
 
     eng = rollout_engine
     eng.submit_group(eng.encode("1+1="), 3, SamplingConfig(max_tokens=50, ignore_eos=True), tag="ab")
@@ -139,7 +142,8 @@ def test_abort_all_drops_in_flight_samples(rollout_engine):
 
 @pytest.mark.timeout(120)
 def test_misuse_is_refused(rollout_engine):
-    from producer.engine import EngineError, SamplingConfig
+    from common.errors import EngineError
+    from producer.sample import SamplingConfig
 
     eng = rollout_engine
     with pytest.raises(EngineError, match="max_model_len"):
@@ -162,7 +166,7 @@ def test_misuse_is_refused(rollout_engine):
 @pytest.mark.timeout(300)
 def test_decode_throughput(rollout_engine):
     """Figure for the report (asserted loosely): 32 samples x 64 tokens."""
-    from producer.engine import SamplingConfig
+    from producer.sample import SamplingConfig
 
     eng = rollout_engine
     before_tok, before_s = eng.stats.generated_tokens, eng.stats.step_seconds

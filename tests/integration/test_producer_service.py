@@ -85,7 +85,8 @@ def producer(broker, tiny_model_dir, tmp_path_factory):
     cfg = RlstreamConfig.model_validate({
         "kafka": kafka.model_dump(), "model": {"path": str(tiny_model_dir), "build_tiny": False},
         "staleness": {"max_staleness": MAX_STALENESS},
-        "producer": {"group_size": G, "max_tokens": 6, "prompts_path": str(tmp / "data" / "train.jsonl"),
+        "producer": {"group_size": G, "max_tokens": 6,
+                     "prompts": {"type": "jsonl", "path": str(tmp / "data" / "train.jsonl")},
                      "http": {"port": port}, "max_groups_in_flight": 8, "run_file": str(tmp / "producer.run.json"),
                      "engine": {"kv_cache_memory_bytes": 64 << 20, "max_model_len": 64}},
         "consumer": {"group_size": G, "groups_per_batch": B}})

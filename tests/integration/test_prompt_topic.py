@@ -12,8 +12,9 @@ def test_kafka_prompt_source_serves_prompts_and_dead_letters_bad_ones(kafka_sett
 
     from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
+    from common.config import KafkaTopicPrompts
     from common.kafka.client import client_kwargs
-    from producer.prompts import KafkaPromptSource
+    from producer.prompts import KafkaPromptSource, open_prompt_source
 
     topic = kafka_settings.topics.rollouts.replace("rollouts", "prompts")
     p = KafkaProducer(**client_kwargs(kafka_settings), acks="all")
@@ -22,7 +23,8 @@ def test_kafka_prompt_source_serves_prompts_and_dead_letters_bad_ones(kafka_sett
     for m in msgs:
         p.send(topic, key=b"k", value=m if isinstance(m, bytes) else json.dumps(m).encode()).get(timeout=10)
     p.close()
-    src = KafkaPromptSource(kafka_settings, topic, group_id=f"g-{topic}")
+    src = open_prompt_source(KafkaTopicPrompts(topic=topic, group_id=f"g-{topic}"), kafka_settings)
+    assert isinstance(src, KafkaPromptSource)
     got, deadline = [], time.time() + 60
     while len(got) < 3 and time.time() < deadline:
         pr = src.take(timeout_s=0.5)

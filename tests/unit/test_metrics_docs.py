@@ -26,7 +26,7 @@ DECLARING_MODULES = {
     "common.kafka.reader": "consumer",
     "common.control.plane": "both",
     "common.control.http": "both",
-    "producer.service": "producer",
+    "producer.telemetry": "producer",
     "producer.prompts": "producer",
     "consumer.service": "consumer",
 }

@@ -185,7 +185,7 @@ def test_k8s_producer_and_consumer_match_the_config(tmp_path):
             vol = {v["name"]: v for v in w["spec"]["template"]["spec"]["volumes"]}[_mount_of(w, path)["name"]]
             pvc = find("PersistentVolumeClaim", vol["persistentVolumeClaim"]["claimName"])
             assert "ReadWriteMany" in pvc["spec"]["accessModes"], path
-    for path in (cfg.model.path, cfg.producer.prompts_path, cfg.kafka.ssl_cafile):
+    for path in (cfg.model.path, cfg.producer.prompts.path, cfg.kafka.ssl_cafile):
         _mount_of(prod, path)
 
 

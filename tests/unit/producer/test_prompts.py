@@ -3,9 +3,10 @@ import json
 
 import pytest
 
+from common.config import JsonlPrompts, KafkaSettings
 from common.errors import ConfigError
 from common.toy import tasks
-from producer.prompts import JsonlPromptSource
+from producer.prompts import JsonlPromptSource, open_prompt_source
 from producer.verifiers import get_verifier
 
 
@@ -51,3 +52,14 @@ def test_prompt_source_errors_name_the_line(tmp_path):
     ok.write_text('{"prompt": "2+2=", "answer": 4, "id": "q7"}\n')
     (p,) = list(JsonlPromptSource(ok, epochs=1))
     assert (p.prompt_id, p.text, p.answer, p.epoch) == ("q7", "2+2=", "4", 0)
+
+
+def test_open_prompt_source_builds_the_configured_jsonl_source(tmp_path):
+    path = tasks.write_jsonl(tmp_path / "t.jsonl", 10, seed=0)
+    src = open_prompt_source(JsonlPrompts(path=str(path), seed=5), KafkaSettings())
+    assert isinstance(src, JsonlPromptSource) and src.seed == 5 and len(src) == 10
+    assert [src.take().prompt_id for _ in range(10)] == [p.prompt_id for p in JsonlPromptSource(path, seed=5,
+                                                                                                 epochs=1)]
+    with pytest.raises(ConfigError) as e:
+        open_prompt_source(JsonlPrompts(path=str(tmp_path / "missing.jsonl")), KafkaSettings())
+    assert e.value.key == "producer.prompts.path"
