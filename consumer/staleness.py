@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from common.control.messages import ControlState
 from common.record import Rollout
+from consumer.assembler import Group
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,15 @@ class GateDecision:
     keep: bool
     staleness: int
     weights: tuple[float, ...]  # per sample, in group order (empty when dropped)
+
+
+@dataclass
+class ReadyGroup:
+    """A group the gate kept, with its staleness and per-sample weights."""
+
+    group: Group
+    staleness: int
+    weights: tuple[float, ...]
 
 
 def sample_staleness(r: Rollout, trainer_version: int) -> int:
