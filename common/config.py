@@ -16,6 +16,8 @@ Precedence (later wins):
 - CLI: `--set section.key=value` (repeatable), then the dedicated flags of
   `rlstream` (`--log-level`; `ctl --url/--token`), passed as `flags`.
 `--dry-run` prints the result, secrets (`SECRET_KEYS`) masked.
+The launcher's `WORLD_SIZE` (torchrun), when set, is given to the validators
+too, so a `consumer.parallel` layout that cannot fit the job is refused here.
 
 This module imports neither torch, vLLM nor Megatron, so a typo fails in a
 second, before any engine starts.
@@ -317,42 +319,136 @@ class ProducerSettings(_Section):
 
 # ------------------------------------------------------------- consumer
 
+LossName = Literal["minirl", "minirl_no_is", "minirl_length_norm", "grpo", "cispo"]
+"""The registered losses (consumer/losses.py registers each once; a unit test
+checks that this list equals the registry, so config.py needs no torch)."""
+
+
+class LossSettings(_Section):
+    """The policy-gradient objective (docs/algorithm.md, consumer/losses.py)."""
+
+    name: LossName = "minirl"
+    """minirl (the paper's), its ablations minirl_no_is / minirl_length_norm, grpo, cispo."""
+    eps_low: float = Field(0.2, ge=0, lt=1)
+    """Mask (MiniRL) or clip (GRPO, CISPO) below 1 - eps_low; < 1 so the bound stays positive."""
+    eps_high: float = Field(0.27, ge=0)
+    """Mask (MiniRL) or clip (GRPO, CISPO) above 1 + eps_high."""
+    is_cap: float = Field(5.0, gt=0)
+    """C: truncation of the token IS weight pi/mu_old."""
+    advantage: Literal["auto", "mean", "mean_std"] = "auto"
+    """auto: what the loss registered (mean-centred for MiniRL/CISPO, mean/std for GRPO)."""
+
+
+class OptimizerSettings(_Section):
+    """The optimizer of the trainer (consumer/trainer.py `build_optimizer`)."""
+
+    name: Literal["adamw", "sgd"] = "adamw"
+    """adamw (decoupled weight decay) or plain sgd (betas, eps and weight_decay unused)."""
+    lr: float = Field(1e-4, gt=0)
+    """Learning rate (configs/tiny-cpu.yaml measured 2e-4 for the tiny model)."""
+    weight_decay: float = Field(0.0, ge=0)
+    """Decoupled weight decay (AdamW only)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW's moment decay rates, each in [0, 1)."""
+    eps: float = Field(1e-8, gt=0)
+    """AdamW's epsilon."""
+    grad_clip: float = Field(1.0, ge=0)
+    """Largest global gradient norm (over every shard); 0 turns clipping off."""
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in v):
+            raise ValueError(f"each beta must be in [0, 1), got {list(v)}")
+        return v
+
+
+class ParallelSettings(_Section):
+    """Tensor/expert-parallel layout under torchrun. The data-parallel size is
+    world size / tensor; Megatron carves expert-parallel groups out of the
+    data-parallel ranks, so `expert` must divide it. The world size is known
+    where the launcher sets WORLD_SIZE (torchrun): the loader checks the layout
+    then, `--dry-run` included."""
+
+    tensor: int = Field(1, ge=1)
+    """Tensor-parallel size (sequence parallel too; it must divide the KV heads,
+    the expert FFN width and the vocabulary)."""
+    expert: int = Field(1, ge=1)
+    """Expert-parallel size (must divide the number of experts and the data-parallel size)."""
+
+    @field_validator("tensor")
+    @classmethod
+    def _tensor_fits(cls, v: int, info: ValidationInfo) -> int:
+        world = (info.context or {}).get("world_size")
+        if world and world % v:
+            raise ValueError(f"world size {world} is not a multiple of tensor={v}; launch a "
+                             "multiple of it (torchrun --nproc_per_node)")
+        return v
+
+    @field_validator("expert")
+    @classmethod
+    def _expert_fits(cls, v: int, info: ValidationInfo) -> int:
+        world, tensor = (info.context or {}).get("world_size"), info.data.get("tensor")
+        if world and tensor and world % tensor == 0 and (world // tensor) % v:
+            raise ValueError(f"expert={v} must divide the data-parallel size "
+                             f"world/tensor = {world}/{tensor} = {world // tensor}")
+        return v
+
+    def data_parallel(self, world_size: int) -> int:
+        """world size / tensor, after checking that the layout fits `world_size`."""
+        ctx = {"world_size": world_size}
+        try:  # the same checks as at load time, now that the world size is known
+            ParallelSettings.model_validate(self.model_dump(), context=ctx)
+        except ValidationError as e:
+            err = e.errors()[0]
+            raise ConfigError(err["msg"].removeprefix("Value error, "),
+                              key=f"consumer.parallel.{err['loc'][0]}") from None
+        return world_size // self.tensor
+
+
 class ConsumerSettings(_Section):
+    """The trainer service (consumer/service.py) and its trainer (consumer/trainer.py)."""
+
     group_size: int = Field(8, ge=1, le=1024)
     """G: samples per group (must match the producers)."""
     groups_per_batch: int = Field(4, ge=1)
     """B: groups per global batch."""
     num_minibatches: int = Field(1, ge=1)
-    """N: updates per global batch (1 = on-policy)."""
-    loss: Literal["minirl", "minirl_no_is", "minirl_length_norm", "grpo", "cispo"] = "minirl"
-    replay: Literal["none", "R2", "R3"] = "none"
-    lr: float = Field(1e-4, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    grad_clip: float = Field(1.0, gt=0)
-    eps_low: float = Field(0.2, ge=0)
-    eps_high: float = Field(0.27, ge=0)
-    is_cap: float = Field(5.0, gt=0)
-    """C: truncation of the token IS weight."""
+    """N: updates per global batch (1 = on-policy); at most B x G."""
     group_timeout_s: float = Field(120.0, gt=0)
     """An incomplete group older than this is dropped and counted."""
-    checkpoint_dir: str = "runs/checkpoints"
-    keep_checkpoints: int = Field(2, ge=1)
-    weight_store_dir: str = "runs/weights"
-    keep_versions: int = Field(3, ge=1)
     max_steps: int | None = Field(None, ge=1)
     """Stop after this many global steps (None: run until stopped)."""
-    tensor_parallel_size: int = Field(1, ge=1)
-    expert_parallel_size: int = Field(1, ge=1)
+    checkpoint_dir: str = "runs/checkpoints"
+    """Checkpoints (model, optimizer, offsets) and the audit log trained.jsonl;
+    shared by every rank under torchrun."""
+    keep_checkpoints: int = Field(2, ge=1)
+    """Complete checkpoints kept (the newest)."""
+    weight_store_dir: str = "runs/weights"
+    """Versioned HF weight directories the producers load."""
+    keep_versions: int = Field(3, ge=1)
+    """Weight versions kept; producers must not lag further behind."""
+    replay: Literal["none", "R2", "R3"] = "none"
+    """Routing replay (consumer/replay.py): none, R2 (pi_old's routing) or R3 (the rollout's)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Training precision of parameters and compute (bf16 keeps no fp32 master copy)."""
-    optimizer: Literal["adamw", "sgd"] = "adamw"
-    advantage: Literal["auto", "mean", "mean_std"] = "auto"
-    """auto: mean-centred for MiniRL/CISPO, mean/std for GRPO (docs/algorithm.md)."""
+    loss: LossSettings = LossSettings()
+    optimizer: OptimizerSettings = OptimizerSettings()
+    parallel: ParallelSettings = ParallelSettings()
     http: HttpSettings = HttpSettings()
     num_threads: int = Field(1, ge=1)
+    """torch/OpenMP threads of each trainer process."""
     run_file: str | None = None
     """JSON status file (pid, HTTP address; final outcome counters at stop) for
     supervisors and tests (common/runfile.py); written by rank 0. None: none."""
+
+    @field_validator("num_minibatches")
+    @classmethod
+    def _minibatches_fit(cls, v: int, info: ValidationInfo) -> int:
+        samples = info.data.get("group_size", 0) * info.data.get("groups_per_batch", 0)
+        if samples and v > samples:
+            raise ValueError(f"{v} mini-batches cannot be cut from a batch of B x G = {samples} samples")
+        return v
 
 
 class DemoSettings(_Section):
@@ -534,6 +630,12 @@ def _read_file(path: str | os.PathLike | None) -> dict[str, Any]:
     return tree
 
 
+def _launch_context(environ: Mapping[str, str]) -> dict[str, Any]:
+    """What the launcher tells the validators: torchrun's WORLD_SIZE (ParallelSettings)."""
+    world = environ.get("WORLD_SIZE", "")
+    return {"world_size": int(world)} if world.isdigit() and int(world) > 0 else {}
+
+
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None,
                 environ: Mapping[str, str] | None = None,
                 flags: Mapping[str, Any] | None = None) -> RlstreamConfig:
@@ -549,7 +651,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
     for dotted, value, source in layers:
         _set_path(tree, dotted, value, source)
     try:
-        return RlstreamConfig.model_validate(tree)
+        return RlstreamConfig.model_validate(tree, context=_launch_context(environ))
     except ValidationError as e:
         raise _format_validation(e) from None
 

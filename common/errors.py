@@ -76,3 +76,35 @@ class WeightReloadError(RlstreamError):
     """A verified weight version failed to load and restoring the previous one
     failed too: the engine's weights are inconsistent, so the producer exits and
     its supervisor restarts it on a clean engine."""
+
+
+class InvalidSampleError(RlstreamError):
+    """Training samples cannot make a batch: shapes, incomplete groups, too few
+    samples for the mini-batches, routing that does not fit the model.
+
+    A data error, not a configuration error: the records passed the reader's
+    validation, so the producer and the trainer disagree (check that both run
+    the same model and group size).
+    """
+
+
+class ParallelLayoutError(ConfigError):
+    """The model or its tensors do not fit the tensor/expert-parallel layout.
+
+    `key` names the setting to change (e.g. "consumer.parallel.tensor").
+    """
+
+
+class CheckpointError(RlstreamError):
+    """A trainer checkpoint is incomplete or does not match this model and
+    parallel layout (resume with the layout that wrote it, or move it away)."""
+
+
+class ModelError(RlstreamError):
+    """The HF model directory is not a Qwen3-MoE checkpoint rlstream can train:
+    its config.json and weights disagree, or it uses an unsupported feature."""
+
+
+class RankProtocolError(RlstreamError):
+    """A rank received a command it does not know from rank 0 (the ranks run
+    different rlstream versions: restart them all from one install)."""

@@ -15,13 +15,15 @@ loss normalisers, see consumer/losses.py).
 """
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from common.errors import RlstreamError
+from common.errors import ConfigError, InvalidSampleError
+from common.record import Rollout
 
 ADVANTAGE_MODES = ("mean", "mean_std")
 
@@ -43,18 +45,36 @@ class TrainSample:
     group_id: str
     routed_experts: np.ndarray | None = None
     sample_weight: float = 1.0
+    from_record: bool = field(default=False, compare=False)
+    """Built by `from_rollout`: common.record.validate already checked the shapes."""
+
+    @classmethod
+    def from_rollout(cls, r: Rollout, weight: float = 1.0) -> "TrainSample":
+        """A validated rollout record, weighted by the staleness gate."""
+        return cls(prompt_ids=r.prompt_ids, response_ids=r.response_ids, logprobs=r.logprobs,
+                   reward=r.reward, group_id=r.group_id, routed_experts=r.routed_experts,
+                   sample_weight=weight, from_record=True)
 
     def validate(self) -> None:
+        """The sample weight (the gate's, which no record carries), and for samples
+        not built from a record the shapes `common.record.validate` guarantees."""
+        if not (math.isfinite(self.sample_weight) and self.sample_weight >= 0):
+            raise InvalidSampleError(f"sample of group {self.group_id!r}: sample_weight "
+                                     f"{self.sample_weight} must be finite and >= 0")
+        if not self.from_record:
+            self._check_shapes()
+
+    def _check_shapes(self) -> None:
         p, t = len(self.prompt_ids), len(self.response_ids)
         if p < 1 or t < 1:
-            raise RlstreamError(f"sample of group {self.group_id!r}: empty prompt or response")
+            raise InvalidSampleError(f"sample of group {self.group_id!r}: empty prompt or response")
         if self.logprobs.shape != (t,):
-            raise RlstreamError(f"sample of group {self.group_id!r}: logprobs shape "
-                                f"{self.logprobs.shape}, expected ({t},)")
+            raise InvalidSampleError(f"sample of group {self.group_id!r}: logprobs shape "
+                                     f"{self.logprobs.shape}, expected ({t},)")
         r = self.routed_experts
         if r is not None and (r.ndim != 3 or r.shape[0] not in (p + t - 1, t)):
-            raise RlstreamError(f"sample of group {self.group_id!r}: routed_experts shape "
-                                f"{r.shape}, expected ({p + t - 1} or {t}, layers, top_k)")
+            raise InvalidSampleError(f"sample of group {self.group_id!r}: routed_experts shape "
+                                     f"{r.shape}, expected ({p + t - 1} or {t}, layers, top_k)")
 
 
 @dataclass
@@ -99,15 +119,15 @@ def group_advantages(samples: list[TrainSample], group_size: int,
     with the unbiased std (GRPO).
     """
     if mode not in ADVANTAGE_MODES:
-        raise RlstreamError(f"advantage mode {mode!r} not in {ADVANTAGE_MODES}")
+        raise ConfigError(f"advantage mode {mode!r} not in {ADVANTAGE_MODES}", "consumer.loss.advantage")
     groups: OrderedDict[str, list[TrainSample]] = OrderedDict()
     for s in samples:
         groups.setdefault(s.group_id, []).append(s)
     ordered, adv = [], []
     for gid, members in groups.items():
         if len(members) != group_size:
-            raise RlstreamError(f"group {gid!r} has {len(members)} samples, expected "
-                                f"{group_size}; the assembler must pass complete groups")
+            raise InvalidSampleError(f"group {gid!r} has {len(members)} samples, expected "
+                                     f"{group_size}; the assembler must pass complete groups")
         r = np.array([m.reward for m in members], dtype=np.float64)
         a = r - r.mean()
         if mode == "mean_std":
@@ -141,7 +161,7 @@ def _pad_minibatch(samples: list[TrainSample], adv: np.ndarray, pad_id: int,
     mu = np.zeros((b, s_len), dtype=np.float32)
     with_routing = [x.routed_experts is not None for x in samples]
     if any(with_routing) and not all(with_routing):
-        raise RlstreamError("a mini-batch mixes samples with and without routed_experts")
+        raise InvalidSampleError("a mini-batch mixes samples with and without routed_experts")
     routing = routing_mask = None
     if all(with_routing):
         _, n_layers, k = samples[0].routed_experts.shape
@@ -186,8 +206,8 @@ def build_global_batch(samples: list[TrainSample], group_size: int, num_minibatc
     ordered, adv = group_advantages(samples, group_size, advantage_mode)
     n = len(ordered)
     if num_minibatches < 1 or n < num_minibatches * dp_size:
-        raise RlstreamError(f"{n} samples cannot fill {num_minibatches} mini-batches x "
-                            f"{dp_size} data-parallel ranks")
+        raise InvalidSampleError(f"{n} samples cannot fill {num_minibatches} mini-batches x "
+                                 f"{dp_size} data-parallel ranks")
     minibatches = []
     for mb_idx in np.array_split(np.arange(n), num_minibatches):
         mb_tokens = int(sum(len(ordered[i].response_ids) for i in mb_idx))

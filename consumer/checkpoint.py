@@ -3,6 +3,7 @@
     <dir>/step-00000012/trainer.pt    model + optimizer state (torch.save, loaded
                                       with weights_only=True: tensors and plain data)
     <dir>/step-00000012/state.json    version, offsets, processed rollout ids, counters
+    <dir>/trained.jsonl               audit log: one line per step, the trained rollout ids
 
 Under tensor or expert parallelism each (tp rank, ep rank) holds different
 weights and optimizer state, so the trainer state is one shard per pair,
@@ -16,9 +17,10 @@ directory renamed into place and its parent fsynced. A directory without
 complete one; the newest `keep` are kept.
 
 Offsets are the consumer's commit: Kafka offsets are never committed to the
-broker, only here, together with the weights they produced. On restart the
-reader seeks to `offsets` and the assembler skips the ids in `processed`, so each
-record is trained at most once.
+broker, only here, together with the weights they produced. What the offsets
+and `processed` mean is the ledger's (consumer/ledger.py): on restart the
+reader seeks to `offsets` and the ledger skips the records in `processed`, so
+each record is trained at most once.
 """
 from __future__ import annotations
 
@@ -29,10 +31,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from common.errors import CheckpointError
 from common.fsutil import commit_dir, staging_dir
 
 STATE = "state.json"
 TRAINER = "trainer.pt"
+AUDIT = "trained.jsonl"
 
 
 @dataclass
@@ -90,7 +94,8 @@ class CheckpointManager:
         """Write state.json and rename `tmp` into place once every shard is there."""
         missing = [n for n in shards if not (tmp / n).is_file()]
         if missing:
-            raise RuntimeError(f"checkpoint {tmp} is missing shards {missing}")
+            raise CheckpointError(f"checkpoint {tmp} is missing shards {missing}: a rank did not "
+                                  "write its shard (is checkpoint_dir shared by every rank?)")
         final = self.root / f"step-{state.step:08d}"
         (tmp / STATE).write_text(json.dumps(asdict(state)))
         commit_dir(tmp, final)
@@ -113,8 +118,20 @@ class CheckpointManager:
         import torch
 
         if not (path / name).is_file():
-            from common.errors import ConfigError
             have = sorted(p.name for p in path.glob("trainer*.pt"))
-            raise ConfigError(f"{path} has no {name} (it has {have}): the checkpoint was written "
-                              "with another tensor/expert-parallel layout", "consumer.checkpoint_dir")
+            raise CheckpointError(f"{path} has no {name} (it has {have}): the checkpoint was written "
+                                  "with another consumer.parallel layout; resume with that layout "
+                                  "or move consumer.checkpoint_dir away")
         return torch.load(path / name, map_location="cpu", weights_only=True)
+
+    def audit(self, entry: dict[str, Any]) -> None:
+        """Append `entry` to <root>/trained.jsonl (before the checkpoint commits).
+
+        A step whose checkpoint never committed is redone after a restart and
+        logged again under the same step number: the last line per step is the
+        committed one. Operators and tests use it to check exactly-once.
+        """
+        with open(self.root / AUDIT, "a") as f:
+            f.write(json.dumps(entry) + "\n")
+            f.flush()
+            os.fsync(f.fileno())

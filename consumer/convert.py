@@ -34,7 +34,8 @@ from pathlib import Path
 
 import torch
 
-from common.errors import ConfigError, RlstreamError
+from common.errors import ConfigError, ModelError, ParallelLayoutError
+from consumer.parallel import ranks
 
 MG_LAYER = "decoder.layers.{i}."
 HF_LAYER = "model.layers.{i}."
@@ -156,9 +157,9 @@ def _check_keys(sd, expected: set[str], what: str) -> None:
     missing = expected - set(sd)
     extra = set(sd) - expected
     if missing or extra:
-        raise RlstreamError(f"{what} does not match the config: missing "
-                            f"{sorted(missing)[:5]}, unexpected {sorted(extra)[:5]}; "
-                            "check config.json against the weights")
+        raise ModelError(f"{what} does not match the config: missing "
+                         f"{sorted(missing)[:5]}, unexpected {sorted(extra)[:5]}; "
+                         "check config.json against the weights")
 
 
 # ---------------------------------------------------------------- TP / EP shards
@@ -200,11 +201,13 @@ def _tp_join(parts: list[torch.Tensor], dim: int, kind: str, dims) -> torch.Tens
 
 
 def check_shardable(dims, tp: int, ep: int) -> None:
-    for what, n, by in [("num_key_value_heads", dims.num_kv_heads, tp),
-                        ("moe_intermediate_size", dims.moe_ffn_hidden_size, tp),
-                        ("vocab_size", dims.vocab_size, tp), ("num_experts", dims.num_experts, ep)]:
+    for what, n, by, key in [
+            ("num_key_value_heads", dims.num_kv_heads, tp, "consumer.parallel.tensor"),
+            ("moe_intermediate_size", dims.moe_ffn_hidden_size, tp, "consumer.parallel.tensor"),
+            ("vocab_size", dims.vocab_size, tp, "consumer.parallel.tensor"),
+            ("num_experts", dims.num_experts, ep, "consumer.parallel.expert")]:
         if n % by:
-            raise ConfigError(f"{what}={n} is not divisible by {by}", "trainer.parallel")
+            raise ParallelLayoutError(f"the model's {what}={n} is not divisible by {by}", key)
 
 
 def shard_megatron(full: dict, dims, tp_rank: int = 0, tp_size: int = 1,
@@ -249,13 +252,6 @@ def unshard_megatron(shards: dict[tuple[int, int], dict], dims, tp_size: int = 1
 # ---------------------------------------------------------------- model level
 
 
-def _ranks() -> tuple[int, int, int, int]:
-    from megatron.core import parallel_state as ps
-
-    return (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
-            ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size())
-
-
 def local_megatron_state_dict(model) -> dict[str, torch.Tensor]:
     """The model's own tensors (no `_extra_state` placeholders)."""
     return {k: v for k, v in model.state_dict().items()
@@ -265,15 +261,19 @@ def local_megatron_state_dict(model) -> dict[str, torch.Tensor]:
 def load_hf_state_dict(model, hf: dict[str, torch.Tensor]) -> None:
     """Load on-disk HF tensors into this rank's Megatron model (copying)."""
     dims = model.hf_dims
-    tp_rank, tp, ep_rank, ep = _ranks()
+    tp_rank, tp, ep_rank, ep = ranks()
     local = shard_megatron(hf_to_megatron(hf, dims), dims, tp_rank, tp, ep_rank, ep)
     own = local_megatron_state_dict(model)
-    _check_keys(local, set(own), "converted Megatron state dict")
+    if set(local) != set(own):
+        raise ParallelLayoutError(f"this rank's shard of the checkpoint has other tensors than its "
+                                  f"model: missing {sorted(set(own) - set(local))[:5]}, unexpected "
+                                  f"{sorted(set(local) - set(own))[:5]}", "consumer.parallel")
     with torch.no_grad():
         for name, t in own.items():
             if t.shape != local[name].shape:
-                raise RlstreamError(f"{name}: shape {tuple(local[name].shape)} from the "
-                                    f"checkpoint, model expects {tuple(t.shape)}")
+                raise ParallelLayoutError(f"{name}: shape {tuple(local[name].shape)} from the "
+                                          f"checkpoint, model expects {tuple(t.shape)}",
+                                          "consumer.parallel")
             t.copy_(local[name])
 
 
@@ -281,7 +281,7 @@ def gather_megatron_state_dict(model) -> dict[str, torch.Tensor]:
     """The full (unsharded) Megatron dict, on every rank (CPU tensors)."""
     import torch.distributed as dist
 
-    tp_rank, tp, ep_rank, ep = _ranks()
+    tp_rank, tp, ep_rank, ep = ranks()
     local = {k: v.detach().cpu() for k, v in local_megatron_state_dict(model).items()}
     if tp == 1 and ep == 1:
         return local

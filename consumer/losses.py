@@ -1,8 +1,12 @@
 """Policy-gradient losses: MiniRL (docs/algorithm.md), its ablations, GRPO, CISPO.
 
-Pure functions over one mini-batch, selected by name with `get_loss_fn(name)`.
-Every function takes `(inp: LossInputs, cfg: LossConfig)` and returns
-`(loss, metrics)`; `loss` is a scalar to *minimise* (minus the objective).
+Pure functions over one mini-batch, each registered once under its name
+(`@register_loss`) with the advantage it expects, selected with
+`get_loss_fn(name)`. Every function takes `(inp: LossInputs, cfg: LossSettings)`
+(`consumer.loss` of the config, common/config.py) and returns `(loss,
+metrics)`; `loss` is a scalar to *minimise* (minus the objective).
+`common.config.LossName` lists the registered names for the config loader
+(which imports no torch); a unit test keeps the two equal.
 
 Shapes (B responses in this rank's mini-batch, S positions):
     logprobs          float[B, S]  log pi(y_t), with grad (current policy)
@@ -43,6 +47,7 @@ from typing import Callable
 
 import torch
 
+from common.config import LossSettings
 from common.errors import ConfigError
 
 
@@ -60,14 +65,25 @@ class LossInputs:
     num_tokens: int
 
 
+LossFn = Callable[[LossInputs, LossSettings], "tuple[torch.Tensor, dict[str, float]]"]
+
+
 @dataclass(frozen=True)
-class LossConfig:
-    eps_low: float = 0.2
-    eps_high: float = 0.27
-    is_cap: float = 5.0
+class RegisteredLoss:
+    fn: LossFn
+    advantage: str
+    """The advantage mode consumer/batch.py builds for it under `advantage: auto`."""
 
 
-LossFn = Callable[[LossInputs, LossConfig], "tuple[torch.Tensor, dict[str, float]]"]
+LOSSES: dict[str, RegisteredLoss] = {}
+
+
+def register_loss(name: str, advantage: str = "mean") -> Callable[[LossFn], LossFn]:
+    """Register a loss under `name` (add it to common.config.LossName too)."""
+    def add(fn: LossFn) -> LossFn:
+        LOSSES[name] = RegisteredLoss(fn, advantage)
+        return fn
+    return add
 
 
 # ---------------------------------------------------------------- shared pieces
@@ -78,7 +94,7 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
     return float((x * mask).sum() / n) if n > 0 else 0.0
 
 
-def _base_metrics(inp: LossInputs, cfg: LossConfig, ratio: torch.Tensor) -> dict[str, float]:
+def _base_metrics(inp: LossInputs, cfg: LossSettings, ratio: torch.Tensor) -> dict[str, float]:
     m = inp.mask
     w = torch.exp(inp.logprobs.detach() - inp.rollout_logprobs)
     return {
@@ -95,7 +111,7 @@ def _ratio(inp: LossInputs) -> torch.Tensor:
     return torch.exp(inp.logprobs.detach() - inp.old_logprobs)
 
 
-def decoupled_token_mask(ratio: torch.Tensor, adv: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
+def decoupled_token_mask(ratio: torch.Tensor, adv: torch.Tensor, cfg: LossSettings) -> torch.Tensor:
     """M_t of MiniRL: False where A > 0 and r > 1+eps_high, or A < 0 and r < 1-eps_low."""
     a = adv.unsqueeze(-1)
     drop = ((a > 0) & (ratio > 1 + cfg.eps_high)) | ((a < 0) & (ratio < 1 - cfg.eps_low))
@@ -105,7 +121,7 @@ def decoupled_token_mask(ratio: torch.Tensor, adv: torch.Tensor, cfg: LossConfig
 # ---------------------------------------------------------------- MiniRL family
 
 
-def _minirl(inp: LossInputs, cfg: LossConfig, is_correction: bool, length_norm: bool):
+def _minirl(inp: LossInputs, cfg: LossSettings, is_correction: bool, length_norm: bool):
     ratio = _ratio(inp)
     keep = decoupled_token_mask(ratio, inp.advantages, cfg) & inp.mask
     if is_correction:
@@ -122,17 +138,20 @@ def _minirl(inp: LossInputs, cfg: LossConfig, is_correction: bool, length_norm: 
     return loss, metrics
 
 
-def minirl(inp: LossInputs, cfg: LossConfig):
+@register_loss("minirl")
+def minirl(inp: LossInputs, cfg: LossSettings):
     """The paper's MiniRL: truncated IS weight, decoupled token mask, plain sum."""
     return _minirl(inp, cfg, is_correction=True, length_norm=False)
 
 
-def minirl_no_is(inp: LossInputs, cfg: LossConfig):
+@register_loss("minirl_no_is")
+def minirl_no_is(inp: LossInputs, cfg: LossSettings):
     """Ablation: MiniRL without the training-inference IS correction."""
     return _minirl(inp, cfg, is_correction=False, length_norm=False)
 
 
-def minirl_length_norm(inp: LossInputs, cfg: LossConfig):
+@register_loss("minirl_length_norm")
+def minirl_length_norm(inp: LossInputs, cfg: LossSettings):
     """Ablation: MiniRL with each response's sum divided by its length."""
     return _minirl(inp, cfg, is_correction=True, length_norm=True)
 
@@ -140,7 +159,8 @@ def minirl_length_norm(inp: LossInputs, cfg: LossConfig):
 # ---------------------------------------------------------------- baselines
 
 
-def grpo(inp: LossInputs, cfg: LossConfig):
+@register_loss("grpo", advantage="mean_std")
+def grpo(inp: LossInputs, cfg: LossSettings):
     """GRPO (PPO-clip surrogate, per-response length mean); no discrepancy correction."""
     ratio = torch.exp(inp.logprobs - inp.old_logprobs)  # with grad
     a = inp.advantages.unsqueeze(-1)
@@ -155,7 +175,8 @@ def grpo(inp: LossInputs, cfg: LossConfig):
     return loss, metrics
 
 
-def cispo(inp: LossInputs, cfg: LossConfig):
+@register_loss("cispo")
+def cispo(inp: LossInputs, cfg: LossSettings):
     """CISPO: stop-gradient clipped ratio times A log pi; never masks a token."""
     ratio = _ratio(inp)
     w = ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high)
@@ -168,19 +189,18 @@ def cispo(inp: LossInputs, cfg: LossConfig):
     return loss, metrics
 
 
-LOSSES: dict[str, LossFn] = {
-    "minirl": minirl, "minirl_no_is": minirl_no_is,
-    "minirl_length_norm": minirl_length_norm, "grpo": grpo, "cispo": cispo,
-}
-# advantage mode each loss expects from consumer/batch.py
-ADVANTAGE_MODE = {"minirl": "mean", "minirl_no_is": "mean", "minirl_length_norm": "mean",
-                  "grpo": "mean_std", "cispo": "mean"}
-
-
 def get_loss_fn(name: str) -> LossFn:
-    """The loss function called `name` (one of LOSSES)."""
+    """The loss function registered as `name`."""
     try:
-        return LOSSES[name]
+        return LOSSES[name].fn
     except KeyError:
         raise ConfigError(f"unknown loss {name!r}; choose one of {sorted(LOSSES)}",
-                          "trainer.loss") from None
+                          "consumer.loss.name") from None
+
+
+def advantage_mode(cfg: LossSettings) -> str:
+    """The advantage mode for `cfg`: its own, or under `auto` the one its loss registered."""
+    if cfg.advantage != "auto":
+        return cfg.advantage
+    get_loss_fn(cfg.name)  # unknown name: the ConfigError above
+    return LOSSES[cfg.name].advantage

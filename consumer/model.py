@@ -1,8 +1,8 @@
 """Megatron-core GPT MoE model built from an HF Qwen3-MoE checkpoint.
 
     dims = read_hf_dims(dir)                # config.json -> HFModelDims
-    init_parallel(ParallelConfig(tp, ep, dp))  # torch.distributed + Megatron groups
-    model = load_hf_checkpoint(dir)         # GPTModel with the HF weights
+    model = load_hf_checkpoint(dir, layout) # GPTModel with the HF weights (initialises
+                                            # the parallel state: consumer/parallel.py)
     lp = per_token_logprobs(model, tokens)  # [B, S-1] log p(tokens[:, 1:]) (TP: vocab-parallel)
 
 The Megatron config mirrors Qwen3-MoE: RMSNorm, q/k RMSNorm per head
@@ -30,38 +30,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from common.errors import ConfigError
+from common.errors import ConfigError, ModelError
 from consumer import megatron_shims
+from consumer.parallel import ParallelLayout, init_parallel, padded_length
 
-# ---------------------------------------------------------------- configs
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    """Parallel layout. world size = tp * dp; ep divides dp (Megatron carves
-    expert-parallel groups out of the data-parallel ranks). Experts are split
-    over the same tp ranks as the dense layers (expert TP = tp)."""
-
-    tp: int = 1
-    ep: int = 1
-    dp: int = 1
-
-    def validate(self, world_size: int) -> None:
-        if min(self.tp, self.ep, self.dp) < 1:
-            raise ConfigError("tp, ep and dp must be >= 1", "trainer.parallel")
-        if self.tp * self.dp != world_size:
-            raise ConfigError(f"tp*dp = {self.tp * self.dp} but world size is {world_size}; "
-                              "launch tp*dp processes (torchrun --nproc_per_node)",
-                              "trainer.parallel")
-        if self.dp % self.ep:
-            raise ConfigError(f"ep={self.ep} must divide dp={self.dp}", "trainer.parallel.ep")
+# ---------------------------------------------------------------- model dims
 
 
 @dataclass(frozen=True)
@@ -85,12 +64,12 @@ class HFModelDims:
     @classmethod
     def from_hf_config(cls, c: dict) -> "HFModelDims":
         if c.get("model_type") not in ("qwen3_moe", None):
-            raise ConfigError(f"model_type {c.get('model_type')!r} is not qwen3_moe", "model")
+            raise ModelError(f"config.json: model_type {c.get('model_type')!r} is not qwen3_moe")
         if c.get("mlp_only_layers") or c.get("decoder_sparse_step", 1) != 1:
-            raise ConfigError("dense (mlp_only) layers are not supported; every layer "
-                              "must be MoE", "model.mlp_only_layers")
+            raise ModelError("config.json: dense (mlp_only_layers, decoder_sparse_step) layers "
+                             "are not supported; every layer must be MoE")
         if not c.get("norm_topk_prob", True):
-            raise ConfigError("norm_topk_prob=False is not supported", "model.norm_topk_prob")
+            raise ModelError("config.json: norm_topk_prob=False is not supported")
         rope = c.get("rope_parameters") or {}
         theta = rope.get("rope_theta", c.get("rope_theta", 10000.0))
         return cls(
@@ -111,46 +90,6 @@ def read_hf_dims(hf_dir: str | os.PathLike) -> HFModelDims:
     if not path.exists():
         raise ConfigError(f"{path} not found: point at an HF Qwen3-MoE directory", "model.path")
     return HFModelDims.from_hf_config(json.loads(path.read_text()))
-
-
-# ---------------------------------------------------------------- parallel state
-
-
-def init_parallel(par: ParallelConfig = ParallelConfig()) -> None:
-    """Initialise torch.distributed and Megatron's groups once per process.
-
-    Under torchrun (RANK/WORLD_SIZE set) uses env://; otherwise a world of one
-    through a FileStore in a temp dir (no port to pick). gloo on CPU, nccl on
-    GPU. A second call with the same layout is a no-op; a different layout
-    raises (Megatron's groups are process-global).
-    """
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    megatron_shims.apply()
-    if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            dist.init_process_group(backend=backend)
-        else:
-            store = os.path.join(tempfile.mkdtemp(prefix="rlstream-dist-"), "store")
-            dist.init_process_group(backend=backend, init_method=f"file://{store}",
-                                    rank=0, world_size=1)
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    par.validate(dist.get_world_size())
-    if ps.model_parallel_is_initialized():
-        have = (ps.get_tensor_model_parallel_world_size(),
-                ps.get_expert_model_parallel_world_size())
-        if have != (par.tp, par.ep):
-            raise ConfigError(f"parallel state already initialised with tp,ep={have}",
-                              "trainer.parallel")
-        return
-    ps.initialize_model_parallel(tensor_model_parallel_size=par.tp,
-                                 expert_model_parallel_size=par.ep)
-    if torch.cuda.is_available():
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-        model_parallel_cuda_manual_seed(1234)
 
 
 # ---------------------------------------------------------------- model
@@ -249,7 +188,7 @@ def build_model(dims: HFModelDims, dtype: torch.dtype = torch.float32):
     return model
 
 
-def load_hf_checkpoint(hf_dir: str | os.PathLike, par: ParallelConfig | None = None,
+def load_hf_checkpoint(hf_dir: str | os.PathLike, par: ParallelLayout | None = None,
                        dtype: torch.dtype = torch.float32):
     """Build the Megatron model for `hf_dir` and load its safetensors weights.
 
@@ -258,7 +197,7 @@ def load_hf_checkpoint(hf_dir: str | os.PathLike, par: ParallelConfig | None = N
     """
     from consumer import convert
 
-    init_parallel(par or ParallelConfig())
+    init_parallel(par or ParallelLayout())
     dims = read_hf_dims(hf_dir)
     hf_sd = convert.read_hf_safetensors(hf_dir)
     model = build_model(dims, dtype)
@@ -267,22 +206,6 @@ def load_hf_checkpoint(hf_dir: str | os.PathLike, par: ParallelConfig | None = N
 
 
 # ---------------------------------------------------------------- forward
-
-
-def sequence_shard(model) -> tuple[int, int]:
-    """(rank, size) of the sequence split of sequence parallelism; (0, 1) without."""
-    if not model.config.sequence_parallel:
-        return 0, 1
-    from megatron.core import parallel_state as ps
-
-    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
-
-
-def padded_length(seq: int, model) -> int:
-    """The forward's sequence length: `seq` rounded up to a multiple of the
-    sequence-parallel size (the sequence is split evenly over TP ranks)."""
-    size = sequence_shard(model)[1]
-    return -(-seq // size) * size
 
 
 def forward_logits(model, tokens: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,8 @@ from typing import Callable
 
 import torch
 
-from common.errors import ConfigError
+from common.errors import ConfigError, InvalidSampleError, ModelError
+from consumer.parallel import gather_sequence, padded_length, sequence_shard
 
 
 class ReplayMode(str, Enum):
@@ -47,7 +48,7 @@ class ReplayMode(str, Enum):
             if str(value).lower() in (m.value.lower(), m.name.lower()):
                 return m
         raise ConfigError(f"unknown routing replay mode {value!r}; use none, R2 or R3",
-                          "trainer.replay")
+                          "consumer.replay")
 
 
 # ---------------------------------------------------------------- layout helpers
@@ -59,7 +60,8 @@ def routers(model) -> list:
 
     found = [m for m in model.modules() if isinstance(m, TopKRouter)]
     if any(r.router_replay is None for r in found):
-        raise ConfigError("model was built without moe_enable_routing_replay", "model")
+        raise ModelError("the model was built without moe_enable_routing_replay "
+                         "(build it with consumer.model.build_model)")
     return found
 
 
@@ -90,24 +92,6 @@ def from_layer_indices(layers: list[torch.Tensor], batch: int,
     return stacked.transpose(0, 1)[:, :seq].contiguous()
 
 
-def _gather_sequence(model, layers: list[torch.Tensor]) -> list[torch.Tensor]:
-    """All-gather each layer's [S/tp*B, K] over the TP group -> [S*B, K]."""
-    from consumer.model import sequence_shard
-
-    if sequence_shard(model)[1] == 1:
-        return layers
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    group = ps.get_tensor_model_parallel_group()
-    out = []
-    for t in layers:
-        parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, t.contiguous(), group=group)
-        out.append(torch.cat(parts, 0))
-    return out
-
-
 def routing_agreement(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> list[float]:
     """Per layer, mean over masked positions of |experts(a) & experts(b)| / K.
     a, b: [B, S, L, K]; mask: bool [B, S]."""
@@ -131,7 +115,7 @@ def recording(model):
         r.router_replay.set_router_replay_action(RouterReplayAction.RECORD)
     try:
         yield out
-        out["layers"] = _gather_sequence(
+        out["layers"] = gather_sequence(
             model, [r.router_replay.get_recorded_indices() for r in rs])
     finally:
         for r in rs:
@@ -144,14 +128,12 @@ def replaying(model, routing: torch.Tensor):
     """REPLAY_FORWARD `routing` [B, S, L, K] in every MoE layer inside the block."""
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-    from consumer.model import padded_length, sequence_shard
-
     rs = routers(model)
     routing = pad_routing(routing, padded_length(routing.shape[1], model))
     layers = to_layer_indices(routing, sequence_shard(model))
     if len(layers) != len(rs):
-        raise ConfigError(f"routing has {len(layers)} layers, model has {len(rs)} MoE "
-                          "layers; was the rollout produced by this model?", "routing")
+        raise InvalidSampleError(f"routing has {len(layers)} layers, model has {len(rs)} MoE "
+                                 "layers; was the rollout produced by this model?")
     device = next(model.parameters()).device
     for r, idx in zip(rs, layers):
         r.router_replay.set_target_indices(idx.to(device))
@@ -185,7 +167,7 @@ def natural_topk(model):
         r.gating = wrap(r)
     try:
         yield out
-        out["layers"] = _gather_sequence(model, captured)
+        out["layers"] = gather_sequence(model, captured)
     finally:
         for r in rs:
             del r.gating  # back to the class method
@@ -231,7 +213,7 @@ class RoutingReplay:
         if mb.routing is None:
             raise ConfigError("R3 needs routed_experts in every rollout record; enable "
                               "routing capture on the producers or use replay none/R2",
-                              "trainer.replay")
+                              "consumer.replay")
         missing = mb.input_mask & ~mb.routing_mask
         if not missing.any():
             return mb.routing

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.control.messages import ControlState
+from common.config import ControlSettings
 from common.record import Rollout
+from consumer.assembler import Group
 
 
 @dataclass(frozen=True)
@@ -29,11 +30,20 @@ class GateDecision:
     weights: tuple[float, ...]  # per sample, in group order (empty when dropped)
 
 
+@dataclass
+class ReadyGroup:
+    """A group the gate kept, with its staleness and per-sample weights."""
+
+    group: Group
+    staleness: int
+    weights: tuple[float, ...]
+
+
 def sample_staleness(r: Rollout, trainer_version: int) -> int:
     return max(0, trainer_version - r.oldest_version)
 
 
-def gate_group(rollouts: list[Rollout], trainer_version: int, state: ControlState) -> GateDecision:
+def gate_group(rollouts: list[Rollout], trainer_version: int, state: ControlSettings) -> GateDecision:
     """Decide one complete group under the current control state."""
     per = [sample_staleness(r, trainer_version) for r in rollouts]
     s = max(per) if per else 0

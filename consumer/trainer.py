@@ -1,6 +1,6 @@
 """The training step: old-policy forward, then N mini-batch updates.
 
-    trainer = Trainer.from_hf(hf_dir, TrainerConfig(loss="minirl", replay="R3"))
+    trainer = Trainer.from_hf(hf_dir, cfg.consumer)    # common.config.ConsumerSettings
     gb = trainer.build_batch(samples, group_size=16)
     metrics = trainer.train_step(gb)
     tensors = trainer.export_hf_state_dict()   # -> safetensors save_file
@@ -11,7 +11,7 @@ One step (docs/algorithm.md):
    KL, entropy and the rollout-vs-trainer routing agreement.
 2. update, N times: forward (replaying per mode), loss, backward, gradient
    all-reduce over data-parallel ranks (sum; the loss is already normalised by
-   global counts), clip, optimizer step.
+   global counts), clip, optimizer step (consumer/parallel.py).
 3. step_metrics: one all-reduce of the metric sums, then means.
 
 Metrics returned (means over response tokens of the whole global batch):
@@ -31,165 +31,30 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from common.errors import ConfigError
+from common.config import ConsumerSettings, OptimizerSettings
+from common.errors import CheckpointError, InvalidSampleError
 from consumer import convert
-from consumer.batch import ADVANTAGE_MODES, GlobalBatch, MiniBatch, TrainSample, build_global_batch
-from consumer.losses import ADVANTAGE_MODE, LOSSES, LossConfig, LossInputs, get_loss_fn
-from consumer.model import ParallelConfig, load_hf_checkpoint, per_token_logprobs
-from consumer.replay import ReplayMode, RoutingReplay, routing_agreement
+from consumer.batch import GlobalBatch, MiniBatch, TrainSample, build_global_batch
+from consumer.losses import LossInputs, advantage_mode, get_loss_fn
+from consumer.model import load_hf_checkpoint, per_token_logprobs
+from consumer.parallel import (ParallelLayout, allreduce_grads, clip_grad_norm, dp_size,
+                               launch_world_size, world)
+from consumer.replay import RoutingReplay, routing_agreement
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+PAD_ID = 0
+"""Token id of padding positions (masked out everywhere, so any valid id works)."""
+TRAINING_KEYS = {"loss", "optimizer", "replay", "num_minibatches", "dtype", "parallel"}
+"""The settings a checkpoint records (for the reader; secrets and paths stay out)."""
 
 
-class TrainerConfig(BaseModel):
-    """Trainer settings (the consumer service embeds this in its config)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    loss: str = Field("minirl", description=f"one of {sorted(LOSSES)}")
-    eps_low: float = Field(0.2, ge=0, lt=1, description="mask/clip below 1 - eps_low")
-    eps_high: float = Field(0.27, ge=0, description="mask/clip above 1 + eps_high")
-    is_cap: float = Field(5.0, gt=0, description="truncation C of the IS weight pi/mu_old")
-    advantage: str = Field("auto", description="auto (per loss), mean or mean_std")
-    replay: str = Field("none", description="routing replay: none, R2 or R3")
-    optimizer: str = Field("adamw", description="adamw or sgd")
-    lr: float = Field(1e-6, gt=0, description="learning rate")
-    weight_decay: float = Field(0.0, ge=0, description="decoupled weight decay (AdamW)")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
-    adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
-    grad_clip: float = Field(1.0, ge=0, description="max global grad norm; 0 = off")
-    num_minibatches: int = Field(1, ge=1, description="N updates per global batch")
-    dtype: str = Field("float32", description="float32 or bfloat16 (params and compute)")
-    tp: int = Field(1, ge=1, description="tensor-parallel size")
-    ep: int = Field(1, ge=1, description="expert-parallel size (divides dp)")
-    dp: int = Field(1, ge=1, description="data-parallel size; tp * dp = world size")
-    pad_id: int = Field(0, ge=0, description="token id used for padding")
-
-    @field_validator("loss")
-    @classmethod
-    def _loss(cls, v):
-        get_loss_fn(v)
-        return v
-
-    @field_validator("replay")
-    @classmethod
-    def _replay(cls, v):
-        return ReplayMode.parse(v).value
-
-    @field_validator("advantage")
-    @classmethod
-    def _adv(cls, v):
-        if v != "auto" and v not in ADVANTAGE_MODES:
-            raise ValueError(f"advantage must be auto or one of {ADVANTAGE_MODES}")
-        return v
-
-    @field_validator("optimizer")
-    @classmethod
-    def _opt(cls, v):
-        if v not in ("adamw", "sgd"):
-            raise ValueError("optimizer must be adamw or sgd")
-        return v
-
-    @field_validator("dtype")
-    @classmethod
-    def _dtype(cls, v):
-        if v not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}")
-        return v
-
-    @property
-    def parallel(self) -> ParallelConfig:
-        return ParallelConfig(tp=self.tp, ep=self.ep, dp=self.dp)
-
-    @property
-    def advantage_mode(self) -> str:
-        return ADVANTAGE_MODE[self.loss] if self.advantage == "auto" else self.advantage
-
-
-def build_optimizer(model, cfg: TrainerConfig) -> torch.optim.Optimizer:
+def build_optimizer(model, cfg: OptimizerSettings) -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
-    if cfg.optimizer == "sgd":
+    if cfg.name == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr)
-    return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps,
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                              weight_decay=cfg.weight_decay, foreach=True)
-
-
-# ---------------------------------------------------------------- distributed helpers
-
-
-def _is_expert(name: str) -> bool:
-    return ".mlp.experts." in name
-
-
-def _world() -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _dp_size() -> int:
-    """Ranks holding different data (tensor-parallel ranks share theirs)."""
-    from megatron.core import parallel_state as ps
-
-    return ps.get_data_parallel_world_size() if _world() > 1 else 1
-
-
-def _allreduce(grads: list[torch.Tensor], group) -> None:
-    import torch.distributed as dist
-
-    if not grads or dist.get_world_size(group) == 1:
-        return
-    flat = torch._utils._flatten_dense_tensors(grads)
-    dist.all_reduce(flat, group=group)
-    for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-        g.copy_(synced)
-
-
-def allreduce_grads(named_params: list[tuple[str, torch.nn.Parameter]]) -> None:
-    """Sum gradients over data-parallel ranks (experts: expert-data-parallel).
-
-    Under tensor (and so sequence) parallelism, first sum over the TP group the
-    gradients of the weights every TP rank holds whole (norms, q/k norms,
-    router): each rank saw only its slice of the sequence or its heads, so
-    each holds a partial sum.
-    """
-    from megatron.core import parallel_state as ps
-
-    if _world() == 1:
-        return
-    _allreduce([p.grad for _, p in named_params if p.grad is not None
-                and not getattr(p, "tensor_model_parallel", False)],
-               ps.get_tensor_model_parallel_group())
-    for expert, group in ((False, ps.get_data_parallel_group()),
-                          (True, ps.get_expert_data_parallel_group())):
-        _allreduce([p.grad for n, p in named_params if _is_expert(n) == expert
-                    and p.grad is not None], group)
-
-
-def clip_grad_norm(named_params, max_norm: float) -> float:
-    """Global grad norm across tensor/expert-parallel shards; clip if max_norm > 0."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
-
-    sq = torch.zeros(2, dtype=torch.float64)  # [dense, expert]
-    for name, p in named_params:
-        if p.grad is not None and param_is_not_tensor_parallel_duplicate(p):
-            sq[int(_is_expert(name))] += p.grad.detach().double().pow(2).sum().cpu()
-    if _world() > 1:
-        d, e = sq[0:1].clone(), sq[1:2].clone()
-        dist.all_reduce(d, group=ps.get_tensor_model_parallel_group())
-        dist.all_reduce(e, group=ps.get_expert_tensor_and_model_parallel_group())
-        sq = torch.cat([d, e])
-    norm = float(sq.sum().sqrt())
-    if max_norm > 0 and norm > max_norm:
-        scale = max_norm / (norm + 1e-6)
-        for _, p in named_params:
-            if p.grad is not None:
-                p.grad.mul_(scale)
-    return norm
 
 
 # ---------------------------------------------------------------- metrics
@@ -221,7 +86,7 @@ class MetricSums:
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
-        if _world() == 1:
+        if world() == 1:
             return
         for store, op in ((self.sums, dist.ReduceOp.SUM), (self.maxes, dist.ReduceOp.MAX)):
             keys = sorted(store)
@@ -252,21 +117,23 @@ class Timers:
 class Trainer:
     """Owns the Megatron model, optimizer and routing replay for one rank."""
 
-    def __init__(self, model, cfg: TrainerConfig):
+    def __init__(self, model, cfg: ConsumerSettings):
         self.model, self.cfg = model, cfg
-        self.loss_fn = get_loss_fn(cfg.loss)
-        self.loss_cfg = LossConfig(eps_low=cfg.eps_low, eps_high=cfg.eps_high,
-                                   is_cap=cfg.is_cap)
+        self.loss_fn = get_loss_fn(cfg.loss.name)
+        self.advantage_mode = advantage_mode(cfg.loss)
         self.replay = RoutingReplay(model, cfg.replay)
         self.named_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(model, cfg)
+        self.optimizer = build_optimizer(model, cfg.optimizer)
         self.step = 0
 
     @classmethod
-    def from_hf(cls, hf_dir: str | os.PathLike, cfg: TrainerConfig | None = None) -> "Trainer":
-        cfg = cfg or TrainerConfig()
-        model = load_hf_checkpoint(hf_dir, cfg.parallel, DTYPES[cfg.dtype])
-        return cls(model, cfg)
+    def from_hf(cls, hf_dir: str | os.PathLike, cfg: ConsumerSettings | None = None,
+                world_size: int | None = None) -> "Trainer":
+        """The model at `hf_dir` in the layout `cfg.parallel` gives a world of
+        `world_size` processes (default: the launcher's, 1 alone)."""
+        cfg = cfg or ConsumerSettings()
+        layout = ParallelLayout.of(cfg.parallel, world_size or launch_world_size())
+        return cls(load_hf_checkpoint(hf_dir, layout, DTYPES[cfg.dtype]), cfg)
 
     # -- data
 
@@ -275,8 +142,8 @@ class Trainer:
         from megatron.core import parallel_state as ps
 
         return build_global_batch(
-            samples, group_size, self.cfg.num_minibatches, self.cfg.advantage_mode,
-            pad_id=self.cfg.pad_id, dp_rank=ps.get_data_parallel_rank(),
+            samples, group_size, self.cfg.num_minibatches, self.advantage_mode,
+            pad_id=PAD_ID, dp_rank=ps.get_data_parallel_rank(),
             dp_size=ps.get_data_parallel_world_size())
 
     # -- the step
@@ -284,8 +151,9 @@ class Trainer:
     def train_step(self, gb: GlobalBatch) -> dict[str, float]:
         """Old-policy forward, then one update per mini-batch; returns metrics."""
         if len(gb.minibatches) != self.cfg.num_minibatches:
-            raise ConfigError(f"batch has {len(gb.minibatches)} mini-batches, config says "
-                              f"{self.cfg.num_minibatches}", "trainer.num_minibatches")
+            raise InvalidSampleError(f"batch has {len(gb.minibatches)} mini-batches, "
+                                     f"consumer.num_minibatches is {self.cfg.num_minibatches}: "
+                                     "build it with this trainer's build_batch")
         timers, sums = Timers(), MetricSums()
         with timers.time("total"):
             self.model.train()
@@ -327,12 +195,12 @@ class Trainer:
             mask=mb.loss_mask.to(dev), advantages=mb.advantages.to(dev),
             sample_weight=mb.sample_weight.to(dev), num_responses=mb.num_responses,
             num_tokens=mb.num_tokens)
-        loss, m = self.loss_fn(inp, self.loss_cfg)
+        loss, m = self.loss_fn(inp, self.cfg.loss)
         with timers.time("backward"):
             loss.backward()
         with timers.time("optimizer"):
             allreduce_grads(self.named_params)
-            norm = clip_grad_norm(self.named_params, self.cfg.grad_clip)
+            norm = clip_grad_norm(self.named_params, self.cfg.optimizer.grad_clip)
             self.optimizer.step()
         self._collect_update_metrics(sums, m, float(loss.detach()), norm)
 
@@ -349,7 +217,7 @@ class Trainer:
         sums.add("updates", 1)
 
     def _step_metrics(self, sums: MetricSums, timers: Timers, gb: GlobalBatch) -> dict:
-        s, mx, world = sums.sums, sums.maxes, _dp_size()
+        s, mx, world = sums.sums, sums.maxes, dp_size()
         ut, ot = max(s["upd_tokens"], 1), max(s["old_tokens"], 1)
         updates = s["updates"] / world
         out = {key: s[key] / ut for key in ("is_weight_mean", "is_truncated_frac",
@@ -377,31 +245,19 @@ class Trainer:
         """On-disk HF tensors for vLLM (collective when tp/ep > 1)."""
         return convert.export_hf_state_dict(self.model)
 
-    def checkpoint_shard(self) -> tuple[str, bool, list[str]]:
-        """(this rank's shard name, whether this rank writes it, every shard name).
-        One rank per (tp rank, ep rank) pair writes: the first of its
-        expert-data-parallel group (data-parallel copies are identical)."""
-        from megatron.core import parallel_state as ps
-
-        from consumer.checkpoint import all_shard_names, shard_name
-
-        tp_rank, tp, ep_rank, ep = convert._ranks()
-        writes = _world() == 1 or ps.get_expert_data_parallel_rank() == 0
-        return shard_name(tp_rank, tp, ep_rank, ep), writes, all_shard_names(tp, ep)
-
     def state_dict(self) -> dict:
         """Model + optimizer + step of this rank. Loadable with
         `torch.load(weights_only=True)`; model tensors are live references, so
         serialise it right away."""
         return {"model": convert.local_megatron_state_dict(self.model),
                 "optimizer": self.optimizer.state_dict(), "step": self.step,
-                "config": self.cfg.model_dump()}
+                "config": self.cfg.model_dump(include=TRAINING_KEYS)}
 
     def load_state_dict(self, state: dict) -> None:
         own = convert.local_megatron_state_dict(self.model)
         if set(own) != set(state["model"]):
-            raise ConfigError("checkpoint does not match this model/parallel layout",
-                              "checkpoint")
+            raise CheckpointError("the checkpoint's tensors do not match this model and parallel "
+                                  "layout (consumer.parallel): resume with the layout that wrote it")
         with torch.no_grad():
             for k, t in own.items():
                 t.copy_(state["model"][k])

@@ -25,8 +25,8 @@ import socket
 import time
 
 from common import metrics, runfile
-from common.config import RlstreamConfig
-from common.control.messages import ControlState, TrainerProgress, WeightsReady
+from common.config import ControlSettings, RlstreamConfig
+from common.control.messages import TrainerProgress, WeightsReady
 from common.lifecycle import close_attrs
 from producer import telemetry
 from producer.admission import AdmissionView, TopicEnds, admission_block
@@ -42,7 +42,7 @@ class ProducerService:
         self.cfg, self.pcfg = cfg, cfg.producer
         self.kafka = cfg.kafka.model_copy(update={"bootstrap_servers": bootstrap})
         self.producer_id = self.pcfg.producer_id or f"{socket.gethostname()}-{os.getpid()}"
-        self.control = ControlState.from_settings(cfg.staleness)
+        self.control = ControlSettings.from_settings(cfg.staleness)
         # the trainer's last TrainerProgress; until one arrives: version 0, B = 1
         # (the most cautious estimate), nothing read
         self.progress = TrainerProgress(trainer_version=0, groups_per_batch=1, group_size=self.pcfg.group_size)

@@ -107,11 +107,11 @@ def megatron_world():
     """torch.distributed (gloo, world 1) + Megatron parallel state, once."""
     import torch
 
-    from consumer.model import ParallelConfig, init_parallel
+    from consumer.parallel import ParallelLayout, init_parallel
 
     torch.set_num_threads(2)
-    init_parallel(ParallelConfig())
-    return ParallelConfig()
+    init_parallel(ParallelLayout())
+    return ParallelLayout()
 
 
 @pytest.fixture(scope="session")

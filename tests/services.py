@@ -45,7 +45,7 @@ def service_config(kafka: KafkaSettings, model_dir, tmp: Path, *, G: int = 4, B:
                    staleness: dict | None = None, consumer: dict | None = None,
                    producer: dict | None = None) -> RlstreamConfig:
     """A small config for the tiny model: consumer and producer sections both set."""
-    c = {"group_size": G, "groups_per_batch": B, "lr": 1e-3, "checkpoint_dir": str(tmp / "ckpt"),
+    c = {"group_size": G, "groups_per_batch": B, "optimizer": {"lr": 1e-3}, "checkpoint_dir": str(tmp / "ckpt"),
          "weight_store_dir": str(tmp / "weights"), "group_timeout_s": 30.0,
          "http": {"port": 0, "admin_token": ADMIN_TOKEN}, **(consumer or {})}
     p = {"group_size": G, "max_tokens": 6, "prompts": {"type": "jsonl", "path": str(tmp / "data" / "train.jsonl")},

@@ -33,9 +33,6 @@ from common.errors import ConfigError
 CONTROL_KEYS = tuple(ControlSettings.model_fields)
 """The keys of the control topic: max_staleness, mode, decay, paused."""
 
-ControlState = ControlSettings
-"""The control plane's former name for `common.config.ControlSettings` (one model, one set of bounds);
-kept while producer/ and consumer/ still import it. New code uses ControlSettings."""
 
 
 class WeightsReady(BaseModel):

@@ -16,7 +16,7 @@ in the overrides listed below. Arms run one after another (2 cores).
   `ARM_SECONDS["async"]`, twice, interleaved sync, async, async, sync (ABBA). Prints a table and one JSON object with
   `async_speedup` = async trained samples/s / sync trained samples/s and each
   arm's wall time to the target accuracy.
-- objectives: `consumer.loss` = minirl, minirl_no_is, grpo, cispo, on-policy.
+- objectives: `consumer.loss.name` = minirl, minirl_no_is, grpo, cispo, on-policy.
 - replay: `consumer.num_minibatches=4` (off-policy, 4 updates per batch) with
   routing replay none / R2 / R3, each with the PPO-style clipping mask and
   without it (eps_low = 0.999999, eps_high = 1e6: no token is masked), plus R3 with
@@ -50,7 +50,7 @@ REPS = {"async": 2, "objectives": 1, "replay": 1}
 COMMON: dict[str, dict[str, Any]] = {}
 # No PPO-style mask: r < 1 - eps_low or r > 1 + eps_high never happens in 4
 # mini-batches (eps_low must stay below 1: the trainer refuses 1 - eps_low <= 0).
-NO_CLIP = {"consumer.eps_low": 0.999999, "consumer.eps_high": 1e6}
+NO_CLIP = {"consumer.loss.eps_low": 0.999999, "consumer.loss.eps_high": 1e6}
 
 
 @dataclass
@@ -64,7 +64,7 @@ def arms(name: str, cfg: RlstreamConfig) -> list[Arm]:
         k = cfg.staleness.max_staleness or 2
         return [Arm("sync", {"staleness.max_staleness": 0}), Arm(f"async_k{k}", {"staleness.max_staleness": k})]
     if name == "objectives":
-        return [Arm(loss, {"consumer.loss": loss, "consumer.num_minibatches": 1})
+        return [Arm(loss, {"consumer.loss.name": loss, "consumer.num_minibatches": 1})
                 for loss in ("minirl", "minirl_no_is", "grpo", "cispo")]
     if name == "replay":
         base = {"consumer.num_minibatches": 4}

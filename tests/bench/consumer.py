@@ -125,7 +125,7 @@ def run_steps(svc, n: int, read_pos, version) -> list[dict]:
         batch = svc.next_batch()
         t2 = time.perf_counter()
         # staleness as docs/algorithm.md defines it: trainer version at this optimizer step - oldest token version
-        v_step = svc.state.version
+        v_step = svc.version
         train_staleness = max(v_step - r.oldest_version for rg in batch for r in rg.group.rollouts())
         m = svc.train_step(batch)
         t3 = time.perf_counter()
@@ -134,13 +134,13 @@ def run_steps(svc, n: int, read_pos, version) -> list[dict]:
         svc.publish_weights()
         t5 = time.perf_counter()
         read_pos.value = sum(svc.reader.positions().values())
-        version.value = svc.state.version
+        version.value = svc.version
         s = dict(zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)))
         s.update(total=t5 - t0, poll=poll.seconds - p0, polls=poll.calls - p1, lag=lag.seconds - l0,
                  lag_calls=lag.calls - l1, compute=m["time_forward"] + m["time_backward"] + m["time_optimizer"],
                  gate_staleness=max(rg.staleness for rg in batch), train_staleness=train_staleness)
         steps.append(s)
-        log.info("step %d: " + " ".join(f"{k}=%.3f" for k in PHASES) + " polls=%d", svc.state.step,
+        log.info("step %d: " + " ".join(f"{k}=%.3f" for k in PHASES) + " polls=%d", svc.step,
                  *(s[k] for k in PHASES), s["polls"])
     return steps
 
@@ -153,7 +153,7 @@ def publish_breakdown(svc, ann_producer, tmp: Path, repeats: int) -> dict:
     ex, wr, an = [], [], []
     for i in range(repeats):
         t0 = time.perf_counter()
-        sd = svc.trainer.export_hf_state_dict()
+        sd = svc.leader.trainer.export_hf_state_dict()
         t1 = time.perf_counter()
         m = store.write(i + 1, sd, svc.cfg.model.path)
         t2 = time.perf_counter()
@@ -269,7 +269,7 @@ def main() -> None:
             "kafka": kafka.model_dump(), "model": {"path": str(model_dir), "build_tiny": False},
             "staleness": {"max_staleness": args.ahead_batches + 2, "mode": "drop"},
             "producer": {"group_size": G},
-            "consumer": {"group_size": G, "groups_per_batch": B, "num_threads": args.threads, "lr": 1e-4,
+            "consumer": {"group_size": G, "groups_per_batch": B, "num_threads": args.threads, "optimizer": {"lr": 1e-4},
                          "checkpoint_dir": str(tmp / "ckpt"), "weight_store_dir": str(tmp / "weights"),
                          "group_timeout_s": 60.0}})
         from consumer.service import ConsumerService
@@ -287,7 +287,7 @@ def main() -> None:
         per = max(1, len(steps) // args.repeats)
         blocks = [steps[i:i + per] for i in range(0, per * args.repeats, per)]
         share = lambda ss, k: sum(s[k] for s in ss) / sum(s["total"] for s in ss)  # noqa: E731
-        tiny_bytes = json.loads((svc.weights.path(svc.state.version) / "manifest.json").read_text())["bytes"]
+        tiny_bytes = json.loads((svc.announcer.store.path(svc.version) / "manifest.json").read_text())["bytes"]
         ann_producer = announcement_producer(svc.kafka)
         try:
             breakdown = publish_breakdown(svc, ann_producer, tmp, repeats=3)
@@ -317,7 +317,7 @@ def main() -> None:
             "max_staleness_gate": max(s["gate_staleness"] for s in steps),
             "max_staleness_at_train": max(s["train_staleness"] for s in steps),
             "max_staleness_setting": cfg.staleness.max_staleness,
-            "outcomes": {k: int(v) for k, v in svc.state.counters.items()},
+            "outcomes": {k: int(v) for k, v in svc.ledger.counters.items()},
             "workload": {"group_size": G, "groups_per_batch": B, "prompt_len": args.prompt_len,
                          "max_resp": args.max_resp, "ahead_batches": args.ahead_batches,
                          "steps": len(steps), "repeats": args.repeats, "warmup": args.warmup},

@@ -66,11 +66,12 @@ def main() -> None:
 
     from common.toy.tinymodel import build_tiny_model
     from consumer.batch import build_global_batch
-    from consumer.trainer import Trainer, TrainerConfig
+    from common.config import ConsumerSettings
+    from consumer.trainer import Trainer
 
     model_dir = build_tiny_model(Path(tempfile.mkdtemp(prefix="rlstream-bench-")) / "tiny")
-    cfg = TrainerConfig(loss=args.loss, replay=args.replay, num_minibatches=args.minibatches,
-                        lr=1e-5)
+    cfg = ConsumerSettings(loss={"name": args.loss}, replay=args.replay, num_minibatches=args.minibatches,
+                           optimizer={"lr": 1e-5})
     trainer = Trainer.from_hf(model_dir, cfg)
     samples = make_rollouts(trainer.model, args.groups, args.group_size)
 
@@ -78,7 +79,7 @@ def main() -> None:
     for step in range(args.warmup + args.steps):
         t0 = time.perf_counter()
         gb = build_global_batch(samples, args.group_size, cfg.num_minibatches,
-                                cfg.advantage_mode)
+                                trainer.advantage_mode)
         t1 = time.perf_counter()
         m = trainer.train_step(gb)
         t2 = time.perf_counter()

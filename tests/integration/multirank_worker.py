@@ -18,16 +18,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-CFG = dict(loss="minirl", num_minibatches=2, optimizer="sgd", lr=0.05, grad_clip=1.0)
-# layout -> (parallel sizes, replay mode)
-LAYOUTS = {"dp2": (dict(dp=2), "R2"), "dp2_ep2": (dict(dp=2, ep=2), "R2"),
-           "tp2": (dict(tp=2), "R2"), "tp2_r3": (dict(tp=2), "R3"),
-           "tp2_dp2_ep2": (dict(tp=2, dp=2, ep=2), "R3")}  # 4 ranks
+# the `consumer` settings of every run (common/config.py)
+CFG = dict(loss={"name": "minirl"}, num_minibatches=2, optimizer={"name": "sgd", "lr": 0.05, "grad_clip": 1.0})
+# layout -> (world size, consumer.parallel, replay mode); data-parallel size = world / tensor
+LAYOUTS = {"dp2": (2, {}, "R2"), "dp2_ep2": (2, {"expert": 2}, "R2"),
+           "tp2": (2, {"tensor": 2}, "R2"), "tp2_r3": (2, {"tensor": 2}, "R3"),
+           "tp2_dp2_ep2": (4, {"tensor": 2, "expert": 2}, "R3")}  # 4 ranks
 
 
 def world_size(layout: str) -> int:
-    sizes = LAYOUTS[layout][0]
-    return sizes.get("tp", 1) * sizes.get("dp", 1)
+    return LAYOUTS[layout][0]
 
 
 def make_samples(model_dir: str, seed: int = 2, n_groups: int = 4, group_size: int = 4):
@@ -56,11 +56,12 @@ def make_samples(model_dir: str, seed: int = 2, n_groups: int = 4, group_size: i
     return out
 
 
-def trainer_config(layout: str, **parallel):
-    from consumer.trainer import TrainerConfig
+def trainer_config(layout: str, one_rank: bool = False):
+    """The layout's settings; `one_rank`: the same step in a world of one (the reference)."""
+    from common.config import ConsumerSettings
 
-    sizes, replay = LAYOUTS[layout]
-    return TrainerConfig(replay=replay, **CFG, **(parallel or sizes))
+    _, parallel, replay = LAYOUTS[layout]
+    return ConsumerSettings(replay=replay, parallel={} if one_rank else parallel, **CFG)
 
 
 def run(model_dir: str, layout: str):

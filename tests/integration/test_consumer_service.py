@@ -35,7 +35,7 @@ G, B = 4, 2
 
 
 def consumer_config(kafka, tiny_model_dir, tmp: Path, **consumer) -> RlstreamConfig:
-    c = {"group_size": G, "groups_per_batch": B, "lr": 1e-3, "checkpoint_dir": str(tmp / "ckpt"),
+    c = {"group_size": G, "groups_per_batch": B, "optimizer": {"lr": 1e-3}, "checkpoint_dir": str(tmp / "ckpt"),
          "weight_store_dir": str(tmp / "weights"), "group_timeout_s": 30.0, **consumer}
     return RlstreamConfig.model_validate({
         "kafka": kafka.model_dump(), "model": {"path": str(tiny_model_dir), "build_tiny": False},
@@ -71,22 +71,22 @@ def step(svc):
 def test_gate_drops_at_bound_and_keeps_below(service):
     svc, pub, _ = service
     rng = np.random.default_rng(0)
-    v0 = svc.state.version
+    v0 = svc.version
     # two on-policy steps: the trainer reaches version v0 + 2
     for s in range(2):
         publish_groups(pub, [synthetic_group(f"on{s}-{i}", G, v0 + s, rng) for i in range(B)])
         batch, out = step(svc)
         assert [rg.staleness for rg in batch] == [0, 0]
         assert np.isfinite(out["loss"])
-    assert svc.state.version == v0 + 2
-    dropped_before = svc.state.counters["dropped_stale"]
+    assert svc.version == v0 + 2
+    dropped_before = svc.ledger.counters["dropped_stale"]
     # staleness 2 (> max 1) is dropped; 1 and 0 are kept
     publish_groups(pub, [synthetic_group("stale2", G, v0, rng), synthetic_group("stale1", G, v0 + 1, rng),
                          synthetic_group("fresh", G, v0 + 2, rng)])
     batch = svc.next_batch()
     assert sorted(rg.group.group_id for rg in batch) == ["fresh", "stale1"]
     assert sorted(rg.staleness for rg in batch) == [0, 1]
-    assert svc.state.counters["dropped_stale"] - dropped_before == G
+    assert svc.ledger.counters["dropped_stale"] - dropped_before == G
     svc.train_step(batch)
     svc.checkpoint()
     svc.publish_weights()
@@ -108,7 +108,7 @@ def test_reweight_mode_via_control_topic(service):
     while svc.control.mode != "reweight" or svc.control.max_staleness != 3:
         svc.apply_control()  # the service does this at each batch boundary
         assert time.time() < deadline, "control change not applied"
-    V = svc.state.version
+    V = svc.version
     rng = np.random.default_rng(1)
     publish_groups(pub, [synthetic_group("rw3", G, V - 3, rng), synthetic_group("rw1", G, V - 1, rng)])
     batch = svc.next_batch()
@@ -129,7 +129,7 @@ def test_progress_announcement_counts_held_records(service):
     import threading
 
     svc, pub, _ = service
-    V = svc.state.version
+    V = svc.version
     rng = np.random.default_rng(7)
     publish_groups(pub, [synthetic_group("held", G, V, rng)])
     result = {}
@@ -137,13 +137,13 @@ def test_progress_announcement_counts_held_records(service):
     waiter.start()
     deadline = time.time() + 30
     while True:
-        ann = svc._progress_sent
+        ann = svc.announcer.sent
         ends = svc.reader.end_offsets()
         if ann.held_records == G and ann.read_offsets == ends:
             break
         assert time.time() < deadline, f"no progress announcement with the held group: {ann}"
         time.sleep(0.2)
-    checkpointed = svc._safe_offsets()
+    checkpointed = svc.ledger.safe_offsets(svc.reader.positions())
     pinned = sum(ends[p] - checkpointed.get(p, 0) for p in ends)
     assert pinned >= G, "the held group should pin the checkpointed offsets"
     publish_groups(pub, [synthetic_group("second", G, V, rng)])
@@ -152,7 +152,7 @@ def test_progress_announcement_counts_held_records(service):
     svc.train_step(result["batch"])
     svc.checkpoint()
     svc.publish_weights()
-    assert svc._progress_sent.held_records == 0
+    assert svc.announcer.sent.held_records == 0
 
 
 @pytest.mark.timeout(300)
@@ -166,7 +166,7 @@ def test_announced_version_opens_in_transformers_with_same_logprobs(service):
 
     svc, _, kafka = service
     deadline = time.time() + 10
-    while svc.follower.view.weights is None or svc.follower.view.weights.version < svc.state.version:
+    while svc.follower.view.weights is None or svc.follower.view.weights.version < svc.version:
         svc.apply_control()
         assert time.time() < deadline, "announcement not seen on the policy topic"
     ann: WeightsReady = svc.follower.view.weights
@@ -176,8 +176,8 @@ def test_announced_version_opens_in_transformers_with_same_logprobs(service):
     with torch.no_grad():
         logits = hf(tokens).logits[:, :-1].float()
         ref = torch.log_softmax(logits, -1).gather(-1, tokens[:, 1:, None])[..., 0]
-        svc.trainer.model.eval()
-        ours = per_token_logprobs(svc.trainer.model, tokens)
+        svc.leader.trainer.model.eval()
+        ours = per_token_logprobs(svc.leader.trainer.model, tokens)
         if isinstance(ours, tuple):
             ours = ours[0]
     assert torch.allclose(ours[:, : ref.shape[1]].float(), ref, atol=1e-4), (ours - ref).abs().max()
@@ -195,18 +195,18 @@ def test_read_ahead_groups_are_gated_at_the_optimizer_step(service):
     while svc.control.max_staleness != 0 or svc.control.mode != "drop":
         svc.apply_control()
         assert time.time() < deadline, "control change not applied"
-    V = svc.state.version
+    V = svc.version
     publish_groups(pub, [synthetic_group(f"ahead{i}", G, V, np.random.default_rng(10 + i)) for i in range(2 * B)])
-    dropped = svc.state.counters["dropped_stale"]
+    dropped = svc.ledger.counters["dropped_stale"]
     batch = svc.next_batch()
     assert [rg.staleness for rg in batch] == [0] * B
-    assert len(svc.state.ready) == B  # read ahead, not yet gated
+    assert len(svc.ledger.complete) == B  # read ahead, not yet gated
     svc.train_step(batch)  # the trainer moves to V + 1: the waiting groups are now 1 version stale
     svc.checkpoint()
     publish_groups(pub, [synthetic_group(f"next{i}", G, V + 1, np.random.default_rng(20 + i)) for i in range(B)])
     batch = svc.next_batch()
     assert sorted(rg.group.group_id for rg in batch) == [f"next{i}" for i in range(B)]
-    assert svc.state.counters["dropped_stale"] - dropped == B * G
+    assert svc.ledger.counters["dropped_stale"] - dropped == B * G
     svc.train_step(batch)
     svc.checkpoint()
     svc.publish_weights()
@@ -294,8 +294,8 @@ def _torchrun_consumer(cfg_path: Path) -> subprocess.CompletedProcess:
 
 
 # layout -> consumer settings; world size 2 (dp = 2 / tp)
-TWO_RANK_LAYOUTS = {"dp2": {}, "tp2": {"tensor_parallel_size": 2},
-                    "dp2_ep2": {"expert_parallel_size": 2}}
+TWO_RANK_LAYOUTS = {"dp2": {}, "tp2": {"parallel": {"tensor": 2}},
+                    "dp2_ep2": {"parallel": {"expert": 2}}}
 
 
 @pytest.mark.slow

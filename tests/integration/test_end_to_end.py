@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 VERSIONS = 150
 # The RL settings the demo needs on the tiny model (docs/demo.md): 32 groups per
 # step and lr 2e-4 learn steadily; lr 3e-4 with 8 groups degrades the warm start.
-RL_SETTINGS = ["consumer.lr=2e-4", "consumer.groups_per_batch=32"]
+RL_SETTINGS = ["consumer.optimizer.lr=2e-4", "consumer.groups_per_batch=32"]
 
 
 def reward_windows(rows: list[dict], frac: float = 0.2) -> tuple[float, float, int]:

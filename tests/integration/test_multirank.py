@@ -52,7 +52,7 @@ def one_rank_results(megatron_world, sharp_model_dir):
     worker, out = load_worker(), {}
     samples = worker.make_samples(sharp_model_dir)
     for layout in ("dp2", "tp2_r3"):  # one per replay mode
-        cfg = worker.trainer_config(layout, dp=1)
+        cfg = worker.trainer_config(layout, one_rank=True)
         trainer = Trainer.from_hf(sharp_model_dir, cfg)
         metrics = trainer.train_step(trainer.build_batch(samples, group_size=4))
         out[cfg.replay] = {"state": trainer.export_hf_state_dict(), "metrics": metrics}
@@ -64,7 +64,7 @@ def test_same_weights_as_one_process(multi_rank_results, one_rank_results, sharp
     from consumer.convert import read_hf_safetensors
     from consumer.model import read_hf_dims
 
-    replay = load_worker().LAYOUTS[layout][1]
+    replay = load_worker().LAYOUTS[layout][2]
     got, want = multi_rank_results[layout], one_rank_results[replay]
     original = read_hf_safetensors(sharp_model_dir)
     assert set(got["state"]) == set(want["state"])
@@ -80,7 +80,7 @@ def test_same_weights_as_one_process(multi_rank_results, one_rank_results, sharp
                 "clip_frac", "routing_agreement_layer_0", "routing_agreement_layer_1"):
         assert got["metrics"][key] == pytest.approx(want["metrics"][key], rel=1e-4), key
     assert got["metrics"]["num_responses"] == 16
-    tp = load_worker().LAYOUTS[layout][0].get("tp", 1)
+    tp = load_worker().LAYOUTS[layout][1].get("tensor", 1)
     assert got["metrics"]["logit_columns"] == read_hf_dims(sharp_model_dir).vocab_size // tp
 
 

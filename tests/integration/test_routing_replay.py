@@ -9,10 +9,11 @@ import dataclasses
 import pytest
 import torch
 
+from common.config import ConsumerSettings
 from consumer import replay
 from consumer.batch import build_global_batch
 from consumer.model import forward_logits, load_hf_checkpoint, per_token_logprobs
-from consumer.trainer import Trainer, TrainerConfig
+from consumer.trainer import Trainer
 
 pytestmark = pytest.mark.megatron
 
@@ -101,8 +102,8 @@ def test_r3_response_only_scope_fills_prompt_with_trainer_routing(fp32_model, bf
 def test_r2_replays_old_policy_routing_in_later_minibatches(sharp_model_dir, bf16_rollouts,
                                                             mode, expect_same):
     n = 4
-    trainer = Trainer.from_hf(sharp_model_dir, TrainerConfig(replay=mode, num_minibatches=n,
-                                                            lr=3e-2, grad_clip=0))
+    trainer = Trainer.from_hf(sharp_model_dir, ConsumerSettings(
+        replay=mode, num_minibatches=n, optimizer={"lr": 3e-2, "grad_clip": 0}))
     gb = trainer.build_batch(bf16_rollouts, 4)
     with routing_used(trainer.model) as calls:
         trainer.train_step(gb)
@@ -118,7 +119,7 @@ def test_r3_lowers_training_inference_kl(sharp_model_dir, bf16_rollouts):
     """Rollouts from the bf16 model (routing recorded), trainer in fp32."""
     kl, agreement = {}, {}
     for mode in ("none", "R3"):
-        trainer = Trainer.from_hf(sharp_model_dir, TrainerConfig(replay=mode, lr=1e-6))
+        trainer = Trainer.from_hf(sharp_model_dir, ConsumerSettings(replay=mode, optimizer={"lr": 1e-6}))
         m = trainer.train_step(trainer.build_batch(bf16_rollouts, 4))
         kl[mode] = m["kl_train_inference"]
         agreement[mode] = m["routing_agreement_layer_0"]

@@ -8,13 +8,21 @@ import numpy as np
 import pytest
 import torch
 
+from common.config import ConsumerSettings
 from consumer import convert
 from consumer.batch import build_global_batch
-from consumer.losses import LOSSES
+from consumer.losses import LOSSES, advantage_mode
 from consumer.model import per_token_logprobs
-from consumer.trainer import Trainer, TrainerConfig
+from consumer.trainer import Trainer
 
 pytestmark = pytest.mark.megatron
+
+
+def settings(loss: str = "minirl", optimizer: str = "adamw", grad_clip: float = 1.0,
+             lr: float = 1e-4, **consumer) -> ConsumerSettings:
+    """`consumer` settings as the config file gives them (common/config.py)."""
+    return ConsumerSettings(loss={"name": loss}, optimizer={"name": optimizer, "lr": lr, "grad_clip": grad_clip},
+                            **consumer)
 
 
 def params(trainer):
@@ -22,7 +30,7 @@ def params(trainer):
 
 
 def test_metrics_match_direct_computation(sharp_model_dir, bf16_rollouts):
-    trainer = Trainer.from_hf(sharp_model_dir, TrainerConfig(lr=1e-4))
+    trainer = Trainer.from_hf(sharp_model_dir, settings(lr=1e-4))
     gb = trainer.build_batch(bf16_rollouts, 4)
     mb = gb.minibatches[0]
     with torch.no_grad():
@@ -50,7 +58,7 @@ def test_metrics_match_direct_computation(sharp_model_dir, bf16_rollouts):
 
 
 def test_step_updates_weights_and_later_minibatches_see_staleness(sharp_model_dir, bf16_rollouts):
-    trainer = Trainer.from_hf(sharp_model_dir, TrainerConfig(lr=3e-3, num_minibatches=4))
+    trainer = Trainer.from_hf(sharp_model_dir, settings(lr=3e-3, num_minibatches=4))
     before = params(trainer)
     metrics = trainer.train_step(trainer.build_batch(bf16_rollouts, 4))
     after = params(trainer)
@@ -62,7 +70,7 @@ def test_step_updates_weights_and_later_minibatches_see_staleness(sharp_model_di
 
 
 def test_grad_clipping_bounds_the_update(sharp_model_dir, bf16_rollouts):
-    cfg = TrainerConfig(optimizer="sgd", lr=1.0, grad_clip=1e-3)
+    cfg = settings(optimizer="sgd", lr=1.0, grad_clip=1e-3)
     trainer = Trainer.from_hf(sharp_model_dir, cfg)
     before = params(trainer)
     metrics = trainer.train_step(trainer.build_batch(bf16_rollouts, 4))
@@ -74,8 +82,7 @@ def test_grad_clipping_bounds_the_update(sharp_model_dir, bf16_rollouts):
 
 @pytest.mark.parametrize("loss", sorted(LOSSES))
 def test_every_loss_trains(sharp_model_dir, bf16_rollouts, loss):
-    trainer = Trainer.from_hf(sharp_model_dir, TrainerConfig(loss=loss, num_minibatches=2,
-                                                            lr=1e-3))
+    trainer = Trainer.from_hf(sharp_model_dir, settings(loss=loss, num_minibatches=2, lr=1e-3))
     first = trainer.train_step(trainer.build_batch(bf16_rollouts, 4))
     assert all(math.isfinite(v) for v in first.values())
     assert first["grad_norm"] > 0
@@ -90,12 +97,12 @@ def test_grpo_uses_std_normalised_advantages(bf16_rollouts):
     np.testing.assert_allclose(std.advantages.numpy(), want.ravel(), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(mean.numpy(), (rewards - rewards.mean(1, keepdims=True)).ravel(),
                                atol=1e-6)
-    assert TrainerConfig(loss="grpo").advantage_mode == "mean_std"
-    assert TrainerConfig(loss="minirl").advantage_mode == "mean"
+    assert advantage_mode(settings(loss="grpo").loss) == "mean_std"
+    assert advantage_mode(settings(loss="minirl").loss) == "mean"
 
 
 def test_checkpoint_round_trip_continues_identically(sharp_model_dir, bf16_rollouts, tmp_path):
-    cfg = TrainerConfig(lr=1e-3, num_minibatches=2, replay="R2")
+    cfg = settings(lr=1e-3, num_minibatches=2, replay="R2")
     a = Trainer.from_hf(sharp_model_dir, cfg)
     gb = a.build_batch(bf16_rollouts, 4)
     a.train_step(gb)
@@ -115,7 +122,7 @@ def test_export_after_step_is_the_trained_model(sharp_model_dir, bf16_rollouts, 
 
     from consumer.model import load_hf_checkpoint
 
-    trainer = Trainer.from_hf(sharp_model_dir, TrainerConfig(lr=1e-2))
+    trainer = Trainer.from_hf(sharp_model_dir, settings(lr=1e-2))
     gb = trainer.build_batch(bf16_rollouts, 4)
     trainer.train_step(gb)
     original = convert.read_hf_safetensors(sharp_model_dir)

@@ -28,7 +28,7 @@ DECLARING_MODULES = {
     "common.control.http": "both",
     "producer.telemetry": "producer",
     "producer.prompts": "producer",
-    "consumer.service": "consumer",
+    "consumer.telemetry": "consumer",
 }
 KINDS = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
 NON_BASE_UNITS = ("_ms", "_milliseconds", "_microseconds", "_us", "_ns", "_minutes", "_hours",

@@ -27,7 +27,7 @@ def test_precedence_file_env_cli(tmp_path):
 
 @pytest.mark.parametrize("override,key", [
     (["kafka.bootstrap_server=x"], "kafka.bootstrap_server"),
-    (["consumer.lr=-1"], "consumer.lr"),
+    (["consumer.optimizer.lr=-1"], "consumer.optimizer.lr"),
     (["staleness.mode=sometimes"], "staleness.mode"),
     (["staleness.decay=1.5"], "staleness.decay"),
     (["nosuchsection.x=1"], "nosuchsection"),

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from common.control.messages import ControlState
+from common.config import ControlSettings
 from common.record import Rollout
 from consumer.assembler import GroupAssembler
 from consumer.staleness import gate_group, sample_staleness
@@ -66,17 +66,17 @@ def test_staleness_uses_oldest_token_version():
 @pytest.mark.parametrize("max_s,trainer_v,keep", [(2, 5, True), (1, 5, False), (0, 3, True), (0, 4, False)])
 def test_drop_mode_bound(max_s, trainer_v, keep):
     group = [roll(idx=0, version=3), roll(idx=1, version=3)]
-    d = gate_group(group, trainer_v, ControlState(max_staleness=max_s, mode="drop"))
+    d = gate_group(group, trainer_v, ControlSettings(max_staleness=max_s, mode="drop"))
     assert d.keep is keep
     assert d.weights == ((1.0, 1.0) if keep else ())
 
 
 def test_reweight_mode_follows_decay_formula():
     group = [roll(idx=0, version=3), roll(idx=1, version=1)]
-    d = gate_group(group, 4, ControlState(max_staleness=3, mode="reweight", decay=0.5))
+    d = gate_group(group, 4, ControlSettings(max_staleness=3, mode="reweight", decay=0.5))
     assert d.keep and d.staleness == 3
     assert d.weights == (0.5 ** 1, 0.5 ** 3)
-    assert not gate_group(group, 5, ControlState(max_staleness=3, mode="reweight", decay=0.5)).keep
+    assert not gate_group(group, 5, ControlSettings(max_staleness=3, mode="reweight", decay=0.5)).keep
 
 
 def test_dedup_window_is_bounded():

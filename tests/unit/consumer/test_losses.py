@@ -8,10 +8,13 @@ import math
 import pytest
 import torch
 
-from common.errors import ConfigError
-from consumer.losses import LossConfig, LossInputs, decoupled_token_mask, get_loss_fn
+from typing import get_args
 
-CFG = LossConfig(eps_low=0.2, eps_high=0.27, is_cap=5.0)
+from common.config import LossName, LossSettings
+from common.errors import ConfigError
+from consumer.losses import LOSSES, LossInputs, advantage_mode, decoupled_token_mask, get_loss_fn
+
+CFG = LossSettings(eps_low=0.2, eps_high=0.27, is_cap=5.0)
 
 # Three responses, 5 positions. Per token: (r = pi/pi_old, w = pi/mu_old).
 # Response 0, A > 0: r above 1+eps_high (masked), inside, below 1-eps_low (kept),
@@ -163,7 +166,7 @@ def test_grpo_clip_fraction_counts_active_clipping():
 
 def test_is_truncation_truly_caps_at_C():
     """Doubling an untruncated w doubles the token's weight; beyond C it does not move."""
-    cfg = LossConfig(is_cap=5.0)
+    cfg = LossSettings(is_cap=5.0)
     for w, expect in [(2.0, 2.0), (4.0, 4.0), (5.0, 5.0), (50.0, 5.0)]:
         logp = torch.tensor([[-1.0]], dtype=torch.float64, requires_grad=True)
         inp = LossInputs(logp, logp.detach(), logp.detach() - math.log(w),
@@ -174,5 +177,17 @@ def test_is_truncation_truly_caps_at_C():
 
 
 def test_unknown_loss_name_is_a_config_error():
-    with pytest.raises(ConfigError, match="minirl"):
+    with pytest.raises(ConfigError, match="minirl") as e:
         get_loss_fn("ppo2")
+    assert e.value.key == "consumer.loss.name"
+
+
+def test_config_names_exactly_the_registered_losses():
+    """common/config.py cannot import torch, so it keeps the names as a Literal."""
+    assert sorted(get_args(LossName)) == sorted(LOSSES)
+
+
+def test_auto_advantage_is_what_each_loss_registered():
+    assert advantage_mode(LossSettings(name="grpo")) == "mean_std"
+    assert {advantage_mode(LossSettings(name=n)) for n in LOSSES if n != "grpo"} == {"mean"}
+    assert advantage_mode(LossSettings(name="grpo", advantage="mean")) == "mean"

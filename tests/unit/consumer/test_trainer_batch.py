@@ -4,9 +4,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from common.errors import ConfigError, RlstreamError
+from common.config import ParallelSettings
+from common.errors import ConfigError, InvalidSampleError, ParallelLayoutError
 from consumer.batch import TrainSample, build_global_batch
-from consumer.model import ParallelConfig
+from consumer.parallel import ParallelLayout
 
 L, K = 2, 2
 
@@ -65,23 +66,52 @@ def test_mean_std_and_errors():
     samples = [sample(2, 2, r, "g") for r in (1.0, 0.0, 0.0, 1.0)]
     adv = build_global_batch(samples, 4, advantage_mode="mean_std").minibatches[0].advantages
     assert adv.tolist() == pytest.approx([0.8660, -0.8660, -0.8660, 0.8660], abs=1e-3)
-    with pytest.raises(RlstreamError, match="expected 4"):
+    with pytest.raises(InvalidSampleError, match="expected 4"):
         build_global_batch(samples[:3], 4)
     bad = sample(2, 2, 1.0, "g")
     bad.logprobs = np.zeros(5, dtype=np.float32)
-    with pytest.raises(RlstreamError, match="logprobs shape"):
+    with pytest.raises(InvalidSampleError, match="logprobs shape"):
         build_global_batch([bad], 1)
-    with pytest.raises(RlstreamError, match="mini-batches"):
+    with pytest.raises(InvalidSampleError, match="mini-batches"):
         build_global_batch(samples, 4, num_minibatches=8)
+    weightless = sample(2, 2, 1.0, "g", weight=float("nan"))
+    with pytest.raises(InvalidSampleError, match="sample_weight"):
+        build_global_batch([weightless], 1)
 
 
-def test_parallel_config_validation():
-    ParallelConfig(dp=2, ep=2).validate(2)
-    with pytest.raises(ConfigError, match="world size"):
-        ParallelConfig(dp=2).validate(1)
-    ParallelConfig(tp=2).validate(2)
-    ParallelConfig(tp=2, dp=2, ep=2).validate(4)
-    with pytest.raises(ConfigError, match="world size"):
-        ParallelConfig(tp=2, dp=2).validate(2)
-    with pytest.raises(ConfigError, match="divide"):
-        ParallelConfig(dp=2, ep=4).validate(2)
+def test_parallel_layout_validation():
+    ParallelLayout(dp=2, ep=2).validate(2)
+    with pytest.raises(ParallelLayoutError, match="world size"):
+        ParallelLayout(dp=2).validate(1)
+    ParallelLayout(tp=2).validate(2)
+    ParallelLayout(tp=2, dp=2, ep=2).validate(4)
+    with pytest.raises(ParallelLayoutError, match="world size"):
+        ParallelLayout(tp=2, dp=2).validate(2)
+    with pytest.raises(ParallelLayoutError, match="divide") as e:
+        ParallelLayout(dp=2, ep=4).validate(2)
+    assert e.value.key == "consumer.parallel.expert"
+
+
+def test_layout_from_settings_and_world_size():
+    assert ParallelLayout.of(ParallelSettings(), 1) == ParallelLayout(1, 1, 1)
+    assert ParallelLayout.of(ParallelSettings(tensor=2, expert=2), 4) == ParallelLayout(tp=2, ep=2, dp=2)
+    with pytest.raises(ConfigError, match="data-parallel") as e:
+        ParallelLayout.of(ParallelSettings(tensor=2, expert=2), 2)
+    assert e.value.key == "consumer.parallel.expert"
+    with pytest.raises(ConfigError, match="multiple") as e:
+        ParallelLayout.of(ParallelSettings(tensor=2), 3)
+    assert e.value.key == "consumer.parallel.tensor"
+
+
+def test_from_rollout_keeps_the_record_and_takes_the_gate_weight():
+    from common.record import Rollout, validate
+
+    r = Rollout(rollout_id="r", group_id="g", sample_idx=0, group_size=1,
+                prompt_ids=np.array([5, 6], np.int32), response_ids=np.array([7, 8, 9], np.int32),
+                logprobs=np.array([-.1, -.2, -.3], np.float32), policy_version=0, reward=1.0)
+    validate(r)  # what the reader did: TrainSample.validate does not repeat the shape checks
+    s = TrainSample.from_rollout(r, 0.5)
+    assert s.from_record and (s.group_id, s.reward, s.sample_weight) == ("g", 1.0, 0.5)
+    assert s.prompt_ids is r.prompt_ids and s.logprobs is r.logprobs  # no copies
+    mb = build_global_batch([s], 1).minibatches[0]
+    assert mb.tokens[0].tolist() == [5, 6, 7, 8, 9] and mb.sample_weight.tolist() == [0.5]

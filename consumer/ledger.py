@@ -1,0 +1,164 @@
+"""The exactly-once ledger: what the consumer holds, what got its outcome,
+and what a checkpoint commits.
+
+Every record the reader hands over (a valid rollout, or a dead letter it put
+in the DLQ) is at any moment in exactly one of two states:
+
+- held: in a partial group (the assembler), in a complete group waiting for a
+  batch (`complete`), or in a gated group of the batch being built
+  (`building`);
+- done: counted once in one outcome of OUTCOMES: trained, dropped_stale,
+  timed_out, duplicate (another record with a rollout_id already seen: a
+  publisher retry), mismatch (wrong group size) or dlq.
+
+So, at any moment, records read = sum(counters) + held_records().
+
+A checkpoint (`to_checkpoint`) commits, per partition, the smallest offset of
+a held record (the reader's position where nothing is held), so it never
+passes a held record and a restart re-reads every one of them; and the
+(partition, offset, rollout_id) of the done records at or above those offsets.
+`from_checkpoint` restores the counters and that list: a re-read done record
+(same partition and offset) is skipped without being counted again. Its
+rollout_id is marked seen only then, when the reader passes it: a later copy
+(a retry, always on the same partition: the key is the group id) still counts
+as a duplicate, while an earlier record with that id, held when the
+checkpoint was written, is re-read first and taken as the original (marking
+every listed id at restore would turn that held original into a "duplicate"
+and time its group out). Hence after a restart nothing is counted twice,
+nothing is lost, and a record is trained at most once (the service writes the
+checkpoint after each step, consumer/checkpoint.py).
+
+Pure: no Kafka, no clock of its own. The service feeds it what the reader
+returned (`read`) and the reader's positions (`to_checkpoint`); unit tests
+feed it by hand (tests/unit/consumer/test_ledger.py).
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable, Protocol
+
+from common.record import Rollout
+from consumer.assembler import Group, GroupAssembler
+from consumer.checkpoint import CheckpointState
+
+OUTCOMES = ("trained", "dropped_stale", "timed_out", "duplicate", "mismatch", "dlq")
+
+
+class ReadRecord(Protocol):
+    """What the reader returns for a valid record (common.kafka.reader.ReadItem)."""
+
+    partition: int
+    offset: int
+    rollout: Rollout
+
+
+class Ledger:
+    """Held groups, outcome counters and the processed list of one consumer."""
+
+    def __init__(self, assembler: GroupAssembler, on_count: Callable[[str, int], None] | None = None):
+        self.assembler = assembler
+        self.counters: dict[str, float] = {k: 0.0 for k in OUTCOMES}
+        self.complete: list[Group] = []
+        """Complete groups, not yet gated, oldest first."""
+        self.building: list[Group] = []
+        """Gated and kept, in the batch being built: held until `trained()`."""
+        self._done: dict[tuple[int, int], str] = {}  # (partition, offset) -> rollout_id, since the checkpoint
+        self._on_count = on_count or (lambda outcome, n: None)
+
+    # ------------------------------------------------------------ records in
+
+    def read(self, items: Iterable[ReadRecord], dead: Iterable[tuple[int, int]] = ()) -> None:
+        """Account for one poll: the (partition, offset) of the dead letters the
+        reader confirmed in the DLQ, then its valid records."""
+        for p, o in dead:
+            if (p, o) not in self._done:  # a re-read puts it in the DLQ again; counted once
+                self._finish([(p, o, f"dlq:{p}:{o}")], "dlq")
+        for it in items:
+            if (rid := self._done.get((it.partition, it.offset))) is not None:
+                self.assembler.mark_seen([rid])  # re-read after a restart: it has its outcome
+                continue
+            res = self.assembler.add(it.rollout, it.partition, it.offset)
+            if res.outcome in ("duplicate", "mismatch"):
+                self._finish([(it.partition, it.offset, it.rollout.rollout_id)], res.outcome)
+            elif res.outcome == "completed":
+                self.complete.append(res.group)
+
+    def expire(self) -> list[Group]:
+        """Partial groups past the assembler's timeout, counted `timed_out`."""
+        groups = self.assembler.expire()
+        for g in groups:
+            self._finish_group(g, "timed_out")
+        return groups
+
+    # ------------------------------------------------------------ the batch
+
+    def take(self) -> Group | None:
+        """The oldest complete group, moved into the batch being built (None: none waits)."""
+        if not self.complete:
+            return None
+        g = self.complete.pop(0)
+        self.building.append(g)
+        return g
+
+    def drop(self, g: Group, outcome: str = "dropped_stale") -> None:
+        """A group taken into the batch that the gate refused."""
+        self.building.remove(g)
+        self._finish_group(g, outcome)
+
+    def trained(self) -> list[str]:
+        """The batch being built was trained: count it; its rollout ids, in batch order."""
+        ids = [r.rollout_id for g in self.building for r in g.rollouts()]
+        for g in self.building:
+            self._finish_group(g, "trained")
+        self.building = []
+        return ids
+
+    def put_back(self) -> None:
+        """The batch being built goes back, untrained, to the front of `complete` (a stop)."""
+        self.complete[:0] = self.building
+        self.building = []
+
+    # ------------------------------------------------------------ queries
+
+    def held_records(self) -> int:
+        """Records read and not yet counted in an outcome (re-read after a restart)."""
+        return sum(len(g.samples) for g in self._held_groups())
+
+    def safe_offsets(self, positions: dict[int, int]) -> dict[int, int]:
+        """Per partition: the smallest held offset, else the reader's position."""
+        safe = dict(positions)
+        for g in self._held_groups():
+            for p, o in g.offsets():
+                safe[p] = min(safe.get(p, o), o)
+        return safe
+
+    def _held_groups(self) -> list[Group]:
+        return self.assembler.open_groups() + self.complete + self.building
+
+    # ------------------------------------------------------------ checkpoints
+
+    def to_checkpoint(self, step: int, version: int, positions: dict[int, int]) -> CheckpointState:
+        """The state to commit with the model of `step`; forgets the done records
+        below the committed offsets (they are never re-read)."""
+        safe = self.safe_offsets(positions)
+        self._done = {(p, o): rid for (p, o), rid in self._done.items() if o >= safe.get(p, 0)}
+        return CheckpointState(step, version, safe, [[p, o, rid] for (p, o), rid in self._done.items()],
+                               dict(self.counters))
+
+    @classmethod
+    def from_checkpoint(cls, st: CheckpointState, assembler: GroupAssembler,
+                        on_count: Callable[[str, int], None] | None = None) -> "Ledger":
+        """The ledger a checkpoint committed, for a reader that resumes at `st.offsets`."""
+        ledger = cls(assembler, on_count)
+        ledger.counters.update(st.counters)
+        ledger._done = {(int(p), int(o)): str(rid) for p, o, rid in st.processed}
+        return ledger
+
+    # ------------------------------------------------------------ outcomes
+
+    def _finish_group(self, g: Group, outcome: str) -> None:
+        self._finish([(h.partition, h.offset, h.rollout.rollout_id) for h in g.samples.values()], outcome)
+
+    def _finish(self, records: list[tuple[int, int, str]], outcome: str) -> None:
+        self.counters[outcome] += len(records)
+        self._done.update(((p, o), rid) for p, o, rid in records)
+        self._on_count(outcome, len(records))

@@ -1,0 +1,100 @@
+"""What the consumer service exposes: its Prometheus metrics (docs/metrics.md
+lists every one), the HTTP server of /metrics, /healthz and the admin API,
+its run file (common/runfile.py), and one log line per global step.
+
+    clock = StepClock()
+    batch = clock.phase("wait", service.next_batch)     # ... train, checkpoint, publish
+    observe_step(step, version, metrics, batch, clock.phases, ledger.counters)
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from typing import Callable
+
+from common import metrics, runfile
+
+log = logging.getLogger("rlstream.consumer")
+
+_RECORDS = metrics.counter("rlstream_consumer_records_total", "Consumed rollout records by outcome", ["outcome"])
+_STALENESS = metrics.histogram("rlstream_consumer_staleness_versions", "Staleness (versions) of gated groups",
+                               buckets=metrics.STALENESS_BUCKETS)
+_VERSION = metrics.gauge("rlstream_consumer_policy_version", "Trainer policy version (completed global steps)")
+_LAG = metrics.gauge("rlstream_consumer_lag_records", "Records on the rollouts topic not yet read")
+_PHASE = metrics.histogram("rlstream_consumer_step_phase_seconds", "Global step time by phase", ["phase"])
+_STEP = metrics.gauge("rlstream_trainer_step_metric", "Last global step's trainer metrics", ["name"])
+_OPEN = metrics.gauge("rlstream_consumer_open_groups", "Partial groups held by the assembler")
+_HELD = metrics.gauge("rlstream_consumer_held_records",
+                      "Records read but not yet given an outcome (partial groups + complete groups waiting for a batch)")
+
+
+def serve_http(settings, health: Callable, control: Callable, writer):
+    """/metrics, /healthz and the admin API (changes go to the control topic through `writer`)."""
+    from common.control.http import start_service_http
+
+    http = start_service_http(settings, health, control, writer, by=f"admin@consumer-{socket.gethostname()}")
+    log.info("consumer http on %s", http.url)
+    return http
+
+
+def started(run_file: str | None, http_url: str, bootstrap: str, step: int, version: int) -> None:
+    runfile.write_run_file(run_file, fresh=True, **runfile.started(
+        "consumer", http_url, bootstrap, step=step, version=version))
+
+
+def stopped(run_file: str | None, step: int, version: int, counters: dict[str, float], held: int) -> None:
+    """The final log line and run-file record (outcome counters and held records)."""
+    log.info("consumer stopped at step %d, version %d; outcomes %s; held %d", step, version, counters, held)
+    runfile.write_run_file(run_file, **runfile.stopped(
+        step=step, version=version, outcomes=dict(counters), held=held))
+
+
+def count_outcome(outcome: str, n: int) -> None:
+    """The ledger's `on_count`: `n` records got `outcome`."""
+    _RECORDS.labels(outcome=outcome).inc(n)
+
+
+def observe_gate(staleness: int) -> None:
+    _STALENESS.observe(staleness)
+
+
+def observe_read(lag: int, open_groups: int, held: int) -> None:
+    _LAG.set(lag)
+    _OPEN.set(open_groups)
+    _HELD.set(held)
+
+
+def observe_version(version: int) -> None:
+    _VERSION.set(version)
+
+
+class StepClock:
+    """Wall time of each named phase of one global step."""
+
+    def __init__(self):
+        self.phases: dict[str, float] = {}
+
+    def phase(self, name: str, fn: Callable, *args):
+        t0 = time.monotonic()
+        try:
+            return fn(*args)
+        finally:
+            self.phases[name] = time.monotonic() - t0
+
+
+def observe_step(step: int, version: int, step_metrics: dict, batch: list, phases: dict[str, float],
+                 counters: dict[str, float]) -> None:
+    """Phase histograms, the trainer-metric gauges and the step's log line."""
+    for phase, secs in phases.items():
+        _PHASE.labels(phase=phase).observe(secs)
+    for k, v in step_metrics.items():
+        if isinstance(v, (int, float)):
+            _STEP.labels(name=k).set(v)
+    rewards = [r.reward for rg in batch for r in rg.group.rollouts()]
+    mean_s = sum(rg.staleness for rg in batch) / len(batch)
+    log.info("step=%d version=%d reward=%.3f staleness=%.2f kl=%.4g loss=%.4g wait=%.2fs train=%.2fs publish=%.2fs %s",
+             step, version, sum(rewards) / len(rewards), mean_s,
+             step_metrics.get("kl_train_inference", float("nan")), step_metrics.get("loss", float("nan")),
+             phases["wait"], phases["train"], phases["publish"],
+             " ".join(f"{k}={int(v)}" for k, v in counters.items()))
