@@ -2,7 +2,7 @@
 
 A file in `configs/` has top-level sections; each service reads the shared ones
 (`kafka`, `model`, `staleness`) and its own (`broker`, `producer`, `consumer`,
-`demo`). Every field has a default, bounds and a docstring; unknown keys and bad
+`demo`, `experiment`). Every field has a default, bounds and a docstring; unknown keys and bad
 values are refused with a message naming the dotted key.
 
 Precedence (later wins): defaults < YAML file < environment < CLI flags.
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from common.errors import ConfigError
 
@@ -208,7 +208,10 @@ class ConsumerSettings(_Section):
 
 
 class DemoSettings(_Section):
+    """`rlstream demo` and the runs it shares with the experiments (common/harness/)."""
+
     work_dir: str = "runs/demo"
+    """Warm start, and one run directory per run under `runs/` (never reused)."""
     num_producers: int = Field(1, ge=1, le=8)
     target_gain: float = Field(0.15, ge=0)
     """Stop once held-out accuracy rose this much above the warm start."""
@@ -223,7 +226,28 @@ class DemoSettings(_Section):
     eval_metric: str = Field("avg@8", pattern=r"^(greedy|avg@\d+|pass@\d+)$")
     """Held-out accuracy: greedy, avg@k (mean over k samples, the paper's) or pass@k."""
     eval_every_s: float = Field(15.0, gt=0)
+    """Seconds between held-out evaluations of the newest weight version."""
     progress_every_s: float = Field(5.0, gt=0)
+    """Seconds between progress lines (one scrape of every service)."""
+
+
+class ExperimentSettings(_Section):
+    """`rlstream experiment NAME` (common/harness/experiments.py). Environment:
+    `RLSTREAM__EXPERIMENT__ARMS=sync,async_k2`, `RLSTREAM__EXPERIMENT__ARM_SECONDS=60`,
+    `RLSTREAM__EXPERIMENT__REPS=1`."""
+
+    arms: list[str] = []
+    """Run only these arms (e.g. to redo some of them); empty: every arm. A
+    comma-separated string is accepted."""
+    arm_seconds: float | None = Field(None, gt=0)
+    """RL seconds per arm; None: the experiment's own (async 240, objectives 90, replay 60)."""
+    reps: int | None = Field(None, ge=1)
+    """Repetitions per arm, interleaved A B B A; None: the experiment's own (async 2, others 1)."""
+
+    @field_validator("arms", mode="before")
+    @classmethod
+    def _comma_separated(cls, v):
+        return [a.strip() for a in v.split(",") if a.strip()] if isinstance(v, str) else v
 
 
 class RlstreamConfig(_Section):
@@ -236,6 +260,7 @@ class RlstreamConfig(_Section):
     producer: ProducerSettings = ProducerSettings()
     consumer: ConsumerSettings = ConsumerSettings()
     demo: DemoSettings = DemoSettings()
+    experiment: ExperimentSettings = ExperimentSettings()
 
     @model_validator(mode="after")
     def _groups_agree(self):
@@ -246,7 +271,9 @@ class RlstreamConfig(_Section):
 
 # ---------------------------------------------------------------- loading
 
-def _set_path(tree: dict, dotted: str, value: Any, source: str) -> None:
+def set_path(tree: dict, dotted: str, value: Any, source: str = "an override") -> None:
+    """`tree[a][b][c] = value` for `dotted` "a.b.c", creating sections; the one
+    dotted-key setter (env, --set, and the harness's run configs use it)."""
     parts = [p for p in dotted.split(".") if p]
     if not parts:
         raise ConfigError(f"empty key in {source}")
@@ -305,12 +332,12 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
         if not isinstance(tree, dict):
             raise ConfigError(f"{p} must hold a mapping of sections")
     for dotted, value in _env_overrides(dict(os.environ if environ is None else environ)):
-        _set_path(tree, dotted, value, f"environment {ENV_PREFIX}{dotted.upper().replace('.', '__')}")
+        set_path(tree, dotted, value, f"environment {ENV_PREFIX}{dotted.upper().replace('.', '__')}")
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError(f"--set expects key=value, got {item!r}")
         k, v = item.split("=", 1)
-        _set_path(tree, k.strip(), _scalar(v), "--set")
+        set_path(tree, k.strip(), _scalar(v), "--set")
     try:
         return RlstreamConfig.model_validate(tree)
     except ValidationError as e:

@@ -45,3 +45,8 @@ class WeightStoreError(RlstreamError):
 
 class NotReadyError(RlstreamError):
     """A subcommand or feature whose implementation has not landed yet."""
+
+
+class PipelineError(RlstreamError):
+    """A supervised service (common/harness/supervisor.py) failed to start, died,
+    or a wait for it timed out; the message carries the tail of its log."""
