@@ -42,6 +42,18 @@ log = logging.getLogger("rlstream.evaluate")
 DEFAULT_METRIC = "avg@8"
 
 
+@dataclass
+class EvalResult:
+    accuracy: float
+    correct: int
+    n: int
+    seconds: float
+    examples: list[dict]  # a few (prompt, answer, response) for the report
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
 # ----------------------------------------------------------------- model
 
 def load_model(model_dir: str | os.PathLike):
