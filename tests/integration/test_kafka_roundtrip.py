@@ -23,7 +23,7 @@ from common.kafka.client import client_kwargs, ensure_topics
 from common.kafka.publisher import RolloutPublisher
 from common.kafka.reader import H_FIELD, H_REASON, H_SOURCE, RolloutReader
 from common.record import encode
-from fixtures_kafka import make_kafka_settings, realistic_rollout
+from tests.fixtures.kafka import make_kafka_settings, realistic_rollout
 
 ROOT = Path(__file__).resolve().parents[2]
 
