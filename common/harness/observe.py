@@ -79,22 +79,22 @@ def scrape(url: str, timeout_s: float = 3.0) -> Metrics | None:
     return parse(body.decode()) if code == 200 else None
 
 
-def metric(m: Metrics | None, name: str, default: float = 0.0, **labels) -> float:
-    """The sample `name` with exactly `labels`; `default` when absent."""
+def metric(m: Metrics | None, metric_name: str, default: float = 0.0, **labels) -> float:
+    """The sample `metric_name` with exactly `labels`; `default` when absent."""
     if not m:
         return default
-    return m.get((name, tuple(sorted(labels.items()))), default)
+    return m.get((metric_name, tuple(sorted(labels.items()))), default)
 
 
-def total(m: Metrics | None, name: str, **labels) -> float:
-    """Sum of the samples `name` whose labels include `labels` (0 if none)."""
+def total(m: Metrics | None, metric_name: str, **labels) -> float:
+    """Sum of the samples `metric_name` whose labels include `labels` (0 if none)."""
     want = labels.items()
-    return sum(v for (n, lab), v in (m or {}).items() if n == name and want <= dict(lab).items())
+    return sum(v for (n, lab), v in (m or {}).items() if n == metric_name and want <= dict(lab).items())
 
 
-def metric_value(text: str, name: str, **labels) -> float:
+def metric_value(text: str, metric_name: str, **labels) -> float:
     """`total` of an exposition text."""
-    return total(parse(text), name, **labels)
+    return total(parse(text), metric_name, **labels)
 
 
 def quiesce(consumer: "Service", timeout_s: float = 60.0, settle_s: float = 3.0) -> tuple[Metrics | None, float]:

@@ -224,14 +224,14 @@ class Service:
             raise PipelineError(f"{self.name} answered /metrics with HTTP {code}")
         return body.decode()
 
-    def metric(self, name: str, **labels) -> float:
-        """Sum of the samples `name` whose labels include `labels` (0 if none)."""
-        return observe.metric_value(self.scrape(), name, **labels)
+    def metric(self, metric_name: str, **labels) -> float:
+        """Sum of the samples `metric_name` whose labels include `labels` (0 if none)."""
+        return observe.metric_value(self.scrape(), metric_name, **labels)
 
-    def try_metric(self, name: str, default: float = math.nan, **labels) -> float:
+    def try_metric(self, metric_name: str, default: float = math.nan, **labels) -> float:
         """`metric`, or `default` while the service does not answer."""
         try:
-            return self.metric(name, **labels)
+            return self.metric(metric_name, **labels)
         except (OSError, PipelineError):
             return default
 
