@@ -2,8 +2,8 @@
 
 A file in `configs/` has top-level sections; each service reads the shared ones
 (`kafka`, `model`, `staleness`, `cli`) and its own (`broker`, `producer`,
-`consumer`, `demo`). Every field has a default, bounds and a docstring; unknown
-keys and bad values are refused with a message naming the dotted key.
+`consumer`, `demo`, `experiment`). Every field has a default, bounds and a docstring;
+unknown keys and bad values are refused with a message naming the dotted key.
 
 Precedence (later wins):
   defaults < YAML file < declared aliases < RLSTREAM__SECTION__KEY < --set < dedicated flags
@@ -452,7 +452,10 @@ class ConsumerSettings(_Section):
 
 
 class DemoSettings(_Section):
+    """`rlstream demo` and the runs it shares with the experiments (common/harness/)."""
+
     work_dir: str = "runs/demo"
+    """Warm start, and one run directory per run under `runs/` (never reused)."""
     num_producers: int = Field(1, ge=1, le=8)
     target_gain: float = Field(0.15, ge=0)
     """Stop once held-out accuracy rose this much above the warm start."""
@@ -467,7 +470,28 @@ class DemoSettings(_Section):
     eval_metric: str = Field("avg@8", pattern=r"^(greedy|avg@\d+|pass@\d+)$")
     """Held-out accuracy: greedy, avg@k (mean over k samples, the paper's) or pass@k."""
     eval_every_s: float = Field(15.0, gt=0)
+    """Seconds between held-out evaluations of the newest weight version."""
     progress_every_s: float = Field(5.0, gt=0)
+    """Seconds between progress lines (one scrape of every service)."""
+
+
+class ExperimentSettings(_Section):
+    """`rlstream experiment NAME` (common/harness/experiments.py). Environment:
+    `RLSTREAM__EXPERIMENT__ARMS=sync,async_k2`, `RLSTREAM__EXPERIMENT__ARM_SECONDS=60`,
+    `RLSTREAM__EXPERIMENT__REPS=1`."""
+
+    arms: list[str] = []
+    """Run only these arms (e.g. to redo some of them); empty: every arm. A
+    comma-separated string is accepted."""
+    arm_seconds: float | None = Field(None, gt=0)
+    """RL seconds per arm; None: the experiment's own (async 240, objectives 90, replay 60)."""
+    reps: int | None = Field(None, ge=1)
+    """Repetitions per arm, interleaved A B B A; None: the experiment's own (async 2, others 1)."""
+
+    @field_validator("arms", mode="before")
+    @classmethod
+    def _comma_separated(cls, v):
+        return [a.strip() for a in v.split(",") if a.strip()] if isinstance(v, str) else v
 
 
 # ----------------------------------------------------------- the command
@@ -503,6 +527,7 @@ class RlstreamConfig(_Section):
     consumer: ConsumerSettings = ConsumerSettings()
     demo: DemoSettings = DemoSettings()
     cli: CliSettings = CliSettings()
+    experiment: ExperimentSettings = ExperimentSettings()
 
     @model_validator(mode="after")
     def _groups_agree(self):
@@ -540,7 +565,9 @@ SECRET_KEYS = ("kafka.sasl_plain_password", "producer.http.admin_token", "consum
 
 # ---------------------------------------------------------------- loading
 
-def _set_path(tree: dict, dotted: str, value: Any, source: str) -> None:
+def set_path(tree: dict, dotted: str, value: Any, source: str = "an override") -> None:
+    """`tree[a][b][c] = value` for `dotted` "a.b.c", creating sections; the one
+    dotted-key setter (env, --set, and the harness's run configs use it)."""
     parts = [p for p in dotted.split(".") if p]
     if not parts:
         raise ConfigError(f"empty key in {source}")
@@ -649,7 +676,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
     layers = (_alias_overrides(environ) + _env_overrides(environ) + _set_overrides(overrides or [])
               + [(k, v, "command-line flag") for k, v in (flags or {}).items() if v is not None])
     for dotted, value, source in layers:
-        _set_path(tree, dotted, value, source)
+        set_path(tree, dotted, value, source)
     try:
         return RlstreamConfig.model_validate(tree, context=_launch_context(environ))
     except ValidationError as e:

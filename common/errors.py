@@ -108,3 +108,8 @@ class ModelError(RlstreamError):
 class RankProtocolError(RlstreamError):
     """A rank received a command it does not know from rank 0 (the ranks run
     different rlstream versions: restart them all from one install)."""
+
+
+class PipelineError(RlstreamError):
+    """A supervised service (common/harness/supervisor.py) failed to start, died,
+    or a wait for it timed out; the message carries the tail of its log."""

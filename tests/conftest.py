@@ -1,8 +1,10 @@
 """Session-wide fixtures shared by every test area.
 
 Expensive things are built once per session: the tiny model directory here;
-the broker, the vLLM engine and the trainer fixtures in the `fixtures_*`
+the broker, the vLLM engine and the trainer fixtures in the tests/fixtures/
 plugins below (one module per area, so areas do not edit each other's files).
+Test helpers are imported as a package: `from tests.support.audit import ...`
+(tests/ is a package, so pytest puts the repository root on sys.path).
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-pytest_plugins = ["fixtures_kafka", "fixtures_trainer", "fixtures_producer"]
+pytest_plugins = ["tests.fixtures.kafka", "tests.fixtures.trainer", "tests.fixtures.producer"]
 
 
 @pytest.fixture(scope="session")

@@ -9,13 +9,16 @@
 The model is loaded with HF transformers (fp32, CPU), prompts are grouped by
 token length so every batch is unpadded (the arithmetic prompts come in a few
 lengths), and decoding is greedy with a KV cache until `<eos>` or
-`max_new_tokens`. A response is correct when the task's verifier says so
-(`common.toy.tasks` when it offers one, else exact match of the stripped text).
+`max_new_tokens`. Problems, their file format and the check (exact match of
+the stripped text) are the task's own: `common.toy.tasks.Problem`,
+`read_problems`, `is_correct`.
 
-Used by the SFT warm start (common/harness/sft.py), by the demo to track each weight
-version (common/harness/demo.py), and by the end-to-end test. `pass_at_k` samples k
-responses per prompt at a temperature: what RL can exploit is the gap between
-pass@k and greedy accuracy.
+Used by the SFT warm start (common/harness/sft.py), by the demo (the warm
+start's score, and `VersionEvaluator` for each new weight version during a
+run), and by the end-to-end test. `pass_at_k` samples k responses per prompt
+at a temperature: what RL can exploit is the gap between pass@k and greedy
+accuracy; `heldout_scores` reports the demo's metric (`DEFAULT_METRIC`) beside
+greedy accuracy.
 """
 from __future__ import annotations
 
@@ -25,15 +28,18 @@ import os
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass
-from typing import Callable, Iterable
+from pathlib import Path
+from typing import Iterable
+
+from common.errors import ConfigError
+from common.toy.tasks import Problem, is_correct, read_problems
 
 log = logging.getLogger("rlstream.evaluate")
 
-
-@dataclass(frozen=True)
-class Problem:
-    prompt: str
-    answer: str
+# Held-out accuracy the demo tracks: mean accuracy over 8 samples per problem at
+# the rollout temperature (the paper's "mean accuracy over k samples"); greedy
+# accuracy is reported beside it.
+DEFAULT_METRIC = "avg@8"
 
 
 @dataclass
@@ -46,44 +52,6 @@ class EvalResult:
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-
-# ----------------------------------------------------------------- data + verifier
-
-def load_problems(path: str | os.PathLike, limit: int | None = None) -> list[Problem]:
-    """JSONL rows with `prompt` and `answer` (the task files of common/toy/tasks.py)."""
-    out = []
-    with open(path) as f:
-        for line in f:
-            if line.strip():
-                row = json.loads(line)
-                out.append(Problem(str(row["prompt"]), str(row["answer"])))
-                if limit is not None and len(out) >= limit:
-                    break
-    return out
-
-
-def exact_match(response: str, answer: str) -> bool:
-    return response.strip() == answer.strip()
-
-
-def task_verifier() -> Callable[[str, str], bool]:
-    """The arithmetic task's own check when common/toy/tasks.py offers one, else exact match."""
-    try:
-        from common.toy import tasks
-    except ImportError:
-        return exact_match
-    for name in ("is_correct", "verify", "score"):
-        fn = getattr(tasks, name, None)
-        if callable(fn):
-            return lambda response, answer, fn=fn: _truthy(fn(response, answer))
-    return exact_match
-
-
-def _truthy(v) -> bool:
-    if isinstance(v, tuple):  # (reward, info)
-        v = v[0]
-    return float(v) > 0.5
 
 
 # ----------------------------------------------------------------- model
@@ -136,7 +104,7 @@ def _decode_loop(model, prompts: list[list[int]], max_new_tokens: int, eos_id: i
     return out
 
 
-def generate(model, tok, prompts: list[str], max_new_tokens: int = 8, batch_size: int = 256,
+def generate_text(model, tok, prompts: list[str], max_new_tokens: int = 8, batch_size: int = 256,
              temperature: float = 0.0, seed: int = 0) -> list[str]:
     """Responses (text, without `<eos>`) for `prompts`; greedy unless temperature > 0."""
     import torch
@@ -158,9 +126,8 @@ def generate(model, tok, prompts: list[str], max_new_tokens: int = 8, batch_size
 def evaluate_model(model, tok, problems: list[Problem], max_new_tokens: int = 8,
                    batch_size: int = 256, n_examples: int = 6) -> EvalResult:
     t0 = time.perf_counter()
-    check = task_verifier()
-    responses = generate(model, tok, [p.prompt for p in problems], max_new_tokens, batch_size)
-    hits = [check(r, p.answer) for r, p in zip(responses, problems)]
+    responses = generate_text(model, tok, [p.prompt for p in problems], max_new_tokens, batch_size)
+    hits = [is_correct(r, p.answer) for r, p in zip(responses, problems)]
     examples = [{"prompt": p.prompt, "answer": p.answer, "response": r, "correct": h}
                 for p, r, h in list(zip(problems, responses, hits))[:n_examples]]
     n = len(problems)
@@ -170,7 +137,7 @@ def evaluate_model(model, tok, problems: list[Problem], max_new_tokens: int = 8,
 def evaluate_dir(model_dir: str | os.PathLike, heldout: str | os.PathLike | Iterable[Problem],
                  limit: int | None = None, max_new_tokens: int = 8, batch_size: int = 256) -> EvalResult:
     """Greedy held-out accuracy of the HF model in `model_dir`."""
-    problems = load_problems(heldout, limit) if isinstance(heldout, (str, os.PathLike)) else list(heldout)[:limit]
+    problems = read_problems(heldout, limit) if isinstance(heldout, (str, os.PathLike)) else list(heldout)[:limit]
     model, tok = load_model(model_dir)
     return evaluate_model(model, tok, problems, max_new_tokens, batch_size)
 
@@ -178,17 +145,16 @@ def evaluate_dir(model_dir: str | os.PathLike, heldout: str | os.PathLike | Iter
 def pass_at_k(model, tok, problems: list[Problem], k: int = 8, temperature: float = 1.0,
               max_new_tokens: int = 8, seed: int = 0) -> dict:
     """Sampled accuracy: mean per-sample accuracy (pass@1) and pass@k at `temperature`."""
-    check = task_verifier()
     prompts = [p.prompt for p in problems for _ in range(k)]
-    responses = generate(model, tok, prompts, max_new_tokens, temperature=temperature, seed=seed)
-    hits = [check(r, problems[i // k].answer) for i, r in enumerate(responses)]
+    responses = generate_text(model, tok, prompts, max_new_tokens, temperature=temperature, seed=seed)
+    hits = [is_correct(r, problems[i // k].answer) for i, r in enumerate(responses)]
     per_prompt = [hits[i * k:(i + 1) * k] for i in range(len(problems))]
     return {"k": k, "temperature": temperature,
             "sample_accuracy": sum(hits) / max(len(hits), 1),
             f"pass_at_{k}": sum(any(h) for h in per_prompt) / max(len(problems), 1)}
 
 
-def heldout_scores(model, tok, problems: list[Problem], metric: str = "avg@8", temperature: float = 1.0,
+def heldout_scores(model, tok, problems: list[Problem], metric: str = DEFAULT_METRIC, temperature: float = 1.0,
                    max_new_tokens: int = 8, seed: int = 0) -> dict:
     """Greedy accuracy and, for metric "avg@k", mean sampled accuracy and pass@k.
 
@@ -205,9 +171,42 @@ def heldout_scores(model, tok, problems: list[Problem], metric: str = "avg@8", t
         pk = pass_at_k(model, tok, problems, k=k, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
         out.update(accuracy=pk["sample_accuracy"], avg=pk["sample_accuracy"], **{"pass": pk[f"pass_at_{k}"]})
     else:
-        raise ValueError(f"unknown held-out metric {metric!r}: use 'greedy' or 'avg@K'")
+        raise ConfigError(f"unknown held-out metric {metric!r}: use 'greedy' or 'avg@K'", key="demo.eval_metric")
     out["seconds"] = time.perf_counter() - t0
     return out
+
+
+class VersionEvaluator:
+    """Held-out scores (`heldout_scores`: the run's metric and greedy) of the newest
+    version in a weight store; versions pruned before they could be loaded are skipped."""
+
+    def __init__(self, store_dir: Path, heldout: Path, metric: str = DEFAULT_METRIC,
+                 temperature: float = 1.0, max_new_tokens: int = 8, limit: int | None = None):
+        self.store_dir = store_dir
+        self.problems = read_problems(heldout, limit)
+        self.metric, self.temperature, self.max_new_tokens = metric, temperature, max_new_tokens
+        self.last_version = -1
+        self.last_at = 0.0
+
+    def due(self, min_interval_s: float) -> bool:
+        return time.monotonic() - self.last_at >= min_interval_s
+
+    def evaluate_newest(self) -> tuple[int, dict] | None:
+        """(version, scores) of the newest version not evaluated yet, else None."""
+        from common.weights.store import WeightStore
+
+        store = WeightStore(self.store_dir, keep=1 << 30)  # keep: never prunes, only reads
+        versions = store.versions()
+        if not versions or versions[-1] == self.last_version:
+            return None
+        v = versions[-1]
+        try:
+            model, tok = load_model(store.path(v))
+        except Exception as e:  # noqa: BLE001 - pruned while loading: try the next one later
+            log.info("version %d vanished while loading (%s); skipping", v, e)
+            return None
+        self.last_version, self.last_at = v, time.monotonic()
+        return v, heldout_scores(model, tok, self.problems, self.metric, self.temperature, self.max_new_tokens)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -224,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
-    problems = load_problems(a.heldout, a.limit)
+    problems = read_problems(a.heldout, a.limit)
     model, tok = load_model(a.model_dir)
     r = evaluate_model(model, tok, problems, a.max_new_tokens)
     out = {"accuracy": r.accuracy, "n": r.n, "seconds": round(r.seconds, 2)}

@@ -4,10 +4,15 @@
     rlstream experiment objectives -c configs/tiny-cpu.yaml
     rlstream experiment replay     -c configs/tiny-cpu.yaml
 
-Every arm is one full pipeline run (`common.harness.demo.run_rl`: fresh broker,
+Every arm is one full pipeline run (`common.harness.runs.run_rl`: fresh broker,
 producer(s), consumer, run directory) from the same SFT warm start (shared and
 cached, `common.harness.demo.prepare_warm`), the same task and seeds; arms differ only
 in the overrides listed below. Arms run one after another (2 cores).
+
+Settings (`experiment` section, common/config.py; environment
+`RLSTREAM__EXPERIMENT__ARMS` etc.): `arms` runs a subset of the arms,
+`arm_seconds` and `reps` replace the experiment's defaults (`ARM_SECONDS`,
+`REPS`); the `seconds`/`reps` arguments of `run_experiment` win over both.
 
 - async: synchronous (`staleness.max_staleness=0`: the producers admit one
   batch per version, so generation and training alternate) vs asynchronous
@@ -33,7 +38,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +80,19 @@ def arms(name: str, cfg: RlstreamConfig) -> list[Arm]:
                                                   "producer.engine.dtype": "bfloat16"}))
         return out
     raise ConfigError(f"unknown experiment {name!r}; choose async, objectives or replay")
+
+
+def selected_arms(name: str, cfg: RlstreamConfig) -> list[Arm]:
+    """The arms of `name`, or those `experiment.arms` names (ConfigError if it names none)."""
+    arm_list = arms(name, cfg)
+    only = cfg.experiment.arms
+    if not only:
+        return arm_list
+    chosen = [a for a in arm_list if a.name in only]
+    if not chosen:
+        raise ConfigError(f"{','.join(only)} names no arm of {name!r}; its arms are "
+                          f"{', '.join(a.name for a in arm_list)}", key="experiment.arms")
+    return chosen
 
 
 def _last_quarter(rows: list[dict], key: str) -> float | None:
@@ -182,18 +199,14 @@ def run_experiment(name: str, cfg: RlstreamConfig, seconds: float | None = None,
     linear drift of the shared machine's load) and each arm's numbers combine
     its repetitions.
     """
-    from common.harness.demo import StopRule, prepare_warm, run_rl, say
+    from common.harness.demo import prepare_warm
+    from common.harness.runs import StopRule, run_rl, say
 
-    arm_list = arms(name, cfg)
-    only = [a for a in os.environ.get("RLSTREAM_ARMS", "").split(",") if a]
-    if only:  # a subset of the arms, e.g. to redo some of them
-        arm_list = [a for a in arm_list if a.name in only]
-        if not arm_list:
-            raise ConfigError(f"RLSTREAM_ARMS={','.join(only)} names no arm of {name!r}")
+    arm_list = selected_arms(name, cfg)
     warm = prepare_warm(cfg)
     target = min(1.0, warm.accuracy + cfg.demo.target_gain)
-    budget = seconds or float(os.environ.get("RLSTREAM_ARM_SECONDS") or ARM_SECONDS[name])
-    reps = reps or int(os.environ.get("RLSTREAM_EXPERIMENT_REPS") or REPS[name])
+    budget = seconds or cfg.experiment.arm_seconds or ARM_SECONDS[name]
+    reps = reps or cfg.experiment.reps or REPS[name]
     order = [a for r in range(reps) for a in (arm_list if r % 2 == 0 else arm_list[::-1])]
     say(f"experiment {name}: {len(arm_list)} arms x {reps} rep(s) x <= {budget:.0f} s, "
         f"warm accuracy {warm.accuracy:.3f}, target {target:.3f}; order {[a.name for a in order]}")

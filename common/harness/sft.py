@@ -35,6 +35,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from common.toy.tasks import Problem, read_problems
+
 log = logging.getLogger("rlstream.sft")
 
 SFT_MARKER = "rlstream_sft.json"
@@ -72,12 +74,12 @@ class SftResult:
 
 # ----------------------------------------------------------------- data
 
-def _encode_examples(tok, rows: list[dict]) -> list[tuple[list[int], int]]:
-    """(token ids of prompt+answer+eos, prompt length) per row."""
+def _encode_examples(tok, problems: list[Problem]) -> list[tuple[list[int], int]]:
+    """(token ids of prompt+answer+eos, prompt length) per problem."""
     out = []
-    for r in rows:
-        p = tok.encode(str(r["prompt"]), add_special_tokens=False)
-        a = tok.encode(str(r["answer"]), add_special_tokens=False)
+    for pr in problems:
+        p = tok.encode(pr.prompt, add_special_tokens=False)
+        a = tok.encode(pr.answer, add_special_tokens=False)
         out.append((p + a + [tok.eos_token_id], len(p)))
     return out
 
@@ -98,11 +100,6 @@ def _collate(batch: list[tuple[list[int], int]], pad_id: int):
     return x, mask, labels
 
 
-def _read_jsonl(path) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def data_digest(*paths) -> str:
     h = hashlib.sha256()
     for p in paths:
@@ -120,7 +117,7 @@ def _distance_to_band(acc: float, cfg: SftConfig) -> float:
     return max(cfg.band_low - acc, acc - cfg.band_high, 0.0)
 
 
-def train(model, tok, train_rows: list[dict], heldout, cfg: SftConfig,
+def train(model, tok, train_problems: list[Problem], heldout: list[Problem], cfg: SftConfig,
           progress=None) -> SftResult:
     """Fine-tune `model` in place until held-out accuracy is in the band (see module doc)."""
     import torch
@@ -129,7 +126,7 @@ def train(model, tok, train_rows: list[dict], heldout, cfg: SftConfig,
 
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
-    examples = _encode_examples(tok, train_rows)
+    examples = _encode_examples(tok, train_problems)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=0.0)
     t0 = time.perf_counter()
     history: list[dict] = []
@@ -203,7 +200,7 @@ def warm_start(base_dir, out_dir, train_path, heldout_path, cfg: SftConfig | Non
     """SFT the model in `base_dir` into `out_dir` (HF format); reuse a matching one if allowed."""
     import torch
 
-    from common.harness.evaluate import load_model, load_problems
+    from common.harness.evaluate import load_model
 
     cfg = cfg or SftConfig()
     if reuse and (res := load_warm(out_dir, cfg, base_dir, train_path, heldout_path)) is not None:
@@ -211,8 +208,8 @@ def warm_start(base_dir, out_dir, train_path, heldout_path, cfg: SftConfig | Non
         return res
     torch.set_num_threads(cfg.num_threads)
     model, tok = load_model(base_dir)
-    heldout = load_problems(heldout_path, cfg.eval_limit)
-    res = train(model, tok, _read_jsonl(train_path), heldout, cfg, progress)
+    heldout = read_problems(heldout_path, cfg.eval_limit)
+    res = train(model, tok, read_problems(train_path), heldout, cfg, progress)
     out = Path(out_dir)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -24,12 +24,12 @@ import signal
 import socket
 import struct
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
+from common import process
 from common.config import BrokerSettings, KafkaSettings
 from common.errors import BrokerError
 
@@ -107,18 +107,6 @@ def _recv_exact(s: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-try:  # loaded here, not in the child: nothing may import between fork and exec
-    import ctypes
-    _LIBC = ctypes.CDLL("libc.so.6", use_errno=True) if sys.platform.startswith("linux") else None
-except OSError:
-    _LIBC = None
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    if _LIBC is not None:
-        _LIBC.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 class EmbeddedBroker:
     """One tansu process on `settings.host:settings.port` (port 0: a free port).
 
@@ -132,8 +120,7 @@ class EmbeddedBroker:
         self.port: int | None = None
         self._proc: subprocess.Popen | None = None
         self._log_path: Path | None = None
-        self._log_file = None
-        self._die_with_parent = die_with_parent and _LIBC is not None
+        self._die_with_parent = die_with_parent
 
     # ------------------------------------------------------------- lifecycle
     @property
@@ -161,14 +148,11 @@ class EmbeddedBroker:
         fd, name = tempfile.mkstemp(prefix="rlstream-tansu-", suffix=".log")
         os.close(fd)
         self._log_path = Path(name)
-        self._log_file = open(self._log_path, "wb")
         cmd = [str(tansu_binary()), "broker", "--listener-url", url, "--advertised-listener-url", url,
                "--storage-engine", self.settings.storage]
         env = dict(os.environ)
         env.setdefault("RUST_LOG", "warn")
-        self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self._log_file,
-                                      stderr=subprocess.STDOUT, env=env,
-                                      preexec_fn=_die_with_parent if self._die_with_parent else None)
+        self._proc = process.spawn(cmd, self._log_path, env, die_with_parent=self._die_with_parent)
         deadline = time.monotonic() + self.settings.start_timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
@@ -192,17 +176,10 @@ class EmbeddedBroker:
         proc, self._proc = self._proc, None
         if proc is None:
             return None
-        if proc.poll() is None:
-            try:
-                os.kill(proc.pid, signal.SIGCONT)  # a paused broker cannot handle SIGTERM
-                proc.terminate()
-                proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                log.warning("broker pid %d ignored SIGTERM for %.0f s; killing it", proc.pid, timeout_s)
-                proc.kill()
-                proc.wait()
-            except ProcessLookupError:
-                pass
+        process.signal_group(proc, signal.SIGCONT)  # a paused broker cannot handle SIGTERM
+        _, killed = process.stop(proc, timeout_s)
+        if killed:
+            log.warning("broker pid %d ignored SIGTERM for %.0f s; killed it", proc.pid, timeout_s)
         self._cleanup_log()
         log.info("broker on port %s stopped (exit %s)", self.port, proc.returncode)
         return proc.returncode
@@ -220,15 +197,9 @@ class EmbeddedBroker:
         os.kill(self._proc.pid, signal.SIGCONT)
 
     def log_tail(self, max_bytes: int = 4000) -> str:
-        if self._log_path is None or not self._log_path.exists():
-            return "<no log>"
-        data = self._log_path.read_bytes()[-max_bytes:]
-        return data.decode("utf-8", "replace").strip() or "<empty log>"
+        return process.log_tail(self._log_path, max_bytes)
 
     def _cleanup_log(self) -> None:
-        if self._log_file is not None:
-            self._log_file.close()
-            self._log_file = None
         if self._log_path is not None:
             self._log_path.unlink(missing_ok=True)
             self._log_path = None
@@ -241,7 +212,7 @@ class EmbeddedBroker:
 
     def __del__(self):
         if getattr(self, "_proc", None) is not None and self._proc.poll() is None:
-            self._proc.kill()
+            process.signal_group(self._proc, signal.SIGKILL)
 
 
 def ensure_broker(kafka: KafkaSettings, broker: BrokerSettings) -> tuple[str, EmbeddedBroker | None]:

@@ -4,7 +4,7 @@ Prompts use only characters of the tiny tokenizer (`common.toy.tinymodel.CHARS`)
 digits, '+', '-' and '='. The answer is the exact integer result (negative
 results keep their '-'). Problems are generated from a seed, so a task file
 is reproducible; `write_splits` writes a train file and a held-out file with
-disjoint prompts.
+disjoint prompts; `read_problems` reads one back, `is_correct` is the check.
 
     python -m common.toy.tasks data/train.jsonl data/heldout.jsonl --n-train 4096 --n-heldout 256
 
@@ -56,6 +56,8 @@ class TaskSpec:
 
 @dataclass(frozen=True)
 class Problem:
+    """One task item: the prompt text and its exact answer (also a JSONL row)."""
+
     prompt: str
     answer: str
 
@@ -116,6 +118,25 @@ def write_problems(path: str | os.PathLike, problems: list[Problem]) -> Path:
     return path
 
 
+def read_problems(path: str | os.PathLike, limit: int | None = None) -> list[Problem]:
+    """The problems of a task file (JSONL rows with `prompt` and `answer`), in
+    order, at most `limit`; ConfigError naming the line of a malformed row."""
+    out: list[Problem] = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if limit is not None and len(out) >= limit:
+                break
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                out.append(Problem(str(row["prompt"]), str(row["answer"])))
+            except (ValueError, KeyError, TypeError) as e:
+                raise ConfigError(f"{path}:{lineno} is not a task row with 'prompt' and 'answer' ({e!r}); "
+                                  "write task files with `python -m common.toy.tasks`") from None
+    return out
+
+
 def write_jsonl(path: str | os.PathLike, n: int, seed: int, spec: TaskSpec = TaskSpec()) -> Path:
     """Write `n` problems from `seed` to `path` (JSONL with `prompt` and `answer`)."""
     return write_problems(path, generate(n, seed, spec))
@@ -129,7 +150,9 @@ def write_splits(train_path: str | os.PathLike, heldout_path: str | os.PathLike,
 
 
 def is_correct(response: str, answer: str) -> bool:
-    """The task's check: the response, stripped of surrounding whitespace, is the answer."""
+    """The task's check, exact match: the response, stripped of surrounding
+    whitespace, is the answer. Held-out evaluation (common/harness/evaluate.py)
+    uses it; it is the same rule as the producer's `exact_match` verifier."""
     return response.strip() == answer.strip()
 
 

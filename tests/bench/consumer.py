@@ -42,10 +42,11 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path.insert(0, str(ROOT))
 log = logging.getLogger("bench.consumer")
 
 LARGE_SPEC = dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=4,
@@ -77,7 +78,7 @@ def synthetic_producer(kafka_dump: dict, G: int, ahead_records: int, prompt_len:
 
     from common.config import KafkaSettings
     from common.kafka.publisher import RolloutPublisher
-    from synthetic import synthetic_group
+    from tests.support.synthetic import synthetic_group
 
     kafka = KafkaSettings.model_validate(kafka_dump)
     rng = np.random.default_rng(0)
@@ -222,7 +223,24 @@ def large_publish_and_checkpoint(svc, ann_producer, tmp: Path, repeats: int) -> 
 
 
 # ---------------------------------------------------------------------------
-def main() -> None:
+# main: setup -> warm -> measure -> report
+# ---------------------------------------------------------------------------
+@dataclass
+class Bench:
+    """What setup builds (each field set as soon as it exists, so teardown closes it)."""
+
+    tmp: Path
+    read_pos: object = None  # shared with the synthetic producer process
+    version: object = None
+    published: object = None
+    stop: object = None
+    broker: object = None
+    prod: object = None
+    cfg: object = None
+    svc: object = None
+
+
+def _args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=60, help="measured global steps (split into --repeats blocks)")
     ap.add_argument("--repeats", type=int, default=5)
@@ -234,109 +252,139 @@ def main() -> None:
     ap.add_argument("--ahead-batches", type=int, default=3, help="batches the producer keeps on the topic")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (consumer.num_threads)")
     ap.add_argument("--no-large", action="store_true")
-    args = ap.parse_args()
+    return ap.parse_args()
 
+
+def setup(args, b: Bench) -> None:
+    """Broker, topics, the synthetic producer process, the tiny model, a started ConsumerService."""
+    import multiprocessing as mp
+
+    import torch
+
+    from common.config import BrokerSettings, RlstreamConfig
+    from common.kafka.broker import EmbeddedBroker
+    from common.toy.tinymodel import build_tiny_model
+    from consumer.service import ConsumerService
+    from tests.fixtures.kafka import make_kafka_settings
+
+    G, B = args.group_size, args.groups_per_batch
+    ctx = mp.get_context("spawn")
+    b.read_pos, b.version, b.published = ctx.Value("q", 0), ctx.Value("q", 0), ctx.Value("q", 0)
+    b.stop = ctx.Event()
+    b.broker = EmbeddedBroker(BrokerSettings(port=0)).start()
+    kafka = make_kafka_settings(b.broker.bootstrap, b.tmp / "blobs", rollouts_partitions=2)
+    b.prod = ctx.Process(target=synthetic_producer, daemon=True,
+                         args=(kafka.model_dump(), G, args.ahead_batches * B * G, args.prompt_len,
+                               args.max_resp, b.read_pos, b.version, b.published, b.stop))
+    b.prod.start()
+    model_dir = build_tiny_model(b.tmp / "tiny")
+    b.cfg = RlstreamConfig.model_validate({
+        "kafka": kafka.model_dump(), "model": {"path": str(model_dir), "build_tiny": False},
+        "staleness": {"max_staleness": args.ahead_batches + 2, "mode": "drop"},
+        "producer": {"group_size": G},
+        "consumer": {"group_size": G, "groups_per_batch": B, "num_threads": args.threads, "optimizer": {"lr": 1e-4},
+                     "checkpoint_dir": str(b.tmp / "ckpt"), "weight_store_dir": str(b.tmp / "weights"),
+                     "group_timeout_s": 60.0}})
+    b.svc = ConsumerService(b.cfg, b.broker.bootstrap)
+    b.svc.start()
+    torch.set_num_threads(args.threads)
+
+
+def warm(args, b: Bench) -> None:
+    """The topic full before anything is timed, then `--warmup` steps."""
+    deadline = time.monotonic() + 60
+    while b.published.value < args.ahead_batches * args.groups_per_batch * args.group_size:
+        assert b.prod.is_alive() and time.monotonic() < deadline, "synthetic producer did not fill the topic"
+        time.sleep(0.05)
+    run_steps(b.svc, args.warmup, b.read_pos, b.version)
+
+
+def measure(args, b: Bench) -> dict:
+    """The measured steps, then (producer stopped) the publish breakdown and the large model."""
+    steps = run_steps(b.svc, args.steps, b.read_pos, b.version)
+    b.stop.set()
+    svc = b.svc
+    tiny_bytes = json.loads((svc.announcer.store.path(svc.version) / "manifest.json").read_text())["bytes"]
+    ann_producer = announcement_producer(svc.kafka)
+    try:
+        breakdown = publish_breakdown(svc, ann_producer, b.tmp, repeats=3)
+        large = None if args.no_large else large_publish_and_checkpoint(svc, ann_producer, b.tmp, repeats=2)
+    finally:
+        ann_producer.close(timeout=10)
+    return {"steps": steps, "tiny_bytes": tiny_bytes, "breakdown": breakdown, "large": large,
+            "outcomes": {k: int(v) for k, v in svc.ledger.counters.items()}}
+
+
+def report(args, b: Bench, m: dict, t_start: float, load0: float) -> dict:
+    steps, B, G = m["steps"], args.groups_per_batch, args.group_size
+    per = max(1, len(steps) // args.repeats)
+    blocks = [steps[i:i + per] for i in range(0, per * args.repeats, per)]
+    share = lambda ss, k: sum(s[k] for s in ss) / sum(s["total"] for s in ss)  # noqa: E731
+    return {
+        "bench": "consumer", "date": time.strftime("%Y-%m-%d"),
+        "model": "tiny-qwen3-moe (2 layers, 8 experts, top-2), fp32, Megatron-core CPU",
+        "consumer_wait_share": round(_med([share(b_, "wait") for b_ in blocks]), 4),
+        "consumer_wait_share_blocks": [round(share(b_, "wait"), 4) for b_ in blocks],
+        "phase_share": {k: round(share(steps, k), 4) for k in PHASES},
+        "phase_seconds_median": {k: round(_med([s[k] for s in steps]), 4) for k in PHASES},
+        "step_seconds_median": round(_med([s["total"] for s in steps]), 4),
+        "next_batch_breakdown": {  # shares of all step time
+            "reader_poll_share": round(share(steps, "poll"), 4),
+            "lag_query_share": round(share(steps, "lag"), 4),
+            "polls_per_step_mean": round(sum(s["polls"] for s in steps) / len(steps), 2),
+            "steps_without_poll": sum(1 for s in steps if not s["polls"])},
+        "train_compute_share": round(sum(s["compute"] for s in steps) / sum(s["total"] for s in steps), 4),
+        "checkpoint_seconds": round(_med([s["checkpoint"] for s in steps]), 4),
+        "publish_seconds": round(_med([s["publish"] for s in steps]), 4),
+        "model_bytes": m["tiny_bytes"],
+        "publish_breakdown": m["breakdown"],
+        "large": m["large"],
+        "samples_per_second": round(len(steps) * B * G / sum(s["total"] for s in steps), 1),
+        "max_staleness_gate": max(s["gate_staleness"] for s in steps),
+        "max_staleness_at_train": max(s["train_staleness"] for s in steps),
+        "max_staleness_setting": b.cfg.staleness.max_staleness,
+        "outcomes": m["outcomes"],
+        "workload": {"group_size": G, "groups_per_batch": B, "prompt_len": args.prompt_len,
+                     "max_resp": args.max_resp, "ahead_batches": args.ahead_batches,
+                     "steps": len(steps), "repeats": args.repeats, "warmup": args.warmup},
+        "threads": args.threads, "bench_seconds": round(time.perf_counter() - t_start, 1),
+        "loadavg_1min": [round(load0, 2), round(os.getloadavg()[0], 2)],  # start, end: 2 cores, shared
+    }
+
+
+def teardown(b: Bench) -> None:
+    if b.stop is not None:
+        b.stop.set()
+    if b.prod is not None:
+        b.prod.join(15)
+        if b.prod.is_alive():
+            b.prod.kill()
+            b.prod.join()
+    if b.svc is not None:
+        b.svc.close()
+    if b.broker is not None:
+        b.broker.stop()
+    shutil.rmtree(b.tmp, ignore_errors=True)
+
+
+def main() -> None:
+    args = _args()
     t_start, load0 = time.perf_counter(), os.getloadavg()[0]
     sys.stdout.flush()
     out_fd = os.dup(1)
     os.dup2(2, 1)  # anything printed by libraries goes to stderr; the JSON goes to out_fd
     _setup(args.threads)
-    import multiprocessing as mp
-
     import torch
 
     torch.set_num_threads(args.threads)
-    from common.kafka.broker import EmbeddedBroker
-    from common.config import BrokerSettings, RlstreamConfig
-    from common.toy.tinymodel import build_tiny_model
-    from fixtures_kafka import make_kafka_settings
-
-    tmp = Path(tempfile.mkdtemp(prefix="rlstream-bench-consumer-"))
-    G, B = args.group_size, args.groups_per_batch
-    ctx = mp.get_context("spawn")
-    read_pos, version, published = ctx.Value("q", 0), ctx.Value("q", 0), ctx.Value("q", 0)
-    stop = ctx.Event()
-    broker = svc = prod = None
+    b = Bench(Path(tempfile.mkdtemp(prefix="rlstream-bench-consumer-")))
     try:
-        broker = EmbeddedBroker(BrokerSettings(port=0)).start()
-        kafka = make_kafka_settings(broker.bootstrap, tmp / "blobs", rollouts_partitions=2)
-        prod = ctx.Process(target=synthetic_producer, daemon=True,
-                           args=(kafka.model_dump(), G, args.ahead_batches * B * G, args.prompt_len,
-                                 args.max_resp, read_pos, version, published, stop))
-        prod.start()
-        model_dir = build_tiny_model(tmp / "tiny")
-        cfg = RlstreamConfig.model_validate({
-            "kafka": kafka.model_dump(), "model": {"path": str(model_dir), "build_tiny": False},
-            "staleness": {"max_staleness": args.ahead_batches + 2, "mode": "drop"},
-            "producer": {"group_size": G},
-            "consumer": {"group_size": G, "groups_per_batch": B, "num_threads": args.threads, "optimizer": {"lr": 1e-4},
-                         "checkpoint_dir": str(tmp / "ckpt"), "weight_store_dir": str(tmp / "weights"),
-                         "group_timeout_s": 60.0}})
-        from consumer.service import ConsumerService
-
-        svc = ConsumerService(cfg, broker.bootstrap)
-        svc.start()
-        torch.set_num_threads(args.threads)
-        deadline = time.monotonic() + 60
-        while published.value < args.ahead_batches * B * G:  # the topic is full before we time anything
-            assert prod.is_alive() and time.monotonic() < deadline, "synthetic producer did not fill the topic"
-            time.sleep(0.05)
-        run_steps(svc, args.warmup, read_pos, version)
-        steps = run_steps(svc, args.steps, read_pos, version)
-        stop.set()
-        per = max(1, len(steps) // args.repeats)
-        blocks = [steps[i:i + per] for i in range(0, per * args.repeats, per)]
-        share = lambda ss, k: sum(s[k] for s in ss) / sum(s["total"] for s in ss)  # noqa: E731
-        tiny_bytes = json.loads((svc.announcer.store.path(svc.version) / "manifest.json").read_text())["bytes"]
-        ann_producer = announcement_producer(svc.kafka)
-        try:
-            breakdown = publish_breakdown(svc, ann_producer, tmp, repeats=3)
-            large = None if args.no_large else large_publish_and_checkpoint(svc, ann_producer, tmp, repeats=2)
-        finally:
-            ann_producer.close(timeout=10)
-        result = {
-            "bench": "consumer", "date": time.strftime("%Y-%m-%d"),
-            "model": "tiny-qwen3-moe (2 layers, 8 experts, top-2), fp32, Megatron-core CPU",
-            "consumer_wait_share": round(_med([share(b, "wait") for b in blocks]), 4),
-            "consumer_wait_share_blocks": [round(share(b, "wait"), 4) for b in blocks],
-            "phase_share": {k: round(share(steps, k), 4) for k in PHASES},
-            "phase_seconds_median": {k: round(_med([s[k] for s in steps]), 4) for k in PHASES},
-            "step_seconds_median": round(_med([s["total"] for s in steps]), 4),
-            "next_batch_breakdown": {  # shares of all step time
-                "reader_poll_share": round(share(steps, "poll"), 4),
-                "lag_query_share": round(share(steps, "lag"), 4),
-                "polls_per_step_mean": round(sum(s["polls"] for s in steps) / len(steps), 2),
-                "steps_without_poll": sum(1 for s in steps if not s["polls"])},
-            "train_compute_share": round(sum(s["compute"] for s in steps) / sum(s["total"] for s in steps), 4),
-            "checkpoint_seconds": round(_med([s["checkpoint"] for s in steps]), 4),
-            "publish_seconds": round(_med([s["publish"] for s in steps]), 4),
-            "model_bytes": tiny_bytes,
-            "publish_breakdown": breakdown,
-            "large": large,
-            "samples_per_second": round(len(steps) * B * G / sum(s["total"] for s in steps), 1),
-            "max_staleness_gate": max(s["gate_staleness"] for s in steps),
-            "max_staleness_at_train": max(s["train_staleness"] for s in steps),
-            "max_staleness_setting": cfg.staleness.max_staleness,
-            "outcomes": {k: int(v) for k, v in svc.ledger.counters.items()},
-            "workload": {"group_size": G, "groups_per_batch": B, "prompt_len": args.prompt_len,
-                         "max_resp": args.max_resp, "ahead_batches": args.ahead_batches,
-                         "steps": len(steps), "repeats": args.repeats, "warmup": args.warmup},
-            "threads": args.threads, "bench_seconds": round(time.perf_counter() - t_start, 1),
-            "loadavg_1min": [round(load0, 2), round(os.getloadavg()[0], 2)],  # start, end: 2 cores, shared
-        }
-        os.write(out_fd, (json.dumps(result) + "\n").encode())
+        setup(args, b)
+        warm(args, b)
+        measured = measure(args, b)
+        os.write(out_fd, (json.dumps(report(args, b, measured, t_start, load0)) + "\n").encode())
     finally:
-        stop.set()
-        if prod is not None:
-            prod.join(15)
-            if prod.is_alive():
-                prod.kill()
-                prod.join()
-        if svc is not None:
-            svc.close()
-        if broker is not None:
-            broker.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
+        teardown(b)
 
 
 if __name__ == "__main__":

@@ -50,10 +50,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path.insert(0, str(ROOT))
 log = logging.getLogger("bench.producer")
 
 # Shape of the larger synthetic model: 53.6 M parameters, ~215 MB in fp32.
@@ -341,8 +342,24 @@ def measure_throughput(engine, svc, kafka, lengths: list[int], n_groups: int, re
     }
 
 
-def main() -> None:
-    global BROKER_PID
+# ---------------------------------------------------------------------------
+# main: setup -> measure -> large-model child -> report
+# ---------------------------------------------------------------------------
+@dataclass
+class Bench:
+    """What setup builds (each field set as soon as it exists, so teardown closes it)."""
+
+    tmp: Path
+    child: subprocess.Popen | None = None
+    broker: object = None
+    kafka: object = None
+    model_dir: Path | None = None
+    engine: object = None
+    publisher: object = None
+    svc: object = None
+
+
+def _args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=10, help="repetitions of the three conditions")
     ap.add_argument("--groups-per-round", type=int, default=32)
@@ -356,75 +373,102 @@ def main() -> None:
     ap.add_argument("--no-large", action="store_true", help="skip the larger-model reload")
     ap.add_argument("--large-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--work-dir", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def setup(args, b: Bench) -> None:
+    """The large-model child (it builds and starts its engine while ours starts), broker,
+    topics, tiny model, our engine and publisher, and the service stand-in."""
+    global BROKER_PID
+    from common.config import BrokerSettings
+    from common.kafka.broker import EmbeddedBroker
+    from common.kafka.publisher import RolloutPublisher
+    from common.toy.tinymodel import build_tiny_model
+    from tests.fixtures.kafka import make_kafka_settings
+
+    if not args.no_large:
+        b.child = subprocess.Popen([sys.executable, __file__, "--large-child", "--work-dir", str(b.tmp),
+                                    "--threads", str(args.threads), "--reload-repeats", "3"],
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    b.broker = EmbeddedBroker(BrokerSettings(port=0)).start()
+    BROKER_PID = b.broker.pid  # its CPU counts as publishing cost
+    b.kafka = make_kafka_settings(b.broker.bootstrap, b.tmp / "blobs", rollouts_partitions=2)
+    b.model_dir = build_tiny_model(b.tmp / "tiny")
+    b.engine = _engine(b.model_dir)
+    b.publisher = RolloutPublisher(b.kafka)
+    b.svc = service_stand_in(b.kafka, args, b.engine, b.publisher, 64)
+
+
+def measure(args, b: Bench) -> dict:
+    """Throughput (main and short workloads) and tiny-model reloads; then our engine closes
+    (the large-model child measures next, alone)."""
+    thr = measure_throughput(b.engine, b.svc, b.kafka, [int(x) for x in args.lengths.split(",")],
+                             args.groups_per_round, args.reps, args, "main")
+    short = None
+    if args.short_reps:
+        short = measure_throughput(b.engine, b.svc, b.kafka, [8], 2 * args.groups_per_round, args.short_reps,
+                                   args, "short")
+    tiny = measure_reloads(b.engine, b.model_dir, b.tmp / "weights", args.reload_repeats)
+    engine_start = b.engine.stats.start_seconds
+    b.publisher.close()
+    b.publisher = None
+    b.engine.close()
+    b.engine = None
+    return {"throughput": thr, "short": short, "tiny": tiny, "engine_start": engine_start}
+
+
+def large_result(child: subprocess.Popen | None) -> dict | None:
+    """The large-model child's JSON (None without a child, or if it failed)."""
+    if child is None:
+        return None
+    out, _ = child.communicate("go\n", timeout=300)
+    large = json.loads(out.strip().splitlines()[-1]) if child.returncode == 0 and out.strip() else None
+    if large is None:
+        log.error("large-model child failed (exit %s)", child.returncode)
+    return large
+
+
+def report(args, m: dict, large: dict | None, t_start: float, load0: float) -> dict:
+    return {
+        "bench": "producer", "date": time.strftime("%Y-%m-%d"),
+        "model": "tiny-qwen3-moe (2 layers, 8 experts, top-2), fp32, CPU routing capture",
+        **m["throughput"],
+        "short_responses": m["short"],
+        "reload_seconds": m["tiny"]["reload_seconds"], "verify_seconds": m["tiny"]["verify_seconds"],
+        "tiny": m["tiny"], "engine_start_seconds": round(m["engine_start"], 1),
+        "large": large,
+        "threads": args.threads, "bench_seconds": round(time.perf_counter() - t_start, 1),
+        "loadavg_1min": [round(load0, 2), round(os.getloadavg()[0], 2)],  # start, end: 2 cores, shared
+    }
+
+
+def teardown(b: Bench) -> None:
+    if b.child is not None and b.child.poll() is None:
+        b.child.kill()
+        b.child.wait()
+    if b.publisher is not None:
+        b.publisher.close(timeout=5)
+    if b.engine is not None:
+        b.engine.close()
+    if b.broker is not None:
+        b.broker.stop()
+    shutil.rmtree(b.tmp, ignore_errors=True)
+
+
+def main() -> None:
+    args = _args()
     if args.large_child:
         return large_child(args)
-
     t_start, load0 = time.perf_counter(), os.getloadavg()[0]
     out_fd = _stdout_to_stderr()
     _setup(args.threads)
-    tmp = Path(tempfile.mkdtemp(prefix="rlstream-bench-producer-"))
-    child = None
-    broker = engine = publisher = None
+    b = Bench(Path(tempfile.mkdtemp(prefix="rlstream-bench-producer-")))
     try:
-        from common.kafka.broker import EmbeddedBroker
-        from common.config import BrokerSettings
-        from common.kafka.publisher import RolloutPublisher
-        from common.toy.tinymodel import build_tiny_model
-        from fixtures_kafka import make_kafka_settings
-
-        if not args.no_large:  # builds and starts its engine while ours starts
-            child = subprocess.Popen([sys.executable, __file__, "--large-child", "--work-dir", str(tmp),
-                                      "--threads", str(args.threads), "--reload-repeats", "3"],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        broker = EmbeddedBroker(BrokerSettings(port=0)).start()
-        BROKER_PID = getattr(getattr(broker, "_proc", None), "pid", None)  # its CPU counts as publishing cost
-        kafka = make_kafka_settings(broker.bootstrap, tmp / "blobs", rollouts_partitions=2)
-        model_dir = build_tiny_model(tmp / "tiny")
-        engine = _engine(model_dir)
-        publisher = RolloutPublisher(kafka)
-        svc = service_stand_in(kafka, args, engine, publisher, 64)
-        thr = measure_throughput(engine, svc, kafka, [int(x) for x in args.lengths.split(",")],
-                                 args.groups_per_round, args.reps, args, "main")
-        short = None
-        if args.short_reps:
-            short = measure_throughput(engine, svc, kafka, [8], 2 * args.groups_per_round, args.short_reps,
-                                       args, "short")
-        tiny = measure_reloads(engine, model_dir, tmp / "weights", args.reload_repeats)
-        engine_start = engine.stats.start_seconds
-        publisher.close()
-        publisher = None
-        engine.close()
-        engine = None
-        large = None
-        if child is not None:
-            out, _ = child.communicate("go\n", timeout=300)
-            large = json.loads(out.strip().splitlines()[-1]) if child.returncode == 0 and out.strip() else None
-            if large is None:
-                log.error("large-model child failed (exit %s)", child.returncode)
-        result = {
-            "bench": "producer", "date": time.strftime("%Y-%m-%d"),
-            "model": "tiny-qwen3-moe (2 layers, 8 experts, top-2), fp32, CPU routing capture",
-            **thr,
-            "short_responses": short,
-            "reload_seconds": tiny["reload_seconds"], "verify_seconds": tiny["verify_seconds"],
-            "tiny": tiny, "engine_start_seconds": round(engine_start, 1),
-            "large": large,
-            "threads": args.threads, "bench_seconds": round(time.perf_counter() - t_start, 1),
-            "loadavg_1min": [round(load0, 2), round(os.getloadavg()[0], 2)],  # start, end: 2 cores, shared
-        }
-        _emit(out_fd, result)
+        setup(args, b)
+        measured = measure(args, b)
+        _emit(out_fd, report(args, measured, large_result(b.child), t_start, load0))
     finally:
-        if child is not None and child.poll() is None:
-            child.kill()
-            child.wait()
-        if publisher is not None:
-            publisher.close(timeout=5)
-        if engine is not None:
-            engine.close()
-        if broker is not None:
-            broker.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
+        teardown(b)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from pathlib import Path
 import msgpack
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path.insert(0, str(ROOT))
 
 from common.kafka.broker import EmbeddedBroker  # noqa: E402
 from common.config import BrokerSettings  # noqa: E402
@@ -32,7 +32,7 @@ from common.kafka.client import FETCH_OVERHEAD_BYTES, client_kwargs  # noqa: E40
 from common.kafka.publisher import RolloutPublisher  # noqa: E402
 from common.kafka.reader import RolloutReader  # noqa: E402
 from common.record import decode, encode  # noqa: E402
-from fixtures_kafka import make_kafka_settings, realistic_rollout  # noqa: E402
+from tests.fixtures.kafka import make_kafka_settings, realistic_rollout  # noqa: E402
 
 T, P, LAYERS, TOP_K, EXPERTS = 4096, 256, 48, 8, 128
 N_RECORDS = 48          # ~80 MB per pass

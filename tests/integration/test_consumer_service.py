@@ -26,8 +26,8 @@ import yaml
 from common.config import RlstreamConfig
 from common.control.messages import encode_control
 from common.control.plane import ControlPlaneWriter
-from fixtures_kafka import make_kafka_settings
-from synthetic import publish_groups, synthetic_group
+from tests.fixtures.kafka import make_kafka_settings
+from tests.support.synthetic import publish_groups, synthetic_group
 
 pytestmark = [pytest.mark.broker, pytest.mark.megatron]
 

@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 
 from common.config import load_config
-from common.harness.demo import StopRule, prepare_warm, run_rl
+from common.harness.demo import prepare_warm
+from common.harness.runs import StopRule, run_rl
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.megatron, pytest.mark.broker]
 

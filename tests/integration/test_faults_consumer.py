@@ -21,8 +21,9 @@ down the staleness bound at the optimizer step.
 
 At the end the feeder stops, the consumer drains (partial groups time out),
 one or two fresh filler groups flush the last half batch, and a SIGTERM makes
-it log its exact outcome counters. Ground truth comes from outside the
-consumer: what the feeder got acknowledged, the audit log, the DLQ topic.
+it write its exact outcome counters to its run file. Ground truth comes from
+outside the consumer: what the feeder got acknowledged, the audit log, the
+DLQ topic. Each incarnation's run file also says the step it resumed at.
 """
 from __future__ import annotations
 
@@ -33,10 +34,13 @@ from pathlib import Path
 
 import pytest
 
-from fixtures_kafka import make_kafka_settings
-from services import (Service, SyntheticFeeder, audit_lines, audit_steps, committed_checkpoint, final_outcomes,
-                      flush_half_batch, read_dlq, service_config, wait_until, write_config)
-from synthetic import publish_groups, synthetic_group
+from common.harness.census import read_dlq
+from common.harness.supervisor import Service, wait_until
+from tests.fixtures.kafka import make_kafka_settings
+from tests.support.audit import audit_lines, audit_steps, committed_checkpoint
+from tests.support.configs import service_config, write_config
+from tests.support.feeder import SyntheticFeeder, flush_half_batch
+from tests.support.synthetic import publish_groups, synthetic_group
 
 pytestmark = [pytest.mark.broker, pytest.mark.megatron, pytest.mark.slow]
 
@@ -60,6 +64,7 @@ class Scenario:
         self.weights = Path(cfg.consumer.weight_store_dir)
         self.consumer = Service("consumer", write_config(cfg, tmp / "consumer.yaml"), tmp / "logs")
         self.kills: list[dict] = []
+        self.start_steps: list[int] = []  # per incarnation: the step it started (resumed) at
         self.burst_ids: list[str] = []
         self.feeder = SyntheticFeeder(kafka, G, seed=7, rate_groups=3.0, p_partial=0.1, p_stale=0.15,
                                       p_bad=0.06, version_of=self.committed_version,
@@ -81,6 +86,8 @@ class Scenario:
         # resumed (or started) and trained at least one more step
         wait_until(lambda: audit_lines(self.ckpt) > n_lines, START_TIMEOUT,
                    f"a step of consumer incarnation {self.consumer.incarnation}", [self.consumer])
+        # the run file's start record (written before the first step): the step it resumed at
+        self.start_steps.append(self.consumer.status()["step"])
 
     def aim_and_kill(self, phase: str, rng: random.Random) -> dict:
         c, pid = self.consumer, self.consumer.pid
@@ -97,7 +104,7 @@ class Scenario:
                 if n_now != stable["n"]:
                     stable.update(n=n_now, since=time.monotonic())
                 return time.monotonic() - stable["since"] > 2.0
-            wait_until(no_step_for_2s, 120, "the consumer to wait for data", [c], interval=0.1)
+            wait_until(no_step_for_2s, 120, "the consumer to wait for data", [c], interval_s=0.1)
             n = audit_lines(self.ckpt)
             states = []
             for _ in range(60):  # 3 s: mostly asleep in the Kafka fetch (state S), no step taken
@@ -148,7 +155,7 @@ class Scenario:
         self.feeder.stop()
         assert self.feeder.error is None, self.feeder.error
         wait_until(lambda: c.try_metric("rlstream_consumer_lag_records") == 0
-                   and c.try_metric("rlstream_consumer_open_groups") == 0, 120, "drained", [c], interval=0.5)
+                   and c.try_metric("rlstream_consumer_open_groups") == 0, 120, "drained", [c], interval_s=0.5)
         # flush a possible half batch: fillers until one step consumed them (then ready is empty)
         def note(fill):
             for r in fill:
@@ -156,13 +163,13 @@ class Scenario:
                 self.feeder.out.group_of[r.rollout_id] = r.group_id
         flush_half_batch(self.kafka, self.ckpt, c, G, B, on_publish=note)
         wait_until(lambda: c.try_metric("rlstream_consumer_lag_records") == 0
-                   and c.try_metric("rlstream_consumer_open_groups") == 0, 60, "drained", [c], interval=0.5)
+                   and c.try_metric("rlstream_consumer_open_groups") == 0, 60, "drained", [c], interval_s=0.5)
         time.sleep(1.0)
-        rc = c.stop(timeout=120)
+        rc = c.stop(timeout_s=120)
         assert rc == 0, c.log_tail()
-        out = final_outcomes(c.log_text())
-        assert out is not None, c.log_tail()
-        return out
+        final = c.final()
+        assert final is not None, c.log_tail()
+        return final["outcomes"]
 
 
 @pytest.fixture(scope="module")
@@ -194,7 +201,7 @@ def scenario(broker, tiny_model_dir, tmp_path_factory):
             wait_until(lambda: audit_lines(sc.ckpt) >= 1, 60, "progress", [sc.consumer])
             sc.aim_and_kill(phase, krng)
             sc.start_consumer()
-            assert "resumed from step-" in sc.consumer.log_text(), sc.consumer.log_tail()
+            assert sc.start_steps[-1] >= 1, sc.consumer.log_tail()  # resumed from a checkpoint
         sc.outcomes = sc.drain_and_stop()
         sc.dlq = read_dlq(kafka)
         sc.wall_s = time.monotonic() - t0
@@ -215,8 +222,10 @@ def test_each_kill_was_a_real_crash_and_every_restart_resumed(scenario):
     for k in scenario.kills:
         assert k["rc"] == -9, k
     assert scenario.consumer.incarnation == len(KILL_PLAN) + 1
-    for i in range(2, scenario.consumer.incarnation + 1):
-        assert "resumed from step-" in scenario.consumer.log_text(i)
+    # every restart resumed from a checkpoint, at least the one committed before its kill
+    assert len(scenario.start_steps) == scenario.consumer.incarnation
+    for k, resumed_at in zip(scenario.kills, scenario.start_steps[1:]):
+        assert resumed_at >= max(1, k["committed_step"]), (k, resumed_at)
     # the aimed phases were observed (the checkpoint and publish windows are milliseconds:
     # at least one of the two must have been caught for the run to mean something)
     observed = {k["observed"] for k in scenario.kills}

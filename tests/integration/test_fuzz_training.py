@@ -30,11 +30,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from common.harness.census import read_dlq, read_topic
+from common.harness.observe import http_request, metric_value
+from common.harness.supervisor import Service, wait_until
 from common.record import encode
-from fixtures_kafka import make_kafka_settings
-from services import (ADMIN_TOKEN, Service, audit_steps, http_request, metric_value, read_dlq, send_raw,
-                      service_config, wait_until, write_config)
-from synthetic import synthetic_group
+from tests.fixtures.kafka import make_kafka_settings
+from tests.support.audit import audit_steps
+from tests.support.configs import ADMIN_TOKEN, service_config, write_config
+from tests.support.synthetic import synthetic_group
+from tests.support.topics import send_raw
 
 pytestmark = [pytest.mark.broker, pytest.mark.megatron, pytest.mark.slow]
 
@@ -142,7 +146,7 @@ def live(broker, tiny_model_dir, tmp_path_factory):
         for _ in range(B):
             lv.publish_valid_group()
         wait_until(lambda: lv.version() >= 1, 300, "the first training step", [consumer])
-        consumer.wait_http(60)
+        consumer.wait_ready(60)
         yield lv
         lv.pub.close()
 
@@ -175,7 +179,7 @@ def test_training_continued_and_every_bad_record_is_in_the_dlq_with_its_reason(l
         ours.clear()
         ours.update({d.source: d for d in read_dlq(live.kafka, quiet_s=0.5) if d.source in live.expected})
         return len(ours) == n_bad
-    wait_until(all_in_dlq, 120, "every bad record in the DLQ", [c], interval=1.0)
+    wait_until(all_in_dlq, 120, "every bad record in the DLQ", [c], interval_s=1.0)
     wrong = {s: (live.expected[s], d.field, d.reason) for s, d in ours.items() if d.field != live.expected[s][1]}
     assert not wrong, wrong
     assert all(d.reason for d in ours.values())
@@ -211,8 +215,6 @@ def _steps_until(live: Live, pred, what: str, timeout: float = 150):
 
 
 def _control_messages(kafka) -> int:
-    from services import read_topic
-
     return len(read_topic(kafka, kafka.topics.control, quiet_s=0.5))
 
 

@@ -25,7 +25,7 @@ from common.kafka.dlq import H_FIELD, H_REASON, H_SOURCE, DeadLetterWriter
 from common.kafka.publisher import RolloutPublisher
 from common.kafka.reader import RolloutReader
 from common.record import encode
-from fixtures_kafka import make_kafka_settings, realistic_rollout
+from tests.fixtures.kafka import make_kafka_settings, realistic_rollout
 
 ROOT = Path(__file__).resolve().parents[2]
 

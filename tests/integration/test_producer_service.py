@@ -24,8 +24,8 @@ import yaml
 
 from common.kafka.broker import free_port
 from common.config import RlstreamConfig
-from fixtures_kafka import make_kafka_settings
-from services import metric_value as metric
+from tests.fixtures.kafka import make_kafka_settings
+from common.harness.observe import metric_value as metric
 
 pytestmark = [pytest.mark.broker, pytest.mark.vllm, pytest.mark.slow]
 

@@ -18,7 +18,7 @@ from common.errors import PublishError
 from common.kafka.client import ensure_topics
 from common.kafka.publisher import RolloutPublisher
 from common.kafka.reader import RolloutReader
-from fixtures_kafka import make_kafka_settings, realistic_rollout
+from tests.fixtures.kafka import make_kafka_settings, realistic_rollout
 
 
 def rollouts(n: int, seed0: int, groups: int = 5):

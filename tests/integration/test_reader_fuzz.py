@@ -19,7 +19,7 @@ from common.kafka.publisher import RolloutPublisher
 from common.kafka.dlq import H_FIELD, H_REASON, H_SOURCE
 from common.kafka.reader import INTERNAL_FIELD, RolloutReader
 from common.record import encode
-from fixtures_kafka import make_kafka_settings, realistic_rollout
+from tests.fixtures.kafka import make_kafka_settings, realistic_rollout
 
 VALID = realistic_rollout(response_tokens=12, prompt_tokens=5, layers=3, top_k=2, num_experts=8, group_id="fz")
 VALID_BYTES = encode(VALID)

@@ -6,23 +6,26 @@ exposition with prometheus-client's parser: every metric docs/metrics.md
 documents for that service is there. Then `max_staleness` is lowered through
 the admin API while both run: both services report the new value, the
 producer's staleness backpressure engages, and every batch the consumer
-trains after the change is within the new bound.
+trains after the change is within the new bound (from its audit log and the
+records read back from the topic).
 """
 from __future__ import annotations
 
 import importlib.util
-import re
 import time
 from pathlib import Path
 
 import pytest
 
-from fixtures_kafka import make_kafka_settings
-from services import ADMIN_TOKEN, Service, ensure_prompts, http_request, service_config, wait_until, write_config
+from common.harness.census import read_rollouts
+from common.harness.observe import http_request
+from common.harness.supervisor import Service, wait_until
+from tests.fixtures.kafka import make_kafka_settings
+from tests.support.audit import audit_entries, audit_steps, step_staleness
+from tests.support.configs import ADMIN_TOKEN, ensure_prompts, service_config, write_config
 
 pytestmark = [pytest.mark.broker, pytest.mark.vllm, pytest.mark.megatron, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
-_STEP = re.compile(r"step=(\d+) version=\d+ reward=\S+ staleness=(\S+)")
 
 
 def documented_metrics() -> dict[str, dict]:
@@ -51,34 +54,35 @@ def pipeline(broker, tiny_model_dir, tmp_path_factory):
     producer = Service("producer", path, tmp / "logs").start()
     consumer = Service("consumer", path, tmp / "logs").start()
     try:
-        producer.wait_http()
-        consumer.wait_http()
-        yield producer, consumer
+        producer.wait_ready()
+        consumer.wait_ready()
+        yield producer, consumer, cfg
     finally:
         for s in (producer, consumer):
             if s.alive:
-                assert s.stop(timeout=120) == 0, s.log_tail()
+                assert s.stop(timeout_s=120) == 0, s.log_tail()
 
 
-def steps(consumer) -> list[tuple[int, float]]:
-    return [(int(m.group(1)), float(m.group(2))) for m in _STEP.finditer(consumer.log_text())]
+def steps(cfg) -> list[int]:
+    """The consumer's trained global steps (its audit log)."""
+    return sorted(audit_steps(Path(cfg.consumer.checkpoint_dir)))
 
 
 @pytest.mark.timeout(400)
 def test_every_documented_metric_is_exposed_by_its_service(pipeline):
-    producer, consumer = pipeline
-    wait_until(lambda: len(steps(consumer)) >= 2, 300, "two training steps", [producer, consumer])
+    producer, consumer, cfg = pipeline
+    wait_until(lambda: len(steps(cfg)) >= 2, 300, "two training steps", [producer, consumer])
     docs = documented_metrics()
     for svc in (producer, consumer):
         exposed = exposed_families(svc.scrape())
-        want = {n for n, row in docs.items() if row["service"] in (svc.kind, "both")}
-        assert want and want <= exposed, f"{svc.kind} does not expose {sorted(want - exposed)}"
+        want = {n for n, row in docs.items() if row["service"] in (svc.command, "both")}
+        assert want and want <= exposed, f"{svc.command} does not expose {sorted(want - exposed)}"
 
 
 @pytest.mark.timeout(400)
 def test_lowering_max_staleness_at_runtime(pipeline):
-    producer, consumer = pipeline
-    wait_until(lambda: len(steps(consumer)) >= 3, 300, "three training steps", [producer, consumer])
+    producer, consumer, cfg = pipeline
+    wait_until(lambda: len(steps(cfg)) >= 3, 300, "three training steps", [producer, consumer])
     code, _ = http_request(producer.url + "/admin/control", "POST", {"key": "max_staleness", "value": 0})
     assert code == 401  # no token: refused, nothing changed
     assert producer.metric("rlstream_control_setting", key="max_staleness") == 4
@@ -89,12 +93,15 @@ def test_lowering_max_staleness_at_runtime(pipeline):
     changed_at = time.monotonic()
     for svc in (producer, consumer):  # both apply the change from the control topic
         wait_until(lambda: svc.metric("rlstream_control_setting", key="max_staleness") == 0, 60,
-                   f"{svc.kind} applying max_staleness=0", [producer, consumer])
-    seen_at_step = max(s for s, _ in steps(consumer))
-    wait_until(lambda: max(s for s, _ in steps(consumer)) >= seen_at_step + 3, 300,
-               "three more steps", [producer, consumer])
+                   f"{svc.command} applying max_staleness=0", [producer, consumer])
+    seen_at_step = max(steps(cfg))
+    wait_until(lambda: max(steps(cfg)) >= seen_at_step + 3, 300, "three more steps", [producer, consumer])
     # the batch in progress when the change arrived may predate it; every later batch obeys it
-    after = [st for s, st in steps(consumer) if s > seen_at_step + 1]
-    assert after and all(st == 0.0 for st in after), after
+    # the audit log first: every record it names was published before the topic is read (which
+    # is never quiet while the producer runs: read for a bounded time)
+    entries = audit_entries(Path(cfg.consumer.checkpoint_dir))
+    staleness = step_staleness(entries, read_rollouts(cfg.kafka, timeout_s=30))
+    after = [st for s, st in staleness.items() if s > seen_at_step + 1]
+    assert after and all(st == 0 for st in after), after
     assert producer.metric("rlstream_producer_held_back_total", reason="staleness") > held0
     assert time.monotonic() - changed_at < 300

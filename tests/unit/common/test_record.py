@@ -10,7 +10,7 @@ import pytest
 from common.errors import InvalidRecordError
 from common.record import (ClaimPointer, Rollout, decode, decode_any, encode, encode_claim_pointer,
                            RecordLimits)
-from fixtures_kafka import realistic_rollout
+from tests.fixtures.kafka import realistic_rollout
 
 ARRAYS = ("prompt_ids", "response_ids", "logprobs", "token_versions", "routed_experts")
 SCALARS = ("rollout_id", "group_id", "sample_idx", "group_size", "producer_id", "created_at", "prompt_text",

@@ -48,3 +48,13 @@ def test_write_splits_are_disjoint_jsonl(tmp_path):
 def test_write_jsonl(tmp_path):
     p = tasks.write_jsonl(tmp_path / "x" / "t.jsonl", 20, seed=0)
     assert len(p.read_text().splitlines()) == 20
+
+
+def test_read_problems_is_the_inverse_of_write_problems(tmp_path):
+    problems = tasks.generate(30, seed=2)
+    path = tasks.write_problems(tmp_path / "t.jsonl", problems)
+    assert tasks.read_problems(path) == problems
+    assert tasks.read_problems(path, limit=7) == problems[:7]
+    path.write_text(path.read_text() + "\n" + json.dumps({"prompt": "1+1="}) + "\n")
+    with pytest.raises(ConfigError, match=r"t\.jsonl:32 .*'answer'"):
+        tasks.read_problems(path)

@@ -1,4 +1,4 @@
-"""A synthetic producer for consumer tests: valid records with known versions.
+"""Synthetic rollout groups for consumer tests: valid records with known versions.
 
 Records use the tiny model's vocabulary and MoE shape, plausible behaviour
 log-probs, routing rows for every input token, binary rewards that differ

@@ -1,0 +1,153 @@
+"""Reading topics back, independently of every service's counters, and the record accounting.
+
+- `read_topic`: every raw message of a topic (all partitions) until it has
+  been quiet for a moment; `read_dlq` and `read_rollouts` decode the DLQ's
+  headers and the rollout records (tests and benchmarks).
+- `topic_census`: the rollouts topic read from offset 0 to its end offsets:
+  records, distinct rollout ids, end offsets (what the producers published).
+- `account`: the demo's conservation law,
+
+      published = trained + dropped_stale + timed_out + duplicate + mismatch + dlq + held
+
+  from the census and the consumer's final counters (its run file's stop
+  record: outcomes and held records at the moment it stopped).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from common.config import KafkaSettings
+from consumer.ledger import OUTCOMES
+
+
+def _open(kafka: KafkaSettings, topic: str):
+    """A group-less consumer assigned to every partition of `topic`, at offset 0."""
+    from kafka import KafkaConsumer, TopicPartition
+
+    from common.kafka.client import client_kwargs
+
+    fetch = kafka.max_message_bytes + (1 << 20)
+    c = KafkaConsumer(**client_kwargs(kafka), group_id=None, enable_auto_commit=False,
+                      auto_offset_reset="earliest", max_partition_fetch_bytes=fetch,
+                      fetch_max_bytes=max(52_428_800, fetch))
+    tps = [TopicPartition(topic, p) for p in sorted(c.partitions_for_topic(topic) or {0})]
+    c.assign(tps)
+    c.seek_to_beginning(*tps)
+    return c, tps
+
+
+# ---------------------------------------------------------------------------- raw reads
+
+def read_topic(kafka: KafkaSettings, topic: str, quiet_s: float = 1.5, timeout_s: float = 60) -> list:
+    """Every raw message of `topic` (all partitions), until `quiet_s` without new ones."""
+    c, _ = _open(kafka, topic)
+    try:
+        out, last, deadline = [], time.monotonic(), time.monotonic() + timeout_s
+        while time.monotonic() - last < quiet_s and time.monotonic() < deadline:
+            for msgs in c.poll(timeout_ms=300, max_records=5000).values():
+                out.extend(msgs)
+                last = time.monotonic()
+        return out
+    finally:
+        c.close()
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    source: str
+    """topic/partition/offset of the original record."""
+    field: str
+    reason: str
+    value: bytes
+
+
+def read_dlq(kafka: KafkaSettings, **kw) -> list[DeadLetter]:
+    """Every message on the dead-letter topic, with its reason headers."""
+    from common.kafka.reader import H_FIELD, H_REASON, H_SOURCE
+
+    out = []
+    for m in read_topic(kafka, kafka.topics.dlq, **kw):
+        h = {k: v.decode("utf-8", "replace") for k, v in (m.headers or [])}
+        out.append(DeadLetter(h.get(H_SOURCE, "?"), h.get(H_FIELD, "?"), h.get(H_REASON, "?"), m.value))
+    return out
+
+
+def read_rollouts(kafka: KafkaSettings, **kw) -> dict[str, object]:
+    """rollout_id -> Rollout of every decodable record on the rollouts topic."""
+    from common.record import Rollout, decode_any
+
+    out = {}
+    for m in read_topic(kafka, kafka.topics.rollouts, **kw):
+        try:
+            r = decode_any(m.value)
+        except Exception:  # noqa: BLE001 - bad records are the DLQ's business
+            continue
+        if isinstance(r, Rollout):
+            out[r.rollout_id] = r
+    return out
+
+
+# ---------------------------------------------------------------------------- census + accounting
+
+@dataclass
+class TopicCensus:
+    end_offsets: int
+    """Sum of the partitions' end offsets."""
+    records: int
+    """Records actually read from offset 0 to the end offsets."""
+    distinct_ids: int
+    """Distinct rollout ids among them (a producer retry could duplicate a record)."""
+
+
+def topic_census(kafka: KafkaSettings, timeout_s: float = 60.0) -> TopicCensus:
+    """Count what the producers published, independently of every service's counters."""
+    import msgpack
+
+    c, tps = _open(kafka, kafka.topics.rollouts)
+    try:
+        ends = c.end_offsets(tps)
+        ids, records = set(), 0
+        deadline = time.monotonic() + timeout_s
+        while any(c.position(tp) < ends[tp] for tp in tps) and time.monotonic() < deadline:
+            for batch in c.poll(timeout_ms=500, max_records=10_000).values():
+                for msg in batch:
+                    records += 1
+                    try:
+                        ids.add(msgpack.unpackb(msg.value, raw=False).get("rollout_id"))
+                    except Exception:  # noqa: BLE001 - undecodable: counted, not identified
+                        ids.add(("undecodable", msg.partition, msg.offset))
+        return TopicCensus(int(sum(ends.values())), records, len(ids))
+    finally:
+        c.close()
+
+
+def account(census: TopicCensus | None, outcomes: dict[str, float] | None, held: int | None,
+            group_size: int, groups_per_batch: int) -> dict:
+    """published == trained + dropped_stale + timed_out + duplicate + mismatch + dlq + held.
+
+    `held` are records the consumer had read but not given an outcome when it
+    stopped (partial groups, complete groups waiting for a full batch); the
+    checkpoint keeps their offsets, so a restarted consumer trains them. With
+    the consumer's own count the equation is checked exactly; without it
+    (`held` None), held is the remainder and must be whole groups, fewer than B.
+    """
+    out = {o: int((outcomes or {}).get(o, 0)) for o in OUTCOMES}
+    published = census.records if census else None
+    out["published"] = published
+    if census is not None:
+        out["topic_end_offsets"], out["distinct_ids"] = census.end_offsets, census.distinct_ids
+    counted = sum(out[o] for o in OUTCOMES)
+    if published is None or outcomes is None:
+        out.update(held=None, ok=False, why="published count or consumer counters unavailable")
+        return out
+    if held is not None:
+        out["held"] = held
+        out["ok"] = published == counted + held
+        out["why"] = "exact (the consumer's held records)"
+    else:
+        held = published - counted
+        out["held"] = held
+        out["ok"] = 0 <= held < group_size * groups_per_batch and held % group_size == 0
+        out["why"] = f"held = remainder, must be whole groups < B*G = {group_size * groups_per_batch}"
+    return out

@@ -1,0 +1,16 @@
+"""Helpers for tests and benchmarks that drive the real services from outside.
+
+Processes, HTTP and metrics, and reading topics back are the harness's
+(common/harness/supervisor.py, observe.py, census.py), shared with the demo.
+What only tests need is here, one module per concern:
+
+    configs.py     small configs for the tiny model, the admin token, task data
+    audit.py       the consumer's audit log (trained.jsonl) and checkpoints, read from outside
+    synthetic.py   valid synthetic rollout groups of the tiny model
+    feeder.py      SyntheticFeeder (a publishing thread that remembers what it published),
+                   flush_half_batch
+    topics.py      raw writes and the newest policy announcement
+
+No helper reads a service's log: addresses and final counters come from its
+run file, progress from /metrics or the audit log.
+"""

@@ -1,0 +1,37 @@
+"""Test-only topic access: raw writes (no validation at all) and the newest weights.
+
+Reading whole topics back (read_topic, read_dlq, read_rollouts) is the
+harness's: common/harness/census.py.
+"""
+from __future__ import annotations
+
+from common.config import KafkaSettings
+from common.harness.census import read_topic
+
+
+def latest_policy(kafka: KafkaSettings):
+    """The newest WeightsReady on the policy topic (None if none)."""
+    from common.control.messages import WeightsReady, parse_policy_message
+
+    best = None
+    for m in read_topic(kafka, kafka.topics.policy, quiet_s=0.8):
+        try:
+            a = parse_policy_message(m.value)
+        except Exception:  # noqa: BLE001
+            continue
+        if isinstance(a, WeightsReady) and (best is None or a.version > best.version):
+            best = a
+    return best
+
+
+def send_raw(kafka: KafkaSettings, topic: str, key: bytes | None, value: bytes) -> None:
+    """One message, acknowledged (acks=all), no validation at all."""
+    from kafka import KafkaProducer
+
+    from common.kafka.client import client_kwargs
+
+    p = KafkaProducer(**client_kwargs(kafka), acks="all", max_request_size=kafka.max_message_bytes)
+    try:
+        p.send(topic, key=key, value=value).get(timeout=30)
+    finally:
+        p.close(timeout=10)

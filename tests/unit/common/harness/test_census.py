@@ -1,0 +1,27 @@
+"""Record accounting (common/harness/census.py): published == every outcome + held."""
+from __future__ import annotations
+
+from common.harness.census import TopicCensus, account
+
+
+def test_account_balances_with_whole_held_groups():
+    outcomes = dict(trained=640, dropped_stale=16, timed_out=8, dlq=1)
+    a = account(TopicCensus(681, 681, 681), outcomes, None, group_size=8, groups_per_batch=4)
+    assert a["held"] == 16 and a["ok"], a
+
+
+def test_account_fails_on_lost_or_partial_records():
+    outcomes = dict(trained=640)
+    assert not account(TopicCensus(650, 650, 650), outcomes, None, 8, 4)["ok"]   # 10: not whole groups
+    assert not account(TopicCensus(680, 680, 680), outcomes, None, 8, 4)["ok"]   # 40 >= B*G = 32
+    assert not account(TopicCensus(630, 630, 630), outcomes, None, 8, 4)["ok"]   # counted more than published
+    assert not account(None, outcomes, None, 8, 4)["ok"]
+    assert not account(TopicCensus(640, 640, 640), None, None, 8, 4)["ok"]      # consumer counters unknown
+
+
+def test_account_exact_with_the_consumers_held_count():
+    outcomes = dict(trained=640)
+    assert account(TopicCensus(648, 648, 648), outcomes, 8, 8, 4)["ok"]
+    assert not account(TopicCensus(656, 656, 656), outcomes, 8, 8, 4)["ok"]
+
+
