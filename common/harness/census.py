@@ -23,13 +23,12 @@ from consumer.ledger import OUTCOMES
 
 def _open(kafka: KafkaSettings, topic: str):
     """A group-less consumer assigned to every partition of `topic`, at offset 0."""
-    from kafka import KafkaConsumer, TopicPartition
+    from kafka import TopicPartition
 
-    from common.kafka.client import client_kwargs
+    from common.kafka.client import make_consumer
 
     fetch = kafka.max_message_bytes + (1 << 20)
-    c = KafkaConsumer(**client_kwargs(kafka), group_id=None, enable_auto_commit=False,
-                      auto_offset_reset="earliest", max_partition_fetch_bytes=fetch,
+    c = make_consumer(kafka, auto_offset_reset="earliest", max_partition_fetch_bytes=fetch,
                       fetch_max_bytes=max(52_428_800, fetch))
     tps = [TopicPartition(topic, p) for p in sorted(c.partitions_for_topic(topic) or {0})]
     c.assign(tps)
