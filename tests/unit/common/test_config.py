@@ -166,3 +166,21 @@ def test_the_control_settings_are_one_model_for_the_file_and_the_control_plane()
                                                                       "decay": 1.0, "paused": True}
     start.max_staleness = 0
     assert cfg.staleness.max_staleness == 5, "a service's runtime copy is its own"
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_passes_dry_run(path):
+    """What an operator runs first: `rlstream consumer --dry-run -c configs/X.yaml` exits 0
+    and prints the resolved config (both roles' sections; the producer loads the same
+    model), with no engine, trainer or broker started."""
+    import os
+    import subprocess
+    import sys
+
+    root = CONFIGS[0].parents[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RLSTREAM")}
+    env["PYTHONPATH"] = str(root)
+    out = subprocess.run([sys.executable, "-m", "common.app.cli", "consumer", "--dry-run", "-c", str(path)],
+                         cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "consumer:" in out.stdout and "producer:" in out.stdout
