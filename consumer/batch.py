@@ -121,7 +121,7 @@ class MiniBatch:
         whole = len(self.plan) == 1 and self.plan[0][1] == seq and len(self.plan[0][0]) == rows
         if not self.plan or whole:  # one micro-batch: the rows' order does not matter
             return [self]
-        return [self._rows(torch.tensor(r), s) for r, s in self.plan]
+        return [self._rows(torch.tensor(r, device="cpu"), s) for r, s in self.plan]
 
     def _rows(self, idx: torch.Tensor, seq: int) -> "MiniBatch":
         def cut(t: torch.Tensor | None, extra: int = 0) -> torch.Tensor | None:
@@ -220,7 +220,7 @@ def _pad_minibatch(samples: list[TrainSample], adv: np.ndarray, pad_id: int,
         input_mask=torch.from_numpy(real),
         rollout_logprobs=torch.from_numpy(mu),
         advantages=torch.from_numpy(np.pad(adv, (0, b - len(samples)))),
-        sample_weight=torch.tensor([x.sample_weight for x in samples] + [0.0] * (b - len(samples)),
+        sample_weight=torch.tensor([x.sample_weight for x in samples] + [0.0] * (b - len(samples)), device="cpu",
                                    dtype=torch.float32),
         num_responses=num_responses, num_tokens=num_tokens,
         routing=None if routing is None else torch.from_numpy(routing),

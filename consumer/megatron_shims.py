@@ -9,6 +9,10 @@ needs shim 4 as much as the CPU test machine does):
                                function reads the name, which megatron-core 0.16.1 defines
                                only when TE imports (NameError at the first MoE forward;
                                upstream sets it to None from core 0.17)
+  TE's and Apex's           7. the gradient norm's fallback (`local_multi_tensor_l2_norm`)
+  multi-tensor l2 norm         builds a host tensor from every parameter's norm: one
+                               device-to-host sync per parameter on GPU. Replaced by one
+                               `torch._foreach_norm` that stays on the gradients' device.
   CUDA                      1. `torch.cuda.current_device()` returns "cpu": the rotary
                                embedding, the router, the DDP buffers allocate on "the
                                current CUDA device"
@@ -35,6 +39,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 TE_SHIMS = ("te_general_gemm",)
+NORM_SHIMS = ("l2_norm",)
 CPU_SHIMS = ("current_device", "rng_fork", "cuda_rng_state", "cuda_as_cpu")
 _applied: set[str] = set()
 
@@ -51,14 +56,23 @@ def te_gemm_missing() -> bool:
     return not hasattr(moe_utils, "te_general_gemm")
 
 
-def needed(cuda: bool, te_gemm_missing: bool) -> list[str]:
-    """The shims a process with (cuda, te_gemm_missing) needs, by name."""
-    return ([*TE_SHIMS] if te_gemm_missing else []) + ([] if cuda else [*CPU_SHIMS])
+def fused_l2_norm_missing() -> bool:
+    """True when the gradient norm falls back to megatron-core's host-side l2 norm."""
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.utils import local_multi_tensor_l2_norm
+
+    return clip_grads.l2_norm_impl is local_multi_tensor_l2_norm
+
+
+def needed(cuda: bool, te_gemm_missing: bool, fused_l2_norm_missing: bool = False) -> list[str]:
+    """The shims a process with these conditions needs, by name."""
+    return (([*TE_SHIMS] if te_gemm_missing else [])
+            + ([*NORM_SHIMS] if fused_l2_norm_missing else []) + ([] if cuda else [*CPU_SHIMS]))
 
 
 def apply() -> frozenset[str]:
     """Apply each shim this process needs, once; return the names of those active."""
-    for name in needed(cuda_available(), te_gemm_missing()):
+    for name in needed(cuda_available(), te_gemm_missing(), fused_l2_norm_missing()):
         if name not in _applied:
             _APPLY[name]()
             _applied.add(name)
@@ -89,7 +103,21 @@ def _cuda_rng_state() -> None:
     mpu_random._set_cuda_rng_state = lambda *a, **k: None
 
 
-_APPLY = {"te_general_gemm": _te_general_gemm, "current_device": _current_device,
+def _device_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """`local_multi_tensor_l2_norm` (same contract: ([1] fp32 norm, None)) without its
+    host round trip per tensor."""
+    tensors = [t for group in tensor_lists for t in group]
+    norms = torch.stack(torch._foreach_norm(tensors)).float()
+    return torch.linalg.vector_norm(norms).reshape(1), None
+
+
+def _l2_norm() -> None:
+    from megatron.core.optimizer import clip_grads
+
+    clip_grads.l2_norm_impl = _device_l2_norm
+
+
+_APPLY = {"te_general_gemm": _te_general_gemm, "l2_norm": _l2_norm, "current_device": _current_device,
           "rng_fork": _rng_fork, "cuda_rng_state": _cuda_rng_state,
           "cuda_as_cpu": lambda: None}  # a context, entered by wrap_optimizer
 

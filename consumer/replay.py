@@ -82,8 +82,8 @@ def pad_routing(routing: torch.Tensor, seq: int) -> torch.Tensor:
     b, s, n_layers, k = routing.shape
     if seq == s:
         return routing
-    fill = torch.arange(k, dtype=routing.dtype).expand(b, seq - s, n_layers, k)
-    return torch.cat([routing, fill.to(routing.device)], 1)
+    fill = torch.arange(k, dtype=routing.dtype, device=routing.device)
+    return torch.cat([routing, fill.expand(b, seq - s, n_layers, k)], 1)
 
 
 def to_layer_indices(routing: torch.Tensor, shard: tuple[int, int] = (0, 1)) -> list[torch.Tensor]:

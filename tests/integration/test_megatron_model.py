@@ -101,7 +101,8 @@ def test_mismatched_checkpoint_is_reported(perturbed_dirs):
 
 
 def test_shims_idempotent_on_cpu(megatron_world):
-    everything = frozenset(megatron_shims.TE_SHIMS + megatron_shims.CPU_SHIMS)
+    everything = frozenset(megatron_shims.TE_SHIMS + megatron_shims.NORM_SHIMS
+                           + megatron_shims.CPU_SHIMS)
     assert megatron_shims.apply() == everything and megatron_shims.apply() == everything
     assert torch.cuda.current_device() == "cpu"
     mask = megatron_shims.causal_attention_mask(3)
@@ -123,7 +124,7 @@ def test_gpu_without_transformer_engine_gets_only_the_te_shim(monkeypatch, megat
     monkeypatch.setattr(torch.cuda, "current_device", device)
     monkeypatch.setattr(mpu_random.CudaRNGStatesTracker, "fork", fork)
     monkeypatch.setattr(mpu_random, "_get_cuda_rng_state", rng)
-    assert megatron_shims.apply() == {"te_general_gemm"}
+    assert megatron_shims.apply() == {"te_general_gemm", "l2_norm"}  # no Apex either
     assert moe_utils.te_general_gemm is None
     assert torch.cuda.current_device is device and mpu_random._get_cuda_rng_state is rng
     assert mpu_random.CudaRNGStatesTracker.fork is fork
