@@ -120,6 +120,10 @@ def test_gpu_without_transformer_engine_gets_only_the_te_shim(monkeypatch, megat
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(megatron_shims, "_applied", set())  # as in a fresh process
     monkeypatch.delattr(moe_utils, "te_general_gemm")       # TE absent, as megatron-core leaves it
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.utils import local_multi_tensor_l2_norm
+
+    monkeypatch.setattr(clip_grads, "l2_norm_impl", local_multi_tensor_l2_norm)  # no Apex/TE kernels
     device, fork, rng = object(), object(), object()
     monkeypatch.setattr(torch.cuda, "current_device", device)
     monkeypatch.setattr(mpu_random.CudaRNGStatesTracker, "fork", fork)
