@@ -340,7 +340,7 @@ class LossSettings(_Section):
 
 
 class OptimizerSettings(_Section):
-    """The optimizer of the trainer (consumer/trainer.py `build_optimizer`)."""
+    """The optimizer of the trainer (consumer/optimizer.py)."""
 
     name: Literal["adamw", "sgd"] = "adamw"
     """adamw (decoupled weight decay) or plain sgd (betas, eps and weight_decay unused)."""
@@ -354,6 +354,11 @@ class OptimizerSettings(_Section):
     """AdamW's epsilon."""
     grad_clip: float = Field(1.0, ge=0)
     """Largest global gradient norm (over every shard); 0 turns clipping off."""
+    distributed: bool = True
+    """Shard the fp32 master weights and Adam moments over the data-parallel ranks
+    (Megatron's DistributedOptimizer: 12 B/param divided by the data-parallel size,
+    docs/trainer-scale.md). adamw only: sgd keeps a full copy per rank (Megatron
+    shards Adam state only)."""
 
     @field_validator("betas")
     @classmethod
@@ -406,6 +411,28 @@ class ParallelSettings(_Section):
         return world_size // self.tensor
 
 
+class TrainerMemorySettings(_Section):
+    """How one forward/backward is cut to bound activation memory (consumer/trainer.py,
+    consumer/logprobs.py, consumer/attention.py; docs/trainer-scale.md)."""
+
+    micro_batch_tokens: int = Field(16384, ge=1)
+    """Token budget of one forward/backward: each mini-batch (this rank's share) is cut
+    into micro-batches of at most this many padded input positions (rows x longest row),
+    rows grouped by length; a row longer than the budget is a micro-batch of its own.
+    Gradients accumulate over micro-batches, so the update equals the unsplit one."""
+    logprob_chunk_tokens: int = Field(2048, ge=0)
+    """Positions whose output-layer logits ([positions, vocab] fp32) exist at once in the
+    log-prob and entropy (recomputed in backward); 0: the whole micro-batch at once."""
+    recompute: bool = False
+    """Full activation recompute, one layer at a time: each layer keeps only its input
+    and recomputes the rest in backward (about a third more compute)."""
+    attention: Literal["auto", "sdpa", "local", "te"] = "auto"
+    """Core attention. te: Transformer Engine's fused attention (needs transformer_engine);
+    sdpa: torch scaled_dot_product_attention (flash/memory-efficient kernels, no [S, S]
+    scores); local: Megatron's unfused DotProductAttention ([heads, S, S] scores, an
+    explicit mask). auto: te when Transformer Engine imports, else sdpa."""
+
+
 class ConsumerSettings(_Section):
     """The trainer service (consumer/service.py) and its trainer (consumer/trainer.py)."""
 
@@ -431,9 +458,11 @@ class ConsumerSettings(_Section):
     replay: Literal["none", "R2", "R3"] = "none"
     """Routing replay (consumer/replay.py): none, R2 (pi_old's routing) or R3 (the rollout's)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Training precision of parameters and compute (bf16 keeps no fp32 master copy)."""
+    """Precision of parameters and compute. bfloat16 keeps fp32 master weights, fp32 Adam
+    moments and fp32 gradient reduction (Megatron's mixed-precision optimizer)."""
     loss: LossSettings = LossSettings()
     optimizer: OptimizerSettings = OptimizerSettings()
+    memory: TrainerMemorySettings = TrainerMemorySettings()
     parallel: ParallelSettings = ParallelSettings()
     http: HttpSettings = HttpSettings()
     num_threads: int = Field(1, ge=1)
