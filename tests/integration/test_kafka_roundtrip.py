@@ -215,6 +215,49 @@ def test_invalid_records_go_to_dlq_with_reason(kafka_settings):
 
 @pytest.mark.broker
 @pytest.mark.timeout(120)
+def test_records_the_consumer_refuses_go_to_dlq_with_reason(kafka_settings):
+    """Valid records that do not fit the reader's consumer (the limits and `check` hook of
+    consumer/intake.py), and a record with a repeated key, are dead letters with their field."""
+    from consumer.intake import VersionBound
+
+    def rec(seed, **kw):
+        return realistic_rollout(response_tokens=8, prompt_tokens=4, layers=2, seed=seed, group_id="gc",
+                                 group_size=4, vocab=64, **kw)
+    good = rec(500, policy_version=3)
+    future = rec(501, policy_version=1003, sample_idx=1)  # "trainer + 1000"
+    other_g = realistic_rollout(response_tokens=8, prompt_tokens=4, layers=2, seed=502, group_id="gc",
+                                group_size=8, vocab=64)
+    too_long = realistic_rollout(response_tokens=8, prompt_tokens=600, layers=2, seed=503, group_id="gc",
+                                 group_size=4, vocab=64, sample_idx=2)
+    pairs = list(msgpack.unpackb(encode(rec(504, sample_idx=3))).items()) + [("reward", 5.0)]
+    pk = msgpack.Packer(use_bin_type=True)
+    repeated = pk.pack_map_header(len(pairs)) + b"".join(pk.pack(k) + pk.pack(v) for k, v in pairs)
+    fields = ("policy_version", "group_size", "prompt_ids", "reward")
+    before = {f: metrics.value("rlstream_dlq_records_total", field=f) for f in fields}
+    with RolloutPublisher(kafka_settings) as pub:
+        for r in (good, future, other_g, too_long):
+            pub.publish(r).result(10)
+        pub.publish_bytes(b"gc", repeated).result(10)
+    from common.record import RecordLimits
+
+    limits = RecordLimits(max_token_id=63, max_sequence_tokens=512, group_size=4)
+    with RolloutReader(kafka_settings, limits=limits, check=VersionBound(lambda: 4)) as rd:
+        items = read_n(rd, 1)
+        time.sleep(0.5)
+        items += rd.poll(timeout_s=0.5)
+        assert [it.rollout.rollout_id for it in items] == [good.rollout_id]
+        assert len(rd.take_dead()) == 4 and sum(rd.positions().values()) == 5
+    for f in fields:
+        assert metrics.value("rlstream_dlq_records_total", field=f) == before[f] + 1, f
+    dlq = read_topic_raw(kafka_settings, kafka_settings.topics.dlq, 4)
+    reasons = {dict(x.headers)[H_FIELD].decode(): dict(x.headers)[H_REASON].decode() for x in dlq}
+    assert set(reasons) == set(fields)
+    assert "future" in reasons["policy_version"] and "consumer.group_size 4" in reasons["group_size"]
+    assert "512 positions" in reasons["prompt_ids"] and "twice" in reasons["reward"]
+
+
+@pytest.mark.broker
+@pytest.mark.timeout(120)
 def test_delivery_guarantee_positions_cover_returned_or_dead_lettered(kafka_settings):
     """The reader's docstring statement, checked after every poll, then resumed from positions()."""
     kafka = kafka_settings
