@@ -4,6 +4,13 @@
     model = load_hf_checkpoint(dir, layout) # GPTModel with the HF weights (initialises
                                             # the parallel state: consumer/parallel.py)
     lp = per_token_logprobs(model, tokens)  # [B, S-1] log p(tokens[:, 1:]) (TP: vocab-parallel)
+    lp = per_token_logprobs(model, tokens, temperature=t)  # softmax(logits / t[b]) per row b
+
+Temperature. A record's log-probs are those of the distribution vLLM sampled
+from, softmax(logits / T) (logprobs_mode processed_logprobs), so the trainer
+evaluates pi at the record's T too: `temperature` ([B] or None = all 1.0)
+divides each row's logits before the log-softmax and the entropy, on both the
+tp = 1 and the vocabulary-parallel path.
 
 The Megatron config mirrors Qwen3-MoE: RMSNorm, q/k RMSNorm per head
 (`qk_layernorm`), SwiGLU experts, RoPE (non-interleaved, HF's rotate_half)
@@ -226,10 +233,18 @@ def forward_logits(model, tokens: torch.Tensor) -> torch.Tensor:
     return logits[:, :seq].float()
 
 
+def _at_temperature(logits: torch.Tensor, temperature: torch.Tensor | None) -> torch.Tensor:
+    """logits [B, T, V] / temperature [B] per row (None: unchanged). Not in place (autograd)."""
+    if temperature is None:
+        return logits
+    return logits / temperature.to(device=logits.device, dtype=logits.dtype).view(-1, 1, 1)
+
+
 def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor,
-                         with_entropy: bool = False):
-    """log p(targets) [B, T] from logits [B, T, V]; optionally the entropy [B, T]."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
+                         with_entropy: bool = False, temperature: torch.Tensor | None = None):
+    """log p(targets) [B, T] from logits [B, T, V] at `temperature` [B] (None: 1);
+    optionally the entropy [B, T]."""
+    logp = torch.log_softmax(_at_temperature(logits.float(), temperature), dim=-1)
     out = logp.gather(-1, targets.unsqueeze(-1).long()).squeeze(-1)
     if not with_entropy:
         return out
@@ -238,7 +253,7 @@ def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor,
 
 
 def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor,
-                            with_entropy: bool = False):
+                            with_entropy: bool = False, temperature: torch.Tensor | None = None):
     """`logprobs_from_logits` for vocabulary-sharded logits [B, T, V / tp]
     (tensor parallelism): no rank ever holds the full-vocabulary logits.
 
@@ -250,6 +265,7 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor,
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
+    logits = _at_temperature(logits.float(), temperature)
     ent = None
     if with_entropy:
         group = ps.get_tensor_model_parallel_group()
@@ -267,13 +283,15 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor,
     return out if not with_entropy else (out, ent)
 
 
-def per_token_logprobs(model, tokens: torch.Tensor, with_entropy: bool = False):
+def per_token_logprobs(model, tokens: torch.Tensor, with_entropy: bool = False,
+                       temperature: torch.Tensor | None = None):
     """log p(tokens[:, t+1] | tokens[:, :t+1]) for t < S-1: [B, S-1] float32
-    (and the entropy). `tokens` is [B, S] (prompt + response); the forward
-    input is tokens[:, :-1]. Under tensor parallelism the log-softmax runs on
-    the vocabulary shards (`vocab_parallel_logprobs`)."""
+    (and the entropy), at `temperature` [B] per row (None: 1). `tokens` is
+    [B, S] (prompt + response); the forward input is tokens[:, :-1]. Under
+    tensor parallelism the log-softmax runs on the vocabulary shards
+    (`vocab_parallel_logprobs`)."""
     logits = forward_logits(model, tokens[:, :-1])
     targets = tokens[:, 1:].to(logits.device)
     if model.config.tensor_model_parallel_size > 1:
-        return vocab_parallel_logprobs(logits, targets, with_entropy)
-    return logprobs_from_logits(logits, targets, with_entropy)
+        return vocab_parallel_logprobs(logits, targets, with_entropy, temperature)
+    return logprobs_from_logits(logits, targets, with_entropy, temperature)

@@ -168,7 +168,7 @@ class Trainer:
     def _forward(self, mb: MiniBatch, timers: Timers, entropy: bool = False):
         """Model forward + log-softmax at the targets: log pi [B, S] (and entropy)."""
         with timers.time("forward"):
-            return per_token_logprobs(self.model, mb.tokens, with_entropy=entropy)
+            return per_token_logprobs(self.model, mb.tokens, with_entropy=entropy, temperature=mb.temperature)
 
     def _old_policy(self, i: int, mb: MiniBatch, timers: Timers, sums: MetricSums) -> OldPolicy:
         with torch.no_grad():
