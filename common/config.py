@@ -54,8 +54,6 @@ class TopicSettings(_Section):
     """Runtime control (compacted): max_staleness, mode, decay, pause."""
     dlq: str = "rlstream.dlq"
     """Dead letters: records that failed decoding or validation, with a reason header."""
-    stale: str = "rlstream.stale"
-    """Optional audit copy of samples dropped as stale."""
     rollouts_partitions: int = Field(4, ge=1, le=1024)
     """Partitions of the rollouts topic (a group stays in one partition)."""
     replication_factor: int = Field(1, ge=1, le=16)
@@ -139,11 +137,17 @@ class ControlSettings(_Section):
 
 
 class StalenessSettings(ControlSettings):
-    """The `staleness` section: the start values of the runtime settings, plus
-    what cannot change at run time."""
+    """The `staleness` section: the start values of the runtime settings.
+    (Records the gate drops are counted, `rlstream_consumer_records_total{outcome="dropped_stale"}`;
+    no copy of them is kept: `audit_stale` and its topic were documented but never written.)"""
 
-    audit_stale: bool = False
-    """Copy dropped samples to the stale topic for audit."""
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "audit_stale" in data:
+            raise ValueError("staleness.audit_stale was removed (nothing ever wrote the stale topic): delete the "
+                             'key; dropped records are counted in rlstream_consumer_records_total{outcome="dropped_stale"}')
+        return data
 
 
 class HttpSettings(_Section):

@@ -134,7 +134,8 @@ def broker_bench(rollouts) -> dict:
     with EmbeddedBroker(BrokerSettings(port=0)) as b, tempfile.TemporaryDirectory() as blobs:
         warm = make_kafka_settings(b.bootstrap, blobs)
         ours_pass(warm, rollouts[:4])
-        raw_pass(warm, warm.topics.stale, records[:4])
+        warm_raw = make_kafka_settings(b.bootstrap, blobs)
+        raw_pass(warm_raw, warm_raw.topics.rollouts, records[:4])
         for _ in range(ROUNDS):  # alternate, fresh topics per pass, keep the best of each
             for name in ("raw", "ours"):
                 k = make_kafka_settings(b.bootstrap, blobs)

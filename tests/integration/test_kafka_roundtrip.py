@@ -391,7 +391,7 @@ def test_end_offsets_count_every_record_of_a_multi_record_batch(kafka_settings):
 def test_ensure_topics_idempotent(broker, tmp_path):
     kafka = make_kafka_settings(broker.bootstrap, tmp_path, create=False, rollouts_partitions=3)
     first = ensure_topics(kafka)
-    assert set(first.values()) == {"created"} and len(first) == 5
+    assert set(first.values()) == {"created"} and len(first) == 4  # rollouts, policy, control, dlq
     assert set(ensure_topics(kafka).values()) == {"exists"}
     c = make_consumer(kafka)
     try:
