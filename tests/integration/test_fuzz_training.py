@@ -290,7 +290,9 @@ def test_admin_api_rejects_out_of_range_values_and_writes_nothing(live):
     before = _control_messages(live.kafka)
     bad = [("max_staleness", -1), ("max_staleness", 1001), ("max_staleness", "many"), ("max_staleness", 1.5),
            ("mode", "yolo"), ("decay", 0), ("decay", 1.5), ("decay", "nan"), ("paused", "maybe"),
-           ("unknown_key", 1), ("__class__", "x")]
+           ("unknown_key", 1), ("__class__", "x"),
+           # strict types: JSON true is not max_staleness 1, nor "3" the integer 3, nor 1 paused
+           ("max_staleness", True), ("max_staleness", "3"), ("decay", True), ("paused", 1)]
     for key, value in bad:
         code, body = _admin(c, "POST", {"key": key, "value": value})
         assert code == 400, (key, value, body)
@@ -317,6 +319,8 @@ def test_out_of_range_and_hostile_control_messages_on_the_topic_are_ignored(live
         (b"decay", json.dumps({"value": -0.5}).encode()),
         (b"decay", json.dumps({"value": 7}).encode()),
         (b"paused", json.dumps({"value": "perhaps"}).encode()),
+        (b"max_staleness", json.dumps({"value": True}).encode()),  # not 1: strictly typed
+        (b"paused", json.dumps({"value": 1}).encode()),
         (b"evil", json.dumps({"value": 1}).encode()),
         (b"max_staleness", b"not json"),
         (b"max_staleness", json.dumps({"nothing": 1}).encode()),

@@ -155,6 +155,15 @@ def test_claim_check_for_large_records(broker, tmp_path):
     reasons = [dict(m.headers)[H_REASON].decode() for m in dlq]
     assert len(reasons) == 2 and "sha256" in reasons[0] and "not found" in reasons[1]
 
+    # a link planted where the blob belongs (to the right bytes, elsewhere) is not followed
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.write_bytes(full)
+    blob.symlink_to(elsewhere)
+    with RolloutReader(kafka, blobs=BlobStore(tmp_path / "blobs")) as rd:
+        assert [it.rollout.rollout_id for it in read_n(rd, 1, timeout_s=3)] == [small.rollout_id]
+    assert metrics.value("rlstream_dlq_records_total", field="claim_check") == dlq_before + 3
+    assert "link" in dict(read_topic_raw(kafka, kafka.topics.dlq, 3)[-1].headers)[H_REASON].decode()
+
 
 @pytest.mark.timeout(30)
 def test_blob_store_atomic_content_addressed(tmp_path):
