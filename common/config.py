@@ -54,8 +54,6 @@ class TopicSettings(_Section):
     """Runtime control (compacted): max_staleness, mode, decay, pause."""
     dlq: str = "rlstream.dlq"
     """Dead letters: records that failed decoding or validation, with a reason header."""
-    stale: str = "rlstream.stale"
-    """Optional audit copy of samples dropped as stale."""
     rollouts_partitions: int = Field(4, ge=1, le=1024)
     """Partitions of the rollouts topic (a group stays in one partition)."""
     replication_factor: int = Field(1, ge=1, le=16)
@@ -139,11 +137,17 @@ class ControlSettings(_Section):
 
 
 class StalenessSettings(ControlSettings):
-    """The `staleness` section: the start values of the runtime settings, plus
-    what cannot change at run time."""
+    """The `staleness` section: the start values of the runtime settings.
+    (Records the gate drops are counted, `rlstream_consumer_records_total{outcome="dropped_stale"}`;
+    no copy of them is kept: `audit_stale` and its topic were documented but never written.)"""
 
-    audit_stale: bool = False
-    """Copy dropped samples to the stale topic for audit."""
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "audit_stale" in data:
+            raise ValueError("staleness.audit_stale was removed (nothing ever wrote the stale topic): delete the "
+                             'key; dropped records are counted in rlstream_consumer_records_total{outcome="dropped_stale"}')
+        return data
 
 
 class HttpSettings(_Section):
@@ -280,8 +284,17 @@ class ProducerSettings(_Section):
     """G samples per prompt."""
     max_tokens: int = Field(16, ge=1)
     """Response tokens per sample at most."""
-    temperature: float = Field(1.0, ge=0.0)
+    accept_biased_logprobs: bool = False
+    """Accept sampling transforms the trainer cannot reproduce (top_p < 1; with
+    engine.logprobs_mode raw_logprobs, also temperature != 1): the records' log-probs are
+    then not those of the distribution the trainer evaluates, and every IS weight and
+    MiniRL mask is biased. Off: such a configuration is refused at load."""
+    temperature: float = Field(1.0, gt=0.0)
+    """Sampling temperature (> 0: greedy decoding has no usable log-probs). Each record
+    carries it and the trainer divides its logits by it before log-probs and entropy."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling; < 1 needs accept_biased_logprobs (the trainer samples no nucleus).
+    top_k, min_p and repetition penalties have no setting: the producer never uses them."""
     max_groups_in_flight: int = Field(8, ge=1)
     """Groups generating at once (admission reason `in_flight`)."""
     verifier: Literal["exact_match", "math"] = "exact_match"
@@ -294,6 +307,26 @@ class ProducerSettings(_Section):
     run_file: str | None = None
     """JSON status file (pid, HTTP address; final counters at stop) for supervisors
     and tests (common/runfile.py). None: none is written."""
+
+    @field_validator("top_p")
+    @classmethod
+    def _nucleus_is_biased(cls, v: float, info: ValidationInfo) -> float:
+        if v < 1.0 and not info.data.get("accept_biased_logprobs", False):
+            raise ValueError(f"top_p {v} < 1 truncates the sampling distribution, which the trainer cannot "
+                             "reproduce (biased IS weights and masks); use 1.0, or set "
+                             "producer.accept_biased_logprobs: true to accept the bias")
+        return v
+
+    @field_validator("engine")
+    @classmethod
+    def _raw_logprobs_are_biased(cls, engine: "EngineSettings", info: ValidationInfo) -> "EngineSettings":
+        t, p = info.data.get("temperature", 1.0), info.data.get("top_p", 1.0)
+        if engine.logprobs_mode == "raw_logprobs" and (t != 1.0 or p < 1.0) \
+                and not info.data.get("accept_biased_logprobs", False):
+            raise ValueError(f"logprobs_mode raw_logprobs reports log-probs before temperature {t} / top_p {p}, "
+                             "not those of the distribution sampled; use processed_logprobs, or set "
+                             "producer.accept_biased_logprobs: true to accept the bias")
+        return engine
 
     @model_validator(mode="before")
     @classmethod

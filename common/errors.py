@@ -113,3 +113,9 @@ class RankProtocolError(RlstreamError):
 class PipelineError(RlstreamError):
     """A supervised service (common/harness/supervisor.py) failed to start, died,
     or a wait for it timed out; the message carries the tail of its log."""
+
+
+class BlobStoreError(RlstreamError):
+    """The claim-check blob store (`kafka.blob_dir`) cannot store a blob: a
+    symbolic link or a path outside the store sits where a blob directory
+    belongs. Remove it; blob directories must be plain directories."""

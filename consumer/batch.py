@@ -48,7 +48,9 @@ class TrainSample:
     prompt_ids int32[P]; response_ids int32[T]; logprobs float32[T] (log mu_old
     of each response token); routed_experts optional uint8/uint16
     [P+T-1, L, K] (every input position) or [T, L, K] (input positions
-    P-1 .. P+T-2, response-only scope); sample_weight: staleness decay.
+    P-1 .. P+T-2, response-only scope); sample_weight: staleness decay;
+    temperature: the sampling temperature of the record (the trainer's
+    log-probs are taken at it: consumer/model.py).
     """
 
     prompt_ids: np.ndarray
@@ -58,6 +60,7 @@ class TrainSample:
     group_id: str
     routed_experts: np.ndarray | None = None
     sample_weight: float = 1.0
+    temperature: float = 1.0
     from_record: bool = field(default=False, compare=False)
     """Built by `from_rollout`: common.record.validate already checked the shapes."""
 
@@ -66,7 +69,7 @@ class TrainSample:
         """A validated rollout record, weighted by the staleness gate."""
         return cls(prompt_ids=r.prompt_ids, response_ids=r.response_ids, logprobs=r.logprobs,
                    reward=r.reward, group_id=r.group_id, routed_experts=r.routed_experts,
-                   sample_weight=weight, from_record=True)
+                   sample_weight=weight, temperature=r.temperature, from_record=True)
 
     def validate(self) -> None:
         """The sample weight (the gate's, which no record carries), and for samples
@@ -76,6 +79,9 @@ class TrainSample:
                                      f"{self.sample_weight} must be finite and >= 0")
         if not self.from_record:
             self._check_shapes()
+            if not (math.isfinite(self.temperature) and self.temperature > 0):
+                raise InvalidSampleError(f"sample of group {self.group_id!r}: temperature "
+                                         f"{self.temperature} must be finite and > 0")
 
     def _check_shapes(self) -> None:
         p, t = len(self.prompt_ids), len(self.response_ids)
@@ -99,7 +105,9 @@ class MiniBatch:
     positions); rollout_logprobs float32[B, S]; advantages float32[B];
     sample_weight float32[B]; routing uint8 (int32 for > 256 experts) [B, S, L, K]
     or None, with routing_mask bool[B, S] (True where the rollout's routing is
-    known). `plan`: this rank's micro-batches, (rows, input positions) each.
+    known); temperature float32[B] (padding rows 1.0), or None when every
+    sample's temperature is 1.0 (the log-prob functions then skip the division).
+    `plan`: this rank's micro-batches, (rows, input positions) each.
     """
 
     tokens: torch.Tensor
@@ -112,6 +120,7 @@ class MiniBatch:
     num_tokens: int
     routing: torch.Tensor | None = None
     routing_mask: torch.Tensor | None = None
+    temperature: torch.Tensor | None = None
     plan: list[tuple[tuple[int, ...], int]] = field(default_factory=list)
 
     def micro_batches(self) -> list["MiniBatch"]:
@@ -132,7 +141,8 @@ class MiniBatch:
             input_mask=cut(self.input_mask), rollout_logprobs=cut(self.rollout_logprobs),
             advantages=self.advantages[idx], sample_weight=self.sample_weight[idx],
             num_responses=self.num_responses, num_tokens=self.num_tokens,
-            routing=cut(self.routing), routing_mask=cut(self.routing_mask))
+            routing=cut(self.routing), routing_mask=cut(self.routing_mask),
+            temperature=None if self.temperature is None else self.temperature[idx])
 
 
 @dataclass
@@ -224,7 +234,14 @@ def _pad_minibatch(samples: list[TrainSample], adv: np.ndarray, pad_id: int,
                                    dtype=torch.float32),
         num_responses=num_responses, num_tokens=num_tokens,
         routing=None if routing is None else torch.from_numpy(routing),
-        routing_mask=None if routing_mask is None else torch.from_numpy(routing_mask))
+        routing_mask=None if routing_mask is None else torch.from_numpy(routing_mask),
+        temperature=_temperatures(samples, b))
+
+
+def _temperatures(samples: list[TrainSample], rows: int) -> torch.Tensor | None:
+    """float32[rows]: each sample's temperature, 1.0 on padding rows; None if all are 1.0."""
+    temps = [float(x.temperature) for x in samples] + [1.0] * (rows - len(samples))
+    return None if all(t == 1.0 for t in temps) else torch.tensor(temps, dtype=torch.float32)
 
 
 # ---------------------------------------------------------------- global batch

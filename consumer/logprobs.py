@@ -36,9 +36,13 @@ Head = Callable[[torch.Tensor], torch.Tensor]
 
 
 def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor,
-                         with_entropy: bool = False):
-    """log p(targets) [B, T] from full-vocabulary logits [B, T, V]; optionally the entropy."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
+                         with_entropy: bool = False, temperature: torch.Tensor | None = None):
+    """log p(targets) [B, T] from full-vocabulary logits [B, T, V] at `temperature` [B]
+    (None: 1); optionally the entropy."""
+    x = logits.float()
+    if temperature is not None:
+        x = x / temperature.to(x.device).view(-1, 1, 1)
+    logp = torch.log_softmax(x, dim=-1)
     out = logp.gather(-1, targets.unsqueeze(-1).long()).squeeze(-1)
     if not with_entropy:
         return out

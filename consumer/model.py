@@ -5,6 +5,13 @@
                                             # the parallel state: consumer/parallel.py)
     lp = per_token_logprobs(model, tokens)  # [B, S-1] log p(tokens[:, 1:]), chunked over
                                             # positions (consumer/logprobs.py)
+    lp = per_token_logprobs(model, tokens, temperature=t)  # softmax(logits / t[b]) per row b
+
+Temperature. A record's log-probs are those of the distribution vLLM sampled
+from, softmax(logits / T) (logprobs_mode processed_logprobs), so the trainer
+evaluates pi at the record's T too: `temperature` ([B] or None = all 1.0)
+divides each row's logits before the log-softmax and the entropy, on both the
+tp = 1 and the vocabulary-parallel path (consumer/logprobs.py).
 
 The Megatron config mirrors Qwen3-MoE: RMSNorm, q/k RMSNorm per head
 (`qk_layernorm`), SwiGLU experts, RoPE (non-interleaved, HF's rotate_half)

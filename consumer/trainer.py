@@ -173,6 +173,7 @@ class Trainer:
         """Model forward + log-softmax at the targets: log pi [B, S] (and entropy)."""
         with timers.time("forward"):
             return per_token_logprobs(self.model, mb.tokens, with_entropy=entropy,
+                                      temperature=mb.temperature,
                                       chunk_tokens=self.cfg.memory.logprob_chunk_tokens)
 
     def _old_policy(self, i: int, mb: MiniBatch, timers: Timers,

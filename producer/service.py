@@ -70,7 +70,7 @@ class ProducerService:
         self.prompts = open_prompt_source(self.pcfg.prompts, self.kafka)
         self.verify = get_verifier(self.pcfg.verifier)
         self.follower = ControlFollower(self.kafka, self.control)
-        self.follower.poll(timeout_s=1.0)
+        self.follower.catch_up()  # every setting and announcement on the topics, before the engine starts
         torch.set_num_threads(self.pcfg.num_threads)
         self.engine = RolloutEngine(self.pcfg.engine, self.cfg.model.path, version=0)
         self.publisher = RolloutPublisher(self.kafka, BlobStore(self.kafka.blob_dir))

@@ -7,7 +7,7 @@
   records, distinct rollout ids, end offsets (what the producers published).
 - `account`: the demo's conservation law,
 
-      published = trained + dropped_stale + timed_out + duplicate + mismatch + dlq + held
+      published = trained + dropped_stale + timed_out + duplicate + dlq + held
 
   from the census and the consumer's final counters (its run file's stop
   record: outcomes and held records at the moment it stopped).
@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 
 from common.config import KafkaSettings
-from consumer.ledger import OUTCOMES
+from consumer.ledger import OUTCOMES, RETIRED_OUTCOMES
 
 
 def _open(kafka: KafkaSettings, topic: str):
@@ -123,7 +123,7 @@ def topic_census(kafka: KafkaSettings, timeout_s: float = 60.0) -> TopicCensus:
 
 def account(census: TopicCensus | None, outcomes: dict[str, float] | None, held: int | None,
             group_size: int, groups_per_batch: int) -> dict:
-    """published == trained + dropped_stale + timed_out + duplicate + mismatch + dlq + held.
+    """published == trained + dropped_stale + timed_out + duplicate + dlq + held.
 
     `held` are records the consumer had read but not given an outcome when it
     stopped (partial groups, complete groups waiting for a full batch); the
@@ -137,6 +137,10 @@ def account(census: TopicCensus | None, outcomes: dict[str, float] | None, held:
     if census is not None:
         out["topic_end_offsets"], out["distinct_ids"] = census.end_offsets, census.distinct_ids
     counted = sum(out[o] for o in OUTCOMES)
+    for o in RETIRED_OUTCOMES:  # counted by an older consumer whose checkpoint this run resumed
+        if (outcomes or {}).get(o):
+            out[o] = int(outcomes[o])
+            counted += out[o]
     if published is None or outcomes is None:
         out.update(held=None, ok=False, why="published count or consumer counters unavailable")
         return out

@@ -48,7 +48,9 @@ def make_samples(model_dir: str, seed: int = 2, n_groups: int = 4, group_size: i
     """Deterministic rollouts: random prompt/response ids, mu_old log-probs and
     routing (distinct random experts per input position and layer). With seed
     2 the two mini-batches have 14 and 11 input positions, so tensor
-    parallelism pads one of them (test_multirank checks)."""
+    parallelism pads one of them (test_multirank checks). Groups are sampled
+    at temperatures 0.7, 1.0 and 1.3 in turn, so the vocabulary-parallel
+    log-probs under TP are taken at each row's temperature too."""
     from consumer.batch import TrainSample
     from consumer.model import read_hf_dims
 
@@ -66,7 +68,7 @@ def make_samples(model_dir: str, seed: int = 2, n_groups: int = 4, group_size: i
                 prompt_ids=prompt, response_ids=rng.integers(3, vocab, size=t).astype(np.int32),
                 logprobs=(-rng.uniform(3.0, 5.0, size=t)).astype(np.float32),
                 reward=float(rng.integers(0, 2)), group_id=f"g{g}",
-                routed_experts=routing.astype(np.uint8)))
+                routed_experts=routing.astype(np.uint8), temperature=(0.7, 1.0, 1.3)[g % 3]))
     return out
 
 

@@ -151,7 +151,7 @@ def test_the_control_settings_are_one_model_for_the_file_and_the_control_plane()
     from common.control.messages import CONTROL_KEYS, parse_control_value
 
     assert issubclass(StalenessSettings, ControlSettings) and CONTROL_KEYS == tuple(ControlSettings.model_fields)
-    assert set(StalenessSettings.model_fields) - set(ControlSettings.model_fields) == {"audit_stale"}
+    assert set(StalenessSettings.model_fields) == set(ControlSettings.model_fields)
     for key, value in [("max_staleness", 1001), ("max_staleness", -1), ("mode", "sometimes"), ("decay", 0),
                        ("decay", 1.5), ("paused", "maybe")]:
         with pytest.raises(ConfigError) as file_err:
@@ -159,8 +159,10 @@ def test_the_control_settings_are_one_model_for_the_file_and_the_control_plane()
         with pytest.raises(ConfigError) as ctl_err:
             parse_control_value(key, value)
         assert file_err.value.key == f"staleness.{key}" and ctl_err.value.key == key
-    cfg = load_config(None, ["staleness.max_staleness=5", "staleness.paused=true", "staleness.audit_stale=true"],
-                      environ={})
+    with pytest.raises(ConfigError, match="audit_stale was removed") as removed:
+        load_config(None, ["staleness.audit_stale=false"], environ={})
+    assert removed.value.key == "staleness"
+    cfg = load_config(None, ["staleness.max_staleness=5", "staleness.paused=true"], environ={})
     start = ControlSettings.from_settings(cfg.staleness)
     assert type(start) is ControlSettings and start.model_dump() == {"max_staleness": 5, "mode": "drop",
                                                                       "decay": 1.0, "paused": True}
