@@ -360,6 +360,14 @@ LossName = Literal["minirl", "minirl_no_is", "minirl_length_norm", "grpo", "cisp
 """The registered losses (consumer/losses.py registers each once; a unit test
 checks that this list equals the registry, so config.py needs no torch)."""
 
+DYNAMIC_SAMPLING_LOSSES: tuple[str, ...] = get_args(LossName)
+"""Losses `consumer.dynamic_sampling: auto` filters zero-variance groups for: every
+registered one. Each builds a group-relative advantage (mean or mean/std over the
+group), which is exactly 0 for every sample of a group whose rewards are equal;
+and the ablations keep the same sampling as MiniRL so that they differ from it only
+in what they ablate (the objectives experiment compares them). A loss with a
+baseline that is not the group's would be left out (a unit test checks the rule)."""
+
 
 class LossSettings(_Section):
     """The policy-gradient objective (docs/algorithm.md, consumer/losses.py)."""
@@ -478,6 +486,18 @@ class ConsumerSettings(_Section):
     run_file: str | None = None
     """JSON status file (pid, HTTP address; final outcome counters at stop) for
     supervisors and tests (common/runfile.py); written by rank 0. None: none."""
+    dynamic_sampling: Literal["auto", "on", "off"] = "auto"
+    """Filter, at the staleness gate, complete groups whose G rewards are all equal
+    (their group-relative advantage is 0: no gradient), counted as outcome
+    `filtered`; the batch is filled from the stream instead. auto: on for every
+    loss in DYNAMIC_SAMPLING_LOSSES (all registered ones; docs/consumer.md)."""
+
+    @property
+    def filters_zero_variance(self) -> bool:
+        """Whether the gate filters zero-variance groups (`dynamic_sampling` resolved)."""
+        if self.dynamic_sampling == "auto":
+            return self.loss.name in DYNAMIC_SAMPLING_LOSSES
+        return self.dynamic_sampling == "on"
 
     @field_validator("num_minibatches")
     @classmethod

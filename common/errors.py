@@ -113,3 +113,8 @@ class RankProtocolError(RlstreamError):
 class PipelineError(RlstreamError):
     """A supervised service (common/harness/supervisor.py) failed to start, died,
     or a wait for it timed out; the message carries the tail of its log."""
+
+
+class VerifierError(RlstreamError):
+    """A verifier cannot run at all (e.g. math-verify's worker process does not
+    start); a wrong or malformed answer is never an error, it scores 0."""
