@@ -490,14 +490,27 @@ class ConsumerSettings(_Section):
     """Filter, at the staleness gate, complete groups whose G rewards are all equal
     (their group-relative advantage is 0: no gradient), counted as outcome
     `filtered`; the batch is filled from the stream instead. auto: on for every
-    loss in DYNAMIC_SAMPLING_LOSSES (all registered ones; docs/consumer.md)."""
+    loss in DYNAMIC_SAMPLING_LOSSES (all registered ones) when G >= 2 (docs/consumer.md)."""
 
     @property
     def filters_zero_variance(self) -> bool:
         """Whether the gate filters zero-variance groups (`dynamic_sampling` resolved)."""
         if self.dynamic_sampling == "auto":
-            return self.loss.name in DYNAMIC_SAMPLING_LOSSES
+            return self.loss.name in DYNAMIC_SAMPLING_LOSSES and self.group_size >= 2
         return self.dynamic_sampling == "on"
+
+    @field_validator("dynamic_sampling", mode="before")
+    @classmethod
+    def _yaml_on_off(cls, v: Any) -> Any:
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v  # YAML reads on/off as booleans
+
+    @field_validator("dynamic_sampling")
+    @classmethod
+    def _groups_can_vary(cls, v: str, info: ValidationInfo) -> str:
+        if v == "on" and info.data.get("group_size") == 1:
+            raise ValueError("a group of one sample never has reward variance: the gate would filter "
+                             "every group; set off (or auto) with group_size 1")
+        return v
 
     @field_validator("num_minibatches")
     @classmethod

@@ -9,7 +9,8 @@ in the DLQ) is at any moment in exactly one of two states:
   (`building`);
 - done: counted once in one outcome of OUTCOMES: trained, dropped_stale,
   timed_out, duplicate (another record with a rollout_id already seen: a
-  publisher retry), mismatch (wrong group size) or dlq.
+  publisher retry), mismatch (wrong group size), dlq, or filtered (dynamic
+  sampling: a complete group whose rewards are all equal, consumer/staleness.py).
 
 So, at any moment, records read = sum(counters) + held_records().
 
@@ -40,7 +41,7 @@ from common.record import Rollout
 from consumer.assembler import Group, GroupAssembler
 from consumer.checkpoint import CheckpointState
 
-OUTCOMES = ("trained", "dropped_stale", "timed_out", "duplicate", "mismatch", "dlq")
+OUTCOMES = ("trained", "dropped_stale", "timed_out", "duplicate", "mismatch", "dlq", "filtered")
 
 
 class ReadRecord(Protocol):
@@ -100,7 +101,7 @@ class Ledger:
         return g
 
     def drop(self, g: Group, outcome: str = "dropped_stale") -> None:
-        """A group taken into the batch that the gate refused."""
+        """A group taken into the batch that the gate refused (dropped_stale or filtered)."""
         self.building.remove(g)
         self._finish_group(g, outcome)
 

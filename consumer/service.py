@@ -24,7 +24,7 @@ from consumer import telemetry
 from consumer.assembler import GroupAssembler
 from consumer.ledger import OUTCOMES, Ledger  # noqa: F401 - OUTCOMES: for importers of its old home
 from consumer.parallel import launch_rank, launch_world_size
-from consumer.staleness import ReadyGroup, gate_group
+from consumer.staleness import FILTER_WINDOW_BATCHES, FilteredShare, ReadyGroup, gate_group
 
 log = logging.getLogger("rlstream.consumer")
 
@@ -36,6 +36,7 @@ class ConsumerService:
         self.control = ControlSettings.from_settings(cfg.staleness)
         self.step = self.version = 0
         self.ledger = Ledger(GroupAssembler(self.ccfg.group_size, self.ccfg.group_timeout_s), telemetry.count_outcome)
+        self.filtered = FilteredShare(FILTER_WINDOW_BATCHES * self.ccfg.groups_per_batch)
         self._stop, self._last_trained = False, []
 
     # ------------------------------------------------------------ lifecycle
@@ -139,12 +140,13 @@ class ConsumerService:
         batch: list[ReadyGroup] = []
         while len(batch) < self.ccfg.groups_per_batch:
             if (g := self.ledger.take()) is not None:
-                d = gate_group(g.rollouts(), self.version, self.control)
-                telemetry.observe_gate(d.staleness)
+                d = gate_group(g.rollouts(), self.version, self.control, self.ccfg.filters_zero_variance)
+                self.filtered.note(d)
+                telemetry.observe_gate(d.staleness, self.filtered.value)
                 if d.keep:
                     batch.append(ReadyGroup(g, d.staleness, d.weights))
-                else:
-                    self.ledger.drop(g)
+                else:  # dropped_stale or filtered: the batch is filled from the stream instead
+                    self.ledger.drop(g, d.outcome)
             elif self._stop:
                 self.ledger.put_back()  # untrained: back in line
                 return None
@@ -183,7 +185,8 @@ class ConsumerService:
         self.announce_progress(every_s=0.0)
 
     def announce_progress(self, every_s: float = 1.0) -> None:
-        self.announcer.progress(self.version, self.reader.positions(), self.ledger.held_records(), every_s)
+        self.announcer.progress(self.version, self.reader.positions(), self.ledger.held_records(),
+                                self.filtered.value, every_s)
 
 
 def main(cfg: RlstreamConfig) -> int:

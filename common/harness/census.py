@@ -7,7 +7,7 @@
   records, distinct rollout ids, end offsets (what the producers published).
 - `account`: the demo's conservation law,
 
-      published = trained + dropped_stale + timed_out + duplicate + mismatch + dlq + held
+      published = trained + dropped_stale + timed_out + duplicate + mismatch + dlq + filtered + held
 
   from the census and the consumer's final counters (its run file's stop
   record: outcomes and held records at the moment it stopped).
@@ -124,7 +124,7 @@ def topic_census(kafka: KafkaSettings, timeout_s: float = 60.0) -> TopicCensus:
 
 def account(census: TopicCensus | None, outcomes: dict[str, float] | None, held: int | None,
             group_size: int, groups_per_batch: int) -> dict:
-    """published == trained + dropped_stale + timed_out + duplicate + mismatch + dlq + held.
+    """published == trained + dropped_stale + timed_out + duplicate + mismatch + dlq + filtered + held.
 
     `held` are records the consumer had read but not given an outcome when it
     stopped (partial groups, complete groups waiting for a full batch); the

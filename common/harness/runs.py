@@ -244,7 +244,7 @@ def _progress_line(row: dict, acc: tuple[int, dict] | None, warm: float) -> str:
             f"reward={f(row['reward_mean'], '.3f')} heldout={acc_s} (warm {warm:.3f}) "
             f"kl={f(row['kl'], '.2e')} stale={f(row['staleness_mean'], '.2f')} "
             f"samples/s={row['samples_per_s']:.1f} trained={o['trained']} "
-            f"dropped={o['dropped_stale']} timed_out={o['timed_out']} dlq={o['dlq']}")
+            f"dropped={o['dropped_stale']} filtered={o['filtered']} timed_out={o['timed_out']} dlq={o['dlq']}")
 
 
 # ---------------------------------------------------------------------------- stop + account

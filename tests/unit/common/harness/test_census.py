@@ -25,3 +25,10 @@ def test_account_exact_with_the_consumers_held_count():
     assert not account(TopicCensus(656, 656, 656), outcomes, 8, 8, 4)["ok"]
 
 
+def test_filtered_groups_are_an_outcome_of_their_own():
+    outcomes = dict(trained=640, filtered=96, dropped_stale=8)
+    a = account(TopicCensus(752, 752, 752), outcomes, 8, 8, 4)
+    assert a["ok"] and a["filtered"] == 96, a
+    assert not account(TopicCensus(752, 752, 752), dict(trained=640, dropped_stale=8), 8, 8, 4)["ok"]
+
+
