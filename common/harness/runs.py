@@ -105,8 +105,9 @@ def write_run_config(cfg: RlstreamConfig, dirs: RunDirs, warm: Warm,
     the supervisor passes them on each command line.
     """
     data = cfg.model_dump(mode="json")
-    for k, v in {"model.path": str(warm.model_dir), "model.build_tiny": False,
-                 "producer.prompts.path": str(warm.train_path),
+    # a JSONL source reads the warm start's training file; other sources bring their own prompts
+    prompts = {"producer.prompts.path": str(warm.train_path)} if cfg.producer.prompts.type == "jsonl" else {}
+    for k, v in {"model.path": str(warm.model_dir), "model.build_tiny": False, **prompts,
                  "consumer.weight_store_dir": str(dirs.weights),
                  "consumer.checkpoint_dir": str(dirs.checkpoints),
                  "kafka.blob_dir": str(dirs.blobs), **(overrides or {})}.items():

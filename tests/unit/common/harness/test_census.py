@@ -32,3 +32,14 @@ def test_filtered_groups_are_an_outcome_of_their_own():
     assert not account(TopicCensus(752, 752, 752), dict(trained=640, dropped_stale=8), 8, 8, 4)["ok"]
 
 
+
+
+def test_the_census_names_what_scored_the_records():
+    from common.harness.census import _scorer
+
+    assert _scorer({"reward_info": {"verifier": "reasoning_gym", "dataset": "chain_sum", "score": 0.5}}) \
+        == "reasoning_gym:chain_sum"
+    assert _scorer({"reward_info": {"verifier": "exact_match"}}) == "exact_match"
+    assert _scorer({"reward": 1.0}) == "?" and _scorer([1]) == "?"
+    a = account(TopicCensus(8, 8, 8, {"exact_match": 8}, 0), dict(trained=8), 0, 8, 4)
+    assert a["ok"] and a["scored_by"] == {"exact_match": 8} and a["partial_rewards"] == 0
