@@ -554,7 +554,7 @@ class ExperimentSettings(_Section):
     """Run only these arms (e.g. to redo some of them); empty: every arm. A
     comma-separated string is accepted."""
     arm_seconds: float | None = Field(None, gt=0)
-    """RL seconds per arm; None: the experiment's own (async 240, objectives 90, replay 60)."""
+    """RL seconds per arm; None: the experiment's own (async 240, objectives 90, replay 60, dynamic_sampling 480)."""
     reps: int | None = Field(None, ge=1)
     """Repetitions per arm, interleaved A B B A; None: the experiment's own (async 2, others 1)."""
 
