@@ -47,12 +47,26 @@ def test_samples_to_target_read_the_progress_rows():
 def test_dynamic_sampling_summary_is_seconds_to_target_without_over_with():
     from common.harness.experiments import SUMMARIES
 
-    arm = lambda s, t: {"seconds_to_target": s, "trained_to_target": t, "generated_to_target": 2 * t}  # noqa: E731
+    def arm(s, t, rl=500.0):
+        return {"seconds_to_target": s, "trained_to_target": t, "generated_to_target": t and 2 * t, "rl_seconds": rl}
+
     results = {"with": arm(100.0, 800), "without": arm(150.0, 1600)}
     runs = {"with": [arm(90.0, 1), arm(110.0, 1)], "without": [arm(180.0, 1), arm(120.0, 1)]}
     out = SUMMARIES["dynamic_sampling"](results, runs, 2)
     assert out["dynamic_sampling_speedup"] == 1.5 and out["trained_to_target_ratio"] == 2.0
     assert out["dynamic_sampling_speedup_each"] == [2.0, round(120 / 110, 3)]
+    assert out["dynamic_sampling_speedup_each_at_least"] == out["dynamic_sampling_speedup_each"]
+    assert out["dynamic_sampling_speedup_at_least"] == 1.5
     assert out["with_seconds_to_target"] == 100.0 and out["without_generated_to_target"] == 3200
-    results["with"]["seconds_to_target"] = None  # an arm that missed the target: no speedup claimed
-    assert SUMMARIES["dynamic_sampling"](results, runs, 1)["dynamic_sampling_speedup"] is None
+    # a run without that missed the target (stopped at 480 s): no speedup, a lower bound
+    runs["without"][0] = arm(None, None, rl=480.0)
+    results["without"]["seconds_to_target"] = None
+    out = SUMMARIES["dynamic_sampling"](results, runs, 2)
+    assert out["dynamic_sampling_speedup"] is None and out["dynamic_sampling_speedup_each"][0] is None
+    assert out["dynamic_sampling_speedup_each_at_least"] == [round(480 / 90, 3), round(120 / 110, 3)]
+    assert out["dynamic_sampling_speedup_at_least"] == 3.0  # mean(480, 120) / mean(90, 110)
+    # a run with that missed it: nothing is claimed
+    runs["with"][1] = arm(None, None)
+    results["with"]["seconds_to_target"] = None
+    out = SUMMARIES["dynamic_sampling"](results, runs, 1)
+    assert out["dynamic_sampling_speedup"] is None and "dynamic_sampling_speedup_at_least" not in out
