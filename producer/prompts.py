@@ -133,6 +133,9 @@ class GymPromptSource:
         self.settings, self.verifier, self.epochs = settings, verifier, epochs
         self.task = GymTask(settings)
         self.split = self.task.split()
+        if settings.reward == "verifier" and not self.task.item(self.split.train_start).answer:
+            raise ConfigError(f"{self.task.name!r} items have no answer (only the dataset's scorer can judge "
+                              "them): use reward: dataset", key="producer.prompts.reward")
         self._it: Iterator[Prompt] | None = None
 
     def epoch_order(self, epoch: int) -> list[int]:

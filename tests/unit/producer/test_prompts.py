@@ -111,6 +111,12 @@ def test_gym_prompts_score_with_the_dataset_or_the_verifier():
     with pytest.raises(ConfigError) as e:
         GymPromptSource(gym_settings(reward="verifier"))
     assert e.value.key == "producer.prompts.reward"
+    no_answers = gym_settings(dataset="graph_color", params={}, prompt_format="question", reward="verifier")
+    with pytest.raises(ConfigError, match="no answer") as e:
+        GymPromptSource(no_answers, exact)
+    assert e.value.key == "producer.prompts.reward"
+    r = next(iter(GymPromptSource(no_answers.model_copy(update={"reward": "dataset"}))))
+    assert r.answer == "" and 0.0 <= r.score("x")[0] <= 1.0  # only its scorer judges it
 
 
 def test_gym_source_with_every_training_prompt_held_out_is_refused():
