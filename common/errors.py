@@ -119,3 +119,7 @@ class BlobStoreError(RlstreamError):
     """The claim-check blob store (`kafka.blob_dir`) cannot store a blob: a
     symbolic link or a path outside the store sits where a blob directory
     belongs. Remove it; blob directories must be plain directories."""
+
+class VerifierError(RlstreamError):
+    """A verifier cannot run at all (e.g. math-verify's worker process does not
+    start); a wrong or malformed answer is never an error, it scores 0."""

@@ -9,8 +9,10 @@ in the DLQ) is at any moment in exactly one of two states:
   (`building`);
 - done: counted once in one outcome of OUTCOMES: trained, dropped_stale,
   timed_out, duplicate (another record with a rollout_id already seen: a
-  publisher retry) or dlq (refused by the reader: undecodable, invalid, or
-  not for this consumer, e.g. another group size; consumer/intake.py).
+  publisher retry), dlq (refused by the reader: undecodable, invalid, or
+  not for this consumer, e.g. another group size; consumer/intake.py) or
+  filtered (dynamic sampling: a complete group whose rewards are all equal,
+  consumer/staleness.py).
 
 So, at any moment, records read = sum(counters) + held_records().
 
@@ -41,7 +43,7 @@ from common.record import Rollout
 from consumer.assembler import Group, GroupAssembler
 from consumer.checkpoint import CheckpointState
 
-OUTCOMES = ("trained", "dropped_stale", "timed_out", "duplicate", "dlq")
+OUTCOMES = ("trained", "dropped_stale", "timed_out", "duplicate", "dlq", "filtered")
 RETIRED_OUTCOMES = ("mismatch",)
 """Outcomes older versions counted (wrong group size, now a dead letter). A checkpoint
 that has one keeps its count, so the records it covers still balance."""
@@ -104,7 +106,7 @@ class Ledger:
         return g
 
     def drop(self, g: Group, outcome: str = "dropped_stale") -> None:
-        """A group taken into the batch that the gate refused."""
+        """A group taken into the batch that the gate refused (dropped_stale or filtered)."""
         self.building.remove(g)
         self._finish_group(g, outcome)
 

@@ -29,7 +29,7 @@ from consumer import telemetry
 from consumer.assembler import GroupAssembler
 from consumer.ledger import OUTCOMES, Ledger  # noqa: F401 - OUTCOMES: for importers of its old home
 from consumer.parallel import launch_rank, launch_world_size
-from consumer.staleness import ReadyGroup, gate_group
+from consumer.staleness import FILTER_WINDOW_BATCHES, FilteredShare, ReadyGroup, gate_group
 
 log = logging.getLogger("rlstream.consumer")
 
@@ -41,6 +41,7 @@ class ConsumerService:
         self.control = ControlSettings.from_settings(cfg.staleness)
         self.step = self.version = 0
         self.ledger = Ledger(GroupAssembler(self.ccfg.group_size, self.ccfg.group_timeout_s), telemetry.count_outcome)
+        self.filtered = FilteredShare(FILTER_WINDOW_BATCHES * self.ccfg.groups_per_batch)
         self._stop, self._last_trained = False, []
 
     # ------------------------------------------------------------ lifecycle
@@ -164,12 +165,13 @@ class ConsumerService:
                 time.sleep(poll_s)
                 self.apply_control(catch_up=False)
             elif (g := self.ledger.take()) is not None:
-                d = gate_group(g.rollouts(), self.version, self.control)
-                telemetry.observe_gate(d.staleness)
+                d = gate_group(g.rollouts(), self.version, self.control, self.ccfg.filters_zero_variance)
+                self.filtered.note(d)
+                telemetry.observe_gate(d.staleness, self.filtered.value)
                 if d.keep:
                     batch.append(ReadyGroup(g, d.staleness, d.weights))
-                else:
-                    self.ledger.drop(g)
+                else:  # dropped_stale or filtered: the batch is filled from the stream instead
+                    self.ledger.drop(g, d.outcome)
             else:
                 self._read(poll_s)
         return batch
@@ -202,7 +204,8 @@ class ConsumerService:
         self.announce_progress(every_s=0.0)
 
     def announce_progress(self, every_s: float = 1.0) -> None:
-        self.announcer.progress(self.version, self.reader.positions(), self.ledger.held_records(), every_s)
+        self.announcer.progress(self.version, self.reader.positions(), self.ledger.held_records(),
+                                self.filtered.value, every_s)
 
 
 def main(cfg: RlstreamConfig) -> int:

@@ -11,8 +11,8 @@ Two small topics, both JSON, both read from the beginning by every service:
 - `rlstream.policy`: two kinds of message, tagged by `kind` (the Kafka key is
   the kind too): `WeightsReady` (a new policy version; the newest version
   wins) and `TrainerProgress` (the trainer's version, read offsets, held
-  records and batch shape; the newest message wins), which producers size
-  their staleness backpressure from.
+  records, batch shape and filtered share; the newest message wins), which
+  producers size their staleness backpressure from.
 
 Values are validated on both ends: `ctl set` refuses bad values before
 writing, and a follower ignores (and counts) an out-of-range or malformed
@@ -83,6 +83,11 @@ class TrainerProgress(BaseModel):
     """B: groups per global step, so producers never read the consumer's config."""
     group_size: int = Field(ge=1)
     """G: samples per group."""
+    filtered_share: float = Field(0.0, ge=0.0, le=1.0)
+    """Share of the trainer's recent groups (within the staleness bound) that
+    dynamic sampling filtered for equal rewards (consumer/staleness.py
+    `FilteredShare`): each global step takes about B / (1 - share) queued groups,
+    so producers scale their queue estimate by (1 - share). 0 without filtering."""
     created_at: float = Field(default_factory=time.time)
 
 

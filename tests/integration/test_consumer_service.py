@@ -243,6 +243,38 @@ def test_a_change_on_an_idle_consumer_applies_to_its_next_batch(service):
     svc.checkpoint()
     svc.publish_weights()
 
+def test_dynamic_sampling_filters_equal_reward_groups_and_fills_the_batch(service):
+    """Complete groups whose G rewards are all equal are filtered at the gate
+    (outcome `filtered`, not trained), the batch is filled with the next groups
+    from the stream, and the progress announcement carries the filtered share."""
+    import dataclasses
+
+    from common import metrics
+
+    svc, pub, _ = service
+    assert svc.ccfg.dynamic_sampling == "auto" and svc.ccfg.filters_zero_variance  # minirl, G = 4
+    V = svc.version
+    rng = np.random.default_rng(30)
+    same = [[dataclasses.replace(r, reward=0.0) for r in synthetic_group(f"same{i}", G, V, rng)] for i in range(B)]
+    publish_groups(pub, same)
+    deadline = time.time() + 30
+    while len(svc.ledger.complete) < B:  # read, complete, not gated yet: first in line
+        svc._read(0.2)
+        assert time.time() < deadline, "the equal-reward groups were not read"
+    publish_groups(pub, [synthetic_group(f"mixed{i}", G, V, rng) for i in range(B)])
+    filtered = svc.ledger.counters["filtered"]
+    exposed = metrics.value("rlstream_consumer_records_total", outcome="filtered")
+    batch = svc.next_batch()
+    assert sorted(rg.group.group_id for rg in batch) == [f"mixed{i}" for i in range(B)]
+    assert svc.ledger.counters["filtered"] - filtered == B * G
+    assert metrics.value("rlstream_consumer_records_total", outcome="filtered") - exposed == B * G
+    trained = svc.ledger.counters["trained"]
+    svc.train_step(batch)
+    assert svc.ledger.counters["trained"] - trained == B * G
+    svc.checkpoint()
+    svc.publish_weights()
+    assert 0 < svc.announcer.sent.filtered_share == round(svc.filtered.value, 3)
+
 
 # --------------------------------------------------------- crash and resume
 

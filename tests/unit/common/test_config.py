@@ -186,3 +186,19 @@ def test_every_shipped_config_passes_dry_run(path):
                          cwd=root, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "consumer:" in out.stdout and "producer:" in out.stdout
+
+def test_dynamic_sampling_resolves_auto_and_refuses_groups_of_one():
+    cfg = load_config(None, environ={})
+    assert cfg.consumer.dynamic_sampling == "auto" and cfg.consumer.filters_zero_variance
+    for loss in ("minirl", "minirl_no_is", "minirl_length_norm", "grpo", "cispo"):
+        assert load_config(None, [f"consumer.loss.name={loss}"], environ={}).consumer.filters_zero_variance
+    assert not load_config(None, ["consumer.dynamic_sampling=off"], environ={}).consumer.filters_zero_variance
+    assert load_config(None, ["consumer.dynamic_sampling=on"], environ={}).consumer.filters_zero_variance
+    one = ["producer.group_size=1", "consumer.group_size=1"]
+    assert not load_config(None, one, environ={}).consumer.filters_zero_variance  # auto: nothing to compare
+    with pytest.raises(ConfigError, match="never has reward variance") as e:
+        load_config(None, one + ["consumer.dynamic_sampling=on"], environ={})
+    assert e.value.key == "consumer.dynamic_sampling"
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["consumer.dynamic_sampling=sometimes"], environ={})
+    assert e.value.key == "consumer.dynamic_sampling"

@@ -179,6 +179,12 @@ def test_policy_messages_are_tagged_by_kind():
     assert parse_policy_message(ready.model_dump_json().encode()) == ready
     back = parse_policy_message(progress.model_dump_json().encode())
     assert isinstance(back, TrainerProgress) and back.read_offsets == {0: 30} and back.groups_per_batch == 2
+    assert back.filtered_share == 0.0  # a trainer without dynamic sampling (or an older one) sends none
+    shared = TrainerProgress(trainer_version=3, groups_per_batch=2, group_size=4, filtered_share=0.375)
+    assert parse_policy_message(shared.model_dump_json().encode()).filtered_share == 0.375
+    with pytest.raises(pydantic.ValidationError):
+        parse_policy_message(b'{"kind": "trainer_progress", "trainer_version": 1, "groups_per_batch": 2, '
+                             b'"group_size": 4, "filtered_share": 1.5}')
     for bad in (b'{"version": 3, "uri": "file:///x", "sha256": "' + b"0" * 64 + b'", "bytes": 1}',  # no kind
                 b'{"kind": "trainer_progress", "trainer_version": 1, "groups_per_batch": 0, "group_size": 4}',
                 b'{"kind": "weights_ready", "version": 1, "uri": "", "sha256": "x", "bytes": 1}'):
