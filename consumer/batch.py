@@ -8,10 +8,14 @@ P - 1 + t. So `rollout_logprobs`, `loss_mask` and `routing` are all indexed
 by input position, exactly like the trainer's forward and vLLM's routing
 rows ("row i = routing of input position i").
 
-Data parallelism: every rank builds the same global batch from the same
-samples and keeps its slice of each mini-batch (`dp_rank`, `dp_size`).
-`num_responses` / `num_tokens` of a mini-batch are the global counts (the
-loss normalisers, see consumer/losses.py).
+Data parallelism: rank 0 computes the advantages and the global counts and
+cuts each mini-batch into one slice per data-parallel rank
+(`split_global_batch`: a `BatchShare` per rank, unpadded); each rank pads its
+own share into its mini-batches (`batch_from_share`), to the shape every rank
+uses. `build_global_batch` is the two in one process. `num_responses` /
+`num_tokens` of a mini-batch are the global counts (the loss normalisers, see
+consumer/losses.py). Under torchrun a share travels to its rank as a few flat
+tensors (consumer/shares.py), never as the whole batch.
 """
 from __future__ import annotations
 
@@ -194,13 +198,48 @@ def _pad_minibatch(samples: list[TrainSample], adv: np.ndarray, pad_id: int,
 # ---------------------------------------------------------------- global batch
 
 
-def build_global_batch(samples: list[TrainSample], group_size: int, num_minibatches: int = 1,
-                       advantage_mode: str = "mean", pad_id: int = 0,
-                       dp_rank: int = 0, dp_size: int = 1) -> GlobalBatch:
+@dataclass
+class MiniBatchShare:
+    """One data-parallel rank's slice of one mini-batch, before padding.
+
+    advantages float32[len(samples)]; num_responses / num_tokens: the
+    mini-batch's global counts; slice_positions int64[dp, rows]: the input
+    positions (P + T - 1) of every rank's rows (0: a padding row), from which
+    every rank derives the same padded shape (and, with micro-batches, the same
+    plan)."""
+
+    samples: list[TrainSample]
+    advantages: np.ndarray
+    num_responses: int
+    num_tokens: int
+    slice_positions: np.ndarray
+
+    @property
+    def rows(self) -> int:
+        return int(self.slice_positions.shape[1])
+
+    @property
+    def seq_len(self) -> int:
+        """Input positions of the padded mini-batch: the longest row on any rank."""
+        return int(self.slice_positions.max())
+
+
+@dataclass
+class BatchShare:
+    """What one data-parallel rank needs of a global batch: its slice of every
+    mini-batch, and the batch's global counts."""
+
+    minibatches: list[MiniBatchShare]
+    num_responses: int
+    num_tokens: int
+    rewards: np.ndarray  # float32, every sample of the global batch (metrics)
+
+
+def split_global_batch(samples: list[TrainSample], group_size: int, num_minibatches: int = 1,
+                       advantage_mode: str = "mean", dp_size: int = 1) -> list[BatchShare]:
     """Advantages per group, then N contiguous mini-batches (groups stay whole
-    when the group count divides evenly), each cut into `dp_size` slices;
-    this rank keeps slice `dp_rank` of every mini-batch, padded to the same
-    shape on every rank."""
+    when the group count divides evenly), each cut into `dp_size` slices: one
+    `BatchShare` per data-parallel rank (rank 0's part of the step)."""
     for s in samples:
         s.validate()
     ordered, adv = group_advantages(samples, group_size, advantage_mode)
@@ -208,14 +247,35 @@ def build_global_batch(samples: list[TrainSample], group_size: int, num_minibatc
     if num_minibatches < 1 or n < num_minibatches * dp_size:
         raise InvalidSampleError(f"{n} samples cannot fill {num_minibatches} mini-batches x "
                                  f"{dp_size} data-parallel ranks")
-    minibatches = []
+    positions = np.array([len(s.prompt_ids) + len(s.response_ids) - 1 for s in ordered], dtype=np.int64)
+    shares: list[list[MiniBatchShare]] = [[] for _ in range(dp_size)]
     for mb_idx in np.array_split(np.arange(n), num_minibatches):
         mb_tokens = int(sum(len(ordered[i].response_ids) for i in mb_idx))
-        s_len = max(len(ordered[i].prompt_ids) + len(ordered[i].response_ids) for i in mb_idx)
-        mine = np.array_split(mb_idx, dp_size)[dp_rank]
-        minibatches.append(_pad_minibatch(
-            [ordered[i] for i in mine], adv[mine], pad_id, num_responses=len(mb_idx),
-            num_tokens=mb_tokens, rows=-(-len(mb_idx) // dp_size), s_len=s_len - 1))
-    return GlobalBatch(minibatches=minibatches, num_responses=n,
-                       num_tokens=sum(len(s.response_ids) for s in ordered),
-                       rewards=np.array([s.reward for s in ordered], dtype=np.float32))
+        slices = np.array_split(mb_idx, dp_size)
+        rows = -(-len(mb_idx) // dp_size)
+        slice_positions = np.stack([np.pad(positions[sl], (0, rows - len(sl))) for sl in slices])
+        for rank, sl in enumerate(slices):
+            shares[rank].append(MiniBatchShare([ordered[i] for i in sl], adv[sl], len(mb_idx), mb_tokens,
+                                               slice_positions))
+    rewards = np.array([s.reward for s in ordered], dtype=np.float32)
+    total = sum(len(s.response_ids) for s in ordered)
+    return [BatchShare(mbs, n, total, rewards) for mbs in shares]
+
+
+def batch_from_share(share: BatchShare, pad_id: int = 0) -> GlobalBatch:
+    """This rank's mini-batches, padded to the shape every data-parallel rank uses."""
+    minibatches = [_pad_minibatch(m.samples, m.advantages, pad_id, num_responses=m.num_responses,
+                                  num_tokens=m.num_tokens, rows=m.rows, s_len=m.seq_len)
+                   for m in share.minibatches]
+    return GlobalBatch(minibatches=minibatches, num_responses=share.num_responses,
+                       num_tokens=share.num_tokens, rewards=share.rewards)
+
+
+def build_global_batch(samples: list[TrainSample], group_size: int, num_minibatches: int = 1,
+                       advantage_mode: str = "mean", pad_id: int = 0,
+                       dp_rank: int = 0, dp_size: int = 1) -> GlobalBatch:
+    """`split_global_batch`, then rank `dp_rank`'s `batch_from_share`: this rank
+    keeps slice `dp_rank` of every mini-batch, padded to the same shape on every
+    rank."""
+    share = split_global_batch(samples, group_size, num_minibatches, advantage_mode, dp_size)[dp_rank]
+    return batch_from_share(share, pad_id)

@@ -9,7 +9,7 @@ What only tests need is here, one module per concern:
     synthetic.py   valid synthetic rollout groups of the tiny model
     feeder.py      SyntheticFeeder (a publishing thread that remembers what it published),
                    flush_half_batch
-    topics.py      raw writes and the newest policy announcement
+    topics.py      raw writes and the policy announcements (every one, the newest)
 
 No helper reads a service's log: addresses and final counters come from its
 run file, progress from /metrics or the audit log.
