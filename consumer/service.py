@@ -97,7 +97,9 @@ class ConsumerService:
 
     def _continue_versions(self) -> None:
         """Above every version announced or stored: after a crash the steps since
-        the checkpoint died with their versions, which producers may hold."""
+        the checkpoint died with their versions, which producers may hold. (The
+        store gets each version before its announcement and keeps the newest, so
+        it alone bounds what was announced; the topic covers a store wiped since.)"""
         announced = self.follower.view.weights
         newest = max([announced.version if announced is not None else 0, *self.announcer.store.versions()])
         if newest > self.version:
