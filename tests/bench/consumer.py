@@ -19,7 +19,8 @@ global step:  apply_control -> next_batch -> train_step -> checkpoint -> publish
                        group assembly, gating and the per-poll lag query
                        (broken down in `next_batch_breakdown`), so the figure
                        is an upper bound on time spent starved of data.
-  checkpoint_seconds   ConsumerService.checkpoint (model + optimizer + offsets, fsynced)
+  checkpoint_seconds   ConsumerService.checkpoint: what the loop waits for when a checkpoint is due
+                       (consumer.checkpoint cadence; the snapshot, the write goes on in the background)
   publish_seconds      ConsumerService.publish_weights (export, WeightStore.write,
                        announcement), with `model_bytes`.
   publish_breakdown    export / WeightStore.write / announcement, timed apart.
