@@ -233,6 +233,8 @@ class BatchShare:
     num_responses: int
     num_tokens: int
     rewards: np.ndarray  # float32, every sample of the global batch (metrics)
+    dp_rank: int = 0
+    """The data-parallel rank it is for (its row of each `slice_positions`)."""
 
 
 def split_global_batch(samples: list[TrainSample], group_size: int, num_minibatches: int = 1,
@@ -259,7 +261,7 @@ def split_global_batch(samples: list[TrainSample], group_size: int, num_minibatc
                                                slice_positions))
     rewards = np.array([s.reward for s in ordered], dtype=np.float32)
     total = sum(len(s.response_ids) for s in ordered)
-    return [BatchShare(mbs, n, total, rewards) for mbs in shares]
+    return [BatchShare(mbs, n, total, rewards, rank) for rank, mbs in enumerate(shares)]
 
 
 def batch_from_share(share: BatchShare, pad_id: int = 0) -> GlobalBatch:

@@ -127,9 +127,11 @@ class ConsumerService:
         self._stop = True
 
     def close(self) -> None:
-        if getattr(self, "leader", None) is not None:
-            self.leader.stop()
-        close_attrs(self, ("reader", "follower", "_writer", "http"), log)
+        try:
+            if getattr(self, "leader", None) is not None:
+                self.leader.stop()  # waits for the checkpoint write in flight
+        finally:
+            close_attrs(self, ("reader", "follower", "_writer", "http"), log)
 
     # ----------------------------------------------------------------- loop
 

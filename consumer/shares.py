@@ -11,8 +11,8 @@ its own samples (`rank_ingress_share`, docs/trainer-scale.md).
 
 The four tensors:
 
-    header   int64   [MAGIC, minibatches, dp, num_responses, num_tokens, routing
-                      code, layers, top_k, rewards] then per mini-batch [samples,
+    header   int64   [MAGIC, minibatches, dp, dp rank, num_responses, num_tokens,
+                      routing code, layers, top_k, rewards] then per mini-batch [samples,
                       num_responses, num_tokens, rows, slice_positions (dp x rows)]
                       then per sample [P, T, routing rows (-1: none)]
     tokens   int32   prompt then response ids of each sample, concatenated
@@ -40,7 +40,7 @@ from consumer.batch import BatchShare, MiniBatchShare, TrainSample
 MAGIC = 0x524C5331  # "RLS1": a header from another rlstream version is refused
 ROUTING_TYPES = (None, np.uint8, np.uint16, np.int32, np.int64)
 """Routing element types by wire code (append only); int64 for samples that disagree."""
-_FIXED = 9  # header fields before the first mini-batch
+_FIXED = 10  # header fields before the first mini-batch
 
 
 @dataclass
@@ -89,7 +89,7 @@ def pack(share: BatchShare) -> PackedShare:
     samples = [s for m in share.minibatches for s in m.samples]
     code, (layers, k) = _routing_type(samples)
     dp = share.minibatches[0].slice_positions.shape[0]
-    header = [MAGIC, len(share.minibatches), dp, share.num_responses, share.num_tokens,
+    header = [MAGIC, len(share.minibatches), dp, share.dp_rank, share.num_responses, share.num_tokens,
               code, layers, k, len(share.rewards)]
     for m in share.minibatches:
         header += [len(m.samples), m.num_responses, m.num_tokens, m.rows,
@@ -131,7 +131,7 @@ class _Cursor:
 def unpack(tensors: list[torch.Tensor]) -> BatchShare:
     """Inverse of `pack` (views into the received tensors, no copy)."""
     header, tokens, floats, routing = (_Cursor(t.numpy()) for t in tensors)
-    magic, n_mb, dp, num_responses, num_tokens, code, layers, k, n_rewards = header.take(_FIXED).tolist()
+    magic, n_mb, dp, dp_rank, num_responses, num_tokens, code, layers, k, n_rewards = header.take(_FIXED).tolist()
     if magic != MAGIC or not 0 <= code < len(ROUTING_TYPES):
         raise RankProtocolError(f"not a batch share (magic {magic:#x}, routing code {code}): "
                                 "restart every rank from one install")
@@ -156,4 +156,4 @@ def unpack(tensors: list[torch.Tensor]) -> BatchShare:
     for (n, responses, mb_tokens, positions), a in zip(heads, adv):
         minibatches.append(MiniBatchShare(samples[at:at + n], a, responses, mb_tokens, positions))
         at += n
-    return BatchShare(minibatches, num_responses, num_tokens, batch_rewards)
+    return BatchShare(minibatches, num_responses, num_tokens, batch_rewards, dp_rank)

@@ -53,7 +53,9 @@ def test_a_received_share_builds_what_build_global_batch_builds(routing, dp, n_m
     shares = split_global_batch(batch, 4, n_mb, "mean_std", dp)
     for rank, share in enumerate(shares):
         wire = [t.clone() for t in pack(share).tensors]  # what the receiving rank holds
-        got = batch_from_share(unpack(wire), pad_id=0)
+        received = unpack(wire)
+        assert received.dp_rank == rank
+        got = batch_from_share(received, pad_id=0)
         want = build_global_batch(batch, 4, n_mb, "mean_std", pad_id=0, dp_rank=rank, dp_size=dp)
         assert_same_batch(got, want)
 
