@@ -509,6 +509,25 @@ class TrainerMemorySettings(_Section):
     sdpa: torch scaled_dot_product_attention (flash/memory-efficient kernels, no [S, S]
     scores); local: Megatron's unfused DotProductAttention ([heads, S, S] scores, an
     explicit mask). auto: te when Transformer Engine imports, else sdpa."""
+class CheckpointSettings(_Section):
+    """When the consumer checkpoints (consumer/cadence.py, docs/consumer.md). After a
+    step, a checkpoint is due once `every_steps` steps or `every_seconds` seconds
+    passed since the last one (whichever comes first; 0 turns that trigger off), and
+    always at a clean stop. The loop blocks only for an in-memory snapshot of the
+    trainer state; a background thread writes and commits it. A crash redoes the
+    steps since the last checkpoint (exactly-once holds in the final model's lineage)."""
+
+    every_steps: int = Field(10, ge=0)
+    """Checkpoint every this many optimizer steps (1: every step; 0: no step trigger)."""
+    every_seconds: float = Field(600.0, ge=0)
+    """Checkpoint when this many seconds passed since the last one (0: no time trigger)."""
+
+    @model_validator(mode="after")
+    def _some_trigger(self) -> "CheckpointSettings":
+        if self.every_steps == 0 and self.every_seconds == 0:
+            raise ValueError("every_steps and every_seconds are both 0: set one > 0, or a crash "
+                             "would redo every step since the start")
+        return self
 
 
 class ConsumerSettings(_Section):
@@ -529,6 +548,7 @@ class ConsumerSettings(_Section):
     shared by every rank under torchrun."""
     keep_checkpoints: int = Field(2, ge=1)
     """Complete checkpoints kept (the newest)."""
+    checkpoint: CheckpointSettings = CheckpointSettings()
     weight_store_dir: str = "runs/weights"
     """Versioned HF weight directories the producers load."""
     keep_versions: int = Field(3, ge=1)

@@ -8,19 +8,24 @@ P - 1 + t. So `rollout_logprobs`, `loss_mask` and `routing` are all indexed
 by input position, exactly like the trainer's forward and vLLM's routing
 rows ("row i = routing of input position i").
 
-Data parallelism: every rank builds the same global batch from the same
-samples and keeps its slice of each mini-batch (`dp_rank`, `dp_size`).
-`num_responses` / `num_tokens` of a mini-batch are the global counts (the
-loss normalisers, see consumer/losses.py).
+Data parallelism: rank 0 computes the advantages and the global counts and
+cuts each mini-batch into one slice per data-parallel rank
+(`split_global_batch`: a `BatchShare` per rank, unpadded); each rank pads its
+own share into its mini-batches (`batch_from_share`), to the shape every rank
+uses. `build_global_batch` is the two in one process. `num_responses` /
+`num_tokens` of a mini-batch are the global counts (the loss normalisers, see
+consumer/losses.py). Under torchrun a share travels to its rank as a few flat
+tensors (consumer/shares.py), never as the whole batch.
 
 Micro-batches (`micro_batch_tokens`, consumer.memory): each mini-batch's rows
 are grouped longest first into micro-batches of at most that many padded input
 positions (rows x the group's longest row; a longer row is a group of its own),
 and `MiniBatch.micro_batches()` gives them as MiniBatch views trimmed to their
-longest row. The plan is made from every rank's lengths (every rank sees every
-sample), so micro-batch j has the same shape on every data-parallel rank, as
-Megatron's expert-parallel dispatch needs. Every loss is a sum over rows divided
-by global counts, so the micro-batches' losses add up to the mini-batch's.
+longest row. The plan is made from every rank's lengths (a share carries every
+rank's `slice_positions`), so micro-batch j has the same shape on every
+data-parallel rank, as Megatron's expert-parallel dispatch needs. Every loss is
+a sum over rows divided by global counts, so the micro-batches' losses add up
+to the mini-batch's.
 
 Routing stays in the record's integer type on the host (uint8 for <= 256
 experts: [B, S, L, K] is 384 B per position at Qwen3-30B-A3B's 48 x 8); replay
@@ -247,14 +252,50 @@ def _temperatures(samples: list[TrainSample], rows: int) -> torch.Tensor | None:
 # ---------------------------------------------------------------- global batch
 
 
-def build_global_batch(samples: list[TrainSample], group_size: int, num_minibatches: int = 1,
-                       advantage_mode: str = "mean", pad_id: int = 0,
-                       dp_rank: int = 0, dp_size: int = 1,
-                       micro_batch_tokens: int | None = None) -> GlobalBatch:
+@dataclass
+class MiniBatchShare:
+    """One data-parallel rank's slice of one mini-batch, before padding.
+
+    advantages float32[len(samples)]; num_responses / num_tokens: the
+    mini-batch's global counts; slice_positions int64[dp, rows]: the input
+    positions (P + T - 1) of every rank's rows (0: a padding row), from which
+    every rank derives the same padded shape (and, with micro-batches, the same
+    plan)."""
+
+    samples: list[TrainSample]
+    advantages: np.ndarray
+    num_responses: int
+    num_tokens: int
+    slice_positions: np.ndarray
+
+    @property
+    def rows(self) -> int:
+        return int(self.slice_positions.shape[1])
+
+    @property
+    def seq_len(self) -> int:
+        """Input positions of the padded mini-batch: the longest row on any rank."""
+        return int(self.slice_positions.max())
+
+
+@dataclass
+class BatchShare:
+    """What one data-parallel rank needs of a global batch: its slice of every
+    mini-batch, and the batch's global counts."""
+
+    minibatches: list[MiniBatchShare]
+    num_responses: int
+    num_tokens: int
+    rewards: np.ndarray  # float32, every sample of the global batch (metrics)
+    dp_rank: int = 0
+    """The data-parallel rank it is for (its row of each `slice_positions`)."""
+
+
+def split_global_batch(samples: list[TrainSample], group_size: int, num_minibatches: int = 1,
+                       advantage_mode: str = "mean", dp_size: int = 1) -> list[BatchShare]:
     """Advantages per group, then N contiguous mini-batches (groups stay whole
-    when the group count divides evenly), each cut into `dp_size` slices;
-    this rank keeps slice `dp_rank` of every mini-batch, padded to the same
-    shape on every rank, with its micro-batch plan (None: one micro-batch)."""
+    when the group count divides evenly), each cut into `dp_size` slices: one
+    `BatchShare` per data-parallel rank (rank 0's part of the step)."""
     for s in samples:
         s.validate()
     ordered, adv = group_advantages(samples, group_size, advantage_mode)
@@ -262,22 +303,45 @@ def build_global_batch(samples: list[TrainSample], group_size: int, num_minibatc
     if num_minibatches < 1 or n < num_minibatches * dp_size:
         raise InvalidSampleError(f"{n} samples cannot fill {num_minibatches} mini-batches x "
                                  f"{dp_size} data-parallel ranks")
-    positions = np.array([len(s.prompt_ids) + len(s.response_ids) - 1 for s in ordered])
-    minibatches = []
+    positions = np.array([len(s.prompt_ids) + len(s.response_ids) - 1 for s in ordered], dtype=np.int64)
+    shares: list[list[MiniBatchShare]] = [[] for _ in range(dp_size)]
     for mb_idx in np.array_split(np.arange(n), num_minibatches):
         mb_tokens = int(sum(len(ordered[i].response_ids) for i in mb_idx))
         slices = np.array_split(mb_idx, dp_size)
         rows = -(-len(mb_idx) // dp_size)
-        mine = slices[dp_rank]
-        mb = _pad_minibatch([ordered[i] for i in mine], adv[mine], pad_id, num_responses=len(mb_idx),
-                            num_tokens=mb_tokens, rows=rows, s_len=int(positions[mb_idx].max()))
+        slice_positions = np.stack([np.pad(positions[sl], (0, rows - len(sl))) for sl in slices])
+        for rank, sl in enumerate(slices):
+            shares[rank].append(MiniBatchShare([ordered[i] for i in sl], adv[sl], len(mb_idx), mb_tokens,
+                                               slice_positions))
+    rewards = np.array([s.reward for s in ordered], dtype=np.float32)
+    total = sum(len(s.response_ids) for s in ordered)
+    return [BatchShare(mbs, n, total, rewards, rank) for rank, mbs in enumerate(shares)]
+
+
+def batch_from_share(share: BatchShare, pad_id: int = 0,
+                     micro_batch_tokens: int | None = None) -> GlobalBatch:
+    """This rank's mini-batches, padded to the shape every data-parallel rank uses,
+    each with its micro-batch plan (None: one micro-batch)."""
+    minibatches = []
+    for m in share.minibatches:
+        mb = _pad_minibatch(m.samples, m.advantages, pad_id, num_responses=m.num_responses,
+                            num_tokens=m.num_tokens, rows=m.rows, s_len=m.seq_len)
         if micro_batch_tokens:
-            mb.plan = micro_batch_plan([positions[sl] for sl in slices], rows,
-                                       micro_batch_tokens)[dp_rank]
+            mb.plan = micro_batch_plan(list(m.slice_positions), m.rows, micro_batch_tokens)[share.dp_rank]
         minibatches.append(mb)
-    return GlobalBatch(minibatches=minibatches, num_responses=n,
-                       num_tokens=sum(len(s.response_ids) for s in ordered),
-                       rewards=np.array([s.reward for s in ordered], dtype=np.float32))
+    return GlobalBatch(minibatches=minibatches, num_responses=share.num_responses,
+                       num_tokens=share.num_tokens, rewards=share.rewards)
+
+
+def build_global_batch(samples: list[TrainSample], group_size: int, num_minibatches: int = 1,
+                       advantage_mode: str = "mean", pad_id: int = 0,
+                       dp_rank: int = 0, dp_size: int = 1,
+                       micro_batch_tokens: int | None = None) -> GlobalBatch:
+    """`split_global_batch`, then rank `dp_rank`'s `batch_from_share`: this rank
+    keeps slice `dp_rank` of every mini-batch, padded to the same shape on every
+    rank, with its micro-batch plan."""
+    share = split_global_batch(samples, group_size, num_minibatches, advantage_mode, dp_size)[dp_rank]
+    return batch_from_share(share, pad_id, micro_batch_tokens)
 
 
 def micro_batch_plan(lengths: list[np.ndarray], rows: int,

@@ -2,14 +2,19 @@
 
     <dir>/step-00000012/trainer.pt    model + optimizer state (torch.save, loaded
                                       with weights_only=True: tensors and plain data)
-    <dir>/step-00000012/state.json    version, offsets, processed rollout ids, counters
-    <dir>/trained.jsonl               audit log: one line per step, the trained rollout ids
+    <dir>/step-00000012/state.json    version, offsets, processed rollout ids, counters,
+                                      lineage (`runs`)
+    <dir>/trained.jsonl               audit log: one line per trained step
+
+When (a cadence) and how without blocking training (a snapshot written by a
+background thread) is consumer/cadence.py; this module is the files.
 
 Under tensor or expert parallelism each (tp rank, ep rank) holds different
 weights and optimizer state, so the trainer state is one shard per pair,
 `trainer-tp{t}-ep{e}.pt` (`shard_name`), written by one rank of each pair into
 the staging directory rank 0 created; rank 0 commits once every shard is
-there (`begin` / `write_shard` / `commit`).
+there (`begin` / `write_shard` / `wait_for_shards` / `commit`). A shard file
+appears under its name only once it is complete and fsynced.
 
 A checkpoint is written under a temporary name, every file fsynced, the
 directory renamed into place and its parent fsynced. A directory without
@@ -20,23 +25,34 @@ Offsets are the consumer's commit: Kafka offsets are never committed to the
 broker, only here, together with the weights they produced. What the offsets
 and `processed` mean is the ledger's (consumer/ledger.py): on restart the
 reader seeks to `offsets` and the ledger skips the records in `processed`, so
-each record is trained at most once.
+each record is trained at most once in the lineage of the model it resumes.
+
+Lineage. Each consumer incarnation has a run id; `CheckpointState.runs` lists
+[run id, step it resumed at] of every incarnation whose steps made the
+checkpointed model, and each audit line names its run. So the audit lines of
+the newest checkpoint's lineage are, for each listed run, its lines with
+steps above its start and up to the next run's start (the last run's: up to
+`step`); lines of steps redone after a crash belong to a run outside it.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from common.errors import CheckpointError
-from common.fsutil import commit_dir, staging_dir
+from common.fsutil import commit_dir, fsync_path, staging_dir
 
 STATE = "state.json"
 TRAINER = "trainer.pt"
 AUDIT = "trained.jsonl"
+SHARD_WAIT_S = 3600.0
+"""How long rank 0's commit waits for the other ranks' shard files (a 30B shard
+takes minutes to write to shared storage)."""
 
 
 @dataclass
@@ -48,6 +64,8 @@ class CheckpointState:
     # already processed (trained, dropped, ...): skipped when re-read.
     processed: list[list] = field(default_factory=list)
     counters: dict[str, float] = field(default_factory=dict)
+    # [run id, step it resumed at] of each incarnation in this model's lineage, oldest first
+    runs: list[list] = field(default_factory=list)
 
     @classmethod
     def from_json(cls, text: str) -> "CheckpointState":
@@ -86,9 +104,24 @@ class CheckpointManager:
 
     @staticmethod
     def write_shard(tmp: Path, name: str, trainer_state: dict[str, Any]) -> None:
+        """`trainer_state` as `tmp/name`, which appears only complete and fsynced."""
         import torch
 
-        torch.save(trainer_state, Path(tmp) / name)
+        part = Path(tmp) / f"{name}.part"
+        torch.save(trainer_state, part)
+        fsync_path(part)
+        os.rename(part, Path(tmp) / name)
+
+    @staticmethod
+    def wait_for_shards(tmp: Path, shards: list[str], timeout_s: float = SHARD_WAIT_S,
+                        poll_s: float = 0.05) -> None:
+        """Until every shard file is in `tmp` (other ranks write theirs in their own threads)."""
+        deadline = time.monotonic() + timeout_s
+        while missing := [n for n in shards if not (Path(tmp) / n).is_file()]:
+            if time.monotonic() > deadline:
+                raise CheckpointError(f"checkpoint {tmp}: shards {missing} not written after {timeout_s:.0f} s "
+                                      "(did a rank fail? is checkpoint_dir shared by every rank?)")
+            time.sleep(poll_s)
 
     def commit(self, tmp: Path, state: CheckpointState, shards: list[str]) -> Path:
         """Write state.json and rename `tmp` into place once every shard is there."""
@@ -125,11 +158,14 @@ class CheckpointManager:
         return torch.load(path / name, map_location="cpu", weights_only=True)
 
     def audit(self, entry: dict[str, Any]) -> None:
-        """Append `entry` to <root>/trained.jsonl (before the checkpoint commits).
+        """Append `entry` to <root>/trained.jsonl: one line per trained step,
+        {step, version, trained: [rollout ids], run}, written when the step is
+        trained (before any checkpoint holds it).
 
         A step whose checkpoint never committed is redone after a restart and
-        logged again under the same step number: the last line per step is the
-        committed one. Operators and tests use it to check exactly-once.
+        logged again under the same step number by another run: the lineage
+        (module docstring) says which line counts. Operators and tests use it to
+        check exactly-once.
         """
         with open(self.root / AUDIT, "a") as f:
             f.write(json.dumps(entry) + "\n")

@@ -28,8 +28,9 @@ as a duplicate, while an earlier record with that id, held when the
 checkpoint was written, is re-read first and taken as the original (marking
 every listed id at restore would turn that held original into a "duplicate"
 and time its group out). Hence after a restart nothing is counted twice,
-nothing is lost, and a record is trained at most once (the service writes the
-checkpoint after each step, consumer/checkpoint.py).
+nothing is lost, and a record is trained at most once in the lineage of the
+model a checkpoint holds (steps after the last checkpoint die with a crash and
+are redone from its offsets: consumer/cadence.py, consumer/checkpoint.py).
 
 Pure: no Kafka, no clock of its own. The service feeds it what the reader
 returned (`read`) and the reader's positions (`to_checkpoint`); unit tests

@@ -234,15 +234,14 @@ def load_hf_checkpoint(hf_dir: str | os.PathLike, par: ParallelLayout | None = N
     """Build the Megatron model for `hf_dir` and load its safetensors weights.
 
     Initialises the parallel state (`par`, default world of one) if needed.
-    Each rank keeps its own tensor/expert-parallel shard.
+    Each rank reads only its own tensor/expert-parallel shard (consumer/loader.py).
     """
-    from consumer import convert
+    from consumer.loader import load_rank_shard
 
     init_parallel(par or ParallelLayout())
     dims = read_hf_dims(hf_dir)
-    hf_sd = convert.read_hf_safetensors(hf_dir)
     model = build_model(dims, dtype, attention, recompute)
-    convert.load_hf_state_dict(model, hf_sd)
+    load_rank_shard(model, hf_dir)
     return model
 
 

@@ -1,38 +1,47 @@
 """The rank protocol under torchrun: rank 0 leads, every other rank follows.
 
 Rank 0 (the consumer service) reads, gates and decides; the other ranks hold
-a trainer and nothing else. Each collective (gradient all-reduce, checkpoint
-barrier, weight gather) needs every rank, so rank 0 announces each one with a
+a trainer and nothing else. Each collective (gradient reduction, checkpoint
+snapshot, weight gather) needs every rank, so rank 0 announces each one with a
 command and every follower does the same work, in the same order:
 
-    command     arg                     every rank
-    TRAIN       list[TrainSample]       build its data-parallel share, train_step
-    CHECKPOINT  staging dir (str)       gather its state (collective), write its (tp, ep) shard if
-                                        it is the pair's writer; barrier
-    EXPORT      None                    export_hf_state_dict (gathers every shard)
-    STOP        None                    leave; rank 0 stopped at a batch boundary
+    command     what travels                every rank
+    TRAIN       its own BatchShare          pad its mini-batches, train_step
+    CHECKPOINT  the staging dir             snapshot its state to host memory (collective);
+                                            the pair's writer writes its (tp, ep) shard in a thread
+    EXPORT      -                           export_hf_state_dict (gathers every shard)
+    STOP        -                           wait for its checkpoint write, leave
+    RESUME      checkpoint path ("": none)  (once, in start_rank) load its shard of it
 
-CHECKPOINT and EXPORT are sent only when the ranks hold different shards
-(tensor or expert parallel; CHECKPOINT also when the distributed optimizer
-shards its state over data-parallel ranks): with data parallelism alone rank 0
-holds the whole weights and exports by itself. Before the first command every rank
-calls `start_rank`: rank 0 picks the newest checkpoint and broadcasts its
-path, and each rank loads its own shard of it.
+Rank 0 computes the group advantages and global counts and cuts the batch
+into one share per data-parallel rank (consumer/batch.py); each rank receives
+only its own share, as a few flat tensors (consumer/shares.py), and builds its
+mini-batches from it. Followers wait for commands on a gloo group on the host
+(consumer/channel.py), never inside an NCCL collective while rank 0 waits on
+Kafka. EXPORT is sent only when the ranks hold different weights (tensor or
+expert parallel); CHECKPOINT always when there are several ranks (the
+distributed optimizer spreads its state over data-parallel ranks too).
 
-Wire: one `torch.distributed.broadcast_object_list` of `(command.value, arg)`
-per command, from rank 0 (a later issue replaces it). In a world of one the
-leader sends nothing.
+Checkpoints (when: consumer/cadence.py). Rank 0 waits until its previous
+checkpoint has committed, creates the staging directory and sends CHECKPOINT;
+every rank copies its trainer state to host memory (the loop's only wait) and
+one rank per (tp, ep) pair writes that copy in a background thread; rank 0's
+thread waits for every shard file, then commits (consumer/checkpoint.py). At
+STOP every rank waits for its write. Before the first command every rank calls
+`start_rank`: rank 0 picks the newest checkpoint and sends its path, and each
+rank loads its own shard of it. In a world of one the leader sends nothing.
 """
 from __future__ import annotations
 
 import logging
 import signal
 from enum import Enum
+from functools import partial
 from pathlib import Path
-from typing import Any
 
 from common.config import RlstreamConfig
 from common.errors import RankProtocolError
+from consumer.cadence import BackgroundWrite, host_copy
 from consumer.checkpoint import CheckpointManager, CheckpointState, all_shard_names, shard_name
 from consumer.parallel import launch_rank, launch_world_size, ranks, world
 
@@ -44,38 +53,50 @@ class RankCommand(str, Enum):
     CHECKPOINT = "checkpoint"
     EXPORT = "export"
     STOP = "stop"
+    RESUME = "resume"
 
 
-def broadcast(obj: Any = None) -> Any:
-    """Rank 0 sends `obj` to every rank (gloo/nccl object broadcast); returns it."""
-    import torch.distributed as dist
-
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+WIRE_CODES = {c: i for i, c in enumerate(RankCommand)}
+"""A command's code on the wire: its position in RankCommand (append only)."""
 
 
 # ---------------------------------------------------------------- every rank
 
 
 def start_rank(cfg: RlstreamConfig):
-    """Collective, on every rank: build the trainer, then resume it from the
-    checkpoint rank 0 picks. Returns (trainer, checkpoints, rank 0's
-    (CheckpointState, path) or None: elsewhere, or when there is none)."""
+    """Collective, on every rank: build the trainer and the control channel, then
+    resume the trainer from the checkpoint rank 0 picks. Returns (trainer,
+    checkpoints, channel (None alone), rank 0's (CheckpointState, path) or None:
+    elsewhere, or when there is none)."""
     import torch
+    from megatron.core import parallel_state as ps
 
+    from consumer.channel import RankChannel
     from consumer.trainer import Trainer
 
     torch.set_num_threads(cfg.consumer.num_threads)
     trainer = Trainer.from_hf(cfg.model.path, cfg.consumer)
     ckpt = CheckpointManager(cfg.consumer.checkpoint_dir, cfg.consumer.keep_checkpoints)
     latest = ckpt.latest() if launch_rank() == 0 else None
-    path = str(latest[1]) if latest else None
+    path = str(latest[1]) if latest else ""
+    channel = None
     if launch_world_size() > 1:  # every rank resumes from the checkpoint rank 0 chose
-        path = broadcast(path)
-    if path is not None:
+        channel = RankChannel(ps.get_data_parallel_rank())
+        if launch_rank() == 0:
+            channel.send(WIRE_CODES[RankCommand.RESUME], path)
+        else:
+            path = expect(channel, RankCommand.RESUME)
+    if path:
         trainer.load_state_dict(ckpt.load_trainer_state(Path(path), checkpoint_shard()[0]))
-    return trainer, ckpt, latest
+    return trainer, ckpt, channel, latest
+
+
+def expect(channel, cmd: RankCommand) -> str:
+    """A follower's next command, which must be `cmd`; its text."""
+    code, text = channel.receive()
+    if code != WIRE_CODES[cmd]:
+        raise RankProtocolError(f"rank {launch_rank()}: command {code} from rank 0, expected {cmd.value}")
+    return text
 
 
 def checkpoint_shard() -> tuple[str, bool, list[str]]:
@@ -89,17 +110,22 @@ def checkpoint_shard() -> tuple[str, bool, list[str]]:
     return shard_name(tp_rank, tp, ep_rank, ep), writes, all_shard_names(tp, ep)
 
 
-def write_shard(trainer, ckpt: CheckpointManager, tmp: str | Path) -> list[str]:
-    """Collective: this rank's trainer-state shard into `tmp` (if it is the
-    writer of its (tp, ep) pair), then a barrier; returns every shard name."""
-    import torch.distributed as dist
+def snapshot_shard(trainer, ckpt: CheckpointManager, writes: BackgroundWrite, tmp: Path,
+                   commit=None) -> None:
+    """Collective: wait for this rank's previous write, copy its trainer state to
+    host memory, and (if it writes its pair's shard) write the copy into `tmp` in
+    the background; then `commit()` in the same thread (rank 0)."""
+    writes.wait()
+    name, writer, _ = checkpoint_shard()
+    state = trainer.state_dict()  # every rank: collective under the distributed optimizer
+    snap = host_copy(state) if writer else None
 
-    name, writes, shards = checkpoint_shard()
-    state = trainer.state_dict()  # collective: the distributed optimizer gathers its shards
-    if writes:
-        ckpt.write_shard(Path(tmp), name, state)
-    dist.barrier()
-    return shards
+    def write() -> None:
+        if snap is not None:
+            ckpt.write_shard(tmp, name, snap)
+        if commit is not None:
+            commit()
+    writes.start(write)
 
 
 # ---------------------------------------------------------------- rank 0
@@ -108,73 +134,88 @@ def write_shard(trainer, ckpt: CheckpointManager, tmp: str | Path) -> list[str]:
 class Leader:
     """Rank 0's side: does each step's trainer work and has the followers do theirs."""
 
-    def __init__(self, trainer, ckpt: CheckpointManager, group_size: int):
-        self.trainer, self.ckpt, self.group_size = trainer, ckpt, group_size
+    def __init__(self, trainer, ckpt: CheckpointManager, group_size: int, channel=None):
+        self.trainer, self.ckpt, self.group_size, self.channel = trainer, ckpt, group_size, channel
         self.world = launch_world_size()
         tp, ep = trainer.cfg.parallel.tensor, trainer.cfg.parallel.expert
-        # several ranks holding different shards: every rank checkpoints and exports
+        # several ranks holding different weights: every rank exports
         self.sharded = self.world > 1 and (tp > 1 or ep > 1)
-        # the distributed optimizer spreads its state over data-parallel ranks too
-        self.collective_checkpoint = self.sharded or trainer.optimizer_state_sharded
+        self.writes = BackgroundWrite()
 
-    def broadcast(self, cmd: RankCommand, arg: Any = None) -> None:
-        if self.world > 1:
-            broadcast((cmd.value, arg))
+    def send(self, cmd: RankCommand, text: str = "") -> None:
+        if self.channel is not None:
+            self.channel.send(WIRE_CODES[cmd], text)
 
     def train(self, samples: list) -> dict[str, float]:
-        self.broadcast(RankCommand.TRAIN, samples)
-        return self.trainer.train_step(self.trainer.build_batch(samples, self.group_size))
+        """One step on every rank; each rank gets its own data-parallel share."""
+        shares = self.trainer.split_batch(samples, self.group_size)
+        if self.channel is not None:
+            self.send(RankCommand.TRAIN)
+            self.channel.send_shares(shares)
+        return self.trainer.train_step(self.trainer.batch_from_share(shares[0]))  # rank 0 is dp rank 0
 
-    def checkpoint(self, st: CheckpointState, trained: list[str]) -> None:
-        """The audit line of the step that trained `trained`, then trainer state +
-        `st` committed atomically (every rank's shard when sharded)."""
-        self.ckpt.audit({"step": st.step, "version": st.version, "trained": trained})
-        if not self.collective_checkpoint:
-            self.ckpt.save(st, self.trainer.state_dict())
-            return
+    def checkpoint(self, st: CheckpointState) -> None:
+        """Trainer state + `st`, committed atomically in the background once every
+        rank's shard is written. Blocks while the previous checkpoint is in flight,
+        then for the snapshot only."""
+        self.writes.wait()
         tmp = self.ckpt.begin(st.step)
-        self.broadcast(RankCommand.CHECKPOINT, str(tmp))
-        self.ckpt.commit(tmp, st, write_shard(self.trainer, self.ckpt, tmp))
+        self.send(RankCommand.CHECKPOINT, str(tmp))
+        shards = checkpoint_shard()[2]
+        snapshot_shard(self.trainer, self.ckpt, self.writes, tmp, commit=partial(self._commit, tmp, st, shards))
+
+    def _commit(self, tmp: Path, st: CheckpointState, shards: list[str]) -> None:
+        self.ckpt.wait_for_shards(tmp, shards)
+        self.ckpt.commit(tmp, st, shards)
 
     def export(self) -> dict:
         """The HF tensors of the current weights (gathered from every shard)."""
         if self.sharded:
-            self.broadcast(RankCommand.EXPORT)
+            self.send(RankCommand.EXPORT)
         return self.trainer.export_hf_state_dict()
 
     def stop(self) -> None:
-        self.broadcast(RankCommand.STOP)
+        """Wait for the checkpoint in flight to commit, then release the followers."""
+        try:
+            self.writes.wait()
+        finally:
+            self.send(RankCommand.STOP)
 
 
 # ---------------------------------------------------------------- ranks > 0
 
 
 class Follower:
-    """A rank > 0: the trainer, and what rank 0 broadcasts."""
+    """A rank > 0: the trainer, and what rank 0 sends."""
 
-    def __init__(self, trainer, ckpt: CheckpointManager, group_size: int):
-        self.trainer, self.ckpt, self.group_size = trainer, ckpt, group_size
+    def __init__(self, trainer, ckpt: CheckpointManager, channel):
+        self.trainer, self.ckpt, self.channel = trainer, ckpt, channel
         self.rank, self.world = launch_rank(), launch_world_size()
+        self.writes = BackgroundWrite()
 
     def run(self) -> int:
         """Until rank 0 sends STOP."""
         log.info("rank %d/%d following rank 0", self.rank, self.world)
+        commands = list(RankCommand)
         while True:
-            kind, arg = broadcast(None)
-            if kind == RankCommand.STOP.value:
+            code, text = self.channel.receive()
+            if not 0 <= code < len(commands) or commands[code] == RankCommand.RESUME:
+                raise RankProtocolError(f"rank {self.rank}: unexpected command {code} from rank 0 "
+                                        "(the ranks run different rlstream versions? restart them all "
+                                        "from one install)")
+            if commands[code] == RankCommand.STOP:
+                self.writes.wait()
                 log.info("rank %d stopping with rank 0", self.rank)
                 return 0
-            self.dispatch(kind, arg)
+            self.dispatch(commands[code], text)
 
-    def dispatch(self, kind: str, arg: Any) -> None:
-        if kind == RankCommand.TRAIN.value:
-            self.trainer.train_step(self.trainer.build_batch(arg, self.group_size))
-        elif kind == RankCommand.CHECKPOINT.value:
-            write_shard(self.trainer, self.ckpt, arg)
-        elif kind == RankCommand.EXPORT.value:
+    def dispatch(self, cmd: RankCommand, text: str) -> None:
+        if cmd == RankCommand.TRAIN:
+            self.trainer.train_step(self.trainer.batch_from_share(self.channel.receive_share()))
+        elif cmd == RankCommand.CHECKPOINT:
+            snapshot_shard(self.trainer, self.ckpt, self.writes, Path(text))
+        elif cmd == RankCommand.EXPORT:
             self.trainer.export_hf_state_dict()
-        else:
-            raise RankProtocolError(f"rank {self.rank}: unknown command {kind!r} from rank 0")
 
 
 def run_follower(cfg: RlstreamConfig) -> int:
@@ -184,5 +225,5 @@ def run_follower(cfg: RlstreamConfig) -> int:
     sends STOP, so every rank leaves between steps."""
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    trainer, ckpt, _ = start_rank(cfg)
-    return Follower(trainer, ckpt, cfg.consumer.group_size).run()
+    trainer, ckpt, channel, _ = start_rank(cfg)
+    return Follower(trainer, ckpt, channel).run()

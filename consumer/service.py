@@ -4,7 +4,7 @@
 
 One global step per iteration of a loop of named steps:
 
-    next_batch (apply_control at its start) -> train_step -> checkpoint -> publish_weights
+    next_batch (apply_control at its start) -> train_step -> checkpoint (when due) -> publish_weights
 
 Runtime settings apply at the next batch boundary: every control change the
 broker acknowledged before a batch gates its first group applies to that
@@ -13,14 +13,26 @@ on a consumer that sat idle waiting for data.
 
 Exactly-once training: offsets are committed only inside a checkpoint, with
 the model and version they produced; every consumed record ends in exactly
-one outcome (the contract: consumer/ledger.py). Under torchrun this service
-is rank 0 and the other ranks follow it (consumer/ranks.py).
+one outcome (the contract: consumer/ledger.py). Checkpoints come on a cadence
+(`consumer.checkpoint`, consumer/cadence.py) and at a clean stop; a crash
+redoes the steps since the last one, re-reading their records, so each record
+is trained once in the lineage of the final model (consumer/checkpoint.py).
+Under torchrun this service is rank 0 and the other ranks follow it
+(consumer/ranks.py).
+
+Versions are never reused. A restart from a checkpoint older than the newest
+version announced (or written to the weight store) by the incarnation that
+died continues above it: the restored weights are announced under a new
+version, so producers reload them, and records of the dead versions keep
+their real version numbers for the staleness gate. `step` counts optimizer
+steps; `version` >= `step`.
 """
 from __future__ import annotations
 
 import logging
 import signal
 import time
+import uuid
 
 from common.config import ControlSettings, RlstreamConfig
 from common.control.messages import ControlChange
@@ -42,7 +54,10 @@ class ConsumerService:
         self.step = self.version = 0
         self.ledger = Ledger(GroupAssembler(self.ccfg.group_size, self.ccfg.group_timeout_s), telemetry.count_outcome)
         self.filtered = FilteredShare(FILTER_WINDOW_BATCHES * self.ccfg.groups_per_batch)
-        self._stop, self._last_trained = False, []
+        self.run_id = uuid.uuid4().hex[:12]
+        self.lineage: list[list] = [[self.run_id, 0]]
+        """[run id, step it started at] of every incarnation whose steps make the model (consumer/checkpoint.py)."""
+        self._stop = False
 
     # ------------------------------------------------------------ lifecycle
 
@@ -51,12 +66,14 @@ class ConsumerService:
         from common.kafka.client import ensure_topics
         from common.weights.store import WeightStore
         from consumer.announce import PolicyAnnouncer
+        from consumer.cadence import Cadence
         from consumer.ranks import Leader, start_rank
 
-        trainer, ckpt, latest = start_rank(self.cfg)  # collective under torchrun: every rank
-        self.leader = Leader(trainer, ckpt, self.ccfg.group_size)
+        trainer, ckpt, channel, latest = start_rank(self.cfg)  # collective under torchrun: every rank
+        self.leader = Leader(trainer, ckpt, self.ccfg.group_size, channel)
         ensure_topics(self.kafka)
         offsets = self._restore(latest)
+        self.cadence = Cadence(self.ccfg.checkpoint, self.step)
         self.follower = ControlFollower(self.kafka, self.control)
         self.follower.catch_up()  # settings and the newest announcement, before any record is read
         self.control = self.follower.view.state
@@ -64,6 +81,7 @@ class ConsumerService:
         self._writer = ControlPlaneWriter(self.kafka)
         self.announcer = PolicyAnnouncer(self._writer, WeightStore(self.ccfg.weight_store_dir, self.ccfg.keep_versions),
                                          self.cfg.model.path, self.ccfg.groups_per_batch, self.ccfg.group_size)
+        self._continue_versions()
         if self.announcer.behind(self.follower.view.weights, self.version):
             self.publish_weights()
         self.announce_progress(every_s=0.0)
@@ -79,8 +97,21 @@ class ConsumerService:
         st, path = latest
         self.step, self.version = st.step, st.version
         self.ledger = Ledger.from_checkpoint(st, self.ledger.assembler, telemetry.count_outcome)
+        self.lineage = [list(r) for r in st.runs] + [[self.run_id, st.step]]
         log.info("resumed from %s: step %d, version %d, offsets %s", path.name, st.step, st.version, st.offsets)
         return st.offsets
+
+    def _continue_versions(self) -> None:
+        """Above every version announced or stored: after a crash the steps since
+        the checkpoint died with their versions, which producers may hold. (The
+        store gets each version before its announcement and keeps the newest, so
+        it alone bounds what was announced; the topic covers a store wiped since.)"""
+        announced = self.follower.view.weights
+        newest = max([announced.version if announced is not None else 0, *self.announcer.store.versions()])
+        if newest > self.version:
+            log.warning("versions up to %d were published after the checkpoint of version %d (a crash): "
+                        "the restored weights continue as version %d", newest, self.version, newest + 1)
+            self.version = newest + 1
 
     def _open_reader(self, offsets: dict[int, int] | None):
         from common.kafka.claimcheck import BlobStore
@@ -108,9 +139,11 @@ class ConsumerService:
         self._stop = True
 
     def close(self) -> None:
-        if getattr(self, "leader", None) is not None:
-            self.leader.stop()
-        close_attrs(self, ("reader", "follower", "_writer", "http"), log)
+        try:
+            if getattr(self, "leader", None) is not None:
+                self.leader.stop()  # waits for the checkpoint write in flight
+        finally:
+            close_attrs(self, ("reader", "follower", "_writer", "http"), log)
 
     # ----------------------------------------------------------------- loop
 
@@ -131,6 +164,7 @@ class ConsumerService:
                 clock.phase("checkpoint", self.checkpoint)
                 clock.phase("publish", self.publish_weights)
                 telemetry.observe_step(self.step, self.version, step_metrics, batch, clock.phases, self.ledger.counters)
+            self.checkpoint(final=True)  # a clean stop leaves nothing to redo
         finally:
             self.close()
         telemetry.stopped(self.ccfg.run_file, self.step, self.version, self.ledger.counters,
@@ -191,12 +225,19 @@ class ConsumerService:
         out = self.leader.train(samples)
         self.step += 1
         self.version += 1
-        self._last_trained = self.ledger.trained()
+        self.leader.ckpt.audit({"step": self.step, "version": self.version, "trained": self.ledger.trained(),
+                                "run": self.run_id})
         return out
 
-    def checkpoint(self) -> None:
+    def checkpoint(self, final: bool = False) -> None:
+        """When due (`final`: whenever a step was trained since the last one): model,
+        optimizer, ledger and offsets of this step boundary, written in the background."""
+        if not (self.cadence.dirty(self.step) if final else self.cadence.due(self.step)):
+            return
         st = self.ledger.to_checkpoint(self.step, self.version, self.reader.positions())
-        self.leader.checkpoint(st, self._last_trained)
+        st.runs = [list(r) for r in self.lineage]
+        self.leader.checkpoint(st)
+        self.cadence.done(self.step)
 
     def publish_weights(self) -> None:
         self.announcer.weights(self.version, self.leader.export())

@@ -38,7 +38,8 @@ import torch
 from common.config import ConsumerSettings
 from common.errors import CheckpointError, InvalidSampleError
 from consumer import convert
-from consumer.batch import GlobalBatch, MiniBatch, TrainSample, build_global_batch
+from consumer.batch import (BatchShare, GlobalBatch, MiniBatch, TrainSample, batch_from_share,
+                            build_global_batch, split_global_batch)
 from consumer.losses import LossInputs, advantage_mode, get_loss_fn
 from consumer.model import load_hf_checkpoint, per_token_logprobs
 from consumer.optimizer import TrainerOptimizer
@@ -149,6 +150,16 @@ class Trainer:
             pad_id=PAD_ID, dp_rank=ps.get_data_parallel_rank(),
             dp_size=ps.get_data_parallel_world_size(),
             micro_batch_tokens=self.cfg.memory.micro_batch_tokens)
+
+    def split_batch(self, samples: list[TrainSample], group_size: int) -> list[BatchShare]:
+        """The global batch cut into one share per data-parallel rank (rank 0's part
+        of `build_batch`; consumer/ranks.py sends each rank its own)."""
+        return split_global_batch(samples, group_size, self.cfg.num_minibatches, self.advantage_mode,
+                                  dp_size())
+
+    def batch_from_share(self, share: BatchShare) -> GlobalBatch:
+        """This rank's mini-batches from its share (the other part of `build_batch`)."""
+        return batch_from_share(share, PAD_ID, self.cfg.memory.micro_batch_tokens)
 
     # -- the step
 

@@ -30,7 +30,8 @@ Two answers to "does the trainer wait", because they differ by 20x:
                        per-poll lag query (broken down in `next_batch_breakdown`),
                        so the figure is an upper bound on time spent starved of data.
   consumer_wait_share_pipeline  (2) per arm; `pipeline` has its source, seconds and phases.
-  checkpoint_seconds   ConsumerService.checkpoint (model + optimizer + offsets, fsynced)
+  checkpoint_seconds   ConsumerService.checkpoint: what the loop waits for when a checkpoint is due
+                       (consumer.checkpoint cadence; the snapshot, the write goes on in the background)
   publish_seconds      ConsumerService.publish_weights (export, WeightStore.write,
                        announcement), with `model_bytes`.
   publish_breakdown    export / WeightStore.write / announcement, timed apart.

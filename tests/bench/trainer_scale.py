@@ -19,7 +19,9 @@ projection of each to Qwen3-30B-A3B):
   step_overhead_share     share of the step outside forward, backward and optimizer
                           (tiny model, R3, several micro-batches per mini-batch).
                           Goal <= 0.10.
-  rank_ingress_share, checkpoint_blocking_share: issue #14 part B (null here).
+  rank_ingress_share, checkpoint_blocking_share: issue #14 part B, measured by
+                          tests/bench/trainer_scale_ranks.py (`figures`) in the same
+                          run; `--no-ranks` leaves them null.
 """
 from __future__ import annotations
 
@@ -160,6 +162,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--points", default="2048,4096,8192,16384")
     ap.add_argument("--point", nargs=3, metavar=("MODEL_DIR", "TOKENS", "MEMORY_JSON"))
+    ap.add_argument("--no-ranks", action="store_true", help="skip part B's figures (about 5 minutes)")
     args = ap.parse_args()
     if args.point:  # child: one memory point
         print(json.dumps(measure_point(args.point[0], int(args.point[1]), json.loads(args.point[2]))))
@@ -170,6 +173,7 @@ def main() -> None:
     scaled = memory_curve(model_dir, points, SCALED, quadratic=False)
     unscaled = memory_curve(model_dir, points, UNSCALED, quadratic=True)
     prec, overhead = precision(work), step_overhead(work)
+    ranks = None if args.no_ranks else rank_figures()
     print(json.dumps({
         "bench": "trainer_scale", "model": MID, "dtype": "bfloat16",
         "threads": int(os.environ["OMP_NUM_THREADS"]),
@@ -179,9 +183,18 @@ def main() -> None:
         "bf16_unmoved_share_plain_bf16": prec["unmoved_share_plain_bf16"],
         "step_overhead_share": overhead["step_overhead_share"],
         "step_overhead_micro_batches": overhead["micro_batches"],
-        "rank_ingress_share": None,         # issue #14 part B: the rank protocol
-        "checkpoint_blocking_share": None,  # issue #14 part B: checkpoint cadence
+        "rank_ingress_share": ranks and ranks["rank_ingress"]["rank_ingress_share"],
+        "checkpoint_blocking_share": ranks and ranks["checkpoint"]["checkpoint_blocking_share"],
+        "ranks": ranks,
     }))
+
+
+def rank_figures() -> dict:
+    """Part B's figures with its defaults (tests/bench/trainer_scale_ranks.py)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import trainer_scale_ranks
+
+    return trainer_scale_ranks.figures(trainer_scale_ranks._args([]))
 
 
 if __name__ == "__main__":

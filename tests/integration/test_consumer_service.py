@@ -8,8 +8,10 @@ A synthetic producer publishes valid records with known policy versions:
   arrives while the consumer sits idle waiting for data;
 - an announced version is an HF directory that transformers opens and whose
   log-probs equal the trainer's, and that the vLLM engine reloads;
-- a consumer killed with SIGKILL between steps resumes from its checkpoint and
-  never trains a rollout_id twice; every record is accounted for.
+- a consumer killed with SIGKILL between checkpoints resumes from the last one,
+  redoes the steps after it, never trains a rollout_id twice in the final
+  model's lineage and never reuses a version; every record is accounted for;
+- under torchrun each rank trains on its own share; tp2 restarts from its shards.
 """
 from __future__ import annotations
 
@@ -283,12 +285,11 @@ def _write_config(path: Path, cfg: RlstreamConfig) -> Path:
     return path
 
 
-def _committed_steps(audit: Path) -> dict[int, list[str]]:
-    steps: dict[int, list[str]] = {}
-    for line in audit.read_text().splitlines():
-        e = json.loads(line)
-        steps[e["step"]] = e["trained"]  # the last line per step is the committed one
-    return steps
+def _committed_steps(ckpt_dir: Path) -> dict[int, list[str]]:
+    """step -> trained rollout ids in the lineage of the final checkpoint."""
+    from tests.support.audit import lineage_steps
+
+    return lineage_steps(ckpt_dir)
 
 
 def _wait(pred, timeout, proc=None, what=""):
@@ -302,49 +303,64 @@ def _wait(pred, timeout, proc=None, what=""):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_sigkill_between_steps_resumes_exactly_once(broker, tiny_model_dir, tmp_path):
+def test_sigkill_between_checkpoints_resumes_exactly_once(broker, tiny_model_dir, tmp_path):
+    """Checkpoints every 2 steps; SIGKILL after step 3 (checkpointed: step 2). The
+    restart resumes from step 2, redoes step 3 with re-read records, finishes at 6:
+    in the final model's lineage every record is trained once, and the version
+    the dead step 3 announced is never reused."""
     from common.kafka.publisher import RolloutPublisher
     from consumer.checkpoint import CheckpointManager
+    from tests.support.audit import audit_steps
+    from tests.support.topics import weights_announcements
 
     kafka = make_kafka_settings(broker.bootstrap, tmp_path / "blobs", rollouts_partitions=2)
     total_steps = 6
-    cfg = consumer_config(kafka, tiny_model_dir, tmp_path, max_steps=total_steps)
+    cfg = consumer_config(kafka, tiny_model_dir, tmp_path, max_steps=total_steps, checkpoint={"every_steps": 2})
     cfg_path = _write_config(tmp_path / "consumer.yaml", cfg)
     rng = np.random.default_rng(2)
     pub = RolloutPublisher(kafka)
-    published = publish_groups(pub, [synthetic_group(f"k{i}", G, 0, rng) for i in range(B * total_steps)])
-    pub.close()
+    groups = [synthetic_group(f"k{i}", G, 0, rng) for i in range(B * total_steps)]
+    published = publish_groups(pub, groups[:3 * B])  # three steps' worth, then it waits for data
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RLSTREAM__STALENESS__MAX_STALENESS": "100"}
     cmd = [sys.executable, "-m", "consumer", "-c", str(cfg_path)]
-    audit = tmp_path / "ckpt" / "trained.jsonl"
-    ckpts = CheckpointManager(tmp_path / "ckpt")
+    ckpt_dir = tmp_path / "ckpt"
+    ckpts = CheckpointManager(ckpt_dir)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "c1.log", "w"))
     try:
-        _wait(lambda: (ckpts.latest() or (None,))[0] is not None and ckpts.latest()[0].step >= 2, 240, proc,
-              "two checkpoints")
+        _wait(lambda: max(audit_steps(ckpt_dir), default=0) >= 3 and ckpts.latest() is not None, 240, proc,
+              "three steps and a checkpoint")
+        time.sleep(1.0)  # waiting for data now: nothing else to train
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
     finally:
         if proc.poll() is None:
             proc.kill()
-    killed_at = ckpts.latest()[0].step
-    assert killed_at < total_steps
+    killed = ckpts.latest()[0]
+    assert (killed.step, max(audit_steps(ckpt_dir))) == (2, 3), "the kill must land between checkpoints"
+    assert max(a.version for a in weights_announcements(kafka)) == 3
+    published += publish_groups(pub, groups[3 * B:])
+    pub.close()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "c2.log", "w"))
     try:
         assert proc.wait(timeout=400) == 0, (tmp_path / "c2.log").read_text()[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert "resumed from step-" in (tmp_path / "c2.log").read_text()
-    steps = _committed_steps(audit)
+    assert "resumed from step-00000002" in (tmp_path / "c2.log").read_text()
+    steps = _committed_steps(ckpt_dir)
     assert sorted(steps) == list(range(1, total_steps + 1))
     trained = [rid for ids in steps.values() for rid in ids]
     assert len(trained) == len(set(trained)), "a rollout_id was trained twice"
     assert set(trained) == set(published)
     final = ckpts.latest()[0]
+    assert final.step == total_steps
     assert final.counters["trained"] == len(published)
     assert sum(final.counters.values()) == len(published)
+    versions = [a.version for a in weights_announcements(kafka)]
+    assert versions == sorted(set(versions)), f"a version was reused: {versions}"
+    # the restored step-2 weights came back as version 4, above the dead 3; steps 3..6 -> 5..8
+    assert versions[-5:] == [4, 5, 6, 7, 8] and final.version == 8
 
 
 def _torchrun_consumer(cfg_path: Path) -> subprocess.CompletedProcess:
@@ -389,7 +405,7 @@ def _two_rank_run(kafka, pub, tiny_model_dir, tmp_path, layout, cfg_path):
     published = publish_groups(pub, [synthetic_group(f"mr{i}", G, 0, np.random.default_rng(i))
                                      for i in range(2 * B)])
     _torchrun_consumer(cfg_path)
-    steps = _committed_steps(tmp_path / "ckpt" / "trained.jsonl")
+    steps = _committed_steps(tmp_path / "ckpt")
     assert sorted(steps) == [1, 2]
     assert sorted(rid for ids in steps.values() for rid in ids) == sorted(published)
 
@@ -412,6 +428,6 @@ def _two_rank_run(kafka, pub, tiny_model_dir, tmp_path, layout, cfg_path):
     cfg3 = consumer_config(kafka, tiny_model_dir, tmp_path, max_steps=3, **TWO_RANK_LAYOUTS[layout])
     proc = _torchrun_consumer(_write_config(tmp_path / "consumer3.yaml", cfg3))
     assert f"resumed from {path.name}" in proc.stderr
-    steps = _committed_steps(tmp_path / "ckpt" / "trained.jsonl")
+    steps = _committed_steps(tmp_path / "ckpt")
     assert sorted(steps) == [1, 2, 3]
     assert sorted(steps[3]) == sorted(more)

@@ -1,17 +1,22 @@
-"""Issue #8.1: SIGKILL the consumer at random points, several times; exactly-once holds.
+"""Issues #8.1 and #14.7: SIGKILL the consumer at random points and between
+checkpoints, several times; exactly-once holds in the final model's lineage.
 
 One scenario per module (consumer restarts are the expensive part), checked
 by several tests. A `SyntheticFeeder` publishes fresh, certainly-stale and
 partial groups and a few undecodable records while the real consumer
-(subprocess, real broker, real Megatron-core on the tiny model) trains. The
-consumer is SIGKILLed (whole process group) five times, each time aimed at a
-phase observed from outside:
+(subprocess, real broker, real Megatron-core on the tiny model) trains; like
+a producer, it stamps fresh groups with the newest version announced on the
+policy topic. The consumer checkpoints every CADENCE steps, so most kills
+leave steps after the last checkpoint that die and are redone. It is
+SIGKILLed (whole process group) seven times, each time aimed at a phase
+observed from outside:
 
 - fetch:      the feeder is held and the consumer's lag is 0: it waits in next_batch;
 - train:      data is plentiful and the main thread is on-CPU (/proc state R)
               with no checkpoint or weight write under way;
-- checkpoint: a `.step-*.tmp-*` directory exists (torch.save / fsync in progress);
+- checkpoint: a `.step-*.tmp-*` directory exists (the background write in progress);
 - publish:    a `.v*.tmp-*` directory exists in the weight store;
+- between:    steps were trained since the last committed checkpoint, no write under way;
 - random:     a uniformly random moment.
 
 The kill records what was observed (so the report says which phases were hit).
@@ -21,9 +26,11 @@ down the staleness bound at the optimizer step.
 
 At the end the feeder stops, the consumer drains (partial groups time out),
 one or two fresh filler groups flush the last half batch, and a SIGTERM makes
-it write its exact outcome counters to its run file. Ground truth comes from
-outside the consumer: what the feeder got acknowledged, the audit log, the
-DLQ topic. Each incarnation's run file also says the step it resumed at.
+it checkpoint and write its exact outcome counters to its run file. Ground
+truth comes from outside the consumer: what the feeder got acknowledged, the
+audit log read through the final checkpoint's lineage (tests/support/audit.py),
+the DLQ and policy topics. Each incarnation's run file also says the step and
+version it resumed at.
 """
 from __future__ import annotations
 
@@ -37,16 +44,30 @@ import pytest
 from common.harness.census import read_dlq
 from common.harness.supervisor import Service, wait_until
 from tests.fixtures.kafka import make_kafka_settings
-from tests.support.audit import audit_lines, audit_steps, committed_checkpoint
+from tests.support.audit import audit_lines, audit_steps, committed_checkpoint, lineage_entries
 from tests.support.configs import service_config, write_config
-from tests.support.feeder import SyntheticFeeder, flush_half_batch
+from tests.support.feeder import PolicyVersion, SyntheticFeeder, flush_half_batch
 from tests.support.synthetic import publish_groups, synthetic_group
+from tests.support.topics import latest_policy, weights_announcements
 
 pytestmark = [pytest.mark.broker, pytest.mark.megatron, pytest.mark.slow]
 
 G, B, MAX_STALENESS, TIMEOUT_S = 4, 2, 1, 6.0
-KILL_PLAN = ("fetch", "train", "checkpoint", "publish", "random")
+CADENCE = 3  # consumer.checkpoint.every_steps
+KILL_PLAN = ("fetch", "train", "checkpoint", "publish", "between", "between", "random")
 START_TIMEOUT = 300
+
+
+def _audit_lines(ckpt: Path) -> list[dict]:
+    import json
+
+    return [json.loads(x) for x in (ckpt / "trained.jsonl").read_text().splitlines() if x.strip()]
+
+
+def _last_step(ckpt: Path) -> int:
+    """The step of the newest audit line (the running incarnation's, once it trained one)."""
+    lines = _audit_lines(ckpt) if (ckpt / "trained.jsonl").exists() else []
+    return lines[-1]["step"] if lines else 0
 
 
 def _main_thread_state(pid: int) -> str:
@@ -65,15 +86,11 @@ class Scenario:
         self.consumer = Service("consumer", write_config(cfg, tmp / "consumer.yaml"), tmp / "logs")
         self.kills: list[dict] = []
         self.start_steps: list[int] = []  # per incarnation: the step it started (resumed) at
+        self.start_versions: list[int] = []  # ... and the version
         self.burst_ids: list[str] = []
         self.feeder = SyntheticFeeder(kafka, G, seed=7, rate_groups=3.0, p_partial=0.1, p_stale=0.15,
-                                      p_bad=0.06, version_of=self.committed_version,
+                                      p_bad=0.06, version_of=PolicyVersion(kafka),
                                       stale_after=MAX_STALENESS + 1)
-
-    def committed_version(self) -> int:
-        """A lower bound of the committed version: the audit line of step s precedes its commit."""
-        steps = audit_steps(self.ckpt)
-        return max(0, max(steps, default=0) - 1)
 
     def tmp_dirs(self) -> tuple[bool, bool]:
         ck = any(self.ckpt.glob(".step-*.tmp-*")) if self.ckpt.exists() else False
@@ -86,8 +103,16 @@ class Scenario:
         # resumed (or started) and trained at least one more step
         wait_until(lambda: audit_lines(self.ckpt) > n_lines, START_TIMEOUT,
                    f"a step of consumer incarnation {self.consumer.incarnation}", [self.consumer])
-        # the run file's start record (written before the first step): the step it resumed at
+        # the run file's start record (written before the first step): the step and version it resumed at
         self.start_steps.append(self.consumer.status()["step"])
+        self.start_versions.append(self.consumer.status()["version"])
+
+    def between_checkpoints(self) -> bool:
+        """This incarnation trained steps since the last committed checkpoint, and no checkpoint
+        write is under way (a weight-store staging dir may be a dead incarnation's: the publish
+        kill leaves one)."""
+        committed = committed_checkpoint(self.ckpt)
+        return _last_step(self.ckpt) > (committed.step if committed else 0) and not self.tmp_dirs()[0]
 
     def aim_and_kill(self, phase: str, rng: random.Random) -> dict:
         c, pid = self.consumer, self.consumer.pid
@@ -120,6 +145,9 @@ class Scenario:
         if phase == "random":
             time.sleep(rng.uniform(0.0, 4.0))
             observed = "random"
+        elif phase == "between":
+            wait_until(self.between_checkpoints, 120, "a step after the last checkpoint", [c], interval_s=0.01)
+            observed = "between"
         elif phase != "fetch":
             while time.monotonic() < deadline:
                 ck, wt = self.tmp_dirs()
@@ -142,10 +170,15 @@ class Scenario:
                 time.sleep(0.0005)
         ck, wt = self.tmp_dirs()
         lines_before, committed_before = audit_lines(self.ckpt), committed_checkpoint(self.ckpt)
+        trained_before = _last_step(self.ckpt)  # this incarnation's newest step
         rc = c.kill()
+        committed = committed_checkpoint(self.ckpt)  # a background commit may have landed meanwhile
         kill = {"aimed": phase, "observed": observed, "rc": rc, "ckpt_tmp": ck, "weights_tmp": wt,
-                "audit_lines": lines_before,
-                "committed_step": committed_before.step if committed_before else 0}
+                "audit_lines": lines_before, "trained_step": trained_before,
+                "committed_step": committed_before.step if committed_before else 0,
+                "committed_after": committed.step if committed else 0,
+                "committed_version": committed.version if committed else 0,
+                "announced": max((a.version for a in weights_announcements(self.kafka)), default=0)}
         self.kills.append(kill)
         self.feeder.go()
         return kill
@@ -161,7 +194,9 @@ class Scenario:
             for r in fill:
                 self.feeder.out.versions[r.rollout_id] = r.policy_version
                 self.feeder.out.group_of[r.rollout_id] = r.group_id
-        flush_half_batch(self.kafka, self.ckpt, c, G, B, on_publish=note)
+        version = PolicyVersion(self.kafka)
+        flush_half_batch(self.kafka, self.ckpt, c, G, B, on_publish=note, version_of=version)
+        version.close()
         wait_until(lambda: c.try_metric("rlstream_consumer_lag_records") == 0
                    and c.try_metric("rlstream_consumer_open_groups") == 0, 60, "drained", [c], interval_s=0.5)
         time.sleep(1.0)
@@ -181,7 +216,7 @@ def scenario(broker, tiny_model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("faults-consumer")
     kafka = make_kafka_settings(broker.bootstrap, tmp / "blobs", rollouts_partitions=2)
     cfg = service_config(kafka, tiny_model_dir, tmp, G=G, B=B, staleness={"max_staleness": MAX_STALENESS},
-                         consumer={"group_timeout_s": TIMEOUT_S})
+                         consumer={"group_timeout_s": TIMEOUT_S, "checkpoint": {"every_steps": CADENCE}})
     sc = Scenario(kafka, cfg, tmp)
     rng = np.random.default_rng(3)
     burst = [synthetic_group(f"burst-{i}", G, 0, rng) for i in range(4 * B)]
@@ -197,13 +232,16 @@ def scenario(broker, tiny_model_dir, tmp_path_factory):
         sc.first_start_s = time.monotonic() - t0
         sc.feeder.start()
         krng = random.Random(8)
-        for phase in KILL_PLAN:
-            wait_until(lambda: audit_lines(sc.ckpt) >= 1, 60, "progress", [sc.consumer])
+        for phase in KILL_PLAN:  # each restart must have a checkpoint to resume from
+            wait_until(lambda: committed_checkpoint(sc.ckpt) is not None, 120, "a checkpoint", [sc.consumer])
             sc.aim_and_kill(phase, krng)
             sc.start_consumer()
             assert sc.start_steps[-1] >= 1, sc.consumer.log_tail()  # resumed from a checkpoint
         sc.outcomes = sc.drain_and_stop()
+        sc.final_version = sc.consumer.final()["version"]
         sc.dlq = read_dlq(kafka)
+        sc.announced = weights_announcements(kafka)
+        sc.audit = _audit_lines(sc.ckpt)
         sc.wall_s = time.monotonic() - t0
     finally:
         if sc.feeder.is_alive():
@@ -226,16 +264,32 @@ def test_each_kill_was_a_real_crash_and_every_restart_resumed(scenario):
     assert len(scenario.start_steps) == scenario.consumer.incarnation
     for k, resumed_at in zip(scenario.kills, scenario.start_steps[1:]):
         assert resumed_at >= max(1, k["committed_step"]), (k, resumed_at)
+        assert resumed_at == k["committed_after"], (k, resumed_at)  # the newest committed one
     # the aimed phases were observed (the checkpoint and publish windows are milliseconds:
     # at least one of the two must have been caught for the run to mean something)
     observed = {k["observed"] for k in scenario.kills}
-    assert {"fetch", "train"} <= observed, scenario.kills
+    assert {"fetch", "train", "between"} <= observed, scenario.kills
     assert observed & {"checkpoint", "publish"}, scenario.kills
 
 
 @pytest.mark.timeout(60)
+def test_kills_between_checkpoints_redid_the_lost_steps(scenario):
+    """With a cadence of CADENCE steps, kills left trained steps without a checkpoint;
+    the lineage took those step numbers from a later run."""
+    lost = [k for k in scenario.kills if k["trained_step"] > k["committed_after"]]
+    assert len(lost) >= 2, scenario.kills
+    lineage = lineage_entries(scenario.ckpt)
+    for k in lost:
+        assert k["trained_step"] in lineage, (k, max(lineage))
+        redone = lineage[k["trained_step"]]
+        dead = [e for e in scenario.audit if e["step"] == k["trained_step"] and e["run"] != redone["run"]]
+        assert dead, f"step {k['trained_step']} was lost at a kill but never redone by another run"
+
+
+@pytest.mark.timeout(60)
 def test_no_rollout_trained_twice_and_steps_contiguous(scenario):
-    steps = audit_steps(scenario.ckpt)
+    """In the lineage of the final model: steps 1..N, each once, nothing trained twice."""
+    steps = {s: e["trained"] for s, e in lineage_entries(scenario.ckpt).items()}
     assert sorted(steps) == list(range(1, max(steps) + 1))
     trained = [rid for ids in steps.values() for rid in ids]
     dup = [rid for rid, n in Counter(trained).items() if n > 1]
@@ -251,7 +305,7 @@ def test_no_rollout_trained_twice_and_steps_contiguous(scenario):
 def test_every_published_record_is_accounted_for(scenario):
     """published = trained + dropped_stale + filtered + timed_out (+ the undecodable ones in the DLQ)."""
     o, out = scenario.outcomes, scenario.feeder.out
-    trained = {rid for ids in audit_steps(scenario.ckpt).values() for rid in ids}
+    trained = {rid for e in lineage_entries(scenario.ckpt).values() for rid in e["trained"]}
     assert o["trained"] == len(trained)
     assert o["trained"] + o["dropped_stale"] + o["filtered"] + o["timed_out"] == out.valid, o
     assert o["timed_out"] == (G - 1) * len(out.partial_groups), o
@@ -271,7 +325,27 @@ def test_consumer_dlq_counter_counts_each_dead_letter_once(scenario):
 
 @pytest.mark.timeout(60)
 def test_staleness_bound_holds_at_the_optimizer_step(scenario):
-    """Staleness = trainer version at the optimizer step - the sample's version (docs/algorithm.md)."""
+    """Staleness = trainer version at the optimizer step - the sample's version (docs/algorithm.md),
+    with the versions the lineage really trained at (they jump at a restart)."""
     versions = scenario.feeder.out.versions
-    worst = {s: max((s - 1) - versions[r] for r in ids) for s, ids in audit_steps(scenario.ckpt).items()}
+    worst = {s: max((e["version"] - 1) - versions[r] for r in e["trained"])
+             for s, e in lineage_entries(scenario.ckpt).items()}
     assert max(worst.values()) <= MAX_STALENESS, {s: w for s, w in worst.items() if w > MAX_STALENESS}
+
+
+@pytest.mark.timeout(60)
+def test_versions_are_never_reused_and_producers_end_on_the_final_version(scenario):
+    """Every announced version is new; a restart whose checkpoint is older than what
+    the dead incarnation announced continues above it; the policy topic ends on the
+    final model's version, which the producer stand-in (the feeder) follows."""
+    versions = [a.version for a in scenario.announced]
+    assert versions == sorted(set(versions)), f"a version was announced twice: {versions}"
+    for k, start in zip(scenario.kills, scenario.start_versions[1:]):
+        assert start >= k["announced"], (k, start)
+        if k["committed_version"] < k["announced"]:
+            assert start > k["announced"], (k, start)
+    final = committed_checkpoint(scenario.ckpt)
+    assert final.version == scenario.final_version == versions[-1] == latest_policy(scenario.kafka).version
+    assert scenario.feeder.version_of() == final.version
+    lineage = lineage_entries(scenario.ckpt)
+    assert [lineage[s]["version"] for s in sorted(lineage)] == sorted({e["version"] for e in lineage.values()})

@@ -8,8 +8,9 @@ What only tests need is here, one module per concern:
     audit.py       the consumer's audit log (trained.jsonl) and checkpoints, read from outside
     synthetic.py   valid synthetic rollout groups of the tiny model
     feeder.py      SyntheticFeeder (a publishing thread that remembers what it published),
+                   PolicyVersion (the newest announced version, as producers see it),
                    flush_half_batch
-    topics.py      raw writes and the newest policy announcement
+    topics.py      raw writes and the policy announcements (every one, the newest)
 
 No helper reads a service's log: addresses and final counters come from its
 run file, progress from /metrics or the audit log.

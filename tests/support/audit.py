@@ -1,10 +1,13 @@
 """The consumer's state, read from outside: its audit log and its checkpoints.
 
 The consumer appends one JSON line per global step to
-`<checkpoint_dir>/trained.jsonl` before that step's checkpoint commits:
-{step, version (after the step), trained: [rollout ids]}. A step whose
-checkpoint never committed is redone after a restart and logged again under
-the same step number: the last line per step is the committed one.
+`<checkpoint_dir>/trained.jsonl` when it trains the step: {step, version
+(after the step), trained: [rollout ids], run (the incarnation)}. Checkpoints
+come on a cadence, so after a crash the steps since the last checkpoint are
+redone and logged again under the same step numbers by the next run. Which
+lines count is the lineage of the newest checkpoint (consumer/checkpoint.py):
+`lineage_entries`. `audit_steps` / `audit_entries` (the last line per step,
+any run) measure progress while the consumer runs.
 """
 from __future__ import annotations
 
@@ -13,15 +16,36 @@ from pathlib import Path
 
 
 def audit_entries(checkpoint_dir: Path) -> dict[int, dict]:
-    """step -> its audit entry (the last line per step)."""
+    """step -> its audit entry (the last line per step, whichever run wrote it)."""
+    return {e["step"]: e for e in _lines(checkpoint_dir)}
+
+
+def lineage_entries(checkpoint_dir: Path) -> dict[int, dict]:
+    """step -> its audit entry in the lineage of the newest committed checkpoint
+    (the final model, after a clean stop). Raises AssertionError when a step of the
+    lineage has no line or two."""
+    st = committed_checkpoint(checkpoint_dir)
+    assert st is not None and st.runs, "no committed checkpoint with a lineage"
+    starts = [s for _, s in st.runs] + [st.step]
+    span = {run: (lo, hi) for (run, _), lo, hi in zip(st.runs, starts, starts[1:])}
+    out: dict[int, dict] = {}
+    for e in _lines(checkpoint_dir):
+        lo, hi = span.get(e.get("run"), (0, 0))
+        if lo < e["step"] <= hi:
+            assert e["step"] not in out, f"step {e['step']} logged twice by run {e['run']}"
+            out[e["step"]] = e
+    assert sorted(out) == list(range(1, st.step + 1)), f"lineage {st.runs} misses steps: {sorted(out)}"
+    return out
+
+
+def lineage_steps(checkpoint_dir: Path) -> dict[int, list[str]]:
+    """step -> trained rollout ids, in the lineage of the newest committed checkpoint."""
+    return {s: e["trained"] for s, e in lineage_entries(checkpoint_dir).items()}
+
+
+def _lines(checkpoint_dir: Path) -> list[dict]:
     path = Path(checkpoint_dir) / "trained.jsonl"
-    entries: dict[int, dict] = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            if line.strip():
-                e = json.loads(line)
-                entries[e["step"]] = e
-    return entries
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
 
 
 def audit_steps(checkpoint_dir: Path) -> dict[int, list[str]]:

@@ -3,8 +3,10 @@
 `SyntheticFeeder` publishes groups of tests/support/synthetic.py at a steady
 rate (fresh, certainly stale, partial, or undecodable, by chance) and records
 exactly what the broker acknowledged (`Published`): the ground truth that the
-consumer's audit log and counters are checked against. `flush_half_batch`
-empties the consumer's last, incomplete batch with fresh fillers.
+consumer's audit log and counters are checked against. `PolicyVersion` is the
+newest version announced on the policy topic, as a producer follows it.
+`flush_half_batch` empties the consumer's last, incomplete batch with fresh
+fillers.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import numpy as np
 from common.config import KafkaSettings
 from common.errors import PipelineError
 from common.harness.supervisor import Service, wait_until
-from tests.support.audit import audit_steps
+from tests.support.audit import audit_lines, audit_steps
 from tests.support.synthetic import publish_groups, synthetic_group
 
 
@@ -123,26 +125,50 @@ class SyntheticFeeder(threading.Thread):
         return kind
 
 
+class PolicyVersion:
+    """Callable: the newest weights version announced on the policy topic (0: none),
+    as a producer sees it (one ControlFollower per thread: Kafka clients are not
+    thread-safe)."""
+
+    def __init__(self, kafka: KafkaSettings):
+        from common.config import ControlSettings
+        from common.control.plane import ControlFollower
+
+        self.follower = ControlFollower(kafka, ControlSettings())
+
+    def __call__(self) -> int:
+        self.follower.catch_up(timeout_s=10.0)
+        w = self.follower.view.weights
+        return 0 if w is None else w.version
+
+    def close(self) -> None:
+        self.follower.close()
+
+
 def flush_half_batch(kafka: KafkaSettings, checkpoint_dir: Path, consumer: Service, G: int, B: int,
-                     seed: int = 99, on_publish=None) -> None:
+                     seed: int = 99, on_publish=None, version_of=None) -> None:
     """Publish fresh synthetic groups one at a time until a step takes one.
 
     After the consumer read everything, fewer than B kept groups may wait for
     their batch; a step that took a filler emptied that wait (each filler is
-    fresh, so kept). `on_publish(rollouts)` sees every filler record.
+    fresh, so kept). `on_publish(rollouts)` sees every filler record;
+    `version_of()` gives the fillers' version (default: the step count, which
+    is the version while the consumer never restarted).
     """
     from common.kafka.publisher import RolloutPublisher
 
     rng = np.random.default_rng(seed)
     with RolloutPublisher(kafka) as pub:
         for i in range(B):
-            before = max(audit_steps(checkpoint_dir), default=0)
-            fill = synthetic_group(f"filler-{seed}-{i}", G, before, rng)
+            # progress is a new audit line: after a restart the step numbers of a redo repeat
+            lines = audit_lines(checkpoint_dir)
+            version = max(audit_steps(checkpoint_dir), default=0) if version_of is None else version_of()
+            fill = synthetic_group(f"filler-{seed}-{i}", G, version, rng)
             publish_groups(pub, [fill])
             if on_publish is not None:
                 on_publish(fill)
             try:
-                wait_until(lambda: max(audit_steps(checkpoint_dir), default=0) > before,
+                wait_until(lambda: audit_lines(checkpoint_dir) > lines,
                            20 if i < B - 1 else 120, "a step taking the filler", [consumer])
                 return
             except PipelineError:

@@ -1,4 +1,4 @@
-"""Test-only topic access: raw writes (no validation at all) and the newest weights.
+"""Test-only topic access: raw writes (no validation at all) and the weights announced.
 
 Reading whole topics back (read_topic, read_dlq, read_rollouts) is the
 harness's: common/harness/census.py.
@@ -11,17 +11,23 @@ from common.harness.census import read_topic
 
 def latest_policy(kafka: KafkaSettings):
     """The newest WeightsReady on the policy topic (None if none)."""
+    announced = weights_announcements(kafka)
+    return max(announced, key=lambda a: a.version) if announced else None
+
+
+def weights_announcements(kafka: KafkaSettings) -> list:
+    """Every WeightsReady on the policy topic, in log order."""
     from common.control.messages import WeightsReady, parse_policy_message
 
-    best = None
+    out = []
     for m in read_topic(kafka, kafka.topics.policy, quiet_s=0.8):
         try:
             a = parse_policy_message(m.value)
         except Exception:  # noqa: BLE001
             continue
-        if isinstance(a, WeightsReady) and (best is None or a.version > best.version):
-            best = a
-    return best
+        if isinstance(a, WeightsReady):
+            out.append(a)
+    return out
 
 
 def send_raw(kafka: KafkaSettings, topic: str, key: bytes | None, value: bytes) -> None:

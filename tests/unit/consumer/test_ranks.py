@@ -1,16 +1,19 @@
 """consumer/ranks.py without torch.distributed: what rank 0 sends, in which
-order, and what a follower does with it (the wire is replaced by a list)."""
+order, and what a follower does with it (the channel is replaced by lists)."""
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
 
 from common.config import ConsumerSettings
-from common.errors import RankProtocolError
+from common.errors import CheckpointError, RankProtocolError
 from consumer import ranks
 from consumer.checkpoint import CheckpointState
-from consumer.ranks import Follower, Leader, RankCommand
+from consumer.ranks import WIRE_CODES, Follower, Leader, RankCommand
+
+SHARDS = ["trainer-tp0-ep0.pt", "trainer-tp1-ep0.pt"]
 
 
 class FakeTrainer:
@@ -18,13 +21,19 @@ class FakeTrainer:
         self.cfg = ConsumerSettings(parallel=parallel)
         self.optimizer_state_sharded = optimizer_state_sharded
         self.calls: list = []
+        self.weight = [1.0]  # a live tensor stand-in: training changes it in place
 
-    def build_batch(self, samples, group_size):
-        self.calls.append(("build_batch", samples, group_size))
-        return samples
+    def split_batch(self, samples, group_size):
+        self.calls.append(("split", samples, group_size))
+        return [f"share{d}:{samples}" for d in range(2)]
+
+    def batch_from_share(self, share):
+        self.calls.append(("batch_from_share", share))
+        return share
 
     def train_step(self, gb):
         self.calls.append(("train_step", gb))
+        self.weight[0] += 1
         return {"loss": 0.0}
 
     def export_hf_state_dict(self):
@@ -32,112 +41,154 @@ class FakeTrainer:
         return {"w": 1}
 
     def state_dict(self):
-        return {"model": {}}
+        self.calls.append(("state_dict",))
+        return {"model": {"w": self.weight}}
 
 
 class FakeCheckpoints:
     def __init__(self):
         self.calls: list = []
-
-    def audit(self, entry):
-        self.calls.append(("audit", entry))
-
-    def save(self, st, state):
-        self.calls.append(("save", st.step))
+        self.gate = threading.Event()  # the background write waits on it
+        self.gate.set()
 
     def begin(self, step):
         self.calls.append(("begin", step))
         return Path(f"/tmp/stage-{step}")
 
+    def write_shard(self, tmp, name, state):
+        self.gate.wait(10)
+        self.calls.append(("shard", str(tmp), name, state))
+
+    def wait_for_shards(self, tmp, shards):
+        self.calls.append(("wait_for_shards", str(tmp), shards))
+
     def commit(self, tmp, st, shards):
         self.calls.append(("commit", str(tmp), st.step, shards))
 
 
+class FakeChannel:
+    """What rank 0 sends, and a script of what a follower receives."""
+
+    def __init__(self, script=()):
+        self.sent: list = []
+        self.script = list(script)
+
+    def send(self, code, text=""):
+        self.sent.append((list(RankCommand)[code].value, text))
+
+    def send_shares(self, shares):
+        self.sent.append(("shares", shares))
+
+    def receive(self):
+        cmd, text = self.script.pop(0)
+        return (WIRE_CODES[RankCommand(cmd)] if cmd in {c.value for c in RankCommand} else 99), text
+
+    def receive_share(self):
+        return self.script.pop(0)
+
+
 @pytest.fixture
-def wire(monkeypatch):
-    """Every object rank 0 broadcasts, and what followers receive (a script)."""
-    sent: list = []
-    script: list = []
-    monkeypatch.setattr(ranks, "broadcast", lambda obj=None: sent.append(obj) if obj is not None else script.pop(0))
-    monkeypatch.setattr(ranks, "write_shard", lambda trainer, ckpt, tmp: ckpt.calls.append(("shard", str(tmp)))
-                        or ["trainer-tp0-ep0.pt", "trainer-tp1-ep0.pt"])
-    return sent, script
+def layout(monkeypatch):
+    """checkpoint_shard without Megatron: rank 0 writes tp0's shard of a tp2 layout."""
+    monkeypatch.setattr(ranks, "checkpoint_shard", lambda: (SHARDS[0], True, SHARDS))
 
 
-def test_commands_go_on_the_wire_as_plain_tuples():
-    assert [c.value for c in RankCommand] == ["train", "checkpoint", "export", "stop"]
+def test_commands_have_fixed_wire_codes():
+    assert [c.value for c in RankCommand] == ["train", "checkpoint", "export", "stop", "resume"]
+    assert [WIRE_CODES[c] for c in RankCommand] == [0, 1, 2, 3, 4]
 
 
-def test_alone_the_leader_sends_nothing(wire, monkeypatch):
+def test_alone_the_leader_sends_nothing_and_checkpoints_itself(layout, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    sent, _ = wire
     trainer, ckpt = FakeTrainer(tensor=2), FakeCheckpoints()
     leader = Leader(trainer, ckpt, group_size=4)
     leader.train(["s"])
-    leader.checkpoint(CheckpointState(1, 1, {}), ["r1"])
+    leader.checkpoint(CheckpointState(1, 1, {}))
     leader.export()
     leader.stop()
-    assert sent == [] and not leader.sharded
-    assert ckpt.calls == [("audit", {"step": 1, "version": 1, "trained": ["r1"]}), ("save", 1)]
+    assert not leader.sharded and leader.channel is None
+    assert trainer.calls[:3] == [("split", ["s"], 4), ("batch_from_share", "share0:['s']"),
+                                 ("train_step", "share0:['s']")]
+    assert [c[0] for c in ckpt.calls] == ["begin", "shard", "wait_for_shards", "commit"]
 
 
-def test_sharded_leader_announces_every_collective(wire, monkeypatch):
+def test_sharded_leader_announces_every_collective_and_sends_each_rank_its_share(layout, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    sent, _ = wire
-    trainer, ckpt = FakeTrainer(tensor=2), FakeCheckpoints()
-    leader = Leader(trainer, ckpt, group_size=4)
+    trainer, ckpt, ch = FakeTrainer(tensor=2), FakeCheckpoints(), FakeChannel()
+    leader = Leader(trainer, ckpt, group_size=4, channel=ch)
     assert leader.sharded
     assert leader.train(["s1", "s2"]) == {"loss": 0.0}
-    leader.checkpoint(CheckpointState(3, 3, {0: 5}), ["r"])
+    leader.checkpoint(CheckpointState(3, 3, {0: 5}))
     assert leader.export() == {"w": 1}
     leader.stop()
-    assert sent == [("train", ["s1", "s2"]), ("checkpoint", "/tmp/stage-3"), ("export", None), ("stop", None)]
-    assert trainer.calls == [("build_batch", ["s1", "s2"], 4), ("train_step", ["s1", "s2"]), ("export",)]
-    # the audit line first, then stage -> every rank's shard -> commit
-    assert [c[0] for c in ckpt.calls] == ["audit", "begin", "shard", "commit"]
-    assert ckpt.calls[-1] == ("commit", "/tmp/stage-3", 3, ["trainer-tp0-ep0.pt", "trainer-tp1-ep0.pt"])
+    assert ch.sent == [("train", ""), ("shares", ["share0:['s1', 's2']", "share1:['s1', 's2']"]),
+                       ("checkpoint", "/tmp/stage-3"), ("export", ""), ("stop", "")]
+    # rank 0 trains on data-parallel share 0 only
+    assert ("batch_from_share", "share0:['s1', 's2']") in trainer.calls
+    # stage -> snapshot (every rank) -> this rank's shard -> every shard present -> commit
+    assert [c[0] for c in ckpt.calls] == ["begin", "shard", "wait_for_shards", "commit"]
+    assert ckpt.calls[-1] == ("commit", "/tmp/stage-3", 3, SHARDS)
 
 
-def test_data_parallel_only_leader_checkpoints_and_exports_alone(wire, monkeypatch):
+def test_data_parallel_only_leader_exports_alone_but_checkpoints_collectively(layout, monkeypatch):
+    """The distributed optimizer's state lives on every data-parallel rank."""
     monkeypatch.setenv("WORLD_SIZE", "4")
-    sent, _ = wire
+    trainer, ckpt, ch = FakeTrainer(), FakeCheckpoints(), FakeChannel()
+    leader = Leader(trainer, ckpt, group_size=4, channel=ch)
+    leader.train(["s"])
+    leader.checkpoint(CheckpointState(1, 1, {}))
+    leader.export()
+    leader.stop()
+    assert [m[0] for m in ch.sent] == ["train", "shares", "checkpoint", "stop"]
+
+
+def test_the_snapshot_is_taken_at_the_boundary_and_written_while_training_goes_on(layout, monkeypatch):
+    """The loop returns from checkpoint() before the write; the shard holds the
+    state of the step boundary, not what training made of it since; the next
+    checkpoint (and stop) waits for the write in flight."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
     trainer, ckpt = FakeTrainer(), FakeCheckpoints()
     leader = Leader(trainer, ckpt, group_size=4)
-    leader.train(["s"])
-    leader.checkpoint(CheckpointState(1, 1, {}), [])
-    leader.export()
-    assert sent == [("train", ["s"])] and ("save", 1) in ckpt.calls
+    ckpt.gate.clear()  # the write blocks
+    leader.checkpoint(CheckpointState(1, 1, {}))
+    assert leader.writes.busy and [c[0] for c in ckpt.calls] == ["begin"]
+    leader.train(["s"])  # the weight moves on: 1.0 -> 2.0
+    ckpt.gate.set()
+    leader.checkpoint(CheckpointState(2, 2, {}))  # waits for the first to commit
+    leader.stop()
+    shards = [c for c in ckpt.calls if c[0] == "shard"]
+    assert [s[3]["model"]["w"] for s in shards] == [[1.0], [2.0]]
+    assert [c[0] for c in ckpt.calls] == ["begin", "shard", "wait_for_shards", "commit"] * 2
 
 
-def test_distributed_optimizer_makes_the_checkpoint_collective_not_the_export(wire, monkeypatch):
-    """dp only, optimizer state sharded over the data-parallel ranks: every rank
-    gathers into the checkpoint; rank 0 still exports alone (whole weights)."""
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    sent, _ = wire
-    trainer, ckpt = FakeTrainer(optimizer_state_sharded=True), FakeCheckpoints()
+def test_a_failed_background_write_surfaces_at_the_next_checkpoint(layout, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    trainer, ckpt = FakeTrainer(), FakeCheckpoints()
+
+    def broken(*_):
+        raise OSError("disk full")
+    ckpt.write_shard = broken
     leader = Leader(trainer, ckpt, group_size=4)
-    leader.checkpoint(CheckpointState(2, 2, {}), [])
-    leader.export()
-    assert sent == [("checkpoint", "/tmp/stage-2")]
-    assert [c[0] for c in ckpt.calls] == ["audit", "begin", "shard", "commit"]
+    leader.checkpoint(CheckpointState(1, 1, {}))
+    with pytest.raises(CheckpointError, match="disk full"):
+        leader.checkpoint(CheckpointState(2, 2, {}))
 
 
-def test_follower_does_what_rank_0_sends_in_order_until_stop(wire, monkeypatch):
+def test_follower_does_what_rank_0_sends_in_order_until_stop(layout, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
-    _, script = wire
-    script += [("train", ["a"]), ("checkpoint", "/tmp/stage-1"), ("export", None), ("train", ["b"]), ("stop", None)]
+    ch = FakeChannel([("train", ""), "share-a", ("checkpoint", "/tmp/stage-1"), ("export", ""),
+                      ("train", ""), "share-b", ("stop", "")])
     trainer, ckpt = FakeTrainer(tensor=2), FakeCheckpoints()
-    assert Follower(trainer, ckpt, group_size=2).run() == 0
-    assert trainer.calls == [("build_batch", ["a"], 2), ("train_step", ["a"]), ("export",),
-                             ("build_batch", ["b"], 2), ("train_step", ["b"])]
-    assert ckpt.calls == [("shard", "/tmp/stage-1")]
-    assert script == []
+    assert Follower(trainer, ckpt, ch).run() == 0
+    assert trainer.calls == [("batch_from_share", "share-a"), ("train_step", "share-a"), ("state_dict",),
+                             ("export",), ("batch_from_share", "share-b"), ("train_step", "share-b")]
+    assert [c[:3] for c in ckpt.calls] == [("shard", "/tmp/stage-1", SHARDS[0])]
+    assert ch.script == []
 
 
-def test_follower_refuses_a_command_it_does_not_know(wire, monkeypatch):
+@pytest.mark.parametrize("cmd", ["reload", "resume"])
+def test_follower_refuses_a_command_it_does_not_expect(layout, monkeypatch, cmd):
     monkeypatch.setenv("RANK", "1")
-    _, script = wire
-    script += [("reload", None)]
-    with pytest.raises(RankProtocolError, match="reload"):
-        Follower(FakeTrainer(), FakeCheckpoints(), group_size=2).run()
+    with pytest.raises(RankProtocolError, match="unexpected command"):
+        Follower(FakeTrainer(), FakeCheckpoints(), FakeChannel([(cmd, "")])).run()

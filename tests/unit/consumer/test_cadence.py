@@ -1,0 +1,78 @@
+"""consumer/cadence.py: when a checkpoint is due, the snapshot, one write in flight."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from common.config import CheckpointSettings, ConsumerSettings, load_config
+from common.errors import CheckpointError, ConfigError
+from consumer.cadence import BackgroundWrite, Cadence, host_copy
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_due_every_n_steps_or_after_t_seconds_whichever_first():
+    clock = Clock()
+    c = Cadence(CheckpointSettings(every_steps=3, every_seconds=60), step=0, clock=clock)
+    assert [c.due(s) for s in (0, 1, 2)] == [False, False, False]
+    assert c.due(3)
+    c.done(3)
+    clock.t += 61  # the time trigger: one step later
+    assert c.due(4)
+    c.done(4)
+    clock.t += 61
+    assert not c.due(4), "nothing trained since the last checkpoint: never due"
+    assert not c.dirty(4) and c.dirty(5)
+
+
+def test_a_trigger_at_zero_is_off_and_both_off_is_refused():
+    clock = Clock()
+    steps_only = Cadence(CheckpointSettings(every_steps=2, every_seconds=0), clock=clock)
+    clock.t += 1e6
+    assert not steps_only.due(1) and steps_only.due(2)
+    time_only = Cadence(CheckpointSettings(every_steps=0, every_seconds=5), clock=clock)
+    assert not time_only.due(100)
+    clock.t += 5
+    assert time_only.due(1)
+    with pytest.raises(ConfigError, match="consumer.checkpoint"):
+        load_config(None, ["consumer.checkpoint.every_steps=0", "consumer.checkpoint.every_seconds=0"])
+
+
+def test_defaults_checkpoint_every_ten_steps_or_ten_minutes():
+    c = ConsumerSettings().checkpoint
+    assert (c.every_steps, c.every_seconds) == (10, 600.0)
+
+
+def test_host_copy_owns_its_memory():
+    w = torch.ones(3)
+    state = {"model": {"w": w}, "optimizer": {"state": {0: {"exp_avg": w * 2}}, "groups": [1, (2, 3)]}, "step": 4}
+    snap = host_copy(state)
+    w.add_(1)
+    assert snap["model"]["w"].tolist() == [1.0, 1.0, 1.0]
+    assert snap["model"]["w"].data_ptr() != w.data_ptr()
+    assert snap["optimizer"]["groups"] == [1, (2, 3)] and snap["step"] == 4
+
+
+def test_one_write_in_flight_and_its_error_surfaces_at_wait():
+    writes, gate, order = BackgroundWrite(), threading.Event(), []
+    writes.start(lambda: (gate.wait(10), order.append("first")))
+    assert writes.busy
+    gate.set()
+    writes.start(lambda: order.append("second"))  # waits for the first
+    writes.wait()
+    assert order == ["first", "second"] and not writes.busy
+
+    def fail():
+        raise OSError("no space left")
+    writes.start(fail)
+    with pytest.raises(CheckpointError, match="no space left"):
+        writes.wait()
+    writes.wait()  # reported once
