@@ -16,8 +16,9 @@ The four tensors:
                       num_responses, num_tokens, rows, slice_positions (dp x rows)]
                       then per sample [P, T, routing rows (-1: none)]
     tokens   int32   prompt then response ids of each sample, concatenated
-    floats   float32 advantages, sample weights, rewards of this share's samples,
-                     then the global batch's rewards, then each sample's log-probs
+    floats   float32 advantages, sample weights, rewards and sampling temperatures
+                     of this share's samples, then the global batch's rewards, then
+                     each sample's log-probs
     routing  uint8: the raw bytes of each sample's [rows, layers, top_k] routing
              in the records' type (uint8 up to 256 experts, else uint16),
              concatenated; empty without routing
@@ -37,7 +38,7 @@ import torch
 from common.errors import RankProtocolError
 from consumer.batch import BatchShare, MiniBatchShare, TrainSample
 
-MAGIC = 0x524C5331  # "RLS1": a header from another rlstream version is refused
+MAGIC = 0x524C5332  # "RLS2": a header from another rlstream version is refused
 ROUTING_TYPES = (None, np.uint8, np.uint16, np.int32, np.int64)
 """Routing element types by wire code (append only); int64 for samples that disagree."""
 _FIXED = 10  # header fields before the first mini-batch
@@ -99,7 +100,7 @@ def pack(share: BatchShare) -> PackedShare:
                    -1 if s.routed_experts is None else s.routed_experts.shape[0]]
     floats = [m.advantages for m in share.minibatches] + [
         np.array([s.sample_weight for s in samples]), np.array([s.reward for s in samples]),
-        share.rewards] + [s.logprobs for s in samples]
+        np.array([s.temperature for s in samples]), share.rewards] + [s.logprobs for s in samples]
     tokens = [a for s in samples for a in (s.prompt_ids, s.response_ids)]
     routing = [s.routed_experts.reshape(-1) for s in samples if s.routed_experts is not None]
     return PackedShare(torch.tensor(header, dtype=torch.int64), _flat(tokens, np.int32),
@@ -143,7 +144,8 @@ def unpack(tensors: list[torch.Tensor]) -> BatchShare:
         heads.append((n, responses, mb_tokens, header.take(dp * rows).reshape(dp, rows)))
     n_all = sum(h[0] for h in heads)
     adv = [floats.take(h[0]) for h in heads]
-    weights, rewards, batch_rewards = floats.take(n_all), floats.take(n_all), floats.take(n_rewards)
+    weights, rewards, temps = floats.take(n_all), floats.take(n_all), floats.take(n_all)
+    batch_rewards = floats.take(n_rewards)
     samples = []
     for i in range(n_all):
         p, t, r_rows = header.take(3).tolist()
@@ -151,7 +153,8 @@ def unpack(tensors: list[torch.Tensor]) -> BatchShare:
         r = None if r_rows < 0 else routing.take(r_rows * layers * k).reshape(r_rows, layers, k)
         samples.append(TrainSample(prompt_ids=ids[:p], response_ids=ids[p:], logprobs=floats.take(t),
                                    reward=float(rewards[i]), group_id="", routed_experts=r,
-                                   sample_weight=float(weights[i]), from_record=True))
+                                   sample_weight=float(weights[i]), temperature=float(temps[i]),
+                                   from_record=True))
     minibatches, at = [], 0
     for (n, responses, mb_tokens, positions), a in zip(heads, adv):
         minibatches.append(MiniBatchShare(samples[at:at + n], a, responses, mb_tokens, positions))

@@ -28,7 +28,8 @@ def samples(n_groups: int, g: int, seed: int, routing=np.uint8, scope="mixed", l
                                                           (rows, layers, k)).astype(routing)
             out.append(TrainSample(prompt, rng.integers(0, 1000, t).astype(np.int32),
                                    -rng.random(t).astype(np.float32), float(rng.integers(0, 2)) + 0.1 * i,
-                                   f"g{gi}", r, float(rng.uniform(0.2, 1.0))))
+                                   f"g{gi}", r, float(rng.uniform(0.2, 1.0)),
+                                   temperature=float(rng.choice([0.7, 1.0, 1.3]))))
     return out
 
 
@@ -38,12 +39,12 @@ def assert_same_batch(a, b):
     assert len(a.minibatches) == len(b.minibatches)
     for x, y in zip(a.minibatches, b.minibatches):
         for f in ("tokens", "loss_mask", "input_mask", "rollout_logprobs", "advantages", "sample_weight",
-                  "routing", "routing_mask"):
+                  "routing", "routing_mask", "temperature"):
             u, v = getattr(x, f), getattr(y, f)
             assert (u is None) == (v is None), f
             if u is not None:
                 assert u.dtype == v.dtype and torch.equal(u, v), f
-        assert (x.num_responses, x.num_tokens) == (y.num_responses, y.num_tokens)
+        assert (x.num_responses, x.num_tokens, x.plan) == (y.num_responses, y.num_tokens, y.plan)
 
 
 @pytest.mark.parametrize("routing", [np.uint8, np.uint16, None])
@@ -55,8 +56,10 @@ def test_a_received_share_builds_what_build_global_batch_builds(routing, dp, n_m
         wire = [t.clone() for t in pack(share).tensors]  # what the receiving rank holds
         received = unpack(wire)
         assert received.dp_rank == rank
-        got = batch_from_share(received, pad_id=0)
-        want = build_global_batch(batch, 4, n_mb, "mean_std", pad_id=0, dp_rank=rank, dp_size=dp)
+        got = batch_from_share(received, pad_id=0, micro_batch_tokens=24)
+        want = build_global_batch(batch, 4, n_mb, "mean_std", pad_id=0, dp_rank=rank, dp_size=dp,
+                                  micro_batch_tokens=24)
+        assert any(len(mb.plan) > 1 for mb in got.minibatches)  # several micro-batches planned
         assert_same_batch(got, want)
 
 
