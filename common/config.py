@@ -458,6 +458,11 @@ class ParallelSettings(_Section):
     the expert FFN width and the vocabulary)."""
     expert: int = Field(1, ge=1)
     """Expert-parallel size (must divide the number of experts and the data-parallel size)."""
+    world_size: int | None = Field(None, ge=1, le=65536)
+    """The number of trainer processes this file is written for (nodes x GPUs per node);
+    None: not declared. When set, the layout must fit it (checked without a launcher, e.g.
+    `--dry-run` on a laptop), torchrun's WORLD_SIZE must equal it, and the memory check
+    (consumer/memory_budget.py) uses it."""
 
     @field_validator("tensor")
     @classmethod
@@ -475,6 +480,19 @@ class ParallelSettings(_Section):
         if world and tensor and world % tensor == 0 and (world // tensor) % v:
             raise ValueError(f"expert={v} must divide the data-parallel size "
                              f"world/tensor = {world}/{tensor} = {world // tensor}")
+        return v
+
+    @field_validator("world_size")
+    @classmethod
+    def _declared_world(cls, v: int | None, info: ValidationInfo) -> int | None:
+        launched = (info.context or {}).get("world_size")
+        if v is not None and launched and launched != v:
+            raise ValueError(f"the file is written for {v} ranks but torchrun's WORLD_SIZE is {launched}: "
+                             "launch that many (--nnodes x --nproc_per_node) or change world_size")
+        tensor, expert = info.data.get("tensor"), info.data.get("expert")
+        if v is not None and tensor and expert and (v % tensor or (v // tensor) % expert):
+            raise ValueError(f"tensor={tensor}, expert={expert} does not fit {v} ranks: world_size must be "
+                             "a multiple of tensor, and expert must divide world_size / tensor")
         return v
 
     def data_parallel(self, world_size: int) -> int:
@@ -509,6 +527,11 @@ class TrainerMemorySettings(_Section):
     sdpa: torch scaled_dot_product_attention (flash/memory-efficient kernels, no [S, S]
     scores); local: Megatron's unfused DotProductAttention ([heads, S, S] scores, an
     explicit mask). auto: te when Transformer Engine imports, else sdpa."""
+    device_memory_gb: float | None = Field(None, gt=0, le=4096)
+    """Memory of one trainer GPU in GB (1e9 bytes), e.g. 80 for an H100. With
+    consumer.parallel.world_size set, `--dry-run` prints the per-GPU estimate of
+    docs/trainer-scale.md (static + activations, consumer/memory_budget.py) and the
+    consumer refuses to start a layout that cannot fit. None: no check."""
 class CheckpointSettings(_Section):
     """When the consumer checkpoints (consumer/cadence.py, docs/consumer.md). After a
     step, a checkpoint is due once `every_steps` steps or `every_seconds` seconds

@@ -30,6 +30,7 @@ steps; `version` >= `step`.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
 import uuid
@@ -251,6 +252,12 @@ class ConsumerService:
 
 def main(cfg: RlstreamConfig) -> int:
     from common.kafka.broker import run_with_broker
+    from consumer.memory_budget import check_config
+
+    memory = check_config(cfg, os.environ)  # before any rank loads 60 GB of weights
+    if memory is not None:
+        log.info("%s", memory.report().lstrip("# "))
+        memory.refuse()
 
     if launch_rank() != 0:  # followers: the trainer, no Kafka (consumer/ranks.py)
         from consumer.ranks import run_follower

@@ -99,6 +99,18 @@ def _configure_logging(level: str) -> None:
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
 
 
+def _print_memory_check(cfg: RlstreamConfig) -> None:
+    """The per-GPU memory estimate of consumer/memory_budget.py, as a YAML comment
+    (nothing when consumer.memory.device_memory_gb is unset); a layout that cannot fit
+    is refused here as at start (ConfigError)."""
+    from consumer.memory_budget import check_config
+
+    check = check_config(cfg, os.environ)
+    if check is not None:
+        print(check.report())
+        check.refuse()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -109,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_ctl(args.action, args.key, args.value, cfg.cli.admin_url, cfg.cli.admin_token)
         if getattr(args, "dry_run", False):
             print(dump_config(cfg), end="")
+            if args.command == "consumer":
+                _print_memory_check(cfg)
             return 0
         if args.command == "experiment":
             from common.harness.experiments import run_experiment

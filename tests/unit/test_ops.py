@@ -233,6 +233,7 @@ def test_k8s_consumer_runs_torchrun_with_a_layout_that_fits(tmp_path):
     assert master == f"{cons['metadata']['name']}-{rjob['name']}-0-0.{cons['spec']['network']['subdomain']}"
     cfg = _configmap_config(tmp_path, world_size=nodes * per_node)
     assert cfg.consumer.dtype == "bfloat16"
+    assert cfg.consumer.parallel.world_size == nodes * per_node  # what the memory check assumes
     with pytest.raises(ConfigError, match="consumer.parallel"):
         _configmap_config(tmp_path, world_size=per_node // 2)  # the same layout on too few ranks is refused
 

@@ -1,0 +1,232 @@
+"""Will the trainer's layout fit the GPU? The arithmetic of docs/trainer-scale.md
+("Static memory per GPU", "Activations per micro-batch"), as code.
+
+    est = estimate(dims, MemoryPlan(world_size=32, tp=1, ep=8, ...))
+    est.total_gb, est.fits(80.0)                    # 59.4, True for Qwen3-30B-A3B
+    check = check_config(cfg, os.environ)            # from the settings and model.path
+    print(check.report())                            # --dry-run; check.refuse() at start
+
+Parameters (an HF Qwen3-MoE config.json, consumer/model.py `HFModelDims`):
+dense D = embeddings (x2 untied) + per layer attention, norms, router + final norm;
+experts X = L * E * 3 H F (SwiGLU gate, up, down).
+
+Static bytes per GPU: a bf16 parameter 2 + its fp32 gradient buffer 4 + fp32
+master, m, v 12 (fp32 training: parameter 4 + gradient 4 + m, v 8; sgd: no
+moments). The distributed optimizer (adamw only) divides the optimizer part by
+the data-parallel size of the parameter's group, dp = world / tp for dense and
+expert-dp = dp / ep for experts. Per rank D / tp dense and X / (ep tp) expert
+parameters (expert TP = tp, consumer/parallel.py):
+
+    static = D/tp (p + g + o/dp) + X/(ep tp) (p + g + o/(dp/ep))
+
+Activations of one micro-batch of T positions (T = the token budget, or the
+longest row, which is a micro-batch of its own), in the training dtype's 2 B
+(4 B for fp32), divided by tp (sequence parallelism):
+- recompute on: the saved layer inputs L H + one recomputed layer's working set;
+- recompute off: L layers' working sets;
+- the logits of one chunk of C positions: C V (2 + 4 + 4) B (bf16 logits, fp32,
+  fp32 gradient), C = the micro-batch when `logprob_chunk_tokens` is 0.
+A layer's working set per position (elements): qkv (Nq + 2 Nkv) hd, attention
+output Nq hd, K dispatched copies of the hidden state and K expert outputs 2 K H,
+SwiGLU gate, up, activation and product 4 K F, two norm outputs, the residual and
+the output projection 4 H. For Qwen3-30B-A3B that is 149.5 KB at 2 B, the doc's
+"~150 KB/position". These are estimates of the largest terms; what they leave out
+(CUDA context, allocator fragmentation, communication buffers) is why a layout
+within a few GB of the device's memory is "tight".
+
+GB here is 1e9 bytes, as in the doc. Pure arithmetic: no torch import, so
+`--dry-run` stays fast; reading config.json goes through consumer/model.py only
+when the file exists.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+from common.errors import ConfigError
+
+if TYPE_CHECKING:
+    from common.config import RlstreamConfig
+
+GB = 1e9
+LOGIT_BYTES = 2 + 4 + 4
+"""Per logit of a chunk: the bf16 output, its fp32 copy for the log-softmax, the fp32 gradient."""
+
+
+class ModelShape(Protocol):
+    """The fields of consumer/model.py `HFModelDims` this arithmetic reads."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    moe_ffn_hidden_size: int
+    num_experts: int
+    topk: int
+    tie_word_embeddings: bool
+
+
+def parameter_counts(d: ModelShape) -> tuple[int, int]:
+    """(dense D, experts X) parameters of a Qwen3-MoE model."""
+    h, q, kv = d.hidden_size, d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
+    attention = 2 * h * q + 2 * h * kv                  # q and o; k and v
+    norms = 2 * h + 2 * d.head_dim                      # input and post-attention; q and k norms
+    router = d.num_experts * h
+    embeddings = d.vocab_size * h * (1 if d.tie_word_embeddings else 2)
+    dense = embeddings + d.num_layers * (attention + norms + router) + h  # + final norm
+    experts = d.num_layers * d.num_experts * 3 * h * d.moe_ffn_hidden_size
+    return dense, experts
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The settings the estimate depends on (consumer.parallel, .optimizer, .memory, .dtype)."""
+
+    world_size: int
+    tp: int = 1
+    ep: int = 1
+    dtype: str = "bfloat16"
+    optimizer: str = "adamw"
+    distributed: bool = True
+    tokens: int = 16384
+    """Positions of the largest micro-batch (the token budget or the longest row)."""
+    logprob_chunk_tokens: int = 2048
+    recompute: bool = False
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // self.tp
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Per-GPU bytes of one trainer rank, by part."""
+
+    dense_bytes: float
+    expert_bytes: float
+    activation_bytes: float
+
+    @property
+    def static_bytes(self) -> float:
+        return self.dense_bytes + self.expert_bytes
+
+    @property
+    def total_gb(self) -> float:
+        return (self.static_bytes + self.activation_bytes) / GB
+
+    def fits(self, device_gb: float) -> bool:
+        return self.total_gb <= device_gb
+
+    def summary(self) -> str:
+        return (f"dense {self.dense_bytes / GB:.1f} + experts {self.expert_bytes / GB:.1f} = static "
+                f"{self.static_bytes / GB:.1f} GB, activations {self.activation_bytes / GB:.1f} GB, "
+                f"total {self.total_gb:.1f} GB per GPU")
+
+
+def _bytes_per_parameter(plan: MemoryPlan, group_dp: int) -> float:
+    """Parameter + gradient buffer + optimizer state (sharded over `group_dp` when distributed)."""
+    bf16 = plan.dtype == "bfloat16"
+    param, grad = (2 if bf16 else 4), 4
+    optim = (4 if bf16 else 0) + (8 if plan.optimizer == "adamw" else 0)  # master; m and v
+    sharded = plan.distributed and plan.optimizer == "adamw"
+    return param + grad + (optim / group_dp if sharded else optim)
+
+
+def layer_working_elements(d: ModelShape) -> int:
+    """Elements per position one layer holds for its backward (module docstring)."""
+    h, k = d.hidden_size, d.topk
+    return ((d.num_heads + 2 * d.num_kv_heads) * d.head_dim + d.num_heads * d.head_dim
+            + 2 * k * h + 4 * k * d.moe_ffn_hidden_size + 4 * h)
+
+
+def activation_bytes(d: ModelShape, plan: MemoryPlan) -> float:
+    """Activations of one micro-batch of `plan.tokens` positions on one rank."""
+    width = 2 if plan.dtype == "bfloat16" else 4
+    layer = layer_working_elements(d) * width
+    per_position = (d.num_layers * d.hidden_size * width + layer if plan.recompute
+                    else d.num_layers * layer)
+    chunk = plan.logprob_chunk_tokens or plan.tokens
+    logits = min(chunk, plan.tokens) * d.vocab_size * LOGIT_BYTES
+    return (plan.tokens * per_position + logits) / plan.tp
+
+
+def estimate(d: ModelShape, plan: MemoryPlan) -> MemoryEstimate:
+    """Static and activation bytes per GPU of `plan` for model `d`."""
+    dense, experts = parameter_counts(d)
+    expert_dp = max(plan.dp // plan.ep, 1)
+    return MemoryEstimate(
+        dense_bytes=dense / plan.tp * _bytes_per_parameter(plan, plan.dp),
+        expert_bytes=experts / (plan.ep * plan.tp) * _bytes_per_parameter(plan, expert_dp),
+        activation_bytes=activation_bytes(d, plan))
+
+
+# ---------------------------------------------------------------- from the settings
+
+
+@dataclass(frozen=True)
+class MemoryCheck:
+    """The check of one config: an estimate against the device, or why it was skipped."""
+
+    device_gb: float | None
+    plan: MemoryPlan | None = None
+    result: MemoryEstimate | None = None
+    skipped: str | None = None
+
+    @property
+    def fits(self) -> bool:
+        return self.result is None or self.result.fits(self.device_gb)
+
+    def report(self) -> str:
+        """One line for `--dry-run` (a YAML comment: the dry-run output stays YAML)."""
+        if self.result is None:
+            return f"# memory check skipped: {self.skipped}"
+        p, verdict = self.plan, "fits" if self.fits else "DOES NOT FIT"
+        return (f"# memory check (docs/trainer-scale.md): {p.world_size} ranks, tp {p.tp}, ep {p.ep}, "
+                f"dp {p.dp}: {self.result.summary()}; {verdict} {self.device_gb:g} GB")
+
+    def refuse(self) -> None:
+        """Raise ConfigError with the numbers and what to change when the layout cannot fit."""
+        if self.fits:
+            return
+        raise ConfigError(
+            f"the trainer needs ~{self.result.total_gb:.1f} GB per GPU ({self.result.summary()}) "
+            f"but consumer.memory.device_memory_gb is {self.device_gb:g}: add ranks (world_size, so "
+            "the distributed optimizer shards more), raise consumer.parallel.expert or tensor, turn "
+            "on consumer.memory.recompute, or lower micro_batch_tokens / logprob_chunk_tokens "
+            "(docs/trainer-scale.md)", key="consumer.memory.device_memory_gb")
+
+
+def plan_of(cfg: "RlstreamConfig", world_size: int) -> MemoryPlan:
+    """The MemoryPlan of `cfg` on `world_size` ranks. The longest row is bounded by the
+    producers' max_model_len (prompt + response); a longer row than the budget is alone."""
+    c = cfg.consumer
+    return MemoryPlan(
+        world_size=world_size, tp=c.parallel.tensor, ep=c.parallel.expert, dtype=c.dtype,
+        optimizer=c.optimizer.name, distributed=c.optimizer.distributed,
+        tokens=max(c.memory.micro_batch_tokens, cfg.producer.engine.max_model_len),
+        logprob_chunk_tokens=c.memory.logprob_chunk_tokens, recompute=c.memory.recompute)
+
+
+def check_config(cfg: "RlstreamConfig", environ: Mapping[str, str] | None = None) -> MemoryCheck | None:
+    """The memory check of `cfg` (None when consumer.memory.device_memory_gb is unset), on
+    torchrun's WORLD_SIZE in `environ` when set, else consumer.parallel.world_size (load_config
+    already refused the two when they differ)."""
+    device = cfg.consumer.memory.device_memory_gb
+    if device is None:
+        return None
+    launched = (environ or {}).get("WORLD_SIZE", "")
+    world = int(launched) if launched.isdigit() and int(launched) > 0 else cfg.consumer.parallel.world_size
+    if world is None:
+        return MemoryCheck(device, skipped="consumer.parallel.world_size is not set (nor WORLD_SIZE)")
+    config_json = Path(cfg.model.path) / "config.json"
+    if not config_json.is_file():
+        return MemoryCheck(device, skipped=f"{config_json} is not readable here (the model's dims "
+                                           "come from it; run --dry-run where the model is mounted)")
+    from consumer.model import read_hf_dims  # torch: only where the model is
+
+    plan = plan_of(cfg, world)
+    return MemoryCheck(device, plan, estimate(read_hf_dims(cfg.model.path), plan))

@@ -1,0 +1,156 @@
+"""consumer/memory_budget.py: the arithmetic of docs/trainer-scale.md ("Static memory
+per GPU", "Activations per micro-batch") on Qwen3-30B-A3B's published architecture
+(tests/fixtures/models/qwen3-30b-a3b/config.json, written from the numbers in the doc:
+nothing downloaded), the two settings that drive it, and every shipped GPU config
+against its declared device memory."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from common.config import load_config
+from common.errors import ConfigError
+from consumer.memory_budget import (GB, MemoryPlan, check_config, estimate, layer_working_elements,
+                                    parameter_counts)
+from consumer.model import HFModelDims
+
+ROOT = Path(__file__).resolve().parents[3]
+QWEN3_30B = ROOT / "tests" / "fixtures" / "models" / "qwen3-30b-a3b"
+GPU_CONFIGS = sorted((ROOT / "configs").glob("qwen3-30b-a3b-*.yaml"))
+SECRETS = {"RLSTREAM__KAFKA__SASL_PLAIN_PASSWORD": "x"}  # the configmap's SASL password comes from a Secret
+
+
+def qwen3_30b() -> HFModelDims:
+    return HFModelDims.from_hf_config(json.loads((QWEN3_30B / "config.json").read_text()))
+
+
+def configmap_file(tmp_path: Path) -> Path:
+    docs = yaml.safe_load_all((ROOT / "ops" / "k8s" / "configmap.yaml").read_text())
+    (cm,) = [d for d in docs if d and d["kind"] == "ConfigMap" and d["metadata"]["name"] == "rlstream-config"]
+    f = tmp_path / "rlstream.yaml"
+    f.write_text(cm["data"]["rlstream.yaml"])
+    return f
+
+
+def test_parameter_counts_match_the_doc():
+    dense, experts = parameter_counts(qwen3_30b())
+    assert round(dense / 1e9, 3) == 1.541 and round(experts / 1e9, 2) == 28.99
+    assert round((dense + experts) / 1e9, 2) == 30.53
+
+
+@pytest.mark.parametrize("world,ep,distributed,dense_gb,experts_gb,static_gb", [
+    (8, 8, True, 11.6, 65.2, 76.8),
+    (16, 8, True, 10.4, 43.5, 53.9),
+    (32, 8, True, 9.8, 32.6, 42.4),
+    (32, 16, True, 9.8, 21.7, 31.6),
+    (8, 8, False, None, None, 93.0),     # "any, no distributed optimizer (18 B/param), ep 8"
+    (32, 8, False, None, None, 93.0),
+])
+def test_static_memory_reproduces_the_doc_table(world, ep, distributed, dense_gb, experts_gb, static_gb):
+    est = estimate(qwen3_30b(), MemoryPlan(world_size=world, ep=ep, distributed=distributed))
+    assert round(est.static_bytes / GB, 1) == static_gb
+    if dense_gb is not None:
+        assert (round(est.dense_bytes / GB, 1), round(est.expert_bytes / GB, 1)) == (dense_gb, experts_gb)
+
+
+def test_activations_reproduce_the_doc():
+    """One 40,960-position micro-batch with recompute: 8.1 GB of saved layer inputs, a
+    recomputed layer of ~150 KB/position (~6 GB), a 3.1 GB logits chunk: about 17 GB;
+    without recompute ~300 GB (a layer keeps ~150-180 KB/position x 48 layers)."""
+    d = qwen3_30b()
+    assert abs(layer_working_elements(d) * 2 / 1e3 - 150) < 1.5
+    plan = MemoryPlan(world_size=32, ep=8, tokens=40960, logprob_chunk_tokens=2048, recompute=True)
+    act = estimate(d, plan).activation_bytes / GB
+    assert 16.5 < act < 17.5
+    per_layer_off = estimate(d, MemoryPlan(world_size=32, ep=8, tokens=1, logprob_chunk_tokens=1))
+    assert 7.0e6 <= (per_layer_off.activation_bytes - d.vocab_size * 10) <= 8.6e6  # ~7-8.6 MB/position
+    no_recompute = estimate(d, MemoryPlan(world_size=32, ep=8, tokens=40960, recompute=False))
+    assert 280 < no_recompute.activation_bytes / GB < 320
+    whole = estimate(d, MemoryPlan(world_size=32, ep=8, tokens=40960, logprob_chunk_tokens=0, recompute=True))
+    assert whole.activation_bytes - estimate(d, plan).activation_bytes == pytest.approx(
+        (40960 - 2048) * d.vocab_size * 10)
+
+
+@pytest.mark.parametrize("world,total_gb,fits", [(16, 71, True), (32, 60, True), (8, 94, False)])
+def test_totals_match_the_doc_verdicts(world, total_gb, fits):
+    est = estimate(qwen3_30b(), MemoryPlan(world_size=world, ep=8, tokens=40960, recompute=True))
+    assert abs(est.total_gb - total_gb) < 1 and est.fits(80.0) is fits
+
+
+@pytest.mark.parametrize("path", GPU_CONFIGS + ["ops/k8s/configmap.yaml"], ids=lambda p: Path(p).name)
+def test_every_shipped_gpu_config_fits_its_declared_memory(path, tmp_path):
+    f = configmap_file(tmp_path) if str(path).endswith("configmap.yaml") else path
+    cfg = load_config(f, [f"model.path={QWEN3_30B}"], environ=SECRETS)
+    assert cfg.consumer.parallel.world_size and cfg.consumer.memory.device_memory_gb
+    check = check_config(cfg, {})
+    assert check.skipped is None and check.plan.world_size == cfg.consumer.parallel.world_size
+    assert check.fits, check.report()
+    check.refuse()  # no error
+    assert "fits 80 GB" in check.report()
+
+
+@pytest.mark.parametrize("path", GPU_CONFIGS, ids=lambda p: p.name)
+def test_the_recipes_refuse_eight_gpus(path):
+    """The negative control: the same files on one node of 8 GPUs cannot fit (76.8 GB static)."""
+    cfg = load_config(path, [f"model.path={QWEN3_30B}", "consumer.parallel.world_size=8"], environ={})
+    check = check_config(cfg, {})
+    assert not check.fits and "DOES NOT FIT" in check.report()
+    with pytest.raises(ConfigError, match=r"~94\.\d GB per GPU .* static 76\.8 GB.*add ranks") as e:
+        check.refuse()
+    assert e.value.key == "consumer.memory.device_memory_gb"
+
+
+def test_the_launched_world_size_wins_and_the_check_is_optional():
+    path = GPU_CONFIGS[0]
+    cfg = load_config(path, [f"model.path={QWEN3_30B}", "consumer.parallel.world_size=8"], environ={})
+    assert check_config(cfg, {"WORLD_SIZE": "32"}).fits
+    assert check_config(load_config(path, ["consumer.memory.device_memory_gb=null"], environ={}), {}) is None
+    assert "world_size is not set" in check_config(
+        load_config(path, ["consumer.parallel.world_size=null"], environ={}), {}).skipped
+    skipped = check_config(load_config(path, ["model.path=/nonexistent/model"], environ={}), {})
+    assert skipped.fits and "/nonexistent/model/config.json is not readable" in skipped.report()
+
+
+def test_declared_world_size_is_checked_against_torchrun_and_the_layout():
+    cfg = load_config(None, ["consumer.parallel.expert=8", "consumer.parallel.world_size=16"],
+                      environ={"WORLD_SIZE": "16"})
+    assert cfg.consumer.parallel.data_parallel(16) == 16
+    with pytest.raises(ConfigError, match="written for 16 ranks but torchrun's WORLD_SIZE is 32") as e:
+        load_config(None, ["consumer.parallel.world_size=16"], environ={"WORLD_SIZE": "32"})
+    assert e.value.key == "consumer.parallel.world_size"
+    with pytest.raises(ConfigError, match="expert=8 does not fit 12 ranks") as e:
+        load_config(None, ["consumer.parallel.expert=8", "consumer.parallel.world_size=12"], environ={})
+    assert e.value.key == "consumer.parallel.world_size"
+    with pytest.raises(ConfigError, match="written for 16 ranks"):  # the loader's own check, WORLD_SIZE known late
+        cfg.consumer.parallel.data_parallel(8)
+    for bad in ("consumer.parallel.world_size=0", "consumer.memory.device_memory_gb=0"):
+        with pytest.raises(ConfigError) as e:
+            load_config(None, [bad], environ={})
+        assert e.value.key == bad.split("=")[0]
+
+
+def _dry_run(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RLSTREAM") and k != "WORLD_SIZE"}
+    env["PYTHONPATH"] = str(ROOT)
+    return subprocess.run([sys.executable, "-m", "common.app.cli", "consumer", "--dry-run", *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+
+
+def test_dry_run_prints_the_estimate_skips_without_the_model_and_refuses_a_misfit():
+    path = str(GPU_CONFIGS[0])
+    ok = _dry_run("-c", path, "--set", f"model.path={QWEN3_30B}")
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "# memory check (docs/trainer-scale.md): 32 ranks, tp 1, ep 8, dp 32" in ok.stdout
+    assert "static 42.4 GB" in ok.stdout and "fits 80 GB" in ok.stdout
+    yaml.safe_load(ok.stdout)  # still YAML: the estimate is a comment
+    absent = _dry_run("-c", path)  # /models/... is not on this machine (nor on CI)
+    assert absent.returncode == 0 and "# memory check skipped: /models/" in absent.stdout
+    misfit = _dry_run("-c", path, "--set", f"model.path={QWEN3_30B}", "--set", "consumer.parallel.world_size=8")
+    assert misfit.returncode == 2 and "consumer.memory.device_memory_gb" in misfit.stderr
+    assert "DOES NOT FIT 80 GB" in misfit.stdout
