@@ -308,6 +308,24 @@ class ReasoningGymPrompts(_Section):
 PromptSettings = Annotated[Union[JsonlPrompts, KafkaTopicPrompts, ReasoningGymPrompts], Field(discriminator="type")]
 
 
+class EpisodeSettings(_Section):
+    """Multi-turn episodes (docs/multi-turn.md, producer/episodes.py): each sample of a group
+    is an episode of model turns and environment turns. Absent: single-turn samples."""
+
+    env: Literal["calculator"] = "calculator"
+    """The environment (producer/envs/): calculator = the arithmetic task with a c(expr) tool."""
+    max_turns: int = Field(4, ge=1, le=256)
+    """Model turns per episode at most (then the episode ends, end reason max_turns)."""
+    max_turn_tokens: int = Field(16, ge=1)
+    """Tokens per model turn at most."""
+    max_episode_tokens: int = Field(64, ge=2)
+    """Response tokens (model and environment) per episode at most (end reason max_tokens)."""
+    step_timeout_s: float = Field(5.0, gt=0, le=3600)
+    """Seconds an environment reset or step may take; then the episode ends (step_timeout)."""
+    env_workers: int = Field(2, ge=1, le=256)
+    """Threads running environment steps (off the engine's thread)."""
+
+
 class ProducerSettings(_Section):
     producer_id: str | None = None
     """Defaults to hostname-pid."""
@@ -343,6 +361,8 @@ class ProducerSettings(_Section):
     run_file: str | None = None
     """JSON status file (pid, HTTP address; final counters at stop) for supervisors
     and tests (common/runfile.py). None: none is written."""
+    episodes: EpisodeSettings | None = None
+    """Multi-turn episodes with an environment (docs/multi-turn.md); None: single-turn."""
 
     @field_validator("top_p")
     @classmethod

@@ -1,4 +1,4 @@
-"""The rollout record, schema v1: one Kafka message per sample.
+"""The rollout record, schema v2 (v1 still read): one Kafka message per sample.
 
 Wire format: a msgpack map with string keys. Numeric arrays travel as raw
 little-endian buffers (msgpack `bin`) and decode zero-copy with
@@ -6,7 +6,7 @@ little-endian buffers (msgpack `bin`) and decode zero-copy with
 
 | key              | type                        | meaning                                         |
 |------------------|-----------------------------|-------------------------------------------------|
-| schema           | int (= 1)                   | schema version                                  |
+| schema           | int (1 or 2)                | schema version (2: `loss_mask` present)         |
 | rollout_id       | str, 1..256 chars           | unique id, for dedup                            |
 | group_id         | str, 1..256 chars           | all G samples of one prompt share it (Kafka key)|
 | sample_idx       | int in [0, group_size)      | index within the group                          |
@@ -16,10 +16,13 @@ little-endian buffers (msgpack `bin`) and decode zero-copy with
 | prompt_ids       | bin int32[P], 1 <= P        | prompt token ids, in [0, vocab)                 |
 | response_ids     | bin int32[T], 1 <= T        | sampled token ids, in [0, vocab)                |
 | prompt_text      | str (optional)              |                                                 |
-| logprobs         | bin float32[T]              | log mu_old of each sampled token (finite, <= 0) |
+| logprobs         | bin float32[T]              | log mu_old of each sampled token (finite, <= 0);|
+|                  |                             | v2: exactly 0 on environment tokens             |
+| loss_mask        | bin uint8[T] (v2, required) | 1 = model token, 0 = environment token; [0] = 1 |
 | temperature      | float > 0 (optional, 1.0)   | sampling temperature the log-probs were taken at|
 | policy_version   | int >= 0                    | version at dispatch                             |
 | token_versions   | bin int64[R,2] (optional)   | run-length (version, count); counts sum to T    |
+|                  |                             | (environment tokens included, see below)        |
 | routed_experts   | bin uint8/uint16 (optional) | top-k expert ids, shape `routing_shape`         |
 | routing_dtype    | "uint8" or "uint16"         | uint8 iff num_experts <= 256                    |
 | routing_shape    | [rows, layers, top_k]       | rows = P+T-1 (scope "full") or T ("response")   |
@@ -31,6 +34,20 @@ little-endian buffers (msgpack `bin`) and decode zero-copy with
 | sampling_digest  | str                         | digest of the sampling parameters               |
 | model_digest     | str                         | digest of the model files                       |
 
+Schema 2 (multi-turn, docs/multi-turn.md): the response is the model's and the
+environment's turns in order, `response_ids` = model turn 1, environment turn 1,
+model turn 2, ... `loss_mask` says which token is which (uint8 0/1, length T);
+the first response token is a model token (the prompt holds the first
+observation), so a response cannot start with, or be all, environment tokens;
+it may end with them. `logprobs` of environment tokens are exactly 0 (anything
+else is refused: they were not sampled). An environment token's version in
+`token_versions` is the producer's version when it was appended (it is never
+sampled; staleness ignores it). Routing is per input position as in v1 (rows
+P+T-1 or T), environment positions included. A record without environment
+tokens is written as schema 1 (byte-identical to v1 writers); a v1 record
+reads as an all-model mask (`loss_mask` None, `Rollout.model_mask` all True).
+A v1 record that carries `loss_mask` is refused (its sender meant v2).
+
 The routing keys (`routed_experts`, `routing_dtype`, `routing_shape`,
 `routing_scope`, `num_experts`) travel together or not at all. Keys are
 unique: a map (or nested map) that repeats a key is refused (msgpack would
@@ -41,11 +58,12 @@ top_k <= 64); a consumer adds its model's (vocabulary, layers, top_k, experts,
 P + T <= positions) and its group size (consumer/intake.py).
 
 A *claim-check pointer* replaces a record above the configured size: the map
-`{schema: 1, rollout_id, group_id, claim_check: {uri, sha256, bytes}}`; the blob
+`{schema: 1, rollout_id, group_id, claim_check: {uri, sha256, bytes}}` (schema 1 for
+records of either version; a reader also takes 2); the blob
 at `uri` holds the full encoded record (see common/kafka/claimcheck.py).
 
 Staleness of a sample = trainer version at the optimizer step - its oldest
-token version (`Rollout.oldest_version`).
+model token's version (`Rollout.oldest_version`).
 """
 from __future__ import annotations
 
@@ -60,11 +78,16 @@ import numpy as np
 
 from common.errors import InvalidRecordError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""The newest schema this module reads and writes (it writes 1 when a record has no
+environment tokens, so single-turn records stay readable by v1 readers)."""
+SCHEMA_VERSIONS = (1, 2)
+POINTER_SCHEMA = 1
 FINISH_REASONS = ("stop", "length", "abort")
 ROUTING_SCOPES = ("full", "response")
 _DTYPES = {"uint8": np.dtype("<u1"), "uint16": np.dtype("<u2")}
-_I32, _F32, _I64 = np.dtype("<i4"), np.dtype("<f4"), np.dtype("<i8")
+_I32, _F32, _I64, _U8 = np.dtype("<i4"), np.dtype("<f4"), np.dtype("<i8"), np.dtype("<u1")
+_BOOL = np.dtype(bool)
 
 
 @dataclass(frozen=True)
@@ -126,17 +149,36 @@ class Rollout:
     model_digest: str = ""
     temperature: float = 1.0
     """The sampling temperature: `logprobs` are log-probs of softmax(logits / temperature)."""
+    loss_mask: np.ndarray | None = None
+    """bool[T]: True on model tokens, False on environment tokens (schema 2);
+    None: every response token is the model's (schema 1, single-turn)."""
 
     @property
     def num_tokens(self) -> int:
         return int(self.response_ids.shape[0])
 
     @property
+    def model_mask(self) -> np.ndarray:
+        """bool[T], True on model tokens (all True for a single-turn record)."""
+        if self.loss_mask is None:
+            return np.ones(self.num_tokens, dtype=bool)
+        return self.loss_mask
+
+    @property
+    def num_model_tokens(self) -> int:
+        return self.num_tokens if self.loss_mask is None else int(self.loss_mask.sum())
+
+    @property
     def oldest_version(self) -> int:
-        """The oldest policy version any response token was sampled with."""
-        if self.token_versions is not None and len(self.token_versions):
-            return int(self.token_versions[:, 0].min())
-        return int(self.policy_version)
+        """The oldest policy version any model token was sampled with (environment
+        tokens were not sampled: their version does not make a sample stale)."""
+        tv = self.token_versions
+        if tv is None or not len(tv):
+            return int(self.policy_version)
+        if self.loss_mask is None:
+            return int(tv[:, 0].min())
+        per_token = np.repeat(tv[:, 0], tv[:, 1])
+        return int(per_token[self.loss_mask].min())
 
     @staticmethod
     def new_id() -> str:
@@ -170,7 +212,7 @@ def encode(r: Rollout) -> bytes:
     """Rollout -> bytes. Validates first, so nothing invalid is ever published."""
     validate(r)
     m: dict[str, Any] = {
-        "schema": SCHEMA_VERSION, "rollout_id": r.rollout_id, "group_id": r.group_id,
+        "schema": 1 if r.loss_mask is None else 2, "rollout_id": r.rollout_id, "group_id": r.group_id,
         "sample_idx": int(r.sample_idx), "group_size": int(r.group_size),
         "producer_id": r.producer_id, "created_at": float(r.created_at),
         "prompt_ids": _bin(r.prompt_ids, _I32), "response_ids": _bin(r.response_ids, _I32),
@@ -181,6 +223,8 @@ def encode(r: Rollout) -> bytes:
     }
     if r.prompt_text is not None:
         m["prompt_text"] = r.prompt_text
+    if r.loss_mask is not None:
+        m["loss_mask"] = _bin(r.loss_mask, _U8)
     if r.token_versions is not None:
         m["token_versions"] = _bin(r.token_versions, _I64)
     if r.routed_experts is not None:
@@ -197,7 +241,7 @@ def encode(r: Rollout) -> bytes:
 
 def encode_claim_pointer(p: ClaimPointer) -> bytes:
     return msgpack.packb({
-        "schema": SCHEMA_VERSION, "rollout_id": p.rollout_id, "group_id": p.group_id,
+        "schema": POINTER_SCHEMA, "rollout_id": p.rollout_id, "group_id": p.group_id,
         "claim_check": {"uri": p.uri, "sha256": p.sha256, "bytes": int(p.nbytes)},
     }, use_bin_type=True)
 
@@ -208,7 +252,7 @@ _KEYS = frozenset(("schema", "rollout_id", "group_id", "sample_idx", "group_size
                    "prompt_ids", "response_ids", "prompt_text", "logprobs", "temperature", "policy_version",
                    "token_versions", "routed_experts", "routing_dtype", "routing_shape", "routing_scope",
                    "num_experts", "reward", "reward_info", "finish_reason", "sampling_digest", "model_digest",
-                   "claim_check", "uri", "sha256", "bytes"))
+                   "claim_check", "uri", "sha256", "bytes", "loss_mask"))
 """Every key the schema names (a DLQ field label is one of these, never a sender's string)."""
 
 
@@ -236,8 +280,9 @@ def _unpack(buf: bytes) -> dict:
     if not isinstance(m, dict):
         raise InvalidRecordError("<bytes>", f"expected a map, got {type(m).__name__}")
     schema = m.get("schema")
-    if schema != SCHEMA_VERSION or isinstance(schema, bool):
-        raise InvalidRecordError("schema", f"unsupported schema version {schema!r} (this reader speaks {SCHEMA_VERSION})")
+    if schema not in SCHEMA_VERSIONS or not _is_int(schema):
+        raise InvalidRecordError("schema", f"unsupported schema version {schema!r} (this reader speaks "
+                                 f"{', '.join(map(str, SCHEMA_VERSIONS))})")
     return m
 
 
@@ -334,6 +379,7 @@ def _from_map(m: dict, limits: RecordLimits) -> Rollout:
         model_digest=_str(m, "model_digest", limits),
         temperature=_float(m, "temperature") if "temperature" in m else 1.0,
     )
+    r.loss_mask = _loss_mask_from_map(m)
     tv = _array(m, "token_versions", _I64, optional=True)
     if tv is not None:
         if tv.size % 2:
@@ -347,6 +393,19 @@ def _from_map(m: dict, limits: RecordLimits) -> Rollout:
         _routing_from_map(m, r, limits)
     validate(r, limits)
     return r
+
+
+def _loss_mask_from_map(m: dict) -> np.ndarray | None:
+    """v2: the uint8 0/1 mask as a read-only bool view; v1: None (and none allowed)."""
+    if m["schema"] == 1:
+        if "loss_mask" in m:
+            raise InvalidRecordError("loss_mask", "is a schema 2 key; a record with environment tokens "
+                                     "must say schema 2")
+        return None
+    raw = _array(m, "loss_mask", _U8)
+    if raw.size and int(raw.max()) > 1:
+        raise InvalidRecordError("loss_mask", "values must be 0 (environment) or 1 (model)")
+    return raw.view(_BOOL)
 
 
 def _routing_from_map(m: dict, r: Rollout, limits: RecordLimits) -> None:
@@ -416,8 +475,24 @@ def validate(r: Rollout, limits: RecordLimits = DEFAULT_LIMITS) -> None:
         raise InvalidRecordError("temperature", f"must be a finite number > 0, got {r.temperature!r}")
     if r.policy_version < 0:
         raise InvalidRecordError("policy_version", "must be >= 0")
+    _validate_loss_mask(r, T)
     _validate_token_versions(r, T)
     _validate_routing(r, P, T, limits)
+
+
+def _validate_loss_mask(r: Rollout, T: int) -> None:
+    mask = r.loss_mask
+    if mask is None:
+        return
+    _check_dtype("loss_mask", mask, _BOOL, 1)
+    if mask.shape[0] != T:
+        raise InvalidRecordError("loss_mask", f"length {mask.shape[0]} != response length {T}")
+    if not mask[0]:
+        raise InvalidRecordError("loss_mask", "the response must start with a model token (the prompt "
+                                 "holds the first observation)")
+    if (r.logprobs[~mask] != 0).any():
+        raise InvalidRecordError("logprobs", "environment tokens (loss_mask 0) must carry log-prob 0: "
+                                 "they were not sampled")
 
 
 def _validate_token_versions(r: Rollout, T: int) -> None:

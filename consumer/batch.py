@@ -14,8 +14,14 @@ cuts each mini-batch into one slice per data-parallel rank
 own share into its mini-batches (`batch_from_share`), to the shape every rank
 uses. `build_global_batch` is the two in one process. `num_responses` /
 `num_tokens` of a mini-batch are the global counts (the loss normalisers, see
-consumer/losses.py). Under torchrun a share travels to its rank as a few flat
-tensors (consumer/shares.py), never as the whole batch.
+consumer/losses.py); `num_tokens` counts model tokens. Under torchrun a share
+travels to its rank as a few flat tensors (consumer/shares.py), never as the
+whole batch.
+
+Multi-turn samples (record schema 2): `loss_mask` is True only on the record's
+model tokens, so every loss and statistic over it (loss, KL, entropy, clip and
+IS fractions) skips environment tokens; routing stays per input position
+(environment positions included) so R3 replays the whole forward.
 
 Micro-batches (`micro_batch_tokens`, consumer.memory): each mini-batch's rows
 are grouped longest first into micro-batches of at most that many padded input
@@ -66,6 +72,9 @@ class TrainSample:
     routed_experts: np.ndarray | None = None
     sample_weight: float = 1.0
     temperature: float = 1.0
+    loss_mask: np.ndarray | None = None
+    """bool[T]: True on model tokens (multi-turn records, schema 2); None: all
+    model tokens. Losses, KL, entropy and clip statistics count model tokens only."""
     from_record: bool = field(default=False, compare=False)
     """Built by `from_rollout`: common.record.validate already checked the shapes."""
 
@@ -74,7 +83,12 @@ class TrainSample:
         """A validated rollout record, weighted by the staleness gate."""
         return cls(prompt_ids=r.prompt_ids, response_ids=r.response_ids, logprobs=r.logprobs,
                    reward=r.reward, group_id=r.group_id, routed_experts=r.routed_experts,
-                   sample_weight=weight, temperature=r.temperature, from_record=True)
+                   sample_weight=weight, temperature=r.temperature, loss_mask=r.loss_mask,
+                   from_record=True)
+
+    @property
+    def num_model_tokens(self) -> int:
+        return len(self.response_ids) if self.loss_mask is None else int(self.loss_mask.sum())
 
     def validate(self) -> None:
         """The sample weight (the gate's, which no record carries), and for samples
@@ -95,6 +109,10 @@ class TrainSample:
         if self.logprobs.shape != (t,):
             raise InvalidSampleError(f"sample of group {self.group_id!r}: logprobs shape "
                                      f"{self.logprobs.shape}, expected ({t},)")
+        m = self.loss_mask
+        if m is not None and (m.dtype != bool or m.shape != (t,)):
+            raise InvalidSampleError(f"sample of group {self.group_id!r}: loss_mask {m.dtype} {m.shape}, "
+                                     f"expected bool ({t},)")
         r = self.routed_experts
         if r is not None and (r.ndim != 3 or r.shape[0] not in (p + t - 1, t)):
             raise InvalidSampleError(f"sample of group {self.group_id!r}: routed_experts shape "
@@ -154,7 +172,7 @@ class MiniBatch:
 class GlobalBatch:
     minibatches: list[MiniBatch]
     num_responses: int  # global, all ranks
-    num_tokens: int     # global response tokens
+    num_tokens: int     # global response tokens the loss sees (model tokens)
     rewards: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
 
@@ -223,7 +241,8 @@ def _pad_minibatch(samples: list[TrainSample], adv: np.ndarray, pad_id: int,
         p, t = len(x.prompt_ids), len(x.response_ids)
         tokens[i, :p] = x.prompt_ids
         tokens[i, p:p + t] = x.response_ids
-        mask[i, p - 1:p + t - 1] = True
+        # response positions, AND the record's mask: environment tokens get no loss
+        mask[i, p - 1:p + t - 1] = True if x.loss_mask is None else x.loss_mask
         real[i, :p + t - 1] = True
         mu[i, p - 1:p + t - 1] = x.logprobs
         if routing is not None:
@@ -306,7 +325,7 @@ def split_global_batch(samples: list[TrainSample], group_size: int, num_minibatc
     positions = np.array([len(s.prompt_ids) + len(s.response_ids) - 1 for s in ordered], dtype=np.int64)
     shares: list[list[MiniBatchShare]] = [[] for _ in range(dp_size)]
     for mb_idx in np.array_split(np.arange(n), num_minibatches):
-        mb_tokens = int(sum(len(ordered[i].response_ids) for i in mb_idx))
+        mb_tokens = int(sum(ordered[i].num_model_tokens for i in mb_idx))
         slices = np.array_split(mb_idx, dp_size)
         rows = -(-len(mb_idx) // dp_size)
         slice_positions = np.stack([np.pad(positions[sl], (0, rows - len(sl))) for sl in slices])
@@ -314,7 +333,7 @@ def split_global_batch(samples: list[TrainSample], group_size: int, num_minibatc
             shares[rank].append(MiniBatchShare([ordered[i] for i in sl], adv[sl], len(mb_idx), mb_tokens,
                                                slice_positions))
     rewards = np.array([s.reward for s in ordered], dtype=np.float32)
-    total = sum(len(s.response_ids) for s in ordered)
+    total = sum(s.num_model_tokens for s in ordered)
     return [BatchShare(mbs, n, total, rewards, rank) for rank, mbs in enumerate(shares)]
 
 

@@ -14,8 +14,9 @@ The four tensors:
     header   int64   [MAGIC, minibatches, dp, dp rank, num_responses, num_tokens,
                       routing code, layers, top_k, rewards] then per mini-batch [samples,
                       num_responses, num_tokens, rows, slice_positions (dp x rows)]
-                      then per sample [P, T, routing rows (-1: none)]
-    tokens   int32   prompt then response ids of each sample, concatenated
+                      then per sample [P, T, routing rows (-1: none), has loss mask]
+    tokens   int32   prompt then response ids of each sample, then its loss mask
+                     (T values 0/1) if it has one (multi-turn), concatenated
     floats   float32 advantages, sample weights, rewards and sampling temperatures
                      of this share's samples, then the global batch's rewards, then
                      each sample's log-probs
@@ -64,13 +65,14 @@ class PackedShare:
 
 def sample_bytes(share: BatchShare) -> int:
     """Bytes of this share's samples as the records hold them (prompt and response
-    ids, log-probs, routing) plus an advantage and a weight each: what a rank
+    ids, log-probs, routing, a multi-turn loss mask) plus an advantage and a weight each: what a rank
     must receive at the least."""
     n = 0
     for m in share.minibatches:
         for s in m.samples:
             n += s.prompt_ids.nbytes + s.response_ids.nbytes + s.logprobs.nbytes + 8
             n += 0 if s.routed_experts is None else s.routed_experts.nbytes
+            n += 0 if s.loss_mask is None else len(s.loss_mask)  # uint8 on the wire
     return n
 
 
@@ -97,11 +99,12 @@ def pack(share: BatchShare) -> PackedShare:
                    *m.slice_positions.reshape(-1).tolist()]
     for s in samples:
         header += [len(s.prompt_ids), len(s.response_ids),
-                   -1 if s.routed_experts is None else s.routed_experts.shape[0]]
+                   -1 if s.routed_experts is None else s.routed_experts.shape[0], int(s.loss_mask is not None)]
     floats = [m.advantages for m in share.minibatches] + [
         np.array([s.sample_weight for s in samples]), np.array([s.reward for s in samples]),
         np.array([s.temperature for s in samples]), share.rewards] + [s.logprobs for s in samples]
-    tokens = [a for s in samples for a in (s.prompt_ids, s.response_ids)]
+    tokens = [a for s in samples
+              for a in (s.prompt_ids, s.response_ids) + (() if s.loss_mask is None else (s.loss_mask,))]
     routing = [s.routed_experts.reshape(-1) for s in samples if s.routed_experts is not None]
     return PackedShare(torch.tensor(header, dtype=torch.int64), _flat(tokens, np.int32),
                        _flat(floats, np.float32),
@@ -148,13 +151,14 @@ def unpack(tensors: list[torch.Tensor]) -> BatchShare:
     batch_rewards = floats.take(n_rewards)
     samples = []
     for i in range(n_all):
-        p, t, r_rows = header.take(3).tolist()
+        p, t, r_rows, masked = header.take(4).tolist()
         ids = tokens.take(p + t)
+        mask = tokens.take(t).astype(bool) if masked else None
         r = None if r_rows < 0 else routing.take(r_rows * layers * k).reshape(r_rows, layers, k)
         samples.append(TrainSample(prompt_ids=ids[:p], response_ids=ids[p:], logprobs=floats.take(t),
                                    reward=float(rewards[i]), group_id="", routed_experts=r,
                                    sample_weight=float(weights[i]), temperature=float(temps[i]),
-                                   from_record=True))
+                                   loss_mask=mask, from_record=True))
     minibatches, at = [], 0
     for (n, responses, mb_tokens, positions), a in zip(heads, adv):
         minibatches.append(MiniBatchShare(samples[at:at + n], a, responses, mb_tokens, positions))

@@ -1,7 +1,8 @@
 """The staleness gate: drop or reweight groups by policy lag, never silently.
 
 Staleness of a sample = trainer version at the optimizer step - the sample's
-oldest token version (`Rollout.oldest_version`). A group is judged by its
+oldest model token's version (`Rollout.oldest_version`; a multi-turn record's
+environment tokens were never sampled, so their version does not count). A group is judged by its
 stalest sample: its G samples share one advantage baseline, so the group is
 kept or dropped whole.
 

@@ -211,6 +211,10 @@ class RolloutEngine:
     def decode(self, ids) -> str:
         return self._engine.get_tokenizer().decode([int(i) for i in ids], skip_special_tokens=True)
 
+    def tokenizer(self):
+        """The model's HF tokenizer (multi-turn: observations through its chat template)."""
+        return self._engine.get_tokenizer()
+
     # -- requests ------------------------------------------------------------
     def submit_group(self, prompt_ids, n: int, sampling: SamplingConfig, tag: Any) -> list[str]:
         """Queue n samples of one prompt; they finish independently in `step()`.

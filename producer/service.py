@@ -12,6 +12,11 @@ follow_control applies runtime settings, the trainer's progress and new weights
 reason to wait; score_and_publish scores each finished sample and hands its
 record (producer/sample.py) to the outbox (producer/outbox.py).
 
+With `producer.episodes` set, each sample is a multi-turn episode
+(producer/episodes.py, docs/multi-turn.md): admit starts G episodes per prompt,
+the engine's finished turns go to the `EpisodeRunner`, which submits next turns,
+and ended episodes (scored by their environment) are published instead.
+
 On SIGTERM: stop admitting, let in-flight samples finish (up to
 `producer.drain_timeout_s`, then abort them), publish every finished sample,
 wait for every acknowledgement, exit 0.
@@ -49,6 +54,7 @@ class ProducerService:
         self.sampling = SamplingConfig(max_tokens=self.pcfg.max_tokens, temperature=self.pcfg.temperature,
                                        top_p=self.pcfg.top_p)
         self.groups = InFlightGroups(self.producer_id)
+        self.episodes = None  # producer/episodes.py EpisodeRunner when producer.episodes is set
         self._stop = False
         self.stats = telemetry.SampleStats()
 
@@ -73,6 +79,7 @@ class ProducerService:
         self.follower.catch_up()  # every setting and announcement on the topics, before the engine starts
         torch.set_num_threads(self.pcfg.num_threads)
         self.engine = RolloutEngine(self.pcfg.engine, self.cfg.model.path, version=0)
+        self.episodes = self._episode_runner()
         self.publisher = RolloutPublisher(self.kafka, BlobStore(self.kafka.blob_dir))
         self.topic_ends = TopicEnds(self.kafka)
         self.outbox = Outbox(self.publisher, on_delivered=self.topic_ends.on_delivered)
@@ -83,6 +90,15 @@ class ProducerService:
         self.follow_control()
         if self.follower.view.weights is not None:  # catch up to the newest announced version before generating
             self.reloader.apply(self.follower.view.weights)
+
+    def _episode_runner(self):
+        """The multi-turn runner, or None (single-turn: the default)."""
+        if self.pcfg.episodes is None:
+            return None
+        from producer.envs import env_factory
+        from producer.episodes import EpisodeRunner
+
+        return EpisodeRunner(self.engine, self.pcfg.episodes, self.sampling, env_factory(self.pcfg.episodes))
 
     def _start_http(self) -> None:
         from common.control.http import start_service_http
@@ -111,7 +127,9 @@ class ProducerService:
             while not self._stop:
                 self.follow_control()
                 self.admit()
-                if self.engine.has_work():
+                if self.episodes is not None and self.episodes.has_work():
+                    self.step_episodes()
+                elif self.engine.has_work():
                     self.score_and_publish(self.engine.step())
                 else:
                     self.outbox.flush()
@@ -156,7 +174,11 @@ class ProducerService:
             if prompt is None:
                 telemetry.HELD_BACK.labels(reason="no_prompts").inc()
                 return
-            ids, gid = self.engine.encode(prompt.text), self.groups.new_id()
+            gid = self.groups.new_id()
+            if self.episodes is not None:
+                self._start_episodes(gid, prompt)
+                continue
+            ids = self.engine.encode(prompt.text)
             self.engine.submit_group(ids, n=self.pcfg.group_size, tag=gid, sampling=self.sampling)
             self.groups.add(gid, GroupInfo(prompt.text, prompt.answer, ids, self.pcfg.group_size, prompt.score))
         telemetry.INFLIGHT.set(self.engine.num_in_flight)
@@ -172,6 +194,26 @@ class ProducerService:
         self.outbox.flush()
         telemetry.INFLIGHT.set(self.engine.num_in_flight)
 
+    def _start_episodes(self, gid: str, prompt) -> None:
+        from producer.episodes import EpisodeTask
+
+        answer, verify = prompt.answer, self.verify
+        score = prompt.score or (lambda text: verify(text, answer))
+        for i in range(self.pcfg.group_size):
+            self.episodes.start(gid, i, self.pcfg.group_size, EpisodeTask(prompt.text, prompt.answer, score))
+        self.groups.add(gid, GroupInfo(prompt.text, prompt.answer, None, self.pcfg.group_size, prompt.score))
+
+    def step_episodes(self) -> None:
+        """One engine step (if a turn is generating), then every episode's environment
+        answers so far; publish the episodes that ended."""
+        finished = self.engine.step() if self.engine.has_work() else []
+        for ep in self.episodes.advance(finished, wait_s=0.0 if finished else 0.02):
+            info = self.groups.finish_sample(ep.group_id)
+            self.outbox.add(ep.to_rollout(self.producer_id, self.episodes.sampling, prompt_text=info.prompt_text))
+            self.stats.note(int(ep.response_ids.size), float(ep.reward), self.engine.stats.tokens_per_second)
+        self.outbox.flush()
+        telemetry.INFLIGHT.set(self.engine.num_in_flight)
+
     def _log_progress(self) -> None:
         log.info("version=%d trainer=%d in_flight=%d pending=%d tok/s=%.0f reward=%.3f",
                  self.engine.version, self.progress.trainer_version, self.engine.num_in_flight, len(self.outbox.pending),
@@ -180,8 +222,12 @@ class ProducerService:
     def drain(self) -> None:
         """SIGTERM: finish in-flight samples (bounded), publish all, flush."""
         deadline = time.monotonic() + self.pcfg.drain_timeout_s
+        while self.episodes is not None and self.episodes.has_work() and time.monotonic() < deadline:
+            self.step_episodes()
         while self.engine.has_work() and time.monotonic() < deadline:
             self.score_and_publish(self.engine.step())
+        if self.episodes is not None:
+            self.episodes.abort_all()
         aborted = self.engine.abort_all()
         if aborted:
             log.warning("aborted %d in-flight samples at shutdown (partial groups are timed out by the consumer)", aborted)
@@ -191,7 +237,7 @@ class ProducerService:
         runfile.write_run_file(self.pcfg.run_file, **runfile.stopped(published=int(acked)))
 
     def close(self) -> None:
-        close_attrs(self, ("publisher", "follower", "engine", "prompts", "topic_ends", "_writer", "http", "reloader"), log)
+        close_attrs(self, ("episodes", "publisher", "follower", "engine", "prompts", "topic_ends", "_writer", "http", "reloader"), log)
 
 
 def main(cfg: RlstreamConfig) -> int:

@@ -26,6 +26,8 @@ RELOAD_SECONDS = metrics.histogram("rlstream_producer_weight_reload_seconds",
 RELOAD_FAILURES = metrics.counter("rlstream_producer_weight_reload_failures_total",
                                   "Announced versions refused (size/sha256 mismatch, missing files, load error)")
 HELD_BACK = metrics.counter("rlstream_producer_held_back_total", "Admission attempts refused, by reason", ["reason"])
+EPISODES = metrics.counter("rlstream_producer_episodes_total",
+                           "Multi-turn episodes finished, by how they ended", ["end"])
 REWARD_MEAN = metrics.gauge("rlstream_producer_reward_mean", "Mean reward of the last 256 samples")
 # No negative bucket bound: prometheus_client omits a histogram's `_sum` when the
 # first bound is negative, and `_sum / _count` is how the demo reads the mean reward.

@@ -194,7 +194,8 @@ def _wire(**changes):
 WIRE_RULES = [
     ("not msgpack", b"\xc1", "<bytes>"),
     ("not a map", msgpack.packb([1, 2]), "<bytes>"),
-    ("schema 2", _wire(schema=2), "schema"),
+    ("schema 3", _wire(schema=3), "schema"),
+    ("schema 2 without loss_mask", _wire(schema=2), "loss_mask"),
     ("schema true", _wire(schema=True), "schema"),
     ("missing schema", _wire(schema=KeyError), "schema"),
     ("missing rollout_id", _wire(rollout_id=KeyError), "rollout_id"),

@@ -128,3 +128,15 @@ def test_dedup_window_is_bounded():
         assert a.add(roll(group=f"g{i}", G=1, rid=f"r{i}"), 0, i).outcome == "completed"
     assert a.add(roll(group="g4", G=1, rid="r4"), 0, 9).outcome == "duplicate"
     assert a.add(roll(group="g0", G=1, rid="r0"), 0, 9).outcome == "completed"  # evicted
+
+
+def test_staleness_of_a_multi_turn_record_is_its_oldest_model_tokens():
+    """Environment tokens carry the version they were appended at but were never sampled."""
+    r = Rollout(rollout_id="m", group_id="g", sample_idx=0, group_size=1,
+                prompt_ids=np.array([1, 2], np.int32), response_ids=np.array([3, 4, 5, 6], np.int32),
+                logprobs=np.array([-0.5, 0, 0, -0.5], np.float32), policy_version=4, reward=1.0,
+                loss_mask=np.array([1, 0, 0, 1], bool),
+                token_versions=np.array([[4, 1], [2, 2], [5, 1]], np.int64))
+    assert sample_staleness(r, 6) == 2  # model tokens at 4 and 5; env tokens' 2 does not count
+    d = gate_group([r], 6, ControlSettings(max_staleness=2, mode="drop"))
+    assert d.keep and d.staleness == 2

@@ -29,8 +29,16 @@ def samples(n_groups: int, g: int, seed: int, routing=np.uint8, scope="mixed", l
             out.append(TrainSample(prompt, rng.integers(0, 1000, t).astype(np.int32),
                                    -rng.random(t).astype(np.float32), float(rng.integers(0, 2)) + 0.1 * i,
                                    f"g{gi}", r, float(rng.uniform(0.2, 1.0)),
-                                   temperature=float(rng.choice([0.7, 1.0, 1.3]))))
+                                   temperature=float(rng.choice([0.7, 1.0, 1.3])),
+                                   loss_mask=_turns(rng, t) if i % 2 else None))
     return out
+
+
+def _turns(rng, t: int) -> np.ndarray:
+    """A multi-turn loss mask: model tokens first, then environment and model runs."""
+    mask = rng.random(t) < 0.6
+    mask[0] = True
+    return mask
 
 
 def assert_same_batch(a, b):

@@ -153,3 +153,50 @@ def test_logprobs_are_taken_at_each_rows_temperature():
         assert torch.allclose(ent[b], -(want.exp() * want).sum(-1))
     assert torch.equal(logprobs_from_logits(logits, targets), logprobs_from_logits(logits, targets, temperature=None))
     assert not torch.allclose(lp, logprobs_from_logits(logits, targets))
+
+
+def test_multi_turn_mask_keeps_env_tokens_out_of_the_loss_but_routes_every_position():
+    """Record schema 2: loss_mask (the batch's) = response positions AND the record's model mask;
+    num_tokens (the cispo normaliser) counts model tokens; routing covers env positions too."""
+    from common.record import Rollout, validate
+    from consumer.losses import LOSSES, LossInputs
+    from common.config import LossSettings
+    import torch
+
+    mask = np.array([1, 1, 0, 0, 1], dtype=bool)  # model, model, env, env, model
+    lp = np.array([-.1, -.2, 0, 0, -.5], np.float32)
+    rows = 3 + 5 - 1
+    routing = np.stack([np.arange(rows) % 8, (np.arange(rows) + 1) % 8], -1)[:, None, :].repeat(L, 1)
+    r = Rollout(rollout_id="r", group_id="g", sample_idx=0, group_size=2,
+                prompt_ids=np.array([5, 6, 7], np.int32), response_ids=np.array([8, 9, 10, 11, 12], np.int32),
+                logprobs=lp, policy_version=0, reward=1.0, loss_mask=mask,
+                routed_experts=routing.astype(np.uint8), num_experts=8)
+    validate(r)
+    other = sample(3, 5, 0.0, "g")
+    gb = build_global_batch([TrainSample.from_rollout(r), other], 2)
+    mb = gb.minibatches[0]
+    assert mb.loss_mask[0].tolist() == [False, False, True, True, False, False, True]
+    assert mb.loss_mask[1].tolist() == [False, False, True, True, True, True, True]
+    assert mb.routing_mask[0].all() and mb.routing_mask[1].all()  # R3 replays env positions too
+    assert (gb.num_tokens, mb.num_tokens) == (3 + 5, 3 + 5)
+    # the loss ignores whatever sits at environment positions (log pi there is garbage to it)
+    base = torch.from_numpy(np.where(mb.loss_mask.numpy(), -0.3, 0.0).astype(np.float32))
+    noisy = base.clone()
+    noisy[0, 4:6] = -7.0  # env positions of sample 0 (response tokens 2, 3 at P - 1 + t)
+    for name in ("minirl", "cispo"):
+        out = []
+        for logp in (base, noisy):
+            inp = LossInputs(logprobs=logp, old_logprobs=logp, rollout_logprobs=mb.rollout_logprobs,
+                             mask=mb.loss_mask, advantages=mb.advantages, sample_weight=mb.sample_weight,
+                             num_responses=mb.num_responses, num_tokens=mb.num_tokens)
+            loss, m = LOSSES[name].fn(inp, LossSettings())
+            out.append((float(loss), m["tokens"], m["clip_frac"], m["is_weight_mean"]))
+        assert out[0] == out[1], name
+        assert out[0][1] == 8
+
+
+def test_hand_built_samples_with_a_bad_mask_are_refused():
+    s = sample(3, 2, 1.0, "a")
+    s.loss_mask = np.array([1, 0, 1], dtype=bool)
+    with pytest.raises(InvalidSampleError, match="loss_mask"):
+        build_global_batch([s, sample(3, 2, 0.0, "a")], group_size=2)

@@ -1,0 +1,236 @@
+"""producer/episodes.py and producer/envs/calculator.py: the episode protocol's logic
+(limits, failures, versions, routing, the record) over a scripted stand-in engine;
+tests/integration/test_episodes.py runs the same with the real vLLM engine."""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from common.config import EpisodeSettings
+from common.errors import ConfigError
+from common.record import decode, encode
+from common.toy.tinymodel import build_tokenizer
+from producer.envs.calculator import CalculatorEnv, calculate
+from producer.episodes import EpisodeRunner, EpisodeTask, ModelTurn, ObservationEncoder, StepResult
+from producer.sample import FinishedSample, SamplingConfig
+
+TOK = build_tokenizer()
+L, K, E = 2, 2, 8
+
+
+class ScriptedEngine:
+    """Pure-logic stand-in for RolloutEngine: each submitted turn finishes at the next
+    step() with the scripted text of its episode's turn; routing row i = position i."""
+
+    def __init__(self, script: dict[int, list[str]], max_model_len: int = 256):
+        self.script, self.version, self.requests = script, 0, {}
+        self.settings = type("S", (), {"max_model_len": max_model_len})()
+        self.prompts: list[np.ndarray] = []
+
+    def encode(self, text):
+        return np.asarray(TOK.encode(text, add_special_tokens=False), dtype=np.int32)
+
+    def decode(self, ids):
+        return TOK.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def tokenizer(self):
+        return TOK
+
+    def submit_group(self, ids, n, sampling, tag):
+        assert n == 1 and sampling.max_tokens >= 1
+        self.requests[tag] = (np.asarray(ids), sampling, self.version)
+        self.prompts.append(np.asarray(ids))
+
+    def has_work(self):
+        return bool(self.requests)
+
+    def step(self):
+        out = []
+        for tag, (ids, sampling, dispatch) in list(self.requests.items()):
+            idx, turn = int(tag.split("#")[1]), int(tag.split("#t")[1])
+            text = self.script[idx][turn]
+            resp = self.encode(text.replace("$", ""))
+            if text.endswith("$"):
+                resp = np.r_[resp, 1].astype(np.int32)  # <eos>
+            resp = resp[:sampling.max_tokens]
+            pos = np.arange(ids.size + resp.size - 1)  # expert 0: the turn that computed the row (< 3)
+            routing = np.stack([np.full(pos.size, turn), 3 + pos % 5], -1)[:, None, :].repeat(L, 1).astype(np.uint8)
+            half = resp.size // 2  # a reload "mid-turn" when the engine's version moved
+            versions = [(dispatch, resp.size)] if self.version == dispatch else \
+                [(dispatch, half), (self.version, resp.size - half)]
+            out.append(FinishedSample(
+                tag=tag, sample_idx=0, group_size=1, request_id=f"{tag}/0", prompt_ids=ids, response_ids=resp,
+                logprobs=np.full(resp.size, -0.25, np.float32), finish_reason="stop", stop_reason=None,
+                dispatch_version=dispatch, token_versions=[v for v in versions if v[1]], routed_experts=routing,
+                num_experts=E, logprobs_mode="processed_logprobs", submitted_at=0.0, finished_at=0.0))
+            del self.requests[tag]
+        return out
+
+
+def task(prompt="37+48-19=", answer="66"):
+    return EpisodeTask(prompt, answer, lambda text: (float(text.strip() == answer), {"correct": text.strip() == answer}))
+
+
+def run(engine, runner, n_steps=50):
+    ended = []
+    for _ in range(n_steps):
+        ended += runner.advance(engine.step() if engine.has_work() else [], wait_s=0.05)
+        if not runner.has_work():
+            break
+    return ended
+
+
+def settings(**kw):
+    return EpisodeSettings(**{"max_turns": 4, "max_turn_tokens": 16, "max_episode_tokens": 64,
+                              "step_timeout_s": 2.0, **kw})
+
+
+def test_calculator_tool():
+    assert [calculate(e) for e in ("37+48", "85-19", "2*3+4", "-5+2", "7/2", "7/0", "1+", "a")] == \
+        ["85", "66", "10", "-3", "3", "err", "err", "err"]
+    env = CalculatorEnv()
+    assert env.reset(task()) == "37+48-19="
+    assert env.step(ModelTurn("c(37+48)", (), "stop")).observation == "=85,"
+    assert env.step(ModelTurn("c(37+)", (), "stop")).observation == "=err,"
+    final = env.step(ModelTurn("66", (), "stop"))
+    assert final.done and final.reward == 1.0 and final.info["tool_calls"] == 2
+
+
+def test_episodes_interleave_and_record_turns_masks_versions_and_routing():
+    script = {0: ["c(37+48)", "c(85-19)", "66$"], 1: ["66$"], 2: ["c(1+1)", "7$"]}
+    eng = ScriptedEngine(script)
+    runner = EpisodeRunner(eng, settings(), SamplingConfig(max_tokens=16), CalculatorEnv)
+    assert runner.sampling.stop_token_ids == (int(TOK.encode(")", add_special_tokens=False)[0]),)
+    for i in range(3):
+        runner.start("g", i, 3, task())
+    ended = []
+    ended += runner.advance([], wait_s=0.5)  # resets answered: three first turns in the engine at once
+    assert len(eng.requests) == 3
+    ended += runner.advance(eng.step(), wait_s=0.5)
+    for _ in range(50):  # until episodes 0 and 2 have their second turn in the engine
+        if len(eng.requests) == 2:
+            break
+        ended += runner.advance([], wait_s=0.1)
+    eng.version = 1  # a weight update while turn 2 generates: its second half is sampled at 1
+    ended += run(eng, runner)
+    by = {e.sample_idx: e for e in ended}
+    assert sorted(by) == [0, 1, 2] and by[0].turns == 3 and by[1].turns == 1 and by[2].turns == 2
+    assert (by[0].reward, by[1].reward, by[2].reward) == (1.0, 1.0, 0.0)
+    r = decode(encode(by[0].to_rollout("p", runner.sampling, "37+48-19=")))
+    text = "c(37+48)=85,c(85-19)=66,66"
+    assert TOK.decode(r.response_ids.tolist(), skip_special_tokens=True) == text
+    env = [c in "=85,66" and i in (8, 9, 10, 11, 20, 21, 22, 23) for i, c in enumerate(text)] + [False]
+    assert r.loss_mask.tolist() == [not e for e in env]
+    assert (r.logprobs[~r.loss_mask] == 0).all() and (r.logprobs[r.loss_mask] == -0.25).all()
+    assert r.oldest_version == 0 and r.policy_version == 0
+    # turn 1 (8) + env 1 (4) + first half of turn 2 (4) at 0; the rest (env 2 appended at 1) at 1
+    assert r.token_versions.tolist() == [[0, 16], [1, len(text) + 1 - 16]]
+    # row i of the routing comes from the first turn that computed it: turn 1 rows 0..P+6 (its last
+    # token is never an input of turn 1), turn 2 from there through its own tokens, turn 3 the rest
+    P = len("37+48-19=")
+    rows = P + r.num_tokens - 1
+    assert r.routed_experts.shape == (rows, L, K)
+    assert r.routed_experts[:, 0, 0].tolist() == [0] * (P + 7) + [1] * 12 + [2] * (rows - P - 19)
+    assert (r.routed_experts[:, 0, 1] == 3 + np.arange(rows) % 5).all()
+    single = by[1].to_rollout("p", runner.sampling, None)
+    assert single.loss_mask is None  # no environment token: written as schema 1
+
+
+def test_limits_and_failures_end_episodes_with_a_reason():
+    calls = {0: ["c(1+1)"] * 9}
+    eng = ScriptedEngine(calls)
+    runner = EpisodeRunner(eng, settings(max_turns=3), SamplingConfig(), CalculatorEnv)
+    runner.start("g", 0, 1, task())
+    (ep,) = run(eng, runner)
+    assert (ep.end, ep.turns, ep.reward) == ("max_turns", 3, 0.0)
+    to = ep.to_rollout("p", runner.sampling, None)
+    assert to.finish_reason == "length" and to.reward_info["end"] == "max_turns"
+    assert decode(encode(to)).loss_mask[-1]  # the response ends with a model turn
+
+    eng = ScriptedEngine(calls)
+    runner = EpisodeRunner(eng, settings(max_episode_tokens=20), SamplingConfig(), CalculatorEnv)
+    runner.start("g", 0, 1, task())
+    (ep,) = run(eng, runner)
+    assert ep.end == "max_tokens" and ep.response_ids.size <= 20
+
+
+class Broken(CalculatorEnv):
+    def step(self, turn):
+        raise OSError("tool server down")
+
+
+class Hangs(CalculatorEnv):
+    gate = threading.Event()
+
+    def step(self, turn):
+        self.gate.wait(10)
+        return StepResult("=1,")
+
+
+class Garbage(CalculatorEnv):
+    def reset(self, task):
+        return 42
+
+
+@pytest.mark.timeout(30)
+def test_env_errors_and_timeouts_end_the_episode_never_hang():
+    from producer import telemetry
+    from common import metrics
+
+    before = {e: metrics.value("rlstream_producer_episodes_total", end=e) or 0 for e in ("env_error", "step_timeout")}
+    for env, end in ((Broken, "env_error"), (Hangs, "step_timeout")):
+        eng = ScriptedEngine({0: ["c(1+1)"]})
+        runner = EpisodeRunner(eng, settings(step_timeout_s=0.3), SamplingConfig(), env)
+        runner.start("g", 0, 1, task())
+        t0 = time.monotonic()
+        (ep,) = run(eng, runner)
+        assert ep.end == end and time.monotonic() - t0 < 5 and not runner.has_work()
+        r = ep.to_rollout("p", runner.sampling, None)
+        assert r.finish_reason == "abort" and r.reward_info["end"] == end and r.reward_info["error"]
+        runner.close()
+    Hangs.gate.set()
+    eng = ScriptedEngine({0: ["1$"]})
+    runner = EpisodeRunner(eng, settings(), SamplingConfig(), Garbage)
+    runner.start("g", 0, 1, task())
+    assert run(eng, runner) == [] and not runner.has_work()  # no turn: nothing to publish
+    after = {e: metrics.value("rlstream_producer_episodes_total", end=e) for e in before}
+    assert after["env_error"] == before["env_error"] + 2 and after["step_timeout"] == before["step_timeout"] + 1
+    assert telemetry.EPISODES is not None
+
+
+def test_a_stop_text_of_several_tokens_is_a_config_error():
+    class Wordy(CalculatorEnv):
+        stop_texts = ("</call>",)
+
+    with pytest.raises(ConfigError) as e:
+        EpisodeRunner(ScriptedEngine({}), settings(), SamplingConfig(), Wordy)
+    assert e.value.key == "producer.episodes.env"
+
+
+def test_observations_go_through_the_chat_template_once_without_the_models_closing_token():
+    plain = ObservationEncoder(TOK)
+    assert TOK.decode(plain("=85,")) == "=85,"
+    tok = build_tokenizer()
+    # a template within the tiny vocabulary: an assistant turn closes with <eos> and ':', a tool turn is
+    # '=' content ',', the generation prompt is 'a:'
+    tok.chat_template = ("{%- for m in messages -%}{%- if m['role'] == 'assistant' -%}{{ m['content'] }}"
+                         "{{ eos_token }}:{%- elif m['role'] == 'tool' -%}={{ m['content'] }},"
+                         "{%- else -%}{{ m['content'] }}{%- endif -%}{%- endfor -%}"
+                         "{%- if add_generation_prompt -%}a:{%- endif -%}")
+    enc = ObservationEncoder(tok)
+    eos = tok.eos_token_id
+    assert tok.decode(enc("85", last_model_token=eos), skip_special_tokens=False) == ":=85,a:"
+    assert tok.decode(enc("85", last_model_token=5), skip_special_tokens=False) == "<eos>:=85,a:"
+
+
+def test_episode_settings_are_validated_and_off_by_default():
+    from common.config import ProducerSettings
+
+    assert ProducerSettings().episodes is None
+    assert ProducerSettings(episodes={"max_turns": 2}).episodes.max_turns == 2
+    for bad in ({"env": "shell"}, {"max_turns": 0}, {"step_timeout_s": 0}, {"typo": 1}):
+        with pytest.raises(Exception):
+            ProducerSettings(episodes=bad)
