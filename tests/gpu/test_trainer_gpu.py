@@ -12,7 +12,7 @@ and the Transformer Engine attention build. Skipped, with the reason, where
 CUDA, megatron-core (or TE) is absent; nothing touches CUDA at import. Run in
 a session of their own, so that the process group is NCCL's:
 
-    .venv/bin/python -m pytest -m gpu tests/gpu -s   # -s prints the memory figures
+    .venv/bin/python -m pytest -m gpu tests/gpu -s   # -s shows the memory figures
 """
 from __future__ import annotations
 
