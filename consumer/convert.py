@@ -258,25 +258,6 @@ def local_megatron_state_dict(model) -> dict[str, torch.Tensor]:
             if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
 
 
-def load_hf_state_dict(model, hf: dict[str, torch.Tensor]) -> None:
-    """Load on-disk HF tensors into this rank's Megatron model (copying)."""
-    dims = model.hf_dims
-    tp_rank, tp, ep_rank, ep = ranks()
-    local = shard_megatron(hf_to_megatron(hf, dims), dims, tp_rank, tp, ep_rank, ep)
-    own = local_megatron_state_dict(model)
-    if set(local) != set(own):
-        raise ParallelLayoutError(f"this rank's shard of the checkpoint has other tensors than its "
-                                  f"model: missing {sorted(set(own) - set(local))[:5]}, unexpected "
-                                  f"{sorted(set(local) - set(own))[:5]}", "consumer.parallel")
-    with torch.no_grad():
-        for name, t in own.items():
-            if t.shape != local[name].shape:
-                raise ParallelLayoutError(f"{name}: shape {tuple(local[name].shape)} from the "
-                                          f"checkpoint, model expects {tuple(t.shape)}",
-                                          "consumer.parallel")
-            t.copy_(local[name])
-
-
 def gather_megatron_state_dict(model) -> dict[str, torch.Tensor]:
     """The full (unsharded) Megatron dict, on every rank (CPU tensors)."""
     import torch.distributed as dist

@@ -25,6 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tests.support.state import tensors_of
+
 # the `consumer` settings of every run (common/config.py). Adam with a large eps:
 # the first step is lr * g / (|g| + eps) ~ 0.05 g, linear in the gradient, so
 # summation-order noise shows 1:1 (a small eps makes the step ~lr * sign(g) and
@@ -126,16 +128,6 @@ def chunked_vs_full(model_dir: str, layout: str) -> dict:
             "chunked_grad_rel": (num / den) ** 0.5}
 
 
-def _tensors_of(state, prefix="") -> dict:
-    if isinstance(state, dict):
-        items = state.items()
-    elif isinstance(state, (list, tuple)):
-        items = enumerate(state)
-    else:
-        return {prefix: state} if isinstance(state, torch.Tensor) else {}
-    return {k: v for key, sub in items for k, v in _tensors_of(sub, f"{prefix}/{key}").items()}
-
-
 def restore_is_exact(model_dir: str, layout: str, trainer) -> float:
     """Collective: every rank's trainer state through torch.save/load into a fresh
     trainer; 1.0 when, on every rank, the state read back equals the state saved
@@ -152,7 +144,7 @@ def restore_is_exact(model_dir: str, layout: str, trainer) -> float:
     buf.seek(0)
     fresh = Trainer.from_hf(model_dir, trainer_config(layout))
     fresh.load_state_dict(torch.load(buf, weights_only=True))
-    want, got = _tensors_of(trainer.state_dict()), _tensors_of(fresh.state_dict())
+    want, got = tensors_of(trainer.state_dict()), tensors_of(fresh.state_dict())
     same = set(want) == set(got) and all(torch.equal(want[k], got[k]) for k in want)
     flag = torch.tensor([1.0 if same else 0.0])
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)

@@ -14,6 +14,7 @@ from consumer.batch import build_global_batch
 from consumer.losses import LOSSES, advantage_mode
 from consumer.model import per_token_logprobs
 from consumer.trainer import Trainer
+from tests.support.state import tensors_of
 
 pytestmark = pytest.mark.megatron
 
@@ -99,17 +100,6 @@ def test_grpo_uses_std_normalised_advantages(bf16_rollouts):
                                atol=1e-6)
     assert advantage_mode(settings(loss="grpo").loss) == "mean_std"
     assert advantage_mode(settings(loss="minirl").loss) == "mean"
-
-
-def tensors_of(state, prefix="") -> dict:
-    """Every tensor in a nested state dict, by path."""
-    if isinstance(state, dict):
-        items = state.items()
-    elif isinstance(state, (list, tuple)):
-        items = enumerate(state)
-    else:
-        return {prefix: state} if isinstance(state, torch.Tensor) else {}
-    return {k: v for key, sub in items for k, v in tensors_of(sub, f"{prefix}/{key}").items()}
 
 
 @pytest.mark.parametrize("dtype,distributed", [("float32", True), ("bfloat16", True),
