@@ -278,6 +278,10 @@ class AgentEpisodes:
         except AgentRequestError as e:
             telemetry.AGENT_REFUSED.labels(kind=e.kind).inc()
             fut.set_result((e.status, error_body(str(e), e.kind)))
+        except Exception as e:  # noqa: BLE001 - one agent's request must not stop the producer's loop
+            log.exception("agent request %s on episode %s failed", kind, eid)
+            telemetry.AGENT_REFUSED.labels(kind="internal_error").inc()
+            fut.set_result((500, error_body(f"{type(e).__name__}: {e}"[:300], "internal_error")))
 
     def _episode(self, eid: str | None) -> AgentEpisode:
         ep = self.episodes.get(eid or "")
@@ -316,7 +320,8 @@ class AgentEpisodes:
             added: list[int] = []
         else:
             prompt = st.prompt_ids
-            added = self.encoder.messages(new_messages(ep.history, req.messages), st.response[-1])
+            added = _templated(lambda: self.encoder.messages(new_messages(ep.history, req.messages),
+                                                             st.response[-1]))
         room = min(self.limits.max_episode_tokens, self.engine.settings.max_model_len - len(prompt))
         budget = min(req.max_tokens or self.limits.max_turn_tokens, self.limits.max_turn_tokens,
                      room - len(st.response) - len(added))
@@ -342,7 +347,7 @@ class AgentEpisodes:
         if getattr(tok, "chat_template", None) is None:  # the tiny toy model: plain text, as the environments
             text = "".join(m["content"] for m in messages)
         else:
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = _templated(lambda: tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
         ids = np.asarray(tok.encode(text, add_special_tokens=False), dtype=np.int32)
         if ids.size == 0 or ids.size >= self.engine.settings.max_model_len:
             raise AgentRequestError(400, f"messages: a prompt of {ids.size} tokens (the engine's max_model_len "
@@ -438,6 +443,16 @@ def completion(ep: AgentEpisode, s: FinishedSample, text: str, engine, logprobs:
                      "token_versions": [[int(v), int(n)] for v, n in s.token_versions],
                      "response_offset": len(ep.state.response) - len(ids)},
     }
+
+
+def _templated(render: Callable[[], Any]) -> Any:
+    """Run a chat-template rendering; a template that refuses the messages is a 400."""
+    try:
+        return render()
+    except AgentRequestError:
+        raise
+    except Exception as e:  # noqa: BLE001 - jinja2 raises its own errors (e.g. "roles must alternate")
+        raise AgentRequestError(400, f"messages: the model's chat template refused them: {e}"[:300]) from e
 
 
 def error_body(message: str, kind: str) -> dict:

@@ -62,15 +62,13 @@ def test_agent_drives_episodes_over_http_and_they_are_published(broker, rollout_
             assert time.monotonic() < deadline, "the agent or its episodes did not finish"
             svc.iterate()
         assert agent.returncode == 0, (tmp_path / "agent.log").read_text()[-3000:]
-        svc.outbox.drain(timeout_s=30)
-        records = read_all(kafka)
     finally:
         if agent.poll() is None:
             agent.kill()
-        svc.agent_http.stop()
-        svc.agents.shutdown()
+        svc.drain()  # what SIGTERM runs: the endpoint closes, every acknowledgement is awaited
         svc.engine = None  # the session's: not ours to close
         svc.close()
+    records = read_all(kafka)
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     _check_refusals(lines)
     _check_records(records, lines)

@@ -241,6 +241,10 @@ def test_the_first_call_goes_through_the_chat_template_and_tool_messages_as_delt
     _, _, (rec,) = serve(eng, agents, command(agents, "reward", ep["episode_id"], {"reward": 0.5}))
     assert tok.decode(rec.prompt_ids.tolist(), skip_special_tokens=False) == "1+2=a:"
     assert tok.decode(rec.response_ids.tolist(), skip_special_tokens=False) == "c(1+2)<eos>:=3,a:3"
+    tok.chat_template = "{{ raise_exception('roles must alternate') }}"
+    (ep,) = serve(eng, agents, command(agents, "open", None, {}))[1]["episodes"]
+    st, err, _ = serve(eng, agents, command(agents, "chat", ep["episode_id"], chat(msgs[:1])))
+    assert st == 400 and "chat template refused them: roles must alternate" in err["error"]["message"]
 
 
 def test_agent_endpoint_settings_are_off_by_default_and_need_a_token_off_loopback():
