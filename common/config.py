@@ -919,7 +919,7 @@ def dump_config(cfg: RlstreamConfig) -> str:
         *sections, key = dotted.split(".")
         node = data
         for name in sections:
-            node = node[name]
+            node = node[name] or {}  # an optional section that is off (None) holds no secret
         if node.get(key):
             node[key] = "***"
     return yaml.safe_dump(data, sort_keys=False)

@@ -254,6 +254,10 @@ def test_agent_endpoint_settings_are_off_by_default_and_need_a_token_off_loopbac
         ProducerSettings.model_validate({"agent_endpoint": {"host": "0.0.0.0"}})
     with pytest.raises(ValidationError):
         AgentEndpointSettings(idle_timeout_s=0)
+    from common.config import dump_config, load_config
+
+    assert "agent-s3cret" not in dump_config(load_config(None, ["producer.agent_endpoint.token=agent-s3cret"],
+                                                         environ={}))
 
 
 # ------------------------------------------------------------------- HTTP
