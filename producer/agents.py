@@ -108,6 +108,21 @@ class AgentEpisode:
     """The generating call asked for OpenAI `logprobs`."""
 
 
+def task_for(body: dict, prompts, verify) -> AgentTask | str:
+    """A new group's task: the agent's own (`prompt`, optional `answer`: scored by
+    `verify` when given) or the next of the producer's prompt source ("no_prompts" when dry)."""
+    if body.get("prompt") is not None:
+        prompt, answer = str(body["prompt"]), body.get("answer")
+        if answer is None:
+            return AgentTask(prompt, "", None)
+        return AgentTask(prompt, str(answer), lambda text: verify(text, str(answer)))
+    p = prompts.take()
+    if p is None:
+        telemetry.HELD_BACK.labels(reason="no_prompts").inc()
+        return "no_prompts"
+    return AgentTask(p.text, p.answer, p.score or (lambda text: verify(text, p.answer)))
+
+
 # --------------------------------------------------------------------------- requests
 
 def parse_chat(body: dict, sampling: SamplingConfig) -> ChatCall:

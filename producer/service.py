@@ -226,26 +226,13 @@ class ProducerService:
         self.outbox.flush()
 
     def _agent_task(self, body: dict):
-        """A task for a group an agent opens (its own prompt, or the next one of producer.prompts),
-        or the admission reason that holds it back."""
-        from producer.agents import AgentTask
+        """The task of a group an agent opens, or the admission reason that holds it back."""
+        from producer.agents import task_for
 
         reason = admission_block(self.admission_view())
-        if reason is not None:
-            if reason != "in_flight":
-                telemetry.HELD_BACK.labels(reason=reason).inc()
-            return reason
-        if body.get("prompt") is not None:
-            prompt, answer = str(body["prompt"]), body.get("answer")
-            verify = self.verify
-            score = None if answer is None else (lambda text: verify(text, str(answer)))
-            return AgentTask(prompt, "" if answer is None else str(answer), score)
-        prompt = self.prompts.take()
-        if prompt is None:
-            telemetry.HELD_BACK.labels(reason="no_prompts").inc()
-            return "no_prompts"
-        answer, verify = prompt.answer, self.verify
-        return AgentTask(prompt.text, prompt.answer, prompt.score or (lambda text: verify(text, answer)))
+        if reason is not None and reason != "in_flight":
+            telemetry.HELD_BACK.labels(reason=reason).inc()
+        return reason or task_for(body, self.prompts, self.verify)
 
     def score_and_publish(self, finished) -> None:
         for s in finished:

@@ -307,3 +307,19 @@ def test_http_routes_auth_first_and_bounded_bodies(endpoint):
         assert s.recv(100).startswith(b"HTTP/1.1 401")
     closed = httpx.post(f"{base}/reward", json={"reward": 1.0}, headers=auth, timeout=10).json()
     assert closed["published"] and closed["end"] == "reported"
+
+
+def test_a_group_task_is_the_agents_own_prompt_or_the_next_of_the_prompt_source():
+    from producer.agents import task_for
+    from producer.verifiers import get_verifier
+
+    verify, dry = get_verifier("exact_match"), type("Dry", (), {"take": lambda self: None})()
+    own = task_for({"prompt": "1+2=", "answer": 3}, dry, verify)
+    assert (own.prompt_text, own.answer, own.score("3")[0], own.score("4")[0]) == ("1+2=", "3", 1.0, 0.0)
+    assert task_for({"prompt": "1+2="}, dry, verify).score is None
+    assert task_for({}, dry, verify) == "no_prompts"
+    eng, groups, agents = make(["3"], group_size=1, take=lambda body: task_for(body, dry, verify))
+    (ep,) = serve(eng, agents, command(agents, "open", None, {"prompt": "1+2="}))[1]["episodes"]
+    serve(eng, agents, command(agents, "chat", ep["episode_id"], chat([{"role": "user", "content": "1+2="}])))
+    st, err, _ = serve(eng, agents, command(agents, "reward", ep["episode_id"], {}))
+    assert st == 400 and "no verifier" in err["error"]["message"]
