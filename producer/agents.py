@@ -269,7 +269,7 @@ class AgentEpisodes:
         self.closed = True
         self.poll()  # answer what was queued before closing
         for ep in list(self.episodes.values()):
-            if ep.waiting is not None:
+            if ep.waiting is not None and not ep.waiting.done():
                 ep.waiting.set_result((503, error_body("the producer is shutting down", "unavailable")))
             self._end(ep, "shutdown")
         self._turns.clear()
