@@ -326,6 +326,38 @@ class EpisodeSettings(_Section):
     """Threads running environment steps (off the engine's thread)."""
 
 
+class AgentEndpointSettings(_Section):
+    """The OpenAI-compatible chat-completions endpoint for black-box agents
+    (docs/multi-turn.md "Black-box agents", producer/agents.py). Set: agents open
+    groups and drive each episode over HTTP; the producer admits no group of its own.
+    Episode limits (max_turns, max_turn_tokens, max_episode_tokens) are producer.episodes'."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(0, ge=0, le=65535)
+    """0 picks a free port (logged, and written to the run file as `agent_url`)."""
+    token: str | None = None
+    """Bearer token every request must carry (generic env form:
+    RLSTREAM__PRODUCER__AGENT_ENDPOINT__TOKEN). None is allowed only on a loopback host."""
+    idle_timeout_s: float = Field(120.0, gt=0, le=86400)
+    """An open episode with no call and no turn generating for this long is ended
+    (end reason `abandoned`); its engine capacity is never held meanwhile."""
+    call_timeout_s: float = Field(300.0, gt=0, le=3600)
+    """Seconds a chat-completions call waits for its turn (then 504; the turn is still recorded)."""
+    max_body_bytes: int = Field(1 << 20, ge=1024, le=64 << 20)
+    """Largest request body (413 beyond)."""
+    max_connections: int = Field(64, ge=1, le=4096)
+    """Connections served at once (more are closed at accept)."""
+    max_open_episodes: int = Field(1024, ge=1)
+    """Episodes open at once (opening a group beyond it: 429 reason `open_episodes`)."""
+
+    @model_validator(mode="after")
+    def _token_off_loopback(self) -> "AgentEndpointSettings":
+        if self.token is None and self.host not in ("127.0.0.1", "localhost", "::1"):
+            raise ValueError(f"token: required when the endpoint listens on {self.host!r} (not loopback); "
+                             "set producer.agent_endpoint.token")
+        return self
+
+
 class ProducerSettings(_Section):
     producer_id: str | None = None
     """Defaults to hostname-pid."""
@@ -363,6 +395,8 @@ class ProducerSettings(_Section):
     and tests (common/runfile.py). None: none is written."""
     episodes: EpisodeSettings | None = None
     """Multi-turn episodes with an environment (docs/multi-turn.md); None: single-turn."""
+    agent_endpoint: AgentEndpointSettings | None = None
+    """OpenAI-compatible endpoint for black-box agents (docs/multi-turn.md); None: off."""
 
     @field_validator("top_p")
     @classmethod
@@ -754,7 +788,7 @@ ENV_ALIASES: tuple[EnvAlias, ...] = (
 (the harness's experiment knobs use the generic form). An empty value counts as unset."""
 
 SECRET_KEYS = ("kafka.sasl_plain_password", "producer.http.admin_token", "consumer.http.admin_token",
-               "cli.admin_token")
+               "cli.admin_token", "producer.agent_endpoint.token")
 """Settings `dump_config` (--dry-run) masks."""
 
 
@@ -885,7 +919,7 @@ def dump_config(cfg: RlstreamConfig) -> str:
         *sections, key = dotted.split(".")
         node = data
         for name in sections:
-            node = node[name]
+            node = node[name] or {}  # an optional section that is off (None) holds no secret
         if node.get(key):
             node[key] = "***"
     return yaml.safe_dump(data, sort_keys=False)

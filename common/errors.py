@@ -123,3 +123,13 @@ class BlobStoreError(RlstreamError):
 class VerifierError(RlstreamError):
     """A verifier cannot run at all (e.g. math-verify's worker process does not
     start); a wrong or malformed answer is never an error, it scores 0."""
+
+
+class AgentRequestError(RlstreamError):
+    """A black-box agent's request was refused (producer/agents.py): `status` is the
+    HTTP code (400 bad request, 404 unknown episode, 409 conflicts with the episode's
+    state or history, 429 admission holds) and `kind` a short machine-readable type."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
+        self.status, self.kind = status, kind
+        super().__init__(message)

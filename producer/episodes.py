@@ -54,7 +54,8 @@ from producer.sample import FinishedSample, SamplingConfig
 
 END_REASONS = ("done", "max_turns", "max_tokens", "step_timeout", "env_error")
 _FINISH = {"done": "stop", "max_turns": "length", "max_tokens": "length",
-           "step_timeout": "abort", "env_error": "abort"}
+           "step_timeout": "abort", "env_error": "abort",
+           "reported": "stop", "verified": "stop"}  # the last two: black-box agents (producer/agents.py)
 """Episode end -> the record's finish_reason."""
 
 
@@ -106,16 +107,20 @@ class ObservationEncoder:
         self.template = getattr(tokenizer, "chat_template", None) is not None
 
     def __call__(self, text: str, last_model_token: int | None = None) -> list[int]:
-        if not self.template:
-            return list(self.tok.encode(text, add_special_tokens=False))
-        return list(self.tok.encode(self._delta(text, last_model_token), add_special_tokens=False))
+        return self.messages([{"role": self.role, "content": text}], last_model_token)
 
-    def _delta(self, text: str, last_model_token: int | None) -> str:
+    def messages(self, messages: list[dict], last_model_token: int | None = None) -> list[int]:
+        """Messages that follow a model turn (tool, user or system), as token ids; without
+        a chat template their contents concatenated (producer/agents.py uses this too)."""
+        if not self.template:
+            return list(self.tok.encode("".join(m["content"] for m in messages), add_special_tokens=False))
+        return list(self.tok.encode(self._delta(messages, last_model_token), add_special_tokens=False))
+
+    def _delta(self, messages: list[dict], last_model_token: int | None) -> str:
         marker = "\x00assistant\x00"
         base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": marker}]
         head = self.tok.apply_chat_template(base, tokenize=False)
-        full = self.tok.apply_chat_template(base + [{"role": self.role, "content": text}], tokenize=False,
-                                            add_generation_prompt=True)
+        full = self.tok.apply_chat_template(base + list(messages), tokenize=False, add_generation_prompt=True)
         if not full.startswith(head) or marker not in head:
             raise ConfigError("the chat template does not render a conversation as a prefix of its "
                               "continuation; multi-turn needs one that does", key="producer.episodes")
@@ -128,7 +133,7 @@ class ObservationEncoder:
 
 
 @dataclass
-class _Episode:
+class EpisodeState:
     group_id: str
     sample_idx: int
     group_size: int
@@ -166,6 +171,15 @@ class _Episode:
         self.mask += [False] * len(ids)
         self.logprobs += [0.0] * len(ids)
         self.versions += [version] * len(ids)
+
+    def to_finished(self, end: str) -> FinishedEpisode:
+        return FinishedEpisode(
+            group_id=self.group_id, sample_idx=self.sample_idx, group_size=self.group_size,
+            prompt_ids=np.asarray(self.prompt_ids, dtype=np.int32),
+            response_ids=np.asarray(self.response, dtype=np.int32), loss_mask=np.asarray(self.mask, dtype=bool),
+            logprobs=np.asarray(self.logprobs, dtype=np.float32),
+            versions=np.asarray(self.versions, dtype=np.int64), routed_experts=self.routing,
+            num_experts=self.num_experts, reward=self.reward, end=end, turns=self.turns, info=self.info)
 
 
 @dataclass
@@ -220,14 +234,14 @@ class EpisodeRunner:
         self.sampling = dataclasses.replace(sampling, stop_token_ids=tuple(sampling.stop_token_ids) + stops)
         self.encode_observation = encoder or ObservationEncoder(engine.tokenizer())
         self._pool = cf.ThreadPoolExecutor(settings.env_workers, thread_name_prefix="rlstream-env")
-        self._turns: dict[str, _Episode] = {}  # request tag -> episode whose model turn is generating
-        self._pending: dict[cf.Future, tuple[_Episode, float, str]] = {}  # env call -> (episode, deadline, kind)
+        self._turns: dict[str, EpisodeState] = {}  # request tag -> episode whose model turn is generating
+        self._pending: dict[cf.Future, tuple[EpisodeState, float, str]] = {}  # env call -> (episode, deadline, kind)
         self._ended: list[FinishedEpisode] = []
         self.active = 0
         """Episodes started and not ended."""
 
     def start(self, group_id: str, sample_idx: int, group_size: int, task: EpisodeTask) -> None:
-        ep = _Episode(group_id, sample_idx, group_size, self._env_factory(), task)
+        ep = EpisodeState(group_id, sample_idx, group_size, self._env_factory(), task)
         self.active += 1
         self._call(ep, "reset", ep.env.reset, task)
 
@@ -269,7 +283,7 @@ class EpisodeRunner:
 
     # -- internals
 
-    def _call(self, ep: _Episode, kind: str, fn: Callable, arg: Any) -> None:
+    def _call(self, ep: EpisodeState, kind: str, fn: Callable, arg: Any) -> None:
         self._pending[self._pool.submit(fn, arg)] = (ep, time.monotonic() + self.settings.step_timeout_s, kind)
 
     def _collect(self) -> None:
@@ -290,14 +304,14 @@ class EpisodeRunner:
             else:
                 self._after_step(ep, result)
 
-    def _begin(self, ep: _Episode, observation: Any) -> None:
+    def _begin(self, ep: EpisodeState, observation: Any) -> None:
         if not isinstance(observation, str) or not observation:
             self._end(ep, "env_error", f"reset returned {type(observation).__name__}, not a non-empty text")
             return
         ep.prompt_ids = self.engine.encode(observation)
         self._submit(ep)
 
-    def _after_step(self, ep: _Episode, r: Any) -> None:
+    def _after_step(self, ep: EpisodeState, r: Any) -> None:
         if not isinstance(r, StepResult):
             self._end(ep, "env_error", f"step returned {type(r).__name__}, not a StepResult")
             return
@@ -315,12 +329,12 @@ class EpisodeRunner:
             ep.add_observation(ids, self.engine.version)
             self._submit(ep)
 
-    def _room(self, ep: _Episode) -> int:
+    def _room(self, ep: EpisodeState) -> int:
         """Response tokens the episode may hold in all (its limit and the engine's context)."""
         return min(self.settings.max_episode_tokens,
                    self.engine.settings.max_model_len - len(ep.prompt_ids))
 
-    def _submit(self, ep: _Episode) -> None:
+    def _submit(self, ep: EpisodeState) -> None:
         budget = min(self.settings.max_turn_tokens, self._room(ep) - len(ep.response))
         if budget < 1:
             self._end(ep, "max_tokens")
@@ -330,20 +344,14 @@ class EpisodeRunner:
                                  tag=ep.tag)
         self._turns[ep.tag] = ep
 
-    def _end(self, ep: _Episode, end: str, error: str | None = None) -> None:
+    def _end(self, ep: EpisodeState, end: str, error: str | None = None) -> None:
         telemetry.EPISODES.labels(end=end).inc()
         self.active -= 1
         if error is not None:
             ep.info["error"] = error
         if not ep.response:  # ended before its first model turn: no record can be made
             return           # (its group is timed out by the consumer, like an aborted sample)
-        self._ended.append(FinishedEpisode(
-            group_id=ep.group_id, sample_idx=ep.sample_idx, group_size=ep.group_size,
-            prompt_ids=np.asarray(ep.prompt_ids, dtype=np.int32),
-            response_ids=np.asarray(ep.response, dtype=np.int32), loss_mask=np.asarray(ep.mask, dtype=bool),
-            logprobs=np.asarray(ep.logprobs, dtype=np.float32), versions=np.asarray(ep.versions, dtype=np.int64),
-            routed_experts=ep.routing, num_experts=ep.num_experts, reward=ep.reward, end=end, turns=ep.turns,
-            info=ep.info))
+        self._ended.append(ep.to_finished(end))
 
 
 def _single_token(engine, text: str) -> int:

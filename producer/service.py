@@ -17,6 +17,11 @@ With `producer.episodes` set, each sample is a multi-turn episode
 the engine's finished turns go to the `EpisodeRunner`, which submits next turns,
 and ended episodes (scored by their environment) are published instead.
 
+With `producer.agent_endpoint` set, black-box agents drive the episodes over an
+OpenAI-compatible API (producer/agents.py, producer/agent_http.py): the producer
+admits no group of its own; `serve_agents` runs the agents' requests (a group is
+opened only where admission would start one) and publishes their closed episodes.
+
 On SIGTERM: stop admitting, let in-flight samples finish (up to
 `producer.drain_timeout_s`, then abort them), publish every finished sample,
 wait for every acknowledgement, exit 0.
@@ -55,12 +60,14 @@ class ProducerService:
                                        top_p=self.pcfg.top_p)
         self.groups = InFlightGroups(self.producer_id)
         self.episodes = None  # producer/episodes.py EpisodeRunner when producer.episodes is set
+        self.agents = None  # producer/agents.py AgentEpisodes when producer.agent_endpoint is set
         self._stop = False
         self.stats = telemetry.SampleStats()
 
     # ------------------------------------------------------------ lifecycle
 
-    def start(self) -> None:
+    def start(self, engine=None) -> None:
+        """`engine`: an already started RolloutEngine to use (tests share one), else one is built."""
         import torch
 
         from common.control.plane import ControlFollower
@@ -78,14 +85,16 @@ class ProducerService:
         self.follower = ControlFollower(self.kafka, self.control)
         self.follower.catch_up()  # every setting and announcement on the topics, before the engine starts
         torch.set_num_threads(self.pcfg.num_threads)
-        self.engine = RolloutEngine(self.pcfg.engine, self.cfg.model.path, version=0)
+        self.engine = engine or RolloutEngine(self.pcfg.engine, self.cfg.model.path, version=0)
         self.episodes = self._episode_runner()
         self.publisher = RolloutPublisher(self.kafka, BlobStore(self.kafka.blob_dir))
         self.topic_ends = TopicEnds(self.kafka)
         self.outbox = Outbox(self.publisher, on_delivered=self.topic_ends.on_delivered)
         self._start_http()
+        agent_url = self._start_agents()
         runfile.write_run_file(self.pcfg.run_file, fresh=True, **runfile.started(
-            "producer", self.http.url, self.kafka.bootstrap_servers, producer_id=self.producer_id))
+            "producer", self.http.url, self.kafka.bootstrap_servers, producer_id=self.producer_id,
+            **({"agent_url": agent_url} if agent_url else {})))
         self.reloader = Reloader(self.engine, self.cfg.model.path)
         self.follow_control()
         if self.follower.view.weights is not None:  # catch up to the newest announced version before generating
@@ -93,12 +102,26 @@ class ProducerService:
 
     def _episode_runner(self):
         """The multi-turn runner, or None (single-turn: the default)."""
-        if self.pcfg.episodes is None:
-            return None
+        if self.pcfg.episodes is None or self.pcfg.agent_endpoint is not None:
+            return None  # with agents, producer.episodes gives their limits only
         from producer.envs import env_factory
         from producer.episodes import EpisodeRunner
 
         return EpisodeRunner(self.engine, self.pcfg.episodes, self.sampling, env_factory(self.pcfg.episodes))
+
+    def _start_agents(self) -> str | None:
+        """The black-box agent endpoint (producer.agent_endpoint), or None; returns its URL."""
+        if self.pcfg.agent_endpoint is None:
+            return None
+        from common.config import EpisodeSettings
+        from producer.agent_http import AgentHttp
+        from producer.agents import AgentEpisodes
+
+        self.agents = AgentEpisodes(self.engine, self.pcfg.agent_endpoint, self.pcfg.episodes or EpisodeSettings(),
+                                    self.sampling, self.groups, self.pcfg.group_size, self._agent_task,
+                                    self.producer_id)
+        self.agent_http = AgentHttp(self.pcfg.agent_endpoint, self.agents).start()
+        return self.agent_http.url
 
     def _start_http(self) -> None:
         from common.control.http import start_service_http
@@ -125,15 +148,7 @@ class ProducerService:
         last_log = time.monotonic()
         try:
             while not self._stop:
-                self.follow_control()
-                self.admit()
-                if self.episodes is not None and self.episodes.has_work():
-                    self.step_episodes()
-                elif self.engine.has_work():
-                    self.score_and_publish(self.engine.step())
-                else:
-                    self.outbox.flush()
-                    time.sleep(0.02)
+                self.iterate()
                 if time.monotonic() - last_log > 10:
                     last_log = time.monotonic()
                     self._log_progress()
@@ -141,6 +156,19 @@ class ProducerService:
         finally:
             self.close()
         return 0
+
+    def iterate(self) -> None:
+        """One pass of the loop: follow_control -> admit (or serve the agents) -> engine step -> publish."""
+        self.follow_control()
+        self.admit()
+        self.serve_agents()
+        if self.episodes is not None and self.episodes.has_work():
+            self.step_episodes()
+        elif self.engine.has_work():
+            self.score_and_publish(self.engine_step())
+        else:
+            self.outbox.flush()
+            time.sleep(0.02)
 
     def follow_control(self) -> None:
         newest = None
@@ -164,7 +192,7 @@ class ProducerService:
             own_unacked_records=self.outbox.unacked_records, group_size=self.pcfg.group_size)
 
     def admit(self) -> None:
-        while not self._stop:
+        while not self._stop and self.agents is None:  # with agents, they open the groups
             reason = admission_block(self.admission_view())
             if reason is not None:
                 if reason != "in_flight":
@@ -182,6 +210,29 @@ class ProducerService:
             self.engine.submit_group(ids, n=self.pcfg.group_size, tag=gid, sampling=self.sampling)
             self.groups.add(gid, GroupInfo(prompt.text, prompt.answer, ids, self.pcfg.group_size, prompt.score))
         telemetry.INFLIGHT.set(self.engine.num_in_flight)
+
+    def engine_step(self) -> list:
+        """One engine step; the agents' turns go to them, the rest is returned."""
+        finished = self.engine.step()
+        return finished if self.agents is None else self.agents.claim(finished)
+
+    def serve_agents(self) -> None:
+        """Run the agents' queued requests; publish the episodes they closed."""
+        if self.agents is None:
+            return
+        for record in self.agents.poll():
+            self.outbox.add(record)
+            self.stats.note(record.num_tokens, record.reward, self.engine.stats.tokens_per_second)
+        self.outbox.flush()
+
+    def _agent_task(self, body: dict):
+        """The task of a group an agent opens, or the admission reason that holds it back."""
+        from producer.agents import task_for
+
+        reason = admission_block(self.admission_view())
+        if reason is not None and reason != "in_flight":
+            telemetry.HELD_BACK.labels(reason=reason).inc()
+        return reason or task_for(body, self.prompts, self.verify)
 
     def score_and_publish(self, finished) -> None:
         for s in finished:
@@ -206,7 +257,7 @@ class ProducerService:
     def step_episodes(self) -> None:
         """One engine step (if a turn is generating), then every episode's environment
         answers so far; publish the episodes that ended."""
-        finished = self.engine.step() if self.engine.has_work() else []
+        finished = self.engine_step() if self.engine.has_work() else []
         for ep in self.episodes.advance(finished, wait_s=0.0 if finished else 0.02):
             info = self.groups.finish_sample(ep.group_id)
             self.outbox.add(ep.to_rollout(self.producer_id, self.episodes.sampling, prompt_text=info.prompt_text))
@@ -222,10 +273,13 @@ class ProducerService:
     def drain(self) -> None:
         """SIGTERM: finish in-flight samples (bounded), publish all, flush."""
         deadline = time.monotonic() + self.pcfg.drain_timeout_s
+        if self.agents is not None:  # open agent episodes end (`shutdown`); their turns finish below
+            self.agent_http.stop()
+            self.agents.shutdown()
         while self.episodes is not None and self.episodes.has_work() and time.monotonic() < deadline:
             self.step_episodes()
         while self.engine.has_work() and time.monotonic() < deadline:
-            self.score_and_publish(self.engine.step())
+            self.score_and_publish(self.engine_step())
         if self.episodes is not None:
             self.episodes.abort_all()
         aborted = self.engine.abort_all()
@@ -237,7 +291,7 @@ class ProducerService:
         runfile.write_run_file(self.pcfg.run_file, **runfile.stopped(published=int(acked)))
 
     def close(self) -> None:
-        close_attrs(self, ("episodes", "publisher", "follower", "engine", "prompts", "topic_ends", "_writer", "http", "reloader"), log)
+        close_attrs(self, ("agent_http", "episodes", "publisher", "follower", "engine", "prompts", "topic_ends", "_writer", "http", "reloader"), log)
 
 
 def main(cfg: RlstreamConfig) -> int:

@@ -28,6 +28,10 @@ RELOAD_FAILURES = metrics.counter("rlstream_producer_weight_reload_failures_tota
 HELD_BACK = metrics.counter("rlstream_producer_held_back_total", "Admission attempts refused, by reason", ["reason"])
 EPISODES = metrics.counter("rlstream_producer_episodes_total",
                            "Multi-turn episodes finished, by how they ended", ["end"])
+AGENT_CALLS = metrics.counter("rlstream_producer_agent_calls_total",
+                              "Chat-completions calls of black-box agents answered with a model turn")
+AGENT_REFUSED = metrics.counter("rlstream_producer_agent_refused_total",
+                                "Black-box agent requests refused, by error type", ["kind"])
 REWARD_MEAN = metrics.gauge("rlstream_producer_reward_mean", "Mean reward of the last 256 samples")
 # No negative bucket bound: prometheus_client omits a histogram's `_sum` when the
 # first bound is negative, and `_sum / _count` is how the demo reads the mean reward.

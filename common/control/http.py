@@ -77,6 +77,9 @@ class ServiceHttp:
     change (raising ConfigError for a bad value).
     """
 
+    handler_base: type = None  # the request handler class (set below: _Handler); producer/agents.py serves its own
+    max_body_bytes = MAX_BODY_BYTES
+
     def __init__(self, host: str, port: int, health: Callable[[], tuple[bool, dict]],
                  admin_token: str | None = None,
                  get_control: Callable[[], dict] | None = None,
@@ -86,7 +89,7 @@ class ServiceHttp:
         self.get_control, self.set_control = get_control, set_control
         self.request_deadline_s = request_deadline_s
         # `timeout`: socketserver's StreamRequestHandler puts it on the socket (every read and write)
-        handler = type("Handler", (_Handler,), {"service": self, "timeout": client_timeout_s})
+        handler = type("Handler", (self.handler_base,), {"service": self, "timeout": client_timeout_s})
         self._server = _BoundedServer((host, port), handler, max_connections)
         self._thread = threading.Thread(target=self._server.serve_forever, name="http", daemon=True)
 
@@ -195,7 +198,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._json(200, {"key": req["key"], "value": applied})
 
     def _read_body(self) -> bytes | None:
-        """The declared body, at most MAX_BODY_BYTES; None after answering why not."""
+        """The declared body, at most the service's `max_body_bytes`; None after answering why not."""
         declared = self.headers.get("Content-Length")
         if declared is None or self.headers.get("Transfer-Encoding"):
             self._json(411, {"error": "send the body with a Content-Length"})
@@ -207,8 +210,8 @@ class _Handler(BaseHTTPRequestHandler):
         if n < 0:
             self._json(400, {"error": f"bad Content-Length {declared[:40]!r}"})
             return None
-        if n > MAX_BODY_BYTES:
-            self._json(413, {"error": f"body of {n} bytes; at most {MAX_BODY_BYTES}"})
+        if n > self.service.max_body_bytes:
+            self._json(413, {"error": f"body of {n} bytes; at most {self.service.max_body_bytes}"})
             return None
         body = self.rfile.read(n)  # a stall raises TimeoutError: handle_one_request closes the connection
         if len(body) < n:
@@ -225,6 +228,9 @@ class _Handler(BaseHTTPRequestHandler):
             self._json(401, {"error": "missing or wrong bearer token"})
             return False
         return True
+
+
+ServiceHttp.handler_base = _Handler
 
 
 def start_service_http(settings, health, control_view, writer, by: str) -> ServiceHttp:
