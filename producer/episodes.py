@@ -237,6 +237,7 @@ class EpisodeRunner:
         self._turns: dict[str, EpisodeState] = {}  # request tag -> episode whose model turn is generating
         self._pending: dict[cf.Future, tuple[EpisodeState, float, str]] = {}  # env call -> (episode, deadline, kind)
         self._ended: list[FinishedEpisode] = []
+        self._unrecorded: list[str] = []
         self.active = 0
         """Episodes started and not ended."""
 
@@ -265,6 +266,13 @@ class EpisodeRunner:
             cf.wait(list(self._pending), timeout=wait_s, return_when=cf.FIRST_COMPLETED)
         self._collect()
         out, self._ended = self._ended, []
+        return out
+
+    def take_unrecorded(self) -> list[str]:
+        """Group ids of the episodes that ended before their first model turn since the
+        last call (one entry per episode): they publish nothing, but their samples are
+        done (producer/groups.py `finish_sample`)."""
+        out, self._unrecorded = self._unrecorded, []
         return out
 
     def abort_all(self) -> int:
@@ -349,8 +357,9 @@ class EpisodeRunner:
         self.active -= 1
         if error is not None:
             ep.info["error"] = error
-        if not ep.response:  # ended before its first model turn: no record can be made
-            return           # (its group is timed out by the consumer, like an aborted sample)
+        if not ep.response:  # ended before its first model turn: no record can be made (its
+            self._unrecorded.append(ep.group_id)  # group is timed out by the consumer, like an
+            return                                # aborted sample; the producer releases its slot)
         self._ended.append(ep.to_finished(end))
 
 

@@ -262,6 +262,8 @@ class ProducerService:
             info = self.groups.finish_sample(ep.group_id)
             self.outbox.add(ep.to_rollout(self.producer_id, self.episodes.sampling, prompt_text=info.prompt_text))
             self.stats.note(int(ep.response_ids.size), float(ep.reward), self.engine.stats.tokens_per_second)
+        for gid in self.episodes.take_unrecorded():  # ended before a model turn: nothing to publish
+            self.groups.finish_sample(gid)
         self.outbox.flush()
         telemetry.INFLIGHT.set(self.engine.num_in_flight)
 

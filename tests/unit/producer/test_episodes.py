@@ -196,6 +196,7 @@ def test_env_errors_and_timeouts_end_the_episode_never_hang():
     runner = EpisodeRunner(eng, settings(), SamplingConfig(), Garbage)
     runner.start("g", 0, 1, task())
     assert run(eng, runner) == [] and not runner.has_work()  # no turn: nothing to publish
+    assert runner.take_unrecorded() == ["g"] and runner.take_unrecorded() == []  # its slot is released
     after = {e: metrics.value("rlstream_producer_episodes_total", end=e) for e in before}
     assert after["env_error"] == before["env_error"] + 2 and after["step_timeout"] == before["step_timeout"] + 1
     assert telemetry.EPISODES is not None
