@@ -113,3 +113,17 @@ class RankProtocolError(RlstreamError):
 class PipelineError(RlstreamError):
     """A supervised service (common/harness/supervisor.py) failed to start, died,
     or a wait for it timed out; the message carries the tail of its log."""
+
+
+class WeightTransferError(RlstreamError):
+    """A weight version could not be moved on the collective path: the link to
+    the trainer (or to a producer) broke or timed out, or the stream is
+    malformed. The served weights stay; the producer catches up from the next
+    transfer or the durable store."""
+
+
+class DigestMismatchError(WeightTransferError):
+    """A received weight group or version does not match its digest (or the
+    announced one): the version is refused before anything is swapped in, the
+    served weights stay, and `rlstream_producer_weight_reload_failures_total`
+    rises."""
