@@ -8,7 +8,7 @@ command and every follower does the same work, in the same order:
     command     arg                     every rank
     TRAIN       list[TrainSample]       build its data-parallel share, train_step
     CHECKPOINT  staging dir (str)       write its (tp, ep) shard if it is the pair's writer; barrier
-    EXPORT      None                    export_hf_state_dict (gathers every shard)
+    EXPORT      None                    iterate the weight source (layer groups gathered to rank 0)
     STOP        None                    leave; rank 0 stopped at a batch boundary
 
 CHECKPOINT and EXPORT are sent only when the ranks hold different shards
@@ -131,11 +131,12 @@ class Leader:
         self.broadcast(RankCommand.CHECKPOINT, str(tmp))
         self.ckpt.commit(tmp, st, write_shard(self.trainer, self.ckpt, tmp))
 
-    def export(self) -> dict:
-        """The HF tensors of the current weights (gathered from every shard)."""
+    def export(self):
+        """The current weights as a WeightSource (consumer/weight_source.py) for rank 0 to
+        iterate once; when sharded, every follower iterates it in step (EXPORT)."""
         if self.sharded:
             self.broadcast(RankCommand.EXPORT)
-        return self.trainer.export_hf_state_dict()
+        return self.trainer.weight_source()
 
     def stop(self) -> None:
         self.broadcast(RankCommand.STOP)
@@ -167,7 +168,8 @@ class Follower:
         elif kind == RankCommand.CHECKPOINT.value:
             write_shard(self.trainer, self.ckpt, arg)
         elif kind == RankCommand.EXPORT.value:
-            self.trainer.export_hf_state_dict()
+            for _ in self.trainer.weight_source().iter_groups():  # the gathers, in step with rank 0
+                pass
         else:
             raise RankProtocolError(f"rank {self.rank}: unknown command {kind!r} from rank 0")
 

@@ -26,12 +26,26 @@ class FakeTrainer:
         self.calls.append(("train_step", gb))
         return {"loss": 0.0}
 
-    def export_hf_state_dict(self):
+    def weight_source(self):
         self.calls.append(("export",))
-        return {"w": 1}
+        return FakeSource(self.calls)
 
     def state_dict(self):
         return {"model": {}}
+
+
+class FakeSource:
+    """The trainer's weight source: rank 0 iterates it later; a follower at once."""
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def iter_groups(self):
+        self.calls.append(("gather",))
+        yield ["w"], [None]
+
+    def __eq__(self, other):
+        return isinstance(other, FakeSource)
 
 
 class FakeCheckpoints:
@@ -88,7 +102,7 @@ def test_sharded_leader_announces_every_collective(wire, monkeypatch):
     assert leader.sharded
     assert leader.train(["s1", "s2"]) == {"loss": 0.0}
     leader.checkpoint(CheckpointState(3, 3, {0: 5}), ["r"])
-    assert leader.export() == {"w": 1}
+    assert leader.export() == FakeSource([])  # rank 0 iterates it when it packs the version
     leader.stop()
     assert sent == [("train", ["s1", "s2"]), ("checkpoint", "/tmp/stage-3"), ("export", None), ("stop", None)]
     assert trainer.calls == [("build_batch", ["s1", "s2"], 4), ("train_step", ["s1", "s2"]), ("export",)]
@@ -115,7 +129,7 @@ def test_follower_does_what_rank_0_sends_in_order_until_stop(wire, monkeypatch):
     script += [("train", ["a"]), ("checkpoint", "/tmp/stage-1"), ("export", None), ("train", ["b"]), ("stop", None)]
     trainer, ckpt = FakeTrainer(tensor=2), FakeCheckpoints()
     assert Follower(trainer, ckpt, group_size=2).run() == 0
-    assert trainer.calls == [("build_batch", ["a"], 2), ("train_step", ["a"]), ("export",),
+    assert trainer.calls == [("build_batch", ["a"], 2), ("train_step", ["a"]), ("export",), ("gather",),
                              ("build_batch", ["b"], 2), ("train_step", ["b"])]
     assert ckpt.calls == [("shard", "/tmp/stage-1")]
     assert script == []

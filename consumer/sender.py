@@ -1,0 +1,274 @@
+"""How each new version leaves the trainer (rank 0): producer links and the durable store.
+
+    sender = WeightSender(cfg.consumer.weights)      # hosts the endpoint, accepts links
+    sender.publish(snapshot)                         # every link streams it, concurrently
+    durable = DurableWriter(store, model_dir, every=K)
+    durable.maybe_write(snapshot)                    # in the background when version % K == 0
+    durable.flush(snapshot)                          # at shutdown: the last version, synchronously
+
+`WeightSender` hosts the weight endpoint (common/weights/link.py): an acceptor
+thread serves each producer that registers with a link thread of its own,
+which opens the link through vLLM's trainer factory (`rlstream_gloo`, or
+`nccl` on GPU), sends the current version at once (a producer that joins late
+gets it without waiting for the next step), then every newer one. A link that
+fails (a dead, hung or refusing producer: each blocking step is bounded by
+`consumer.weights.timeout_s`) is counted, told to re-register and dropped;
+the other links never wait for it, and `publish` never waits for any link: the
+training loop goes on while versions stream. A link that is still sending
+when a newer version is published sends the newer one next (newest wins).
+
+`DurableWriter` keeps the durable store (common/weights/store.py) current
+enough for producers that start late, restart or miss a transfer: one write
+at a time, on its own thread; a version published while one is being written
+waits, replaced by any newer one.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from datetime import timedelta
+
+from common.config import WeightSyncSettings
+from common.control.messages import DurableCopy
+from common.errors import RlstreamError, WeightTransferError
+from common.weights import link as wlink
+from consumer import telemetry
+from consumer.transfer import (LinkClient, RlstreamGlooTrainerInitInfo, Snapshot, SnapshotSource, open_nccl_link,
+                               register)
+
+log = logging.getLogger("rlstream.consumer")
+
+
+class WeightSender:
+    def __init__(self, settings: WeightSyncSettings, backend: str = "rlstream_gloo"):
+        register()
+        self.settings, self.backend = settings, backend
+        self.store = wlink.open_store(settings.host, settings.port, settings.timeout_s, master=True)
+        self.host = settings.advertise_host or settings.host
+        self.local_host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
+        self.endpoint = f"{self.host}:{self.store.port}"
+        """What producers dial (announced in WeightsReady)."""
+        self.current: Snapshot | None = None
+        self.links: dict[int, _Link] = {}
+        self.failures = 0
+        self._cond = threading.Condition()
+        self._closed = False
+        self._acceptor = threading.Thread(target=self._accept, name="rlstream-weights-accept", daemon=True)
+        self._acceptor.start()
+        log.info("weight endpoint %s (%s)", self.endpoint, backend)
+
+    def publish(self, snapshot: Snapshot) -> None:
+        """Every link sends `snapshot` next (it may still be filling); returns at once."""
+        with self._cond:
+            self.current = snapshot
+            self._cond.notify_all()
+
+    def wait_delivered(self, version: int, timeout_s: float) -> bool:
+        """Every live link has sent `version` (or a newer one), or timeout. For tests and benchmarks."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            return self._cond.wait_for(lambda: all(lk.sent >= version for lk in self.links.values()),
+                                       max(0.0, deadline - time.monotonic()))
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._acceptor.join(timeout=5)
+        for lk in list(self.links.values()):
+            lk.join(timeout=self.settings.timeout_s)
+
+    # ------------------------------------------------------------ links
+
+    def _accept(self) -> None:
+        seen = 0
+        while True:
+            with self._cond:
+                if self._cond.wait_for(lambda: self._closed, 0.05):
+                    return
+            try:
+                joined = wlink.joins(self.store)
+            except (RuntimeError, OSError):  # the store is shutting down
+                return
+            for n in range(seen + 1, joined + 1):
+                lk = _Link(self, n)
+                with self._cond:
+                    self.links[n] = lk
+                lk.start()
+            seen = joined
+
+    def _next(self, sent: int) -> Snapshot | None:
+        """Block until a version newer than `sent` is published (None: closing)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._closed or (self.current is not None and self.current.version > sent))
+            return None if self._closed else self.current.acquire()
+
+    def _dropped(self, lk: "_Link", error: BaseException | None) -> None:
+        with self._cond:
+            self.links.pop(lk.n, None)
+            if error is not None:
+                self.failures += 1
+            self._cond.notify_all()
+        telemetry.WEIGHT_LINKS.set(len(self.links))
+        if error is not None:
+            telemetry.WEIGHT_LINK_FAILURES.inc()
+            log.warning("weight link %d (%s) dropped after %d versions: %s", lk.n, lk.producer, lk.count, error)
+
+
+class _Link(threading.Thread):
+    """One producer's link: open it, then send every version newer than the last one sent."""
+
+    def __init__(self, sender: WeightSender, n: int):
+        super().__init__(name=f"rlstream-weights-link-{n}", daemon=True)
+        self.sender, self.n = sender, n
+        self.producer = "?"
+        self.sent, self.count = -1, 0
+        self.client: LinkClient | None = None
+        self.engine = None
+
+    def run(self) -> None:
+        error: BaseException | None = None
+        try:
+            # a store connection of this link's own: a blocking wait holds its connection
+            store = wlink.open_store(self.sender.local_host, self.sender.store.port, self.sender.settings.timeout_s)
+            self.client = LinkClient(store, self.n, self.sender.settings.timeout_s)
+            self.producer = self._who()
+            while (snap := self.sender._next(self.sent)) is not None:
+                try:
+                    self._send(snap)
+                finally:
+                    snap.release()
+        except (RlstreamError, RuntimeError, OSError) as e:
+            error = e
+            self._close_remote(str(e))
+        finally:
+            if self.engine is not None:
+                self.engine.shutdown()
+            self.sender._dropped(self, error)
+
+    def _who(self) -> str:
+        key, store = f"{wlink.ROOT}link/{self.n}/who", self.client.store
+        try:
+            store.wait([key], timedelta(seconds=self.sender.settings.timeout_s))
+            return store.get(key).decode()
+        except RuntimeError as e:
+            raise WeightTransferError(f"link {self.n} registered no producer id ({e})") from None
+
+    def _send(self, snap: Snapshot) -> None:
+        t0 = time.perf_counter()
+        if self.engine is None:
+            self.engine = self._open(snap)
+            telemetry.WEIGHT_LINKS.set(len(self.sender.links))
+            log.info("weight link %d: producer %s joined", self.n, self.producer)
+        if self.sender.backend == "nccl":
+            snap.wait()
+            self.engine.source = SnapshotSource(snap)
+        else:
+            self.engine.source = snap
+        self.client.version = snap.version
+        self.engine.send_weights()
+        with self.sender._cond:
+            self.sent, self.count = snap.version, self.count + 1
+            self.sender._cond.notify_all()
+        telemetry.WEIGHT_SEND_SECONDS.observe(time.perf_counter() - t0)
+
+    def _open(self, snap: Snapshot):
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+        if self.sender.backend == "nccl":
+            snap.wait()
+            return open_nccl_link(self.client, self.sender.host, SnapshotSource(snap))
+        info = RlstreamGlooTrainerInitInfo(host=self.sender.host, port=self.sender.store.port, link=self.n,
+                                           timeout_s=self.sender.settings.timeout_s, rank=0)
+        return WeightTransferTrainerFactory.trainer_init(info, client=self.client)
+
+    def _close_remote(self, reason: str) -> None:
+        if self.client is None:
+            return
+        try:
+            self.client.channel.post("close", reason=reason[:500])
+        except (RuntimeError, OSError):  # best effort: the store may be gone
+            pass
+
+
+# ---------------------------------------------------------------- the durable store
+
+
+class DurableWriter:
+    """Background writes of snapshots to the durable store (see the module doc)."""
+
+    def __init__(self, store, base_dir: str, every: int):
+        self.store, self.base_dir, self.every = store, base_dir, every
+        self.newest: DurableCopy | None = _newest_in(store)
+        """The newest complete durable copy (announced as durable_*)."""
+        self._pending: Snapshot | None = None
+        self._cond = threading.Condition()
+        self._busy = self._stop = False
+        self._thread = threading.Thread(target=self._run, name="rlstream-durable-writer", daemon=True)
+        self._thread.start()
+        if self.newest is not None:
+            telemetry.DURABLE_VERSION.set(self.newest.version)
+
+    def maybe_write(self, snap: Snapshot) -> None:
+        """Write `snap` in the background if its version is due (version % K == 0)."""
+        if snap.version % self.every == 0:
+            self._enqueue(snap)
+
+    def flush(self, snap: Snapshot | None, timeout_s: float = 600.0) -> None:
+        """At shutdown: make `snap` (the last version) durable, waiting for the writer."""
+        if snap is not None and (self.newest is None or self.newest.version < snap.version):
+            self._enqueue(snap)
+        with self._cond:
+            self._cond.wait_for(lambda: self._pending is None and not self._busy, timeout_s)
+
+    def close(self) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._pending is None and not self._busy, 600)
+            self._stop = True
+            self._cond.notify_all()
+
+    def _enqueue(self, snap: Snapshot) -> None:
+        with self._cond:
+            if self._pending is not None:
+                self._pending.release()
+            self._pending = snap.acquire()
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._pending is not None or self._stop)
+                if self._pending is None:
+                    return
+                snap, self._pending, self._busy = self._pending, None, True
+            try:
+                self._write(snap)
+            except Exception:  # noqa: BLE001 - the next due version tries again; the links go on
+                log.exception("durable write of version %d failed", snap.version)
+            finally:
+                snap.release()
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _write(self, snap: Snapshot) -> None:
+        t0 = time.perf_counter()
+        m = self.store.write(snap.version, snap.tensors(), self.base_dir)
+        self.newest = DurableCopy(snap.version, m["uri"], m["sha256"], m["bytes"])
+        telemetry.DURABLE_VERSION.set(snap.version)
+        log.info("durable copy of version %d written in %.1f s", snap.version, time.perf_counter() - t0)
+
+
+def _newest_in(store) -> DurableCopy | None:
+    """The newest complete version already in the store (a restarted consumer's)."""
+    from common.weights.store import MANIFEST
+
+    for v in reversed(store.versions()):
+        try:
+            m = json.loads((store.path(v) / MANIFEST).read_text())
+            return DurableCopy(int(m["version"]), m["uri"], m["sha256"], int(m["bytes"]))
+        except (OSError, ValueError, KeyError):
+            continue
+    return None
