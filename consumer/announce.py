@@ -44,7 +44,8 @@ class PolicyAnnouncer:
         weights = weights or WeightSyncSettings()
         self.sender = self.durable = self.snapshot = None
         if weights.transport == "collective":
-            from consumer.sender import DurableWriter, WeightSender
+            from consumer.durable import DurableWriter
+            from consumer.sender import WeightSender
 
             self.sender = WeightSender(weights, backend)
             self.durable = DurableWriter(store, model_path, weights.durable_every)

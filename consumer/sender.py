@@ -1,10 +1,7 @@
-"""How each new version leaves the trainer (rank 0): producer links and the durable store.
+"""How each new version leaves the trainer (rank 0) on the collective path: producer links.
 
     sender = WeightSender(cfg.consumer.weights)      # hosts the endpoint, accepts links
     sender.publish(snapshot)                         # every link streams it, concurrently
-    durable = DurableWriter(store, model_dir, every=K)
-    durable.maybe_write(snapshot)                    # in the background when version % K == 0
-    durable.flush(snapshot)                          # at shutdown: the last version, synchronously
 
 `WeightSender` hosts the weight endpoint (common/weights/link.py): an acceptor
 thread serves each producer that registers with a link thread of its own,
@@ -16,22 +13,16 @@ fails (a dead, hung or refusing producer: each blocking step is bounded by
 the other links never wait for it, and `publish` never waits for any link: the
 training loop goes on while versions stream. A link that is still sending
 when a newer version is published sends the newer one next (newest wins).
-
-`DurableWriter` keeps the durable store (common/weights/store.py) current
-enough for producers that start late, restart or miss a transfer: one write
-at a time, on its own thread; a version published while one is being written
-waits, replaced by any newer one.
+The durable store is consumer/durable.py.
 """
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
 from datetime import timedelta
 
 from common.config import WeightSyncSettings
-from common.control.messages import DurableCopy
 from common.errors import RlstreamError, WeightTransferError
 from common.weights import link as wlink
 from consumer import telemetry
@@ -191,84 +182,3 @@ class _Link(threading.Thread):
             self.client.channel.post("close", reason=reason[:500])
         except (RuntimeError, OSError):  # best effort: the store may be gone
             pass
-
-
-# ---------------------------------------------------------------- the durable store
-
-
-class DurableWriter:
-    """Background writes of snapshots to the durable store (see the module doc)."""
-
-    def __init__(self, store, base_dir: str, every: int):
-        self.store, self.base_dir, self.every = store, base_dir, every
-        self.newest: DurableCopy | None = _newest_in(store)
-        """The newest complete durable copy (announced as durable_*)."""
-        self._pending: Snapshot | None = None
-        self._cond = threading.Condition()
-        self._busy = self._stop = False
-        self._thread = threading.Thread(target=self._run, name="rlstream-durable-writer", daemon=True)
-        self._thread.start()
-        if self.newest is not None:
-            telemetry.DURABLE_VERSION.set(self.newest.version)
-
-    def maybe_write(self, snap: Snapshot) -> None:
-        """Write `snap` in the background if its version is due (version % K == 0)."""
-        if snap.version % self.every == 0:
-            self._enqueue(snap)
-
-    def flush(self, snap: Snapshot | None, timeout_s: float = 600.0) -> None:
-        """At shutdown: make `snap` (the last version) durable, waiting for the writer."""
-        if snap is not None and (self.newest is None or self.newest.version < snap.version):
-            self._enqueue(snap)
-        with self._cond:
-            self._cond.wait_for(lambda: self._pending is None and not self._busy, timeout_s)
-
-    def close(self) -> None:
-        with self._cond:
-            self._cond.wait_for(lambda: self._pending is None and not self._busy, 600)
-            self._stop = True
-            self._cond.notify_all()
-
-    def _enqueue(self, snap: Snapshot) -> None:
-        with self._cond:
-            if self._pending is not None:
-                self._pending.release()
-            self._pending = snap.acquire()
-            self._cond.notify_all()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._pending is not None or self._stop)
-                if self._pending is None:
-                    return
-                snap, self._pending, self._busy = self._pending, None, True
-            try:
-                self._write(snap)
-            except Exception:  # noqa: BLE001 - the next due version tries again; the links go on
-                log.exception("durable write of version %d failed", snap.version)
-            finally:
-                snap.release()
-                with self._cond:
-                    self._busy = False
-                    self._cond.notify_all()
-
-    def _write(self, snap: Snapshot) -> None:
-        t0 = time.perf_counter()
-        m = self.store.write(snap.version, snap.tensors(), self.base_dir)
-        self.newest = DurableCopy(snap.version, m["uri"], m["sha256"], m["bytes"])
-        telemetry.DURABLE_VERSION.set(snap.version)
-        log.info("durable copy of version %d written in %.1f s", snap.version, time.perf_counter() - t0)
-
-
-def _newest_in(store) -> DurableCopy | None:
-    """The newest complete version already in the store (a restarted consumer's)."""
-    from common.weights.store import MANIFEST
-
-    for v in reversed(store.versions()):
-        try:
-            m = json.loads((store.path(v) / MANIFEST).read_text())
-            return DurableCopy(int(m["version"]), m["uri"], m["sha256"], int(m["bytes"]))
-        except (OSError, ValueError, KeyError):
-            continue
-    return None

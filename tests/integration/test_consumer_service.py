@@ -4,8 +4,9 @@ A synthetic producer publishes valid records with known policy versions:
 - stale groups are dropped at the configured bound and kept below it;
 - in reweight mode the sample weights follow decay ** staleness;
 - a control change on the topic takes effect at the next batch boundary;
-- an announced version is an HF directory that transformers opens and whose
-  log-probs equal the trainer's, and that the vLLM engine reloads;
+- an announced version (collective: the snapshot the links stream, and its
+  durable copy) is an HF directory that transformers opens and whose log-probs
+  equal the trainer's;
 - a consumer killed with SIGKILL between steps resumes from its checkpoint and
   never trains a rollout_id twice; every record is accounted for.
 """
@@ -170,7 +171,15 @@ def test_announced_version_opens_in_transformers_with_same_logprobs(service):
         svc.apply_control()
         assert time.time() < deadline, "announcement not seen on the policy topic"
     ann: WeightsReady = svc.follower.view.weights
-    d = verify(ann.uri, ann.sha256, ann.bytes)
+    # the collective path (the default) announces the snapshot every producer link streams...
+    snap = svc.announcer.snapshot
+    assert (ann.transport, ann.version, ann.digest, ann.endpoint) == \
+        ("collective", svc.version, snap.digest, svc.announcer.sender.endpoint)
+    # ...and its durable copy, written in the background every K versions and at shutdown (here: now)
+    svc.announcer.durable.flush(snap)
+    copy = svc.announcer.durable.newest
+    assert copy.version == svc.version
+    d = verify(copy.uri, copy.sha256, copy.bytes)
     hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     tokens = torch.tensor([[4, 13, 5, 17, 20, 6, 7, 1]])
     with torch.no_grad():
