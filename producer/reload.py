@@ -140,8 +140,9 @@ class Reloader:
             telemetry.TRANSFER_FAILURES.inc()
             log.warning("weight link dropped: %s (still serving version %d)", link.dead, self.engine.version)
             self.link = link = None
-        if link is not None and link.endpoint != endpoint:  # the trainer restarted elsewhere
+        if link is not None and link.endpoint != endpoint:  # the trainer restarted elsewhere: join at once
             self.link = link = None
+            self._rejoin_at = 0.0
         if link is None and endpoint and time.monotonic() >= self._rejoin_at:
             self._rejoin_at = time.monotonic() + _REJOIN_EVERY_S
             self.link = TrainerLink.connect(self.engine, endpoint, self.producer_id, self.timeout_s)

@@ -123,18 +123,25 @@ def pack(tensors: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.
         out = torch.empty(total, dtype=torch.uint8)
     off = 0
     for t, n in zip(tensors, sizes):
-        out[off:off + n].view(t.dtype).view(t.shape).copy_(t.detach())
+        if off % t.element_size() == 0:  # a typed view of the slot: one copy, whatever the layout
+            out[off:off + n].view(t.dtype).view(t.shape).copy_(t.detach())
+        else:  # mixed dtypes leave the slot unaligned for a typed view
+            out[off:off + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
         off += n
     return out
 
 
 def unpack(buf: torch.Tensor, spec: GroupSpec) -> list[tuple[str, torch.Tensor]]:
-    """(name, tensor) views into `buf` (no copy), in the spec's order."""
+    """(name, tensor) views into `buf` (no copy; a model's groups share one dtype, so
+    every slot is aligned), in the spec's order."""
     if buf.numel() != spec.nbytes:
         raise WeightTransferError(f"group buffer has {buf.numel()} bytes, its spec {spec.nbytes}")
     out, off = [], 0
     for name, dt, shape, n in zip(spec.names, spec.dtypes, spec.shapes, spec.sizes):
-        out.append((name, buf[off:off + n].view(_dtype(dt)).view(shape)))
+        part, dtype = buf[off:off + n], _dtype(dt)
+        if off % dtype.itemsize:  # unaligned (mixed dtypes): an aligned copy of this one
+            part = part.clone()
+        out.append((name, part.view(dtype).view(shape)))
         off += n
     return out
 
