@@ -48,3 +48,47 @@ def dict_source(tensors: dict[str, torch.Tensor]):
             yield from tensors.items()
 
     return DictSource()
+
+
+class TrainerSide:
+    """The trainer's sending half (consumer/sender.py, consumer/transfer.py, consumer/durable.py),
+    fed versions by the test instead of a training loop.
+
+        trainer = TrainerSide(tmp / "store", model_dir)
+        msg = trainer.publish(1, tensors, durable=True)   # WeightsReady(transport=collective, ...)
+    """
+
+    def __init__(self, store_dir: Path, model_dir, timeout_s: float = 20.0, writer=None):
+        from common.config import WeightSyncSettings
+        from common.weights.store import WeightStore
+        from consumer.sender import WeightSender
+
+        self.sender = WeightSender(WeightSyncSettings(timeout_s=timeout_s))
+        self.store = WeightStore(store_dir, keep=20)
+        self.model_dir, self.writer = model_dir, writer
+        self.snapshot = None
+        self.durable = None
+
+    def publish(self, version: int, tensors: dict, durable: bool = False, snapshot_cls=None):
+        """Stream `tensors` as `version` to every link; announce it (through `writer` when set)."""
+        from common.control.messages import DurableCopy, WeightsReady
+        from consumer.transfer import Snapshot
+
+        snap = (snapshot_cls or Snapshot)(version, dict_source(tensors), reuse=self.snapshot)
+        self.sender.publish(snap)
+        snap.fill()
+        self.snapshot = snap
+        if durable:
+            m = self.store.write(version, tensors, self.model_dir)
+            self.durable = DurableCopy(version, m["uri"], m["sha256"], m["bytes"])
+        d = self.durable
+        extra = {} if d is None else dict(durable_version=d.version, durable_uri=d.uri, durable_sha256=d.sha256,
+                                          durable_bytes=d.bytes)
+        msg = WeightsReady(version=version, transport="collective", digest=snap.digest,
+                           endpoint=self.sender.endpoint, **extra)
+        if self.writer is not None:
+            self.writer.announce(msg)
+        return msg
+
+    def close(self) -> None:
+        self.sender.close()
