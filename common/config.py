@@ -435,7 +435,8 @@ class WeightSyncSettings(_Section):
     host: str = "127.0.0.1"
     """Address the trainer's weight endpoint listens on (rank 0)."""
     advertise_host: str | None = None
-    """Address producers dial (announced); None: `host`. Set it when `host` is 0.0.0.0."""
+    """Address producers dial (announced); None: `host`, or this host's FQDN when `host`
+    is a wildcard (0.0.0.0)."""
     port: int = Field(0, ge=0, le=65535)
     """Port of the endpoint; 0 picks a free one (it is announced)."""
     timeout_s: float = Field(30.0, gt=0, le=3600)

@@ -18,6 +18,7 @@ The durable store is consumer/durable.py.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from datetime import timedelta
@@ -37,8 +38,10 @@ class WeightSender:
         register()
         self.settings, self.backend = settings, backend
         self.store = wlink.open_store(settings.host, settings.port, settings.timeout_s, master=True)
-        self.host = settings.advertise_host or settings.host
-        self.local_host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
+        wildcard = settings.host in ("0.0.0.0", "::", "")
+        # what producers dial: a wildcard listen address is not one (a StatefulSet pod's FQDN is)
+        self.host = settings.advertise_host or (socket.getfqdn() if wildcard else settings.host)
+        self.local_host = "127.0.0.1" if wildcard else settings.host
         self.endpoint = f"{self.host}:{self.store.port}"
         """What producers dial (announced in WeightsReady)."""
         self.current: Snapshot | None = None
