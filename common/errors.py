@@ -115,6 +115,16 @@ class PipelineError(RlstreamError):
     or a wait for it timed out; the message carries the tail of its log."""
 
 
+class BlobStoreError(RlstreamError):
+    """The claim-check blob store (`kafka.blob_dir`) cannot store a blob: a
+    symbolic link or a path outside the store sits where a blob directory
+    belongs. Remove it; blob directories must be plain directories."""
+
+class VerifierError(RlstreamError):
+    """A verifier cannot run at all (e.g. math-verify's worker process does not
+    start); a wrong or malformed answer is never an error, it scores 0."""
+
+
 class WeightTransferError(RlstreamError):
     """A weight version could not be moved on the collective path: the link to
     the trainer (or to a producer) broke or timed out, or the stream is

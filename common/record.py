@@ -7,31 +7,41 @@ little-endian buffers (msgpack `bin`) and decode zero-copy with
 | key              | type                        | meaning                                         |
 |------------------|-----------------------------|-------------------------------------------------|
 | schema           | int (= 1)                   | schema version                                  |
-| rollout_id       | str                         | unique id, for dedup                            |
-| group_id         | str                         | all G samples of one prompt share it (Kafka key)|
+| rollout_id       | str, 1..256 chars           | unique id, for dedup                            |
+| group_id         | str, 1..256 chars           | all G samples of one prompt share it (Kafka key)|
 | sample_idx       | int in [0, group_size)      | index within the group                          |
-| group_size       | int >= 1                    | G                                               |
+| group_size       | int in [1, 2**20]           | G; a consumer refuses any G but its own         |
 | producer_id      | str                         | who produced it                                 |
 | created_at       | float                       | unix seconds                                    |
-| prompt_ids       | bin int32[P]                | prompt token ids                                |
-| response_ids     | bin int32[T]                | sampled token ids                               |
+| prompt_ids       | bin int32[P], 1 <= P        | prompt token ids, in [0, vocab)                 |
+| response_ids     | bin int32[T], 1 <= T        | sampled token ids, in [0, vocab)                |
 | prompt_text      | str (optional)              |                                                 |
 | logprobs         | bin float32[T]              | log mu_old of each sampled token (finite, <= 0) |
+| temperature      | float > 0 (optional, 1.0)   | sampling temperature the log-probs were taken at|
 | policy_version   | int >= 0                    | version at dispatch                             |
 | token_versions   | bin int64[R,2] (optional)   | run-length (version, count); counts sum to T    |
 | routed_experts   | bin uint8/uint16 (optional) | top-k expert ids, shape `routing_shape`         |
 | routing_dtype    | "uint8" or "uint16"         | uint8 iff num_experts <= 256                    |
 | routing_shape    | [rows, layers, top_k]       | rows = P+T-1 (scope "full") or T ("response")   |
 | routing_scope    | "full" or "response"        |                                                 |
-| num_experts      | int                         | experts per MoE layer                           |
+| num_experts      | int in [1, 65536]           | experts per MoE layer                           |
 | reward           | float (finite)              |                                                 |
 | reward_info      | map (optional)              | verifier details                                |
 | finish_reason    | str                         | "stop", "length", "abort"                       |
 | sampling_digest  | str                         | digest of the sampling parameters               |
 | model_digest     | str                         | digest of the model files                       |
 
+The routing keys (`routed_experts`, `routing_dtype`, `routing_shape`,
+`routing_scope`, `num_experts`) travel together or not at all. Keys are
+unique: a map (or nested map) that repeats a key is refused (msgpack would
+otherwise keep the last value). Unknown keys are ignored, so optional keys can
+be added without a new schema version (`temperature` was: absent means 1.0).
+Generic limits are `RecordLimits` (P <= 65,536, T <= 131,072, layers <= 256,
+top_k <= 64); a consumer adds its model's (vocabulary, layers, top_k, experts,
+P + T <= positions) and its group size (consumer/intake.py).
+
 A *claim-check pointer* replaces a record above the configured size: the map
-`{schema, claim_check: {uri, sha256, bytes}, rollout_id, group_id}`; the blob
+`{schema: 1, rollout_id, group_id, claim_check: {uri, sha256, bytes}}`; the blob
 at `uri` holds the full encoded record (see common/kafka/claimcheck.py).
 
 Staleness of a sample = trainer version at the optimizer step - its oldest
@@ -73,11 +83,18 @@ class RecordLimits:
     model_layers: int | None = None
     model_top_k: int | None = None
     model_experts: int | None = None
+    max_sequence_tokens: int | None = None
+    """P + T at most this (the model's positions): a longer sequence costs the
+    trainer far more than it is worth, or cannot be run at all."""
+    group_size: int | None = None
+    """The consumer's G: a record of another group size can never join a group."""
 
     @classmethod
-    def for_model(cls, vocab_size: int, layers: int, top_k: int, experts: int) -> "RecordLimits":
-        """Limits that also refuse token ids and routing the model cannot take."""
-        return cls(max_token_id=vocab_size - 1, model_layers=layers, model_top_k=top_k, model_experts=experts)
+    def for_model(cls, vocab_size: int, layers: int, top_k: int, experts: int,
+                  positions: int | None = None) -> "RecordLimits":
+        """Limits that also refuse token ids, routing and lengths the model cannot take."""
+        return cls(max_token_id=vocab_size - 1, model_layers=layers, model_top_k=top_k, model_experts=experts,
+                   max_sequence_tokens=positions)
 
 
 DEFAULT_LIMITS = RecordLimits()
@@ -107,6 +124,8 @@ class Rollout:
     reward_info: dict | None = None
     sampling_digest: str = ""
     model_digest: str = ""
+    temperature: float = 1.0
+    """The sampling temperature: `logprobs` are log-probs of softmax(logits / temperature)."""
 
     @property
     def num_tokens(self) -> int:
@@ -158,6 +177,7 @@ def encode(r: Rollout) -> bytes:
         "logprobs": _bin(r.logprobs, _F32), "policy_version": int(r.policy_version),
         "reward": float(r.reward), "finish_reason": r.finish_reason,
         "sampling_digest": r.sampling_digest, "model_digest": r.model_digest,
+        "temperature": float(r.temperature),
     }
     if r.prompt_text is not None:
         m["prompt_text"] = r.prompt_text
@@ -184,11 +204,33 @@ def encode_claim_pointer(p: ClaimPointer) -> bytes:
 
 # --------------------------------------------------------------------- decode
 
+_KEYS = frozenset(("schema", "rollout_id", "group_id", "sample_idx", "group_size", "producer_id", "created_at",
+                   "prompt_ids", "response_ids", "prompt_text", "logprobs", "temperature", "policy_version",
+                   "token_versions", "routed_experts", "routing_dtype", "routing_shape", "routing_scope",
+                   "num_experts", "reward", "reward_info", "finish_reason", "sampling_digest", "model_digest",
+                   "claim_check", "uri", "sha256", "bytes"))
+"""Every key the schema names (a DLQ field label is one of these, never a sender's string)."""
+
+
+def _unique_map(pairs: list[tuple[Any, Any]]) -> dict:
+    """msgpack's object_pairs_hook: a map, refused if it repeats a key (msgpack keeps the last)."""
+    m = dict(pairs)
+    if len(m) != len(pairs):
+        seen: set = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise InvalidRecordError(dup if dup in _KEYS else "<bytes>", f"key {str(dup)[:64]!r} appears twice in a map")
+    return m
+
+
 def _unpack(buf: bytes) -> dict:
     if not isinstance(buf, (bytes, bytearray, memoryview)):
         raise InvalidRecordError("<bytes>", f"expected bytes, got {type(buf).__name__}")
     try:
-        m = msgpack.unpackb(buf, raw=False, strict_map_key=True, max_bin_len=2**31 - 1)
+        # the hook costs ~2 us per record (tests/bench/wire.py: duplicate_key_check_seconds)
+        m = msgpack.unpackb(buf, raw=False, strict_map_key=True, max_bin_len=2**31 - 1,
+                            object_pairs_hook=_unique_map)
+    except InvalidRecordError:
+        raise
     except Exception as e:  # msgpack raises many types on garbage
         raise InvalidRecordError("<bytes>", f"not a msgpack record ({type(e).__name__}: {e})") from None
     if not isinstance(m, dict):
@@ -290,6 +332,7 @@ def _from_map(m: dict, limits: RecordLimits) -> Rollout:
         prompt_text=_str(m, "prompt_text", limits, optional=True),
         sampling_digest=_str(m, "sampling_digest", limits),
         model_digest=_str(m, "model_digest", limits),
+        temperature=_float(m, "temperature") if "temperature" in m else 1.0,
     )
     tv = _array(m, "token_versions", _I64, optional=True)
     if tv is not None:
@@ -349,6 +392,13 @@ def validate(r: Rollout, limits: RecordLimits = DEFAULT_LIMITS) -> None:
         raise InvalidRecordError("prompt_ids", f"length {P} not in [1, {limits.max_prompt_tokens}]")
     if not 1 <= T <= limits.max_response_tokens:
         raise InvalidRecordError("response_ids", f"length {T} not in [1, {limits.max_response_tokens}]")
+    n = limits.max_sequence_tokens
+    if n is not None and P + T > n:
+        raise InvalidRecordError("prompt_ids" if P >= n else "response_ids",
+                                 f"P + T = {P} + {T} exceeds the model's {n} positions")
+    if limits.group_size is not None and r.group_size != limits.group_size:
+        raise InvalidRecordError("group_size", f"{r.group_size} != consumer.group_size {limits.group_size}: "
+                                 "producers and the consumer must use the same G")
     for name, ids in (("prompt_ids", r.prompt_ids), ("response_ids", r.response_ids)):
         if ids.min() < 0 or ids.max() > limits.max_token_id:
             raise InvalidRecordError(name, "token ids must be in [0, max_token_id]")
@@ -362,6 +412,8 @@ def validate(r: Rollout, limits: RecordLimits = DEFAULT_LIMITS) -> None:
         raise InvalidRecordError("finish_reason", f"must be one of {FINISH_REASONS}, got {r.finish_reason!r}")
     if not math.isfinite(r.reward):
         raise InvalidRecordError("reward", "must be finite")
+    if isinstance(r.temperature, bool) or not (math.isfinite(r.temperature) and r.temperature > 0):
+        raise InvalidRecordError("temperature", f"must be a finite number > 0, got {r.temperature!r}")
     if r.policy_version < 0:
         raise InvalidRecordError("policy_version", "must be >= 0")
     _validate_token_versions(r, T)

@@ -22,7 +22,9 @@ of a new one from the trainer's read offsets and held records
 the gate dropped (or DLQ'd, or timed out) would count as queued until the next
 step, and a pipeline whose queue was all dropped would wait forever; so the
 service announces progress during its reads too, at most every second and
-only when something changed.
+only when something changed. Progress also carries the share of recent groups
+that dynamic sampling filtered (consumer/staleness.py `FilteredShare`): the
+producers admit that much more, so that filtering does not starve the trainer.
 """
 from __future__ import annotations
 
@@ -82,7 +84,7 @@ class PolicyAnnouncer:
         return self.sender is not None or announced is None or announced.version < version
 
     def progress(self, version: int, read_offsets: dict[int, int], held_records: int,
-                 every_s: float = 1.0) -> None:
+                 filtered_share: float = 0.0, every_s: float = 1.0) -> None:
         """Send the progress, at most every `every_s` seconds and only when it changed."""
         now = time.monotonic()
         if now - self._at < every_s:
@@ -90,7 +92,7 @@ class PolicyAnnouncer:
         self._at = now
         msg = TrainerProgress(trainer_version=version, read_offsets=dict(read_offsets),
                               held_records=held_records, groups_per_batch=self.groups_per_batch,
-                              group_size=self.group_size)
+                              group_size=self.group_size, filtered_share=round(filtered_share, 3))
         sent = self.sent
         if sent is None or sent.model_dump(exclude={"created_at"}) != msg.model_dump(exclude={"created_at"}):
             self.writer.announce(msg)

@@ -10,12 +10,15 @@ It also remembers, per partition, the smallest offset it still holds: the
 consumer checkpoints that (not the reader's position), so a restart re-reads
 every record that was held but not yet trained. Duplicates (a publisher retry,
 or a re-read after a restart) are recognised by `rollout_id` and skipped.
+Records of another group size never get here: the reader refuses them
+(consumer/intake.py), and `add` raises InvalidSampleError if one does.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 
+from common.errors import InvalidSampleError
 from common.record import Rollout
 
 
@@ -48,7 +51,7 @@ class Group:
 class AddResult:
     """What `add` did with one record."""
 
-    outcome: str  # "held", "completed", "duplicate", "mismatch"
+    outcome: str  # "held", "completed", "duplicate"
     group: Group | None = None
 
 
@@ -75,11 +78,11 @@ class GroupAssembler:
             del self._seen[next(iter(self._seen))]
 
     def add(self, r: Rollout, partition: int, offset: int) -> AddResult:
+        if r.group_size != self.group_size:  # a bug: the reader's limits refuse these (DLQ, field group_size)
+            raise InvalidSampleError(f"record {r.rollout_id!r} has group_size {r.group_size}, this consumer "
+                                     f"{self.group_size}; build the reader with consumer.intake.record_limits")
         if r.rollout_id in self._seen:
             return AddResult("duplicate")
-        if r.group_size != self.group_size:
-            self._remember(r.rollout_id)
-            return AddResult("mismatch")
         g = self._open.get(r.group_id)
         if g is None:
             g = self._open[r.group_id] = Group(r.group_id, r.group_size, self.clock())

@@ -12,6 +12,19 @@ Data parallelism: every rank builds the same global batch from the same
 samples and keeps its slice of each mini-batch (`dp_rank`, `dp_size`).
 `num_responses` / `num_tokens` of a mini-batch are the global counts (the
 loss normalisers, see consumer/losses.py).
+
+Micro-batches (`micro_batch_tokens`, consumer.memory): each mini-batch's rows
+are grouped longest first into micro-batches of at most that many padded input
+positions (rows x the group's longest row; a longer row is a group of its own),
+and `MiniBatch.micro_batches()` gives them as MiniBatch views trimmed to their
+longest row. The plan is made from every rank's lengths (every rank sees every
+sample), so micro-batch j has the same shape on every data-parallel rank, as
+Megatron's expert-parallel dispatch needs. Every loss is a sum over rows divided
+by global counts, so the micro-batches' losses add up to the mini-batch's.
+
+Routing stays in the record's integer type on the host (uint8 for <= 256
+experts: [B, S, L, K] is 384 B per position at Qwen3-30B-A3B's 48 x 8); replay
+moves one micro-batch at a time to the device (consumer/replay.py).
 """
 from __future__ import annotations
 
@@ -35,7 +48,9 @@ class TrainSample:
     prompt_ids int32[P]; response_ids int32[T]; logprobs float32[T] (log mu_old
     of each response token); routed_experts optional uint8/uint16
     [P+T-1, L, K] (every input position) or [T, L, K] (input positions
-    P-1 .. P+T-2, response-only scope); sample_weight: staleness decay.
+    P-1 .. P+T-2, response-only scope); sample_weight: staleness decay;
+    temperature: the sampling temperature of the record (the trainer's
+    log-probs are taken at it: consumer/model.py).
     """
 
     prompt_ids: np.ndarray
@@ -45,6 +60,7 @@ class TrainSample:
     group_id: str
     routed_experts: np.ndarray | None = None
     sample_weight: float = 1.0
+    temperature: float = 1.0
     from_record: bool = field(default=False, compare=False)
     """Built by `from_rollout`: common.record.validate already checked the shapes."""
 
@@ -53,7 +69,7 @@ class TrainSample:
         """A validated rollout record, weighted by the staleness gate."""
         return cls(prompt_ids=r.prompt_ids, response_ids=r.response_ids, logprobs=r.logprobs,
                    reward=r.reward, group_id=r.group_id, routed_experts=r.routed_experts,
-                   sample_weight=weight, from_record=True)
+                   sample_weight=weight, temperature=r.temperature, from_record=True)
 
     def validate(self) -> None:
         """The sample weight (the gate's, which no record carries), and for samples
@@ -63,6 +79,9 @@ class TrainSample:
                                      f"{self.sample_weight} must be finite and >= 0")
         if not self.from_record:
             self._check_shapes()
+            if not (math.isfinite(self.temperature) and self.temperature > 0):
+                raise InvalidSampleError(f"sample of group {self.group_id!r}: temperature "
+                                         f"{self.temperature} must be finite and > 0")
 
     def _check_shapes(self) -> None:
         p, t = len(self.prompt_ids), len(self.response_ids)
@@ -84,8 +103,11 @@ class MiniBatch:
     tokens int64[B, S+1] (input = tokens[:, :-1], targets = tokens[:, 1:]);
     loss_mask bool[B, S]; input_mask bool[B, S] (real, non-padding input
     positions); rollout_logprobs float32[B, S]; advantages float32[B];
-    sample_weight float32[B]; routing int64[B, S, L, K] or None with
-    routing_mask bool[B, S] (True where the rollout's routing is known).
+    sample_weight float32[B]; routing uint8 (int32 for > 256 experts) [B, S, L, K]
+    or None, with routing_mask bool[B, S] (True where the rollout's routing is
+    known); temperature float32[B] (padding rows 1.0), or None when every
+    sample's temperature is 1.0 (the log-prob functions then skip the division).
+    `plan`: this rank's micro-batches, (rows, input positions) each.
     """
 
     tokens: torch.Tensor
@@ -98,6 +120,29 @@ class MiniBatch:
     num_tokens: int
     routing: torch.Tensor | None = None
     routing_mask: torch.Tensor | None = None
+    temperature: torch.Tensor | None = None
+    plan: list[tuple[tuple[int, ...], int]] = field(default_factory=list)
+
+    def micro_batches(self) -> list["MiniBatch"]:
+        """This rank's micro-batches: views of the planned rows, cut to their longest
+        row; the global counts stay the mini-batch's. Without a plan: itself."""
+        rows, seq = self.tokens.shape[0], self.tokens.shape[1] - 1
+        whole = len(self.plan) == 1 and self.plan[0][1] == seq and len(self.plan[0][0]) == rows
+        if not self.plan or whole:  # one micro-batch: the rows' order does not matter
+            return [self]
+        return [self._rows(torch.tensor(r, device="cpu"), s) for r, s in self.plan]
+
+    def _rows(self, idx: torch.Tensor, seq: int) -> "MiniBatch":
+        def cut(t: torch.Tensor | None, extra: int = 0) -> torch.Tensor | None:
+            return None if t is None else t[idx, :seq + extra]
+
+        return MiniBatch(
+            tokens=cut(self.tokens, 1), loss_mask=cut(self.loss_mask),
+            input_mask=cut(self.input_mask), rollout_logprobs=cut(self.rollout_logprobs),
+            advantages=self.advantages[idx], sample_weight=self.sample_weight[idx],
+            num_responses=self.num_responses, num_tokens=self.num_tokens,
+            routing=cut(self.routing), routing_mask=cut(self.routing_mask),
+            temperature=None if self.temperature is None else self.temperature[idx])
 
 
 @dataclass
@@ -165,8 +210,9 @@ def _pad_minibatch(samples: list[TrainSample], adv: np.ndarray, pad_id: int,
     routing = routing_mask = None
     if all(with_routing):
         _, n_layers, k = samples[0].routed_experts.shape
+        dtype = np.uint8 if all(x.routed_experts.dtype == np.uint8 for x in samples) else np.int32
         # padding rows get experts 0..K-1 (distinct, valid; never affect real tokens)
-        routing = np.broadcast_to(np.arange(k), (b, s_len, n_layers, k)).copy()
+        routing = np.broadcast_to(np.arange(k, dtype=dtype), (b, s_len, n_layers, k)).copy()
         routing_mask = np.zeros((b, s_len), dtype=bool)
     for i, x in enumerate(samples):
         p, t = len(x.prompt_ids), len(x.response_ids)
@@ -184,11 +230,18 @@ def _pad_minibatch(samples: list[TrainSample], adv: np.ndarray, pad_id: int,
         input_mask=torch.from_numpy(real),
         rollout_logprobs=torch.from_numpy(mu),
         advantages=torch.from_numpy(np.pad(adv, (0, b - len(samples)))),
-        sample_weight=torch.tensor([x.sample_weight for x in samples] + [0.0] * (b - len(samples)),
+        sample_weight=torch.tensor([x.sample_weight for x in samples] + [0.0] * (b - len(samples)), device="cpu",
                                    dtype=torch.float32),
         num_responses=num_responses, num_tokens=num_tokens,
         routing=None if routing is None else torch.from_numpy(routing),
-        routing_mask=None if routing_mask is None else torch.from_numpy(routing_mask))
+        routing_mask=None if routing_mask is None else torch.from_numpy(routing_mask),
+        temperature=_temperatures(samples, b))
+
+
+def _temperatures(samples: list[TrainSample], rows: int) -> torch.Tensor | None:
+    """float32[rows]: each sample's temperature, 1.0 on padding rows; None if all are 1.0."""
+    temps = [float(x.temperature) for x in samples] + [1.0] * (rows - len(samples))
+    return None if all(t == 1.0 for t in temps) else torch.tensor(temps, dtype=torch.float32)
 
 
 # ---------------------------------------------------------------- global batch
@@ -196,11 +249,12 @@ def _pad_minibatch(samples: list[TrainSample], adv: np.ndarray, pad_id: int,
 
 def build_global_batch(samples: list[TrainSample], group_size: int, num_minibatches: int = 1,
                        advantage_mode: str = "mean", pad_id: int = 0,
-                       dp_rank: int = 0, dp_size: int = 1) -> GlobalBatch:
+                       dp_rank: int = 0, dp_size: int = 1,
+                       micro_batch_tokens: int | None = None) -> GlobalBatch:
     """Advantages per group, then N contiguous mini-batches (groups stay whole
     when the group count divides evenly), each cut into `dp_size` slices;
     this rank keeps slice `dp_rank` of every mini-batch, padded to the same
-    shape on every rank."""
+    shape on every rank, with its micro-batch plan (None: one micro-batch)."""
     for s in samples:
         s.validate()
     ordered, adv = group_advantages(samples, group_size, advantage_mode)
@@ -208,14 +262,42 @@ def build_global_batch(samples: list[TrainSample], group_size: int, num_minibatc
     if num_minibatches < 1 or n < num_minibatches * dp_size:
         raise InvalidSampleError(f"{n} samples cannot fill {num_minibatches} mini-batches x "
                                  f"{dp_size} data-parallel ranks")
+    positions = np.array([len(s.prompt_ids) + len(s.response_ids) - 1 for s in ordered])
     minibatches = []
     for mb_idx in np.array_split(np.arange(n), num_minibatches):
         mb_tokens = int(sum(len(ordered[i].response_ids) for i in mb_idx))
-        s_len = max(len(ordered[i].prompt_ids) + len(ordered[i].response_ids) for i in mb_idx)
-        mine = np.array_split(mb_idx, dp_size)[dp_rank]
-        minibatches.append(_pad_minibatch(
-            [ordered[i] for i in mine], adv[mine], pad_id, num_responses=len(mb_idx),
-            num_tokens=mb_tokens, rows=-(-len(mb_idx) // dp_size), s_len=s_len - 1))
+        slices = np.array_split(mb_idx, dp_size)
+        rows = -(-len(mb_idx) // dp_size)
+        mine = slices[dp_rank]
+        mb = _pad_minibatch([ordered[i] for i in mine], adv[mine], pad_id, num_responses=len(mb_idx),
+                            num_tokens=mb_tokens, rows=rows, s_len=int(positions[mb_idx].max()))
+        if micro_batch_tokens:
+            mb.plan = micro_batch_plan([positions[sl] for sl in slices], rows,
+                                       micro_batch_tokens)[dp_rank]
+        minibatches.append(mb)
     return GlobalBatch(minibatches=minibatches, num_responses=n,
                        num_tokens=sum(len(s.response_ids) for s in ordered),
                        rewards=np.array([s.reward for s in ordered], dtype=np.float32))
+
+
+def micro_batch_plan(lengths: list[np.ndarray], rows: int,
+                     budget: int) -> list[list[tuple[tuple[int, ...], int]]]:
+    """Per data-parallel rank, its micro-batches as (rows, input positions).
+
+    lengths[r]: input positions of rank r's real rows (its rows beyond are padding,
+    length 0). Each rank orders its rows longest first; group j takes the same
+    sorted slots [a, b) on every rank, with S = the longest row in those slots on
+    any rank, so shapes agree across ranks; a group grows while (b - a) x S fits
+    `budget` (a lone row always fits)."""
+    padded = [np.pad(x, (0, rows - len(x))) for x in lengths]
+    order = [np.argsort(-x, kind="stable") for x in padded]
+    longest = np.max([x[o] for x, o in zip(padded, order)], axis=0)  # per sorted slot
+    plans: list[list] = [[] for _ in padded]
+    a = 0
+    while a < rows:
+        seq = max(int(longest[a]), 1)
+        b = a + max(1, min(rows - a, budget // seq))
+        for plan, o in zip(plans, order):
+            plan.append((tuple(int(i) for i in o[a:b]), seq))
+        a = b
+    return plans

@@ -9,7 +9,10 @@ in the DLQ) is at any moment in exactly one of two states:
   (`building`);
 - done: counted once in one outcome of OUTCOMES: trained, dropped_stale,
   timed_out, duplicate (another record with a rollout_id already seen: a
-  publisher retry), mismatch (wrong group size) or dlq.
+  publisher retry), dlq (refused by the reader: undecodable, invalid, or
+  not for this consumer, e.g. another group size; consumer/intake.py) or
+  filtered (dynamic sampling: a complete group whose rewards are all equal,
+  consumer/staleness.py).
 
 So, at any moment, records read = sum(counters) + held_records().
 
@@ -40,7 +43,10 @@ from common.record import Rollout
 from consumer.assembler import Group, GroupAssembler
 from consumer.checkpoint import CheckpointState
 
-OUTCOMES = ("trained", "dropped_stale", "timed_out", "duplicate", "mismatch", "dlq")
+OUTCOMES = ("trained", "dropped_stale", "timed_out", "duplicate", "dlq", "filtered")
+RETIRED_OUTCOMES = ("mismatch",)
+"""Outcomes older versions counted (wrong group size, now a dead letter). A checkpoint
+that has one keeps its count, so the records it covers still balance."""
 
 
 class ReadRecord(Protocol):
@@ -77,7 +83,7 @@ class Ledger:
                 self.assembler.mark_seen([rid])  # re-read after a restart: it has its outcome
                 continue
             res = self.assembler.add(it.rollout, it.partition, it.offset)
-            if res.outcome in ("duplicate", "mismatch"):
+            if res.outcome == "duplicate":
                 self._finish([(it.partition, it.offset, it.rollout.rollout_id)], res.outcome)
             elif res.outcome == "completed":
                 self.complete.append(res.group)
@@ -100,7 +106,7 @@ class Ledger:
         return g
 
     def drop(self, g: Group, outcome: str = "dropped_stale") -> None:
-        """A group taken into the batch that the gate refused."""
+        """A group taken into the batch that the gate refused (dropped_stale or filtered)."""
         self.building.remove(g)
         self._finish_group(g, outcome)
 

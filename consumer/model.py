@@ -3,30 +3,46 @@
     dims = read_hf_dims(dir)                # config.json -> HFModelDims
     model = load_hf_checkpoint(dir, layout) # GPTModel with the HF weights (initialises
                                             # the parallel state: consumer/parallel.py)
-    lp = per_token_logprobs(model, tokens)  # [B, S-1] log p(tokens[:, 1:]) (TP: vocab-parallel)
+    lp = per_token_logprobs(model, tokens)  # [B, S-1] log p(tokens[:, 1:]), chunked over
+                                            # positions (consumer/logprobs.py)
+    lp = per_token_logprobs(model, tokens, temperature=t)  # softmax(logits / t[b]) per row b
+
+Temperature. A record's log-probs are those of the distribution vLLM sampled
+from, softmax(logits / T) (logprobs_mode processed_logprobs), so the trainer
+evaluates pi at the record's T too: `temperature` ([B] or None = all 1.0)
+divides each row's logits before the log-softmax and the entropy, on both the
+tp = 1 and the vocabulary-parallel path (consumer/logprobs.py).
 
 The Megatron config mirrors Qwen3-MoE: RMSNorm, q/k RMSNorm per head
 (`qk_layernorm`), SwiGLU experts, RoPE (non-interleaved, HF's rotate_half)
 with the checkpoint's theta, no biases, top-k softmax routing over the k
 selected logits (= softmax then renormalise, Qwen3's `norm_topk_prob=True`),
-no auxiliary loss, no shared expert, no dropout. Every model is built with
+computed in fp32 (`moe_router_dtype`, as vLLM's top-k), no auxiliary loss, no
+shared expert, no dropout. Every model is built with
 `moe_enable_routing_replay=True`; with no replay action set the router
 behaves normally (see consumer/replay.py).
 
+Memory (`consumer.memory`, docs/trainer-scale.md): the core attention is chosen
+by consumer/attention.py (TE's fused attention or torch SDPA: no [S, S] scores,
+no mask; Megatron's local attention only on request); `recompute` turns on full
+activation recompute one layer at a time; the log-probs never materialise
+[tokens, vocab] logits for a whole micro-batch (the output layer runs per chunk).
+
 On CPU: gloo, `use_cpu_initialization`, the allgather token dispatcher and the
-shims of consumer/megatron_shims.py. On GPU: NCCL, the same code.
+shims of consumer/megatron_shims.py. On GPU: NCCL, the alltoall dispatcher.
 
 Tensor parallelism. Megatron's MoE layer trains under TP only with sequence
 parallelism, so `tp > 1` turns it on: between the attention and expert blocks
 each TP rank holds S/tp of the sequence (the forward right-pads the input to a
 multiple of tp), its routers route only those tokens (consumer/replay.py cuts
 and gathers replay indices accordingly), and the norm and router weights, which
-every TP rank holds whole, get partial gradients that the trainer sums over
+every TP rank holds whole, get partial gradients that the optimizer sums over
 the TP group. Megatron's own torch norm refuses sequence parallelism, so the
 model uses `RMSNorm` below (the same torch.nn.RMSNorm, marked for that sum).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -38,7 +54,11 @@ import torch.nn.functional as F
 
 from common.errors import ConfigError, ModelError
 from consumer import megatron_shims
-from consumer.parallel import ParallelLayout, init_parallel, padded_length
+from consumer.logprobs import chunked_logprobs
+from consumer.parallel import ParallelLayout, init_parallel, padded_length, sequence_shard
+
+DEFAULT_CHUNK_TOKENS = 2048
+"""Positions per output-layer chunk when the caller names none (consumer.memory's default)."""
 
 # ---------------------------------------------------------------- model dims
 
@@ -95,8 +115,10 @@ def read_hf_dims(hf_dir: str | os.PathLike) -> HFModelDims:
 # ---------------------------------------------------------------- model
 
 
-def transformer_config(dims: HFModelDims, dtype: torch.dtype = torch.float32):
-    """Megatron TransformerConfig equivalent to the HF Qwen3-MoE config."""
+def transformer_config(dims: HFModelDims, dtype: torch.dtype = torch.float32,
+                       recompute: bool = False):
+    """Megatron TransformerConfig equivalent to the HF Qwen3-MoE config; `recompute`:
+    full activation recompute, one layer at a time."""
     from megatron.core import parallel_state as ps
     from megatron.core.transformer import TransformerConfig
 
@@ -110,7 +132,7 @@ def transformer_config(dims: HFModelDims, dtype: torch.dtype = torch.float32):
         moe_router_pre_softmax=False, moe_router_score_function="softmax",
         moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
         moe_token_dispatcher_type="allgather" if on_cpu else "alltoall",
-        moe_grouped_gemm=False, moe_enable_routing_replay=True,
+        moe_grouped_gemm=False, moe_enable_routing_replay=True, moe_router_dtype="fp32",
         normalization="RMSNorm", layernorm_epsilon=dims.rms_norm_eps, qk_layernorm=True,
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
         add_qkv_bias=False, hidden_dropout=0.0, attention_dropout=0.0,
@@ -123,6 +145,9 @@ def transformer_config(dims: HFModelDims, dtype: torch.dtype = torch.float32):
         sequence_parallel=ps.get_tensor_model_parallel_world_size() > 1,
         params_dtype=dtype, bf16=dtype == torch.bfloat16,
         pipeline_dtype=dtype,
+        recompute_granularity="full" if recompute else None,
+        recompute_method="uniform" if recompute else None,
+        recompute_num_layers=1 if recompute else None,
     )
 
 
@@ -132,7 +157,8 @@ class RMSNorm(torch.nn.RMSNorm):
     `sequence_parallel` (see the module docstring)."""
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused):
-        super().__init__(hidden_size, eps=eps)
+        # the model's dtype: an fp32 norm in a bf16 model falls off torch's fused kernel
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
         self.weight.sequence_parallel = config.sequence_parallel
 
 
@@ -151,29 +177,43 @@ def _with_norm(spec, norm):
     return spec
 
 
-def layer_specs(dims: HFModelDims):
-    """Megatron block spec: local (non-TE) Qwen3-MoE layers with rlstream's RMSNorm."""
+def layer_specs(dims: HFModelDims, attention: str = "sdpa"):
+    """Megatron block spec: local (non-TE) Qwen3-MoE layers with rlstream's RMSNorm and
+    the core attention `attention` (resolved, consumer/attention.py)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    from consumer.attention import core_attention
 
     layer = get_gpt_layer_local_spec(num_experts=dims.num_experts, moe_grouped_gemm=False,
                                      qk_layernorm=True, normalization="RMSNorm")
     layer = _with_norm(layer, RMSNorm)
+    sa = layer.submodules.self_attention
+    sa = dataclasses.replace(sa, submodules=dataclasses.replace(
+        sa.submodules, core_attention=core_attention(attention)))
+    layer = dataclasses.replace(layer, submodules=dataclasses.replace(
+        layer.submodules, self_attention=sa))
     return TransformerBlockSubmodules(layer_specs=[layer] * dims.num_layers, layer_norm=RMSNorm)
 
 
-def build_model(dims: HFModelDims, dtype: torch.dtype = torch.float32):
-    """An uninitialised-weights GPTModel (parallel state must be initialised)."""
+def build_model(dims: HFModelDims, dtype: torch.dtype = torch.float32,
+                attention: str = "auto", recompute: bool = False):
+    """An uninitialised-weights GPTModel (parallel state must be initialised).
+    `attention` and `recompute`: `consumer.memory` (common/config.py)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
+    from consumer.attention import resolve
+
     megatron_shims.apply()
+    attention = resolve(attention)
     before = len(RouterReplay.global_router_replay_instances)
     model = GPTModel(
-        config=transformer_config(dims, dtype), transformer_layer_spec=layer_specs(dims),
+        config=transformer_config(dims, dtype, recompute),
+        transformer_layer_spec=layer_specs(dims, attention),
         vocab_size=dims.vocab_size, max_sequence_length=dims.max_position_embeddings,
         # under TP each rank keeps its vocabulary shard of the logits
-        # (vocab_parallel_logprobs); with tp = 1 this changes nothing
+        # (consumer/logprobs.py); with tp = 1 this changes nothing
         pre_process=True, post_process=True, parallel_output=True,
         share_embeddings_and_output_weights=dims.tie_word_embeddings,
         position_embedding_type="rope", rotary_base=dims.rope_theta, rotary_percent=1.0,
@@ -182,14 +222,15 @@ def build_model(dims: HFModelDims, dtype: torch.dtype = torch.float32):
     # addresses each model's own routers (consumer/replay.py), so several models
     # (tests, old/new policies) can live in one process.
     del RouterReplay.global_router_replay_instances[before:]
-    model.hf_dims = dims
+    model.hf_dims, model.attention = dims, attention
     if torch.cuda.is_available():
         model.cuda()
     return model
 
 
 def load_hf_checkpoint(hf_dir: str | os.PathLike, par: ParallelLayout | None = None,
-                       dtype: torch.dtype = torch.float32):
+                       dtype: torch.dtype = torch.float32, attention: str = "auto",
+                       recompute: bool = False):
     """Build the Megatron model for `hf_dir` and load its safetensors weights.
 
     Initialises the parallel state (`par`, default world of one) if needed.
@@ -200,7 +241,7 @@ def load_hf_checkpoint(hf_dir: str | os.PathLike, par: ParallelLayout | None = N
     init_parallel(par or ParallelLayout())
     dims = read_hf_dims(hf_dir)
     hf_sd = convert.read_hf_safetensors(hf_dir)
-    model = build_model(dims, dtype)
+    model = build_model(dims, dtype, attention, recompute)
     convert.load_hf_state_dict(model, hf_sd)
     return model
 
@@ -208,72 +249,58 @@ def load_hf_checkpoint(hf_dir: str | os.PathLike, par: ParallelLayout | None = N
 # ---------------------------------------------------------------- forward
 
 
-def forward_logits(model, tokens: torch.Tensor) -> torch.Tensor:
-    """Logits [B, S, V] (float32) for input ids [B, S] (right-padded is fine:
-    the mask is causal, so padding never influences real positions). Under
-    tensor parallelism they are this rank's vocabulary shard [B, S, V / tp],
-    and the input is right-padded to `padded_length` and the logits cut back
-    to S. `per_token_logprobs` handles both."""
-    seq = tokens.shape[1]
+def _forward(model, tokens: torch.Tensor) -> torch.Tensor:
+    """GPTModel's output [B, S_pad(, V)] for input ids [B, S], right-padded to
+    `padded_length` (right padding never influences real positions: causal)."""
+    from consumer.attention import needs_mask
+
     device = next(model.parameters()).device
     tokens = tokens.to(device)
-    full = padded_length(seq, model)
+    seq, full = tokens.shape[1], padded_length(tokens.shape[1], model)
     if full != seq:
         tokens = F.pad(tokens, (0, full - seq), value=0)
     position_ids = torch.arange(full, device=device).unsqueeze(0).expand_as(tokens)
-    mask = megatron_shims.causal_attention_mask(full, device)
-    logits = model(input_ids=tokens, position_ids=position_ids, attention_mask=mask)
-    return logits[:, :seq].float()
+    mask = (megatron_shims.causal_attention_mask(full, device)
+            if needs_mask(getattr(model, "attention", "local")) else None)
+    return model(input_ids=tokens, position_ids=position_ids, attention_mask=mask)
 
 
-def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor,
-                         with_entropy: bool = False):
-    """log p(targets) [B, T] from logits [B, T, V]; optionally the entropy [B, T]."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    out = logp.gather(-1, targets.unsqueeze(-1).long()).squeeze(-1)
-    if not with_entropy:
-        return out
-    ent = -(logp.exp() * logp).sum(-1)
-    return out, ent
+def forward_logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits [B, S, V] (float32) for input ids [B, S] (right-padded is fine).
+    Under tensor parallelism they are this rank's vocabulary shard [B, S, V / tp].
+    Full logits of every position: for sampling and tests; training uses
+    `per_token_logprobs`, which never holds them for the whole batch."""
+    return _forward(model, tokens)[:, :tokens.shape[1]].float()
 
 
-def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor,
-                            with_entropy: bool = False):
-    """`logprobs_from_logits` for vocabulary-sharded logits [B, T, V / tp]
-    (tensor parallelism): no rank ever holds the full-vocabulary logits.
-
-    log p comes from Megatron's `vocab_parallel_cross_entropy` (differentiable;
-    it overwrites `logits` in place, so the entropy is computed first, without
-    gradient: it is a metric).
-    """
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
-    ent = None
-    if with_entropy:
-        group = ps.get_tensor_model_parallel_group()
-        with torch.no_grad():
-            x = logits.float()
-            m = x.max(-1).values
-            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-            z = x - m.unsqueeze(-1)
-            e = z.exp()
-            sums = torch.stack([e.sum(-1), (e * z).sum(-1)])  # sum exp(z), sum exp(z) z
-            dist.all_reduce(sums, group=group)
-            ent = sums[0].log() - sums[1] / sums[0]  # H = log Z - E_p[z]
-    # contiguous: a padded forward's logits are a slice (Megatron views them 2-D)
-    out = -vocab_parallel_cross_entropy(logits.float().contiguous(), targets.long())
-    return out if not with_entropy else (out, ent)
+@contextlib.contextmanager
+def _output_layer_skipped(model):
+    """GPTModel returns its final hidden states instead of logits inside the block."""
+    layer = model.output_layer
+    layer.forward = lambda hidden, weight=None, runtime_gather_output=None: (hidden, None)
+    try:
+        yield
+    finally:
+        del layer.forward  # back to the class method
 
 
-def per_token_logprobs(model, tokens: torch.Tensor, with_entropy: bool = False):
+def output_head(model):
+    """The output layer as a function hidden [c, B, H] -> logits [c * tp, B, V / tp]
+    (sequence parallel: it all-gathers the chunk over TP ranks)."""
+    weight = (model.shared_embedding_or_output_weight()
+              if model.share_embeddings_and_output_weights else None)
+    return lambda hidden: model.output_layer(hidden, weight=weight)[0]
+
+
+def per_token_logprobs(model, tokens: torch.Tensor, with_entropy: bool = False,
+                       temperature: torch.Tensor | None = None,
+                       chunk_tokens: int = DEFAULT_CHUNK_TOKENS):
     """log p(tokens[:, t+1] | tokens[:, :t+1]) for t < S-1: [B, S-1] float32
-    (and the entropy). `tokens` is [B, S] (prompt + response); the forward
-    input is tokens[:, :-1]. Under tensor parallelism the log-softmax runs on
-    the vocabulary shards (`vocab_parallel_logprobs`)."""
-    logits = forward_logits(model, tokens[:, :-1])
-    targets = tokens[:, 1:].to(logits.device)
-    if model.config.tensor_model_parallel_size > 1:
-        return vocab_parallel_logprobs(logits, targets, with_entropy)
-    return logprobs_from_logits(logits, targets, with_entropy)
+    (and the entropy). `tokens` is [B, S] (prompt + response); the forward input
+    is tokens[:, :-1]. The output layer and log-softmax run `chunk_tokens`
+    positions at a time (0: all at once); under tensor parallelism on the
+    vocabulary shards. `temperature` [B] divides each sample's logits."""
+    with _output_layer_skipped(model):
+        hidden = _forward(model, tokens[:, :-1])  # [B, S_pad / tp, H]
+    return chunked_logprobs(hidden, tokens[:, 1:].to(hidden.device), output_head(model),
+                            sequence_shard(model), chunk_tokens, with_entropy, temperature)

@@ -1,19 +1,25 @@
 """Distributed helpers of the trainer: the parallel layout, Megatron's groups,
-the gradient all-reduce and clip, the sequence split of sequence parallelism.
+the reductions the trainer issues itself, the sequence split of sequence parallelism.
 
     layout = ParallelLayout.of(cfg.consumer.parallel, launch_world_size())
-    init_parallel(layout)                    # torch.distributed + Megatron groups, once
-    allreduce_grads(named_params)            # after backward: sum over data-parallel ranks
-    norm = clip_grad_norm(named_params, 1.0) # global norm over every shard
+    init_parallel(layout)                          # torch.distributed + Megatron groups, once
+    reduce_over_data_parallel(metric_sums, "sum")  # step metrics, one message
+    reduce_over_tensor_parallel(t, "max")          # vocabulary-parallel entropy
 
 Layout: world size = tp * dp, ep divides dp (Megatron carves expert-parallel
 groups out of the data-parallel ranks); experts are split over the same tp
 ranks as the dense layers (expert TP = tp). Every helper is a no-op, or the
 identity, in a world of one.
 
+Devices. Every reduction here takes tensors on the model's device: NCCL (GPU)
+serves CUDA tensors only, gloo (CPU) both. Host tensors go over a gloo group
+named as such (`data_parallel_gloo_group`). Gradient reduction and clipping are
+Megatron's (consumer/optimizer.py), on the gradient buffers' device.
+tests/integration/test_trainer_collectives.py records every collective of a
+multi-rank step and checks the devices.
+
 On CPU: gloo, and the shims of consumer/megatron_shims.py. On GPU: NCCL, the
-same code. (The devices these helpers put tensors on are fixed by another
-issue; this module only gathers them.)
+same code.
 """
 from __future__ import annotations
 
@@ -132,70 +138,44 @@ def ranks() -> tuple[int, int, int, int]:
             ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size())
 
 
-# ---------------------------------------------------------------- gradients
+# ---------------------------------------------------------------- reductions
 
 
-def is_expert(name: str) -> bool:
-    return ".mlp.experts." in name
+OPS = {"sum": "SUM", "max": "MAX"}
 
 
-def allreduce(grads: list[torch.Tensor], group) -> None:
-    """Sum `grads` over `group` in place, flattened into one message."""
-    import torch
+def _all_reduce(t: torch.Tensor, op: str, group) -> torch.Tensor:
     import torch.distributed as dist
 
-    if not grads or dist.get_world_size(group) == 1:
-        return
-    flat = torch._utils._flatten_dense_tensors(grads)
-    dist.all_reduce(flat, group=group)
-    for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-        g.copy_(synced)
+    if world() > 1 and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=getattr(dist.ReduceOp, OPS[op]), group=group)
+    return t
 
 
-def allreduce_grads(named_params: list[tuple[str, torch.nn.Parameter]]) -> None:
-    """Sum gradients over data-parallel ranks (experts: expert-data-parallel).
+def reduce_over_data_parallel(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """`op` ("sum" or "max") of `t` over the data-parallel ranks, in place.
 
-    Under tensor (and so sequence) parallelism, first sum over the TP group the
-    gradients of the weights every TP rank holds whole (norms, q/k norms,
-    router): each rank saw only its slice of the sequence or its heads, so
-    each holds a partial sum.
-    """
+    `t` must live on the model's device (NCCL serves CUDA tensors only): the
+    trainer keeps its step metrics there. Tensor-parallel ranks hold the same
+    values, so they are not reduced over."""
     from megatron.core import parallel_state as ps
 
-    if world() == 1:
-        return
-    allreduce([p.grad for _, p in named_params if p.grad is not None
-               and not getattr(p, "tensor_model_parallel", False)],
-              ps.get_tensor_model_parallel_group())
-    for expert, group in ((False, ps.get_data_parallel_group()),
-                          (True, ps.get_expert_data_parallel_group())):
-        allreduce([p.grad for n, p in named_params if is_expert(n) == expert
-                   and p.grad is not None], group)
+    return _all_reduce(t, op, ps.get_data_parallel_group() if world() > 1 else None)
 
 
-def clip_grad_norm(named_params, max_norm: float) -> float:
-    """Global grad norm across tensor/expert-parallel shards; clip if max_norm > 0."""
-    import torch
-    import torch.distributed as dist
+def reduce_over_tensor_parallel(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """`op` of `t` over the tensor-parallel ranks, in place (`t` on the model's device)."""
     from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
 
-    sq = torch.zeros(2, dtype=torch.float64)  # [dense, expert]
-    for name, p in named_params:
-        if p.grad is not None and param_is_not_tensor_parallel_duplicate(p):
-            sq[int(is_expert(name))] += p.grad.detach().double().pow(2).sum().cpu()
-    if world() > 1:
-        d, e = sq[0:1].clone(), sq[1:2].clone()
-        dist.all_reduce(d, group=ps.get_tensor_model_parallel_group())
-        dist.all_reduce(e, group=ps.get_expert_tensor_and_model_parallel_group())
-        sq = torch.cat([d, e])
-    norm = float(sq.sum().sqrt())
-    if max_norm > 0 and norm > max_norm:
-        scale = max_norm / (norm + 1e-6)
-        for _, p in named_params:
-            if p.grad is not None:
-                p.grad.mul_(scale)
-    return norm
+    return _all_reduce(t, op, ps.get_tensor_model_parallel_group() if world() > 1 else None)
+
+
+def data_parallel_gloo_group():
+    """Megatron's gloo group over the data-parallel ranks: for host tensors only
+    (checkpoint gathers of the distributed optimizer use it)."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_group_gloo()
 
 
 # ---------------------------------------------------------------- sequence parallelism

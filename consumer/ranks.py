@@ -7,13 +7,15 @@ command and every follower does the same work, in the same order:
 
     command     arg                     every rank
     TRAIN       list[TrainSample]       build its data-parallel share, train_step
-    CHECKPOINT  staging dir (str)       write its (tp, ep) shard if it is the pair's writer; barrier
+    CHECKPOINT  staging dir (str)       gather its state (collective), write its (tp, ep) shard if
+                                        it is the pair's writer; barrier
     EXPORT      None                    iterate the weight source (layer groups gathered to rank 0)
     STOP        None                    leave; rank 0 stopped at a batch boundary
 
 CHECKPOINT and EXPORT are sent only when the ranks hold different shards
-(tensor or expert parallel): with data parallelism alone rank 0 holds the
-whole state and does both by itself. Before the first command every rank
+(tensor or expert parallel; CHECKPOINT also when the distributed optimizer
+shards its state over data-parallel ranks): with data parallelism alone rank 0
+holds the whole weights and exports by itself. Before the first command every rank
 calls `start_rank`: rank 0 picks the newest checkpoint and broadcasts its
 path, and each rank loads its own shard of it.
 
@@ -93,8 +95,9 @@ def write_shard(trainer, ckpt: CheckpointManager, tmp: str | Path) -> list[str]:
     import torch.distributed as dist
 
     name, writes, shards = checkpoint_shard()
+    state = trainer.state_dict()  # collective: the distributed optimizer gathers its shards
     if writes:
-        ckpt.write_shard(Path(tmp), name, trainer.state_dict())
+        ckpt.write_shard(Path(tmp), name, state)
     dist.barrier()
     return shards
 
@@ -111,6 +114,8 @@ class Leader:
         tp, ep = trainer.cfg.parallel.tensor, trainer.cfg.parallel.expert
         # several ranks holding different shards: every rank checkpoints and exports
         self.sharded = self.world > 1 and (tp > 1 or ep > 1)
+        # the distributed optimizer spreads its state over data-parallel ranks too
+        self.collective_checkpoint = self.sharded or trainer.optimizer_state_sharded
 
     def broadcast(self, cmd: RankCommand, arg: Any = None) -> None:
         if self.world > 1:
@@ -124,7 +129,7 @@ class Leader:
         """The audit line of the step that trained `trained`, then trainer state +
         `st` committed atomically (every rank's shard when sharded)."""
         self.ckpt.audit({"step": st.step, "version": st.version, "trained": trained})
-        if not self.sharded:
+        if not self.collective_checkpoint:
             self.ckpt.save(st, self.trainer.state_dict())
             return
         tmp = self.ckpt.begin(st.step)

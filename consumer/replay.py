@@ -3,7 +3,7 @@
 Modes:
   none  the trainer's routers choose their own top-k in every forward.
   R2    the old-policy forward of a global batch RECORDs pi_old's top-k per
-        mini-batch; every update forward of that mini-batch REPLAYs it.
+        (micro-)batch; every update forward of that batch REPLAYs it.
   R3    every training forward (old-policy and updates) REPLAYs the rollout's
         routing carried in the record. Input positions the record does not
         cover (response-only scope: the prompt) take the trainer's own top-k
@@ -13,7 +13,19 @@ Under replay only the choice is fixed: Megatron gathers the training router's
 logits at the replayed experts and softmaxes them, so the router still gets
 gradients.
 
-Layout. Batch routing is int64 [B, S, L, K] (consumer/batch.py); Megatron's
+Recompute. With activation recompute (`consumer.memory.recompute`) backward re-runs
+each layer's forward, routers included: replay stays active through backward
+(`replaying` yields the backward call, which switches the routers to
+REPLAY_BACKWARD), or the recomputed forward would re-route with the routers' own
+top-k and silently give other gradients (tests/integration/test_trainer_memory.py).
+
+Memory. The routing of a batch stays on the host in the record's integer type
+(uint8); `replaying` moves one micro-batch to the device. R2's recorded routing
+is kept on the host in the same type (pinned on CUDA) between the old-policy
+pass and the updates; the trainer's own top-k of the old-policy pass lives only
+until `agreement_sums` has compared it, on the device, with the rollout's.
+
+Layout. Batch routing is [B, S, L, K] (consumer/batch.py); Megatron's
 router sees tokens sequence-major ([S, B] flattened), so each layer's replay
 tensor is `routing[:, :, l].transpose(0, 1).reshape(S * B, K)`. Under tensor
 parallelism (sequence parallel, see consumer/model.py) each TP rank's routers
@@ -70,8 +82,8 @@ def pad_routing(routing: torch.Tensor, seq: int) -> torch.Tensor:
     b, s, n_layers, k = routing.shape
     if seq == s:
         return routing
-    fill = torch.arange(k, dtype=routing.dtype).expand(b, seq - s, n_layers, k)
-    return torch.cat([routing, fill.to(routing.device)], 1)
+    fill = torch.arange(k, dtype=routing.dtype, device=routing.device)
+    return torch.cat([routing, fill.expand(b, seq - s, n_layers, k)], 1)
 
 
 def to_layer_indices(routing: torch.Tensor, shard: tuple[int, int] = (0, 1)) -> list[torch.Tensor]:
@@ -80,7 +92,7 @@ def to_layer_indices(routing: torch.Tensor, shard: tuple[int, int] = (0, 1)) -> 
     rank, size = shard
     b, s, n_layers, k = routing.shape
     chunk = s // size
-    r = routing.long().transpose(0, 1)[rank * chunk:(rank + 1) * chunk]  # [S/size, B, L, K]
+    r = routing.transpose(0, 1)[rank * chunk:(rank + 1) * chunk].long()  # [S/size, B, L, K]
     return [r[:, :, layer].reshape(chunk * b, k) for layer in range(n_layers)]
 
 
@@ -92,12 +104,28 @@ def from_layer_indices(layers: list[torch.Tensor], batch: int,
     return stacked.transpose(0, 1)[:, :seq].contiguous()
 
 
-def routing_agreement(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> list[float]:
-    """Per layer, mean over masked positions of |experts(a) & experts(b)| / K.
-    a, b: [B, S, L, K]; mask: bool [B, S]."""
-    shared = (a.unsqueeze(-1) == b.unsqueeze(-2)).any(-1).float().mean(-1)  # [B, S, L]
-    n = mask.sum().clamp(min=1)
-    return ((shared * mask.unsqueeze(-1)).sum((0, 1)) / n).tolist()
+def host_routing(routing: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[B, S, L, K] indices as kept on the host between passes: uint8 for <= 256
+    experts (int32 beyond), pinned when CUDA is present (asynchronous copies)."""
+    dtype = torch.uint8 if num_experts <= 256 else torch.int32
+    out = routing.to("cpu", dtype)
+    return out.pin_memory() if torch.cuda.is_available() else out
+
+
+def agreement_sums(rollout: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor,
+                   chunk: int = 4096) -> torch.Tensor:
+    """Per layer, the sum over masked positions of |experts(rollout) & experts(trainer)| / K,
+    a float64 [L] tensor on the trainer routing's device. rollout (any integer type,
+    any device), trainer [B, S, L, K]; mask bool [B, S]. Only masked positions are
+    compared, `chunk` at a time (no [B, S, L, K, K] tensor)."""
+    device, k = trainer.device, trainer.shape[-1]
+    keep = mask.to(device)
+    a, b = rollout.to(device)[keep].long(), trainer[keep]  # [N, L, K]
+    total = torch.zeros(trainer.shape[2], dtype=torch.float64, device=device)
+    for i in range(0, a.shape[0], chunk):
+        hits = (a[i:i + chunk].unsqueeze(-1) == b[i:i + chunk].unsqueeze(-2)).any(-1)
+        total += hits.sum((0, 2)).double()
+    return total / k
 
 
 # ---------------------------------------------------------------- Megatron actions
@@ -125,25 +153,38 @@ def recording(model):
 
 @contextlib.contextmanager
 def replaying(model, routing: torch.Tensor):
-    """REPLAY_FORWARD `routing` [B, S, L, K] in every MoE layer inside the block."""
+    """REPLAY_FORWARD `routing` [B, S, L, K] (host or device, any integer type) in
+    every MoE layer inside the block; yields `backward(loss)`, which keeps the
+    replay for backward's recomputed forwards (REPLAY_BACKWARD) and runs it."""
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     rs = routers(model)
+    device = next(model.parameters()).device
+    routing = routing.to(device, non_blocking=True)
     routing = pad_routing(routing, padded_length(routing.shape[1], model))
     layers = to_layer_indices(routing, sequence_shard(model))
     if len(layers) != len(rs):
         raise InvalidSampleError(f"routing has {len(layers)} layers, model has {len(rs)} MoE "
                                  "layers; was the rollout produced by this model?")
-    device = next(model.parameters()).device
     for r, idx in zip(rs, layers):
-        r.router_replay.set_target_indices(idx.to(device))
+        r.router_replay.set_target_indices(idx)
         r.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+    def backward(loss: torch.Tensor) -> None:
+        for r in rs:  # a recomputed forward pops its layer's indices (replay_backward_list)
+            r.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+        loss.backward()
+
     try:
-        yield
+        yield backward
     finally:
         for r in rs:
             r.router_replay.clear_router_replay_action()
             r.router_replay.clear_indices()
+
+
+def plain_backward(loss: torch.Tensor) -> None:
+    loss.backward()
 
 
 @contextlib.contextmanager
@@ -177,37 +218,42 @@ def natural_topk(model):
 
 
 class RoutingReplay:
-    """Applies one mode across a training step: `old_policy(i, mb, fwd)` for the
-    old-policy forward of mini-batch i, `update(i, mb, fwd)` for its updates.
-    `fwd()` runs the model forward and returns anything."""
+    """Applies one mode across a training step: `old_policy(key, batch, fwd)` for the
+    old-policy forward of a (micro-)batch, `update(key, batch)` around its updates.
+    `fwd()` runs the model forward and returns anything; `key` names the batch
+    (the trainer uses (mini-batch, micro-batch))."""
 
     def __init__(self, model, mode: "str | ReplayMode"):
         self.model, self.mode = model, ReplayMode.parse(mode)
-        self._saved: dict[int, torch.Tensor] = {}
+        self._saved: dict = {}
 
     def start_step(self) -> None:
         self._saved.clear()
 
-    def old_policy(self, i: int, mb, fwd: Callable):
-        """Returns (fwd's result, trainer's own top-k [B, S, L, K])."""
+    def old_policy(self, key, mb, fwd: Callable):
+        """Returns (fwd's result, trainer's own top-k [B, S, L, K] on the device)."""
         b, s = mb.tokens.shape[0], mb.tokens.shape[1] - 1
         if self.mode is ReplayMode.R3:
-            self._saved[i] = self._r3_routing(mb, fwd)
-            with replaying(self.model, self._saved[i]), natural_topk(self.model) as nat:
+            self._saved[key] = self._r3_routing(mb, fwd)
+            with replaying(self.model, self._saved[key]), natural_topk(self.model) as nat:
                 out = fwd()
             return out, from_layer_indices(nat["layers"], b, s)
         with recording(self.model) as rec:
             out = fwd()
         own = from_layer_indices(rec["layers"], b, s)
         if self.mode is ReplayMode.R2:
-            self._saved[i] = own
+            self._saved[key] = host_routing(own, self.model.hf_dims.num_experts)
         return out, own
 
-    def update(self, i: int, mb, fwd: Callable):
+    @contextlib.contextmanager
+    def update(self, key, mb):
+        """Around an update's forward and backward of batch `key`; yields
+        `backward(loss)` (replay kept through backward, see the module docstring)."""
         if self.mode is ReplayMode.NONE:
-            return fwd()
-        with replaying(self.model, self._saved[i]):
-            return fwd()
+            yield plain_backward
+            return
+        with replaying(self.model, self._saved[key]) as backward:
+            yield backward
 
     def _r3_routing(self, mb, fwd: Callable) -> torch.Tensor:
         if mb.routing is None:
@@ -219,5 +265,6 @@ class RoutingReplay:
             return mb.routing
         with torch.no_grad(), recording(self.model) as rec:
             fwd()
-        own = from_layer_indices(rec["layers"], *mb.routing_mask.shape).to(mb.routing.device)
-        return torch.where(missing[..., None, None], own, mb.routing.long())
+        own = host_routing(from_layer_indices(rec["layers"], *mb.routing_mask.shape),
+                           self.model.hf_dims.num_experts)
+        return torch.where(missing[..., None, None], own, mb.routing)

@@ -4,7 +4,12 @@
 
 One global step per iteration of a loop of named steps:
 
-    apply_control -> next_batch -> train_step -> checkpoint -> publish_weights
+    next_batch (apply_control at its start) -> train_step -> checkpoint -> publish_weights
+
+Runtime settings apply at the next batch boundary: every control change the
+broker acknowledged before a batch gates its first group applies to that
+whole batch (`apply_control` reads the control topic to its end there), also
+on a consumer that sat idle waiting for data.
 
 Exactly-once training: offsets are committed only inside a checkpoint, with
 the model and version they produced; every consumed record ends in exactly
@@ -24,7 +29,7 @@ from consumer import telemetry
 from consumer.assembler import GroupAssembler
 from consumer.ledger import OUTCOMES, Ledger  # noqa: F401 - OUTCOMES: for importers of its old home
 from consumer.parallel import launch_rank, launch_world_size
-from consumer.staleness import ReadyGroup, gate_group
+from consumer.staleness import FILTER_WINDOW_BATCHES, FilteredShare, ReadyGroup, gate_group
 
 log = logging.getLogger("rlstream.consumer")
 
@@ -36,6 +41,7 @@ class ConsumerService:
         self.control = ControlSettings.from_settings(cfg.staleness)
         self.step = self.version = 0
         self.ledger = Ledger(GroupAssembler(self.ccfg.group_size, self.ccfg.group_timeout_s), telemetry.count_outcome)
+        self.filtered = FilteredShare(FILTER_WINDOW_BATCHES * self.ccfg.groups_per_batch)
         self._stop, self._last_trained = False, []
 
     # ------------------------------------------------------------ lifecycle
@@ -50,10 +56,11 @@ class ConsumerService:
         trainer, ckpt, latest = start_rank(self.cfg)  # collective under torchrun: every rank
         self.leader = Leader(trainer, ckpt, self.ccfg.group_size)
         ensure_topics(self.kafka)
-        self.reader = self._open_reader(self._restore(latest))
+        offsets = self._restore(latest)
         self.follower = ControlFollower(self.kafka, self.control)
-        self.follower.poll(timeout_s=1.0)
+        self.follower.catch_up()  # settings and the newest announcement, before any record is read
         self.control = self.follower.view.state
+        self.reader = self._open_reader(offsets)
         self._writer = ControlPlaneWriter(self.kafka)
         self.announcer = PolicyAnnouncer(self._writer, WeightStore(self.ccfg.weight_store_dir, self.ccfg.keep_versions),
                                          self.cfg.model.path, self.ccfg.groups_per_batch, self.ccfg.group_size,
@@ -79,15 +86,21 @@ class ConsumerService:
     def _open_reader(self, offsets: dict[int, int] | None):
         from common.kafka.claimcheck import BlobStore
         from common.kafka.reader import RolloutReader
-        from common.record import RecordLimits
+        from consumer.intake import VersionBound, record_limits
 
-        d = self.leader.trainer.model.hf_dims  # records the model cannot take go to the DLQ, not the trainer
-        limits = RecordLimits.for_model(d.vocab_size, d.num_layers, d.topk, d.num_experts)
+        # records this consumer cannot take go to the DLQ, not the trainer (consumer/intake.py)
+        limits = record_limits(self.leader.trainer.model.hf_dims, self.ccfg.group_size)
         # fetch_max_wait 20 ms: tansu 0.6 answers a long-poll fetch only when the wait
         # expires, not when records arrive (measured: latency ~ half the wait), so the
         # default 100 ms added ~50 ms to every global step of a synchronous pipeline
         return RolloutReader(self.kafka, start_offsets=offsets, blobs=BlobStore(self.kafka.blob_dir),
-                             limits=limits, fetch_max_wait_ms=20)
+                             limits=limits, fetch_max_wait_ms=20, check=VersionBound(self.newest_version))
+
+    def newest_version(self) -> int:
+        """The newest policy version announced: ours, or a newer one on the policy topic (a restore
+        from an older checkpoint). No record may carry a later one (consumer/intake.py)."""
+        announced = self.follower.view.weights if getattr(self, "follower", None) is not None else None
+        return max(self.version, announced.version if announced is not None else 0)
 
     def _health(self) -> tuple[bool, dict]:
         return True, {"version": self.version, "step": self.step, "open_groups": self.ledger.assembler.num_open}
@@ -111,7 +124,6 @@ class ConsumerService:
                 if self.ccfg.max_steps is not None and self.step >= self.ccfg.max_steps:
                     log.info("reached consumer.max_steps=%d", self.ccfg.max_steps)
                     break
-                self.apply_control()
                 clock = telemetry.StepClock()
                 batch = clock.phase("wait", self.next_batch)
                 if batch is None:
@@ -126,32 +138,41 @@ class ConsumerService:
                           self.ledger.held_records())
         return 0
 
-    def apply_control(self) -> None:
-        for event in self.follower.poll():
+    def apply_control(self, catch_up: bool = True) -> None:
+        """Take the runtime settings: with `catch_up`, every change acknowledged before this call."""
+        events = self.follower.catch_up() if catch_up else self.follower.poll()
+        for event in events:
             if isinstance(event, ControlChange):
                 log.info("control change applied at batch boundary: %s=%r", event.key, event.value)
         self.control = self.follower.view.state
 
     def next_batch(self, poll_s: float = 0.2) -> list[ReadyGroup] | None:
-        """B groups that passed the gate now; None if interrupted. A group is gated
-        when taken into a batch, at the version this step trains at (staleness is
-        measured at the optimizer step, docs/algorithm.md); the reader is polled
+        """B groups that passed the gate now; None if interrupted. The batch boundary is
+        the moment its first group is about to be gated: the settings are caught up
+        there and hold for the whole batch (paused: no group is taken). A group is
+        gated when taken into a batch, at the version this step trains at (staleness
+        is measured at the optimizer step, docs/algorithm.md); the reader is polled
         only while no complete group waits, so read-ahead stays within one poll."""
         batch: list[ReadyGroup] = []
+        boundary = True
         while len(batch) < self.ccfg.groups_per_batch:
-            if (g := self.ledger.take()) is not None:
-                d = gate_group(g.rollouts(), self.version, self.control)
-                telemetry.observe_gate(d.staleness)
-                if d.keep:
-                    batch.append(ReadyGroup(g, d.staleness, d.weights))
-                else:
-                    self.ledger.drop(g)
-            elif self._stop:
+            if self._stop:
                 self.ledger.put_back()  # untrained: back in line
                 return None
-            elif self.control.paused:
+            if boundary and self.ledger.complete:
+                self.apply_control()  # the batch boundary
+                boundary = False
+            if not batch and self.control.paused:
                 time.sleep(poll_s)
-                self.apply_control()
+                self.apply_control(catch_up=False)
+            elif (g := self.ledger.take()) is not None:
+                d = gate_group(g.rollouts(), self.version, self.control, self.ccfg.filters_zero_variance)
+                self.filtered.note(d)
+                telemetry.observe_gate(d.staleness, self.filtered.value)
+                if d.keep:
+                    batch.append(ReadyGroup(g, d.staleness, d.weights))
+                else:  # dropped_stale or filtered: the batch is filled from the stream instead
+                    self.ledger.drop(g, d.outcome)
             else:
                 self._read(poll_s)
         return batch
@@ -184,7 +205,8 @@ class ConsumerService:
         self.announce_progress(every_s=0.0)
 
     def announce_progress(self, every_s: float = 1.0) -> None:
-        self.announcer.progress(self.version, self.reader.positions(), self.ledger.held_records(), every_s)
+        self.announcer.progress(self.version, self.reader.positions(), self.ledger.held_records(),
+                                self.filtered.value, every_s)
 
 
 def _weight_backend(backend: str) -> str:

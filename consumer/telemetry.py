@@ -25,6 +25,8 @@ _LAG = metrics.gauge("rlstream_consumer_lag_records", "Records on the rollouts t
 _PHASE = metrics.histogram("rlstream_consumer_step_phase_seconds", "Global step time by phase", ["phase"])
 _STEP = metrics.gauge("rlstream_trainer_step_metric", "Last global step's trainer metrics", ["name"])
 _OPEN = metrics.gauge("rlstream_consumer_open_groups", "Partial groups held by the assembler")
+_FILTERED = metrics.gauge("rlstream_consumer_filtered_share",
+                          "Share of recent groups within the staleness bound filtered for equal rewards (dynamic sampling)")
 _HELD = metrics.gauge("rlstream_consumer_held_records",
                       "Records read but not yet given an outcome (partial groups + complete groups waiting for a batch)")
 WEIGHT_LINKS = metrics.gauge("rlstream_consumer_weight_links", "Producers linked to the weight endpoint now")
@@ -64,8 +66,9 @@ def count_outcome(outcome: str, n: int) -> None:
     _RECORDS.labels(outcome=outcome).inc(n)
 
 
-def observe_gate(staleness: int) -> None:
+def observe_gate(staleness: int, filtered_share: float) -> None:
     _STALENESS.observe(staleness)
+    _FILTERED.set(filtered_share)
 
 
 def observe_read(lag: int, open_groups: int, held: int) -> None:

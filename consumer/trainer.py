@@ -5,14 +5,18 @@
     metrics = trainer.train_step(gb)
     tensors = trainer.export_hf_state_dict()   # -> safetensors save_file
 
-One step (docs/algorithm.md):
-1. old_policy_pass: for each mini-batch, a no-grad forward gives log pi_old
-   (R2 records the routing, R3 replays the rollout's), the training-inference
-   KL, entropy and the rollout-vs-trainer routing agreement.
-2. update, N times: forward (replaying per mode), loss, backward, gradient
-   all-reduce over data-parallel ranks (sum; the loss is already normalised by
-   global counts), clip, optimizer step (consumer/parallel.py).
-3. step_metrics: one all-reduce of the metric sums, then means.
+One step (docs/algorithm.md), each mini-batch cut into micro-batches by the token
+budget `consumer.memory.micro_batch_tokens` (consumer/batch.py):
+1. old_policy_pass: micro-batch by micro-batch, a no-grad forward gives
+   log pi_old (R2 records the routing, R3 replays the rollout's), the training-
+   inference KL, entropy and the rollout-vs-trainer routing agreement.
+2. update, N times: per micro-batch forward (replaying per mode), loss and
+   backward, the gradients accumulating; then the optimizer
+   (consumer/optimizer.py): gradient sum over the ranks (the loss is normalised
+   by global counts, so the micro-batches' sum is the mini-batch's), clip, and a
+   step on fp32 master weights.
+3. step_metrics: the metric sums live on the model's device; one all-reduce of
+   the sums and one of the maxima (consumer/parallel.py), then means.
 
 Metrics returned (means over response tokens of the whole global batch):
   kl_train_inference  E[log mu_old - log pi_old] (old-policy forward)
@@ -28,19 +32,18 @@ from __future__ import annotations
 import os
 import time
 from collections import defaultdict
-from dataclasses import dataclass
 
 import torch
 
-from common.config import ConsumerSettings, OptimizerSettings
+from common.config import ConsumerSettings
 from common.errors import CheckpointError, InvalidSampleError
 from consumer import convert
 from consumer.batch import GlobalBatch, MiniBatch, TrainSample, build_global_batch
 from consumer.losses import LossInputs, advantage_mode, get_loss_fn
 from consumer.model import load_hf_checkpoint, per_token_logprobs
-from consumer.parallel import (ParallelLayout, allreduce_grads, clip_grad_norm, dp_size,
-                               launch_world_size, world)
-from consumer.replay import RoutingReplay, routing_agreement
+from consumer.optimizer import TrainerOptimizer
+from consumer.parallel import ParallelLayout, dp_size, launch_world_size, reduce_over_data_parallel
+from consumer.replay import RoutingReplay, agreement_sums
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PAD_ID = 0
@@ -49,50 +52,48 @@ TRAINING_KEYS = {"loss", "optimizer", "replay", "num_minibatches", "dtype", "par
 """The settings a checkpoint records (for the reader; secrets and paths stay out)."""
 
 
-def build_optimizer(model, cfg: OptimizerSettings) -> torch.optim.Optimizer:
-    params = [p for p in model.parameters() if p.requires_grad]
-    if cfg.name == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr)
-    return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
-                             weight_decay=cfg.weight_decay, foreach=True)
-
-
 # ---------------------------------------------------------------- metrics
 
 
-@dataclass
-class OldPolicy:
-    """Result of the old-policy forward of one mini-batch."""
-
-    logprobs: torch.Tensor          # [B, S] log pi_old
-    trainer_routing: torch.Tensor   # [B, S, L, K] the trainer routers' own top-k
-
-
 class MetricSums:
-    """Sums and maxima collected during a step, reduced over ranks in one go."""
+    """Sums and maxima collected during a step. They stay tensors on the model's
+    device (no host synchronisation per value) until `reduce`, which all-reduces
+    them over the data-parallel ranks in one message per kind."""
 
-    def __init__(self):
-        self.sums: dict[str, float] = defaultdict(float)
-        self.maxes: dict[str, float] = defaultdict(lambda: float("-inf"))
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.sums: dict[str, torch.Tensor] = {}
+        self.maxes: dict[str, torch.Tensor] = {}
 
-    def add(self, key: str, value: float) -> None:
-        self.sums[key] += float(value)
+    def _on_device(self, value) -> torch.Tensor:
+        if isinstance(value, torch.Tensor):
+            return value.detach().to(self.device, torch.float64)
+        return torch.tensor(value, dtype=torch.float64, device=self.device)
 
-    def max(self, key: str, value: float) -> None:
-        self.maxes[key] = max(self.maxes[key], float(value))
+    def add(self, key: str, value) -> None:
+        v = self._on_device(value)
+        self.sums[key] = self.sums[key] + v if key in self.sums else v
 
-    def reduce(self) -> None:
-        """Over data-parallel ranks: tensor-parallel ranks hold the same values."""
-        import torch.distributed as dist
-        from megatron.core import parallel_state as ps
+    def max(self, key: str, value) -> None:
+        v = self._on_device(value)
+        self.maxes[key] = torch.maximum(self.maxes[key], v) if key in self.maxes else v
 
-        if world() == 1:
-            return
-        for store, op in ((self.sums, dist.ReduceOp.SUM), (self.maxes, dist.ReduceOp.MAX)):
-            keys = sorted(store)
-            t = torch.tensor([store[k] for k in keys], dtype=torch.float64)
-            dist.all_reduce(t, op=op, group=ps.get_data_parallel_group())
-            store.update(zip(keys, t.tolist()))
+    def reduce(self) -> tuple[dict, dict]:
+        """(sums, maxima) over data-parallel ranks as host floats (lists for vectors).
+        Tensor-parallel ranks hold the same values, so they are not reduced over."""
+        return self._reduced(self.sums, "sum"), self._reduced(self.maxes, "max")
+
+    def _reduced(self, store: dict[str, torch.Tensor], op: str) -> dict:
+        keys = sorted(store)
+        if not keys:
+            return {}
+        flat = reduce_over_data_parallel(torch.cat([store[k].reshape(-1) for k in keys]), op)
+        values, out, at = flat.tolist(), {}, 0
+        for k in keys:
+            n = store[k].numel()
+            out[k] = values[at] if store[k].dim() == 0 else values[at:at + n]
+            at += n
+        return out
 
 
 class Timers:
@@ -119,11 +120,11 @@ class Trainer:
 
     def __init__(self, model, cfg: ConsumerSettings):
         self.model, self.cfg = model, cfg
+        self.device = next(model.parameters()).device
         self.loss_fn = get_loss_fn(cfg.loss.name)
         self.advantage_mode = advantage_mode(cfg.loss)
         self.replay = RoutingReplay(model, cfg.replay)
-        self.named_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(model, cfg.optimizer)
+        self.optimizer = TrainerOptimizer(model, cfg.optimizer)
         self.step = 0
 
     @classmethod
@@ -133,18 +134,21 @@ class Trainer:
         `world_size` processes (default: the launcher's, 1 alone)."""
         cfg = cfg or ConsumerSettings()
         layout = ParallelLayout.of(cfg.parallel, world_size or launch_world_size())
-        return cls(load_hf_checkpoint(hf_dir, layout, DTYPES[cfg.dtype]), cfg)
+        model = load_hf_checkpoint(hf_dir, layout, DTYPES[cfg.dtype], cfg.memory.attention,
+                                   cfg.memory.recompute)
+        return cls(model, cfg)
 
     # -- data
 
     def build_batch(self, samples: list[TrainSample], group_size: int) -> GlobalBatch:
-        """This rank's share of the global batch (see consumer/batch.py)."""
+        """This rank's share of the global batch, micro-batches planned (consumer/batch.py)."""
         from megatron.core import parallel_state as ps
 
         return build_global_batch(
             samples, group_size, self.cfg.num_minibatches, self.advantage_mode,
             pad_id=PAD_ID, dp_rank=ps.get_data_parallel_rank(),
-            dp_size=ps.get_data_parallel_world_size())
+            dp_size=ps.get_data_parallel_world_size(),
+            micro_batch_tokens=self.cfg.memory.micro_batch_tokens)
 
     # -- the step
 
@@ -154,70 +158,81 @@ class Trainer:
             raise InvalidSampleError(f"batch has {len(gb.minibatches)} mini-batches, "
                                      f"consumer.num_minibatches is {self.cfg.num_minibatches}: "
                                      "build it with this trainer's build_batch")
-        timers, sums = Timers(), MetricSums()
+        timers, sums = Timers(), MetricSums(self.device)
         with timers.time("total"):
             self.model.train()
             self.replay.start_step()
             old = [self._old_policy(i, mb, timers, sums) for i, mb in enumerate(gb.minibatches)]
             for i, mb in enumerate(gb.minibatches):
                 self._update(i, mb, old[i], timers, sums)
-            sums.reduce()
+            reduced = sums.reduce()
         self.step += 1
-        return self._step_metrics(sums, timers, gb)
+        return self._step_metrics(*reduced, timers, gb)
 
     def _forward(self, mb: MiniBatch, timers: Timers, entropy: bool = False):
         """Model forward + log-softmax at the targets: log pi [B, S] (and entropy)."""
         with timers.time("forward"):
-            return per_token_logprobs(self.model, mb.tokens, with_entropy=entropy)
+            return per_token_logprobs(self.model, mb.tokens, with_entropy=entropy,
+                                      temperature=mb.temperature,
+                                      chunk_tokens=self.cfg.memory.logprob_chunk_tokens)
 
-    def _old_policy(self, i: int, mb: MiniBatch, timers: Timers, sums: MetricSums) -> OldPolicy:
-        with torch.no_grad():
-            (lp, ent), own = self.replay.old_policy(
-                i, mb, lambda: self._forward(mb, timers, entropy=True))
-        mask = mb.loss_mask
+    def _old_policy(self, i: int, mb: MiniBatch, timers: Timers,
+                    sums: MetricSums) -> list[torch.Tensor]:
+        """log pi_old [b, s] of each micro-batch of mini-batch i (device), and its metrics."""
+        return [self._old_policy_micro((i, j), micro, timers, sums)
+                for j, micro in enumerate(mb.micro_batches())]
+
+    @torch.no_grad()
+    def _old_policy_micro(self, key, mb: MiniBatch, timers: Timers,
+                          sums: MetricSums) -> torch.Tensor:
+        (lp, ent), own = self.replay.old_policy(
+            key, mb, lambda: self._forward(mb, timers, entropy=True))
+        mask = mb.loss_mask.to(self.device)
         sums.add("old_tokens", mask.sum())
-        sums.add("kl_sum", ((mb.rollout_logprobs - lp.cpu()) * mask).sum())
-        sums.add("entropy_sum", (ent.cpu() * mask).sum())
+        sums.add("kl_sum", ((mb.rollout_logprobs.to(self.device) - lp) * mask).sum())
+        sums.add("entropy_sum", (ent * mask).sum())
         if mb.routing is not None:
-            routed = mask & mb.routing_mask
+            routed = mb.loss_mask & mb.routing_mask
             sums.add("routed_tokens", routed.sum())
-            for layer, agree in enumerate(routing_agreement(mb.routing.long(), own.cpu(), routed)):
-                sums.add(f"agree_sum_{layer}", agree * float(routed.sum()))
-        return OldPolicy(logprobs=lp.detach(), trainer_routing=own)
+            sums.add("agree_sum", agreement_sums(mb.routing, own, routed))
+        return lp  # the trainer's own routing `own` is dropped here
 
-    def _update(self, i: int, mb: MiniBatch, old: OldPolicy, timers: Timers,
+    def _update(self, i: int, mb: MiniBatch, old: list[torch.Tensor], timers: Timers,
                 sums: MetricSums) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-        lp = self.replay.update(i, mb, lambda: self._forward(mb, timers))
-        dev = lp.device
-        inp = LossInputs(
-            logprobs=lp, old_logprobs=old.logprobs, rollout_logprobs=mb.rollout_logprobs.to(dev),
-            mask=mb.loss_mask.to(dev), advantages=mb.advantages.to(dev),
-            sample_weight=mb.sample_weight.to(dev), num_responses=mb.num_responses,
-            num_tokens=mb.num_tokens)
-        loss, m = self.loss_fn(inp, self.cfg.loss)
-        with timers.time("backward"):
-            loss.backward()
+        """One optimizer step on mini-batch i, its gradients summed over the micro-batches."""
+        self.optimizer.zero_grad()
+        micro = mb.micro_batches()
+        for j, (part, old_lp) in enumerate(zip(micro, old)):
+            with self.optimizer.accumulating(last=j == len(micro) - 1):
+                self._accumulate((i, j), part, old_lp, timers, sums)
         with timers.time("optimizer"):
-            allreduce_grads(self.named_params)
-            norm = clip_grad_norm(self.named_params, self.cfg.optimizer.grad_clip)
-            self.optimizer.step()
-        self._collect_update_metrics(sums, m, float(loss.detach()), norm)
-
-    @staticmethod
-    def _collect_update_metrics(sums: MetricSums, m: dict, loss: float, norm: float) -> None:
-        n = m["tokens"]
-        sums.add("upd_tokens", n)
-        for key in ("is_weight_mean", "is_truncated_frac", "clip_frac", "ratio_mean"):
-            sums.add(key, m[key] * n)
-        sums.max("is_weight_max", m["is_weight_max"])
-        sums.add("loss", loss)  # already normalised by global counts: sum over ranks
+            norm = self.optimizer.step()
         sums.add("grad_norm_rank_sum", norm)
         sums.max("grad_norm_max", norm)
         sums.add("updates", 1)
 
-    def _step_metrics(self, sums: MetricSums, timers: Timers, gb: GlobalBatch) -> dict:
-        s, mx, world = sums.sums, sums.maxes, dp_size()
+    def _accumulate(self, key, mb: MiniBatch, old_lp: torch.Tensor, timers: Timers,
+                    sums: MetricSums) -> None:
+        """Forward, loss and backward of one micro-batch (replay kept through backward)."""
+        dev = self.device
+        with self.replay.update(key, mb) as backward:
+            inp = LossInputs(
+                logprobs=self._forward(mb, timers), old_logprobs=old_lp,
+                rollout_logprobs=mb.rollout_logprobs.to(dev), mask=mb.loss_mask.to(dev),
+                advantages=mb.advantages.to(dev), sample_weight=mb.sample_weight.to(dev),
+                num_responses=mb.num_responses, num_tokens=mb.num_tokens)
+            loss, m = self.loss_fn(inp, self.cfg.loss)
+            with timers.time("backward"):
+                backward(loss)
+        n = m["tokens"]
+        sums.add("upd_tokens", n)
+        for k in ("is_weight_mean", "is_truncated_frac", "clip_frac", "ratio_mean"):
+            sums.add(k, m[k] * n)
+        sums.max("is_weight_max", m["is_weight_max"])
+        sums.add("loss", loss)  # normalised by global counts: summed over micro-batches, ranks
+
+    def _step_metrics(self, s: dict, mx: dict, timers: Timers, gb: GlobalBatch) -> dict:
+        world = dp_size()
         ut, ot = max(s["upd_tokens"], 1), max(s["old_tokens"], 1)
         updates = s["updates"] / world
         out = {key: s[key] / ut for key in ("is_weight_mean", "is_truncated_frac",
@@ -229,10 +244,8 @@ class Trainer:
             grad_norm_max=mx["grad_norm_max"], num_responses=gb.num_responses,
             num_tokens=gb.num_tokens, step=self.step)
         if s.get("routed_tokens"):
-            n_layers = sum(1 for k in s if k.startswith("agree_sum_"))
-            for layer in range(n_layers):
-                out[f"routing_agreement_layer_{layer}"] = (
-                    s[f"agree_sum_{layer}"] / s["routed_tokens"])
+            for layer, agree in enumerate(s["agree_sum"]):
+                out[f"routing_agreement_layer_{layer}"] = agree / s["routed_tokens"]
         t = timers.t
         compute = t["forward"] + t["backward"] + t["optimizer"]
         out.update({f"time_{k}": v for k, v in t.items()})
@@ -252,15 +265,23 @@ class Trainer:
 
         return MegatronSource(self.model)
 
+    @property
+    def optimizer_state_sharded(self) -> bool:
+        """The optimizer state is spread over data-parallel ranks (distributed
+        optimizer, dp > 1): `state_dict` and `load_state_dict` are collective."""
+        return self.optimizer.distributed and dp_size() > 1
+
     def state_dict(self) -> dict:
-        """Model + optimizer + step of this rank. Loadable with
-        `torch.load(weights_only=True)`; model tensors are live references, so
-        serialise it right away."""
+        """Model + optimizer (fp32 masters and moments included) + step of this rank.
+        Loadable with `torch.load(weights_only=True)`; model tensors are live
+        references, so serialise it right away. Collective under the distributed
+        optimizer: every rank calls it (consumer/optimizer.py)."""
         return {"model": convert.local_megatron_state_dict(self.model),
                 "optimizer": self.optimizer.state_dict(), "step": self.step,
                 "config": self.cfg.model_dump(include=TRAINING_KEYS)}
 
     def load_state_dict(self, state: dict) -> None:
+        """Inverse of `state_dict` (collective likewise)."""
         own = convert.local_megatron_state_dict(self.model)
         if set(own) != set(state["model"]):
             raise CheckpointError("the checkpoint's tensors do not match this model and parallel "

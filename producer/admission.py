@@ -21,6 +21,14 @@ group is trained at about V + floor(Q / B); it is admitted iff
 V + floor(Q / B) - v <= max_staleness. `max_staleness = 0` makes the pipeline
 synchronous (one batch per version).
 
+Dynamic sampling. When the trainer filters a share f of its groups for equal
+rewards (`TrainerProgress.filtered_share`, consumer/staleness.py), a global step
+takes about B / (1 - f) queued groups, so the new group is trained at about
+V + floor(Q (1 - f) / B) (`steps_ahead`): producers admit that much more, and
+filtering does not starve the trainer. f is capped at `MAX_FILTERED_SHARE`:
+the share is an estimate over recent groups, and the cap bounds the queue
+(at 10x the unfiltered one) for when it falls while the queue is long.
+
 Q counts, in groups of G, the records on the rollouts topic the trainer has
 not read (per partition: end offset - read offset), the records it read and
 holds unfinished (partial groups, groups waiting for a batch), this
@@ -44,6 +52,9 @@ from common.kafka.client import end_offsets
 
 log = logging.getLogger("rlstream.producer")
 
+MAX_FILTERED_SHARE = 0.9
+"""The largest filtered share the queue estimate trusts (see the module docstring)."""
+
 
 def queued_groups(ends: Mapping[int, int], read_offsets: Mapping[int, int], held_records: int,
                   own_unacked_records: int, own_in_flight_groups: int, G: int) -> int:
@@ -54,6 +65,12 @@ def queued_groups(ends: Mapping[int, int], read_offsets: Mapping[int, int], held
     records = held_records + own_unacked_records
     records += sum(max(0, end - read_offsets.get(p, 0)) for p, end in ends.items())
     return records // G + own_in_flight_groups
+
+
+def steps_ahead(queued: int, groups_per_batch: int, filtered_share: float = 0.0) -> int:
+    """Global steps before a group behind `queued` groups is trained: floor(Q (1 - f) / B)."""
+    kept = queued * (1.0 - min(max(filtered_share, 0.0), MAX_FILTERED_SHARE))
+    return int(kept / groups_per_batch + 1e-9)  # + 1e-9: 10 * (1 - 0.9) is 0.9999999999999998
 
 
 @dataclass(frozen=True)
@@ -69,7 +86,8 @@ class AdmissionView:
     max_groups_in_flight: int
     """`producer.max_groups_in_flight`."""
     progress: TrainerProgress
-    """The trainer's last TrainerProgress (trainer_version, read_offsets, held_records, groups_per_batch)."""
+    """The trainer's last TrainerProgress (trainer_version, read_offsets, held_records, groups_per_batch,
+    filtered_share)."""
     engine_version: int
     """The policy version this producer's engine serves (the new group's dispatch version)."""
     max_staleness: int
@@ -94,7 +112,8 @@ def admission_block(view: AdmissionView) -> str | None:
     p = view.progress
     queued = queued_groups(view.end_offsets(), p.read_offsets, p.held_records, view.own_unacked_records,
                            view.groups_in_flight, view.group_size)
-    if p.trainer_version + queued // p.groups_per_batch - view.engine_version > view.max_staleness:
+    if p.trainer_version + steps_ahead(queued, p.groups_per_batch, p.filtered_share) - view.engine_version \
+            > view.max_staleness:
         return "staleness"
     return None
 

@@ -8,6 +8,7 @@ reused id would mix two prompts in one group.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -17,6 +18,7 @@ class GroupInfo:
     answer: str
     prompt_ids: object
     remaining: int  # samples of the group not finished yet
+    score: Callable[[str], tuple[float, dict]] | None = None  # the prompt's own reward (None: producer.verifier)
 
 
 class InFlightGroups:

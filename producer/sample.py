@@ -12,7 +12,10 @@ few places where the two differ:
 - `token_versions` travels only when a reload happened mid-sample (one run
   is implied by `policy_version`);
 - `num_experts` is 0 when the sample carries no routing;
-- `reward_info` keeps only scalar values (str, int, float, bool).
+- `reward_info` keeps only scalar values (str, int, float, bool);
+- `temperature` is the sampling temperature: the log-probs are those of
+  softmax(logits / temperature), and the trainer evaluates pi_old at the same
+  temperature (docs/trainer.md).
 """
 from __future__ import annotations
 
@@ -87,4 +90,5 @@ class FinishedSample:
             routed_experts=self.routed_experts,
             num_experts=self.num_experts if self.routed_experts is not None else 0,
             reward_info={k: v for k, v in info.items() if isinstance(v, (str, int, float, bool))},
-            sampling_digest=sampling.digest, model_digest=f"v{self.dispatch_version}")
+            sampling_digest=sampling.digest, model_digest=f"v{self.dispatch_version}",
+            temperature=float(sampling.temperature))

@@ -67,10 +67,10 @@ class ProducerService:
         from producer.verifiers import get_verifier
 
         ensure_topics(self.kafka)
-        self.prompts = open_prompt_source(self.pcfg.prompts, self.kafka)
         self.verify = get_verifier(self.pcfg.verifier)
+        self.prompts = open_prompt_source(self.pcfg.prompts, self.kafka, self.verify)
         self.follower = ControlFollower(self.kafka, self.control)
-        self.follower.poll(timeout_s=1.0)
+        self.follower.catch_up()  # every setting and announcement on the topics, before the engine starts
         torch.set_num_threads(self.pcfg.num_threads)
         self.engine = RolloutEngine(self.pcfg.engine, self.cfg.model.path, version=0)
         self.publisher = RolloutPublisher(self.kafka, BlobStore(self.kafka.blob_dir))
@@ -161,13 +161,14 @@ class ProducerService:
                 return
             ids, gid = self.engine.encode(prompt.text), self.groups.new_id()
             self.engine.submit_group(ids, n=self.pcfg.group_size, tag=gid, sampling=self.sampling)
-            self.groups.add(gid, GroupInfo(prompt.text, prompt.answer, ids, self.pcfg.group_size))
+            self.groups.add(gid, GroupInfo(prompt.text, prompt.answer, ids, self.pcfg.group_size, prompt.score))
         telemetry.INFLIGHT.set(self.engine.num_in_flight)
 
     def score_and_publish(self, finished) -> None:
         for s in finished:
             info = self.groups.finish_sample(s.tag)
-            reward, rinfo = self.verify(self.engine.decode(s.response_ids), info.answer)
+            text = self.engine.decode(s.response_ids)
+            reward, rinfo = info.score(text) if info.score is not None else self.verify(text, info.answer)
             self.outbox.add(s.to_rollout(float(reward), rinfo, self.producer_id, self.sampling,
                                              prompt_text=info.prompt_text))
             self.stats.note(int(s.response_ids.size), float(reward), self.engine.stats.tokens_per_second)

@@ -14,7 +14,7 @@ import json
 import urllib.error
 import urllib.request
 
-from common.control.messages import parse_control_value
+from common.control.messages import parse_control_text
 from common.errors import AdminApiError, ConfigError
 
 
@@ -43,6 +43,6 @@ def run_ctl(action: str, key: str | None, value: str | None, url: str, token: st
         return 0
     if key is None or value is None:
         raise ConfigError("usage: rlstream ctl set KEY VALUE")
-    typed = parse_control_value(key, value)
+    typed = parse_control_text(key, value)
     print(json.dumps(_request(url, token, {"key": key, "value": typed})))
     return 0

@@ -10,12 +10,23 @@
 
 The admin API is off (404) when no token is configured (`*.http.admin_token`,
 or env RLSTREAM_ADMIN_TOKEN: common/config.py ENV_ALIASES).
+
+Hostile clients. The token is checked before a byte of the body is read; a
+body must declare its Content-Length (411 otherwise) of at most
+`MAX_BODY_BYTES` (413 otherwise); a response sent without reading the body
+closes the connection. Every socket read times out after `client_timeout_s`
+(10 s), a request (headers and body, however slowly trickled; the answer
+included: a change waits up to 30 s for the broker) is cut after
+`request_deadline_s` (60 s), and at most `max_connections` (64) are served at
+once (more are closed at accept). So no client holds a server thread for
+long, and /metrics keeps answering.
 """
 from __future__ import annotations
 
 import hmac
 import json
 import logging
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
@@ -26,6 +37,36 @@ from common.errors import ConfigError
 log = logging.getLogger(__name__)
 
 _ADMIN = metrics.counter("rlstream_admin_requests_total", "Admin API requests by outcome", ["outcome"])
+MAX_BODY_BYTES = 64 << 10
+"""Largest admin request body ({"key", "value"} needs a few dozen bytes)."""
+
+
+class _BoundedServer(ThreadingHTTPServer):
+    """A thread per connection, at most `max_connections` at once (more are closed at accept)."""
+
+    daemon_threads = True
+
+    def __init__(self, address, handler, max_connections: int):
+        self.max_connections = max_connections
+        self._slots = threading.BoundedSemaphore(max_connections)
+        super().__init__(address, handler)
+
+    def process_request(self, request, client_address):
+        if not self._slots.acquire(blocking=False):
+            log.warning("http: %d connections open, refusing %s", self.max_connections, client_address)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 class ServiceHttp:
@@ -39,12 +80,14 @@ class ServiceHttp:
     def __init__(self, host: str, port: int, health: Callable[[], tuple[bool, dict]],
                  admin_token: str | None = None,
                  get_control: Callable[[], dict] | None = None,
-                 set_control: Callable[[str, Any], Any] | None = None):
+                 set_control: Callable[[str, Any], Any] | None = None, *,
+                 client_timeout_s: float = 10.0, request_deadline_s: float = 60.0, max_connections: int = 64):
         self.health, self.token = health, admin_token
         self.get_control, self.set_control = get_control, set_control
-        handler = type("Handler", (_Handler,), {"service": self})
-        self._server = ThreadingHTTPServer((host, port), handler)
-        self._server.daemon_threads = True
+        self.request_deadline_s = request_deadline_s
+        # `timeout`: socketserver's StreamRequestHandler puts it on the socket (every read and write)
+        handler = type("Handler", (_Handler,), {"service": self, "timeout": client_timeout_s})
+        self._server = _BoundedServer((host, port), handler, max_connections)
         self._thread = threading.Thread(target=self._server.serve_forever, name="http", daemon=True)
 
     @property
@@ -81,10 +124,31 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, fmt, *args):  # quiet: one line per request is noise
         log.debug("http %s - " + fmt, self.address_string(), *args)
 
+    def handle_one_request(self):
+        """One request, cut after `request_deadline_s` however slowly it trickles in."""
+        timer = threading.Timer(self.service.request_deadline_s, self._cut)
+        timer.daemon = True
+        timer.start()
+        try:
+            super().handle_one_request()
+        finally:
+            timer.cancel()
+
+    def _cut(self) -> None:
+        log.warning("http: request from %s exceeded %.0f s; closing the connection", self.address_string(),
+                    self.service.request_deadline_s)
+        self.close_connection = True
+        try:
+            self.connection.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
     def _send(self, code: int, body: bytes, ctype: str = "application/json") -> None:
         self.send_response(code)
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(body)))
+        if self.close_connection:
+            self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(body)
 
@@ -106,13 +170,17 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self):
         path = self.path.split("?", 1)[0]
+        asked_close = self.close_connection  # what the client asked for (Connection: close / keep-alive)
+        self.close_connection = True  # until the body is read: its bytes must not pass for a request
         if path != "/admin/control":
             self._json(404, {"error": f"no such path {path}"})
             return
-        length = int(self.headers.get("Content-Length") or 0)
-        body = self.rfile.read(min(length, 1 << 16)) if length else b""
-        if not self._admin_guard():
+        if not self._admin_guard():  # before a byte of the body is read
             return
+        body = self._read_body()
+        if body is None:
+            return
+        self.close_connection = asked_close
         try:
             req = json.loads(body or b"{}")
             if not isinstance(req, dict) or "key" not in req or "value" not in req:
@@ -125,6 +193,28 @@ class _Handler(BaseHTTPRequestHandler):
         _ADMIN.labels(outcome="ok").inc()
         log.info("admin: set %s = %r (from %s)", req["key"], applied, self.address_string())
         self._json(200, {"key": req["key"], "value": applied})
+
+    def _read_body(self) -> bytes | None:
+        """The declared body, at most MAX_BODY_BYTES; None after answering why not."""
+        declared = self.headers.get("Content-Length")
+        if declared is None or self.headers.get("Transfer-Encoding"):
+            self._json(411, {"error": "send the body with a Content-Length"})
+            return None
+        try:
+            n = int(declared)
+        except ValueError:
+            n = -1
+        if n < 0:
+            self._json(400, {"error": f"bad Content-Length {declared[:40]!r}"})
+            return None
+        if n > MAX_BODY_BYTES:
+            self._json(413, {"error": f"body of {n} bytes; at most {MAX_BODY_BYTES}"})
+            return None
+        body = self.rfile.read(n)  # a stall raises TimeoutError: handle_one_request closes the connection
+        if len(body) < n:
+            self.close_connection = True  # the client went away mid-body
+            return None
+        return body
 
     def _admin_guard(self) -> bool:
         if not self.service.token or self.service.set_control is None:

@@ -10,13 +10,20 @@ Two small topics, both JSON, both read from the beginning by every service:
   settings from the topic.
 - `rlstream.policy`: two kinds of message, tagged by `kind` (the Kafka key is
   the kind too): `WeightsReady` (a new policy version, how it travels and
-  where its durable copy is; the newest version wins) and `TrainerProgress` (the trainer's version, read offsets, held
-  records and batch shape; the newest message wins), which producers size
-  their staleness backpressure from.
+  where its durable copy is; the newest version wins) and `TrainerProgress`
+  (the trainer's version, read offsets, held records, batch shape and filtered
+  share; the newest message wins), which producers size their staleness
+  backpressure from.
 
 Values are validated on both ends: `ctl set` refuses bad values before
 writing, and a follower ignores (and counts) an out-of-range or malformed
 message instead of applying it. Nothing is unpickled or evaluated: JSON only.
+
+Types are strict (`parse_control_value`): a JSON value must already have its
+setting's type: `max_staleness` an integer (`true` is not 1, `2.0` and "2" are
+not 2), `decay` a number (not a boolean), `paused` true or false, `mode` a
+string. Only `rlstream ctl`, whose values are command-line text, parses text
+first (`parse_control_text`).
 """
 from __future__ import annotations
 
@@ -127,6 +134,11 @@ class TrainerProgress(BaseModel):
     """B: groups per global step, so producers never read the consumer's config."""
     group_size: int = Field(ge=1)
     """G: samples per group."""
+    filtered_share: float = Field(0.0, ge=0.0, le=1.0)
+    """Share of the trainer's recent groups (within the staleness bound) that
+    dynamic sampling filtered for equal rewards (consumer/staleness.py
+    `FilteredShare`): each global step takes about B / (1 - share) queued groups,
+    so producers scale their queue estimate by (1 - share). 0 without filtering."""
     created_at: float = Field(default_factory=time.time)
 
 
@@ -147,37 +159,38 @@ class ControlChange:
     value: Any
 
 
-def parse_control_value(key: str, raw: Any) -> Any:
-    """Validate one setting (`raw` may be a string from the CLI/HTTP).
+def parse_control_value(key: str, value: Any) -> Any:
+    """Validate one setting's JSON value, strictly typed (module docstring).
 
-    Returns the typed value; raises ConfigError naming the key.
+    Returns the value; raises ConfigError naming the key.
     """
     if key not in CONTROL_KEYS:
         raise ConfigError(f"unknown control key; choose one of {', '.join(CONTROL_KEYS)}", key=key)
-    if isinstance(raw, str):
-        text = raw.strip().lower()
-        if key == "paused":
-            if text not in ("true", "false", "1", "0", "yes", "no"):
-                raise ConfigError("must be true or false", key=key)
-            raw = text in ("true", "1", "yes")
-        elif key == "max_staleness":
-            try:
-                raw = int(text)
-            except ValueError:
-                raise ConfigError(f"must be an integer, got {raw!r}", key=key) from None
-        elif key == "decay":
-            try:
-                raw = float(text)
-            except ValueError:
-                raise ConfigError(f"must be a number, got {raw!r}", key=key) from None
-        else:
-            raw = text
     try:
-        state = ControlSettings()
-        setattr(state, key, raw)
-        return getattr(state, key)
+        # strict: no bool -> int, no str -> number, no 1 -> true (an int is still a valid float)
+        return getattr(ControlSettings.model_validate({key: value}, strict=True), key)
     except ValidationError as e:
-        raise ConfigError(e.errors()[0]["msg"], key=key) from None
+        raise ConfigError(f"{e.errors()[0]['msg']}, got {value!r}", key=key) from None
+
+
+def parse_control_text(key: str, text: str) -> Any:
+    """A setting given as command-line text (`rlstream ctl set KEY TEXT`), validated."""
+    if key not in CONTROL_KEYS:
+        raise ConfigError(f"unknown control key; choose one of {', '.join(CONTROL_KEYS)}", key=key)
+    t = text.strip().lower()
+    if key == "paused":
+        if t not in ("true", "false", "1", "0", "yes", "no"):
+            raise ConfigError(f"must be true or false, got {text!r}", key=key)
+        return parse_control_value(key, t in ("true", "1", "yes"))
+    if key in ("max_staleness", "decay"):
+        kind = int if key == "max_staleness" else float
+        try:
+            value = kind(t)
+        except ValueError:
+            raise ConfigError(f"must be {'an integer' if kind is int else 'a number'}, got {text!r}",
+                              key=key) from None
+        return parse_control_value(key, value)
+    return parse_control_value(key, t)
 
 
 def encode_control(key: str, value: Any, by: str) -> tuple[bytes, bytes]:

@@ -1,15 +1,19 @@
 """The control plane's Kafka side: the follower every service runs and the writer.
 
 `ControlFollower` tails the control and policy topics from the beginning and
-keeps a `ControlView` (current settings, newest announcement); services call
-`poll()` at batch boundaries. `ControlPlaneWriter` writes validated control
-changes and announcements. The message types live in
-`common/control/messages.py`.
+keeps a `ControlView` (current settings, newest announcement). `poll()` takes
+what has arrived (cheap: the producer calls it between engine steps);
+`catch_up()` reads to the topics' ends as the broker reports them at the
+call, so every message acknowledged before the call is applied when it
+returns (the consumer calls it at each batch boundary, services at start).
+`ControlPlaneWriter` writes validated control changes and announcements. The
+message types live in `common/control/messages.py`.
 """
 from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,11 +71,35 @@ class ControlFollower:
         self.view = ControlView(state=initial.model_copy())
         self._topics = {kafka.topics.control: "control", kafka.topics.policy: "policy"}
         self._consumer = make_consumer(kafka, fetch_max_wait_ms=50, max_partition_fetch_bytes=1 << 20)
-        tps = [TopicPartition(t, p) for t in self._topics
-               for p in sorted(self._consumer.partitions_for_topic(t) or {0})]
-        self._consumer.assign(tps)
-        self._consumer.seek_to_beginning(*tps)
+        self._tps = [TopicPartition(t, p) for t in self._topics
+                     for p in sorted(self._consumer.partitions_for_topic(t) or {0})]
+        self._consumer.assign(self._tps)
+        self._consumer.seek_to_beginning(*self._tps)
         _export(self.view.state)
+
+    def catch_up(self, timeout_s: float = 5.0) -> list[Event]:
+        """`poll()` until every message the broker holds at this call is applied.
+
+        A plain `poll()` right after a change often returns nothing: the fetch
+        that carries it is still in flight. Here the end offsets are asked
+        first (ListOffsets: one round trip; on tansu exact for these topics,
+        whose messages are each their own batch), then polled up to. After
+        `timeout_s` (a broker that does not answer) it returns what it has;
+        the next call goes on from there.
+        """
+        deadline = time.monotonic() + timeout_s
+        try:
+            ends = self._consumer.end_offsets(self._tps, timeout_ms=int(timeout_s * 1000))
+        except Exception as e:  # noqa: BLE001 - a boundary must not fail on a slow broker
+            log.warning("control catch-up: end offsets unavailable (%s); taking what has arrived", e)
+            return self.poll()
+        events = self.poll()
+        while any(self._consumer.position(tp) < end for tp, end in ends.items()):
+            if time.monotonic() > deadline:
+                log.warning("control catch-up: not at the topics' ends after %.1f s", timeout_s)
+                break
+            events += self.poll(timeout_s=0.05)
+        return events
 
     def poll(self, timeout_s: float = 0.0) -> list[Event]:
         changes: list[Event] = []

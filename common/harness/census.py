@@ -4,10 +4,12 @@
   been quiet for a moment; `read_dlq` and `read_rollouts` decode the DLQ's
   headers and the rollout records (tests and benchmarks).
 - `topic_census`: the rollouts topic read from offset 0 to its end offsets:
-  records, distinct rollout ids, end offsets (what the producers published).
+  records, distinct rollout ids, end offsets (what the producers published),
+  and what scored them (`reward_info` verifier, and dataset for reasoning-gym;
+  how many rewards were partial credit, strictly between 0 and 1).
 - `account`: the demo's conservation law,
 
-      published = trained + dropped_stale + timed_out + duplicate + mismatch + dlq + held
+      published = trained + dropped_stale + timed_out + duplicate + dlq + filtered + held
 
   from the census and the consumer's final counters (its run file's stop
   record: outcomes and held records at the moment it stopped).
@@ -15,21 +17,21 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
 from common.config import KafkaSettings
-from consumer.ledger import OUTCOMES
+from consumer.ledger import OUTCOMES, RETIRED_OUTCOMES
 
 
 def _open(kafka: KafkaSettings, topic: str):
     """A group-less consumer assigned to every partition of `topic`, at offset 0."""
-    from kafka import KafkaConsumer, TopicPartition
+    from kafka import TopicPartition
 
-    from common.kafka.client import client_kwargs
+    from common.kafka.client import make_consumer
 
     fetch = kafka.max_message_bytes + (1 << 20)
-    c = KafkaConsumer(**client_kwargs(kafka), group_id=None, enable_auto_commit=False,
-                      auto_offset_reset="earliest", max_partition_fetch_bytes=fetch,
+    c = make_consumer(kafka, auto_offset_reset="earliest", max_partition_fetch_bytes=fetch,
                       fetch_max_bytes=max(52_428_800, fetch))
     tps = [TopicPartition(topic, p) for p in sorted(c.partitions_for_topic(topic) or {0})]
     c.assign(tps)
@@ -98,6 +100,10 @@ class TopicCensus:
     """Records actually read from offset 0 to the end offsets."""
     distinct_ids: int
     """Distinct rollout ids among them (a producer retry could duplicate a record)."""
+    scored_by: dict[str, int] = field(default_factory=dict)
+    """Records per scorer: reward_info's `verifier` (":dataset" for reasoning-gym)."""
+    partial_rewards: int = 0
+    """Records whose reward is strictly between 0 and 1 (partial credit)."""
 
 
 def topic_census(kafka: KafkaSettings, timeout_s: float = 60.0) -> TopicCensus:
@@ -107,24 +113,35 @@ def topic_census(kafka: KafkaSettings, timeout_s: float = 60.0) -> TopicCensus:
     c, tps = _open(kafka, kafka.topics.rollouts)
     try:
         ends = c.end_offsets(tps)
-        ids, records = set(), 0
+        ids, records, scored_by, partial = set(), 0, Counter(), 0
         deadline = time.monotonic() + timeout_s
         while any(c.position(tp) < ends[tp] for tp in tps) and time.monotonic() < deadline:
             for batch in c.poll(timeout_ms=500, max_records=10_000).values():
                 for msg in batch:
                     records += 1
                     try:
-                        ids.add(msgpack.unpackb(msg.value, raw=False).get("rollout_id"))
+                        m = msgpack.unpackb(msg.value, raw=False)
+                        ids.add(m.get("rollout_id"))
                     except Exception:  # noqa: BLE001 - undecodable: counted, not identified
                         ids.add(("undecodable", msg.partition, msg.offset))
-        return TopicCensus(int(sum(ends.values())), records, len(ids))
+                        continue
+                    scored_by[_scorer(m)] += 1
+                    partial += isinstance(m.get("reward"), float) and 0.0 < m["reward"] < 1.0
+        return TopicCensus(int(sum(ends.values())), records, len(ids), dict(scored_by), int(partial))
     finally:
         c.close()
 
 
+def _scorer(m) -> str:
+    info = m.get("reward_info") if isinstance(m, dict) else None
+    if not isinstance(info, dict):
+        return "?"
+    return str(info.get("verifier", "?")) + (f":{info['dataset']}" if "dataset" in info else "")
+
+
 def account(census: TopicCensus | None, outcomes: dict[str, float] | None, held: int | None,
             group_size: int, groups_per_batch: int) -> dict:
-    """published == trained + dropped_stale + timed_out + duplicate + mismatch + dlq + held.
+    """published == trained + dropped_stale + timed_out + duplicate + dlq + filtered + held.
 
     `held` are records the consumer had read but not given an outcome when it
     stopped (partial groups, complete groups waiting for a full batch); the
@@ -137,7 +154,12 @@ def account(census: TopicCensus | None, outcomes: dict[str, float] | None, held:
     out["published"] = published
     if census is not None:
         out["topic_end_offsets"], out["distinct_ids"] = census.end_offsets, census.distinct_ids
+        out["scored_by"], out["partial_rewards"] = census.scored_by, census.partial_rewards
     counted = sum(out[o] for o in OUTCOMES)
+    for o in RETIRED_OUTCOMES:  # counted by an older consumer whose checkpoint this run resumed
+        if (outcomes or {}).get(o):
+            out[o] = int(outcomes[o])
+            counted += out[o]
     if published is None or outcomes is None:
         out.update(held=None, ok=False, why="published count or consumer counters unavailable")
         return out

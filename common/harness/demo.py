@@ -62,13 +62,14 @@ def main(cfg: RlstreamConfig) -> int:
 
 
 def prepare_warm(cfg: RlstreamConfig, reuse: bool | None = None) -> Warm:
-    """Base model + task data (common/toy/build.py), the SFT warm start under
+    """Base model + task data (common/toy/build.py `task_files`: the toy task or a
+    reasoning-gym task's split), the SFT warm start under
     demo.work_dir (reused when its inputs are unchanged), and its held-out score."""
     from common.harness.sft import SftConfig, warm_start
-    from common.toy.build import ensure_data, ensure_model, heldout_path
+    from common.toy.build import ensure_model, task_files
 
     d = cfg.demo
-    base, train, heldout = ensure_model(cfg), ensure_data(cfg), heldout_path(cfg)
+    base, (train, heldout) = ensure_model(cfg), task_files(cfg)
     sft_cfg = SftConfig(band_low=d.sft_band_low, band_high=d.sft_band_high, max_steps=d.sft_max_steps,
                         seed=cfg.producer.prompts.seed)
     out = Path(d.work_dir) / "warm-model"

@@ -60,7 +60,9 @@ def load_model(model_dir: str | os.PathLike):
     """(model, tokenizer) in fp32 eval mode on CPU."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # one bar per evaluation would interleave with the demo's progress lines
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     model.eval()

@@ -1,8 +1,9 @@
-"""`rlstream experiment async|objectives|replay`: short side-by-side runs.
+"""`rlstream experiment async|objectives|replay|dynamic_sampling`: short side-by-side runs.
 
-    rlstream experiment async      -c configs/tiny-cpu.yaml
-    rlstream experiment objectives -c configs/tiny-cpu.yaml
-    rlstream experiment replay     -c configs/tiny-cpu.yaml
+    rlstream experiment async            -c configs/tiny-cpu.yaml
+    rlstream experiment objectives       -c configs/tiny-cpu.yaml
+    rlstream experiment replay           -c configs/tiny-cpu.yaml
+    rlstream experiment dynamic_sampling -c configs/tiny-cpu.yaml
 
 Every arm is one full pipeline run (`common.harness.runs.run_rl`: fresh broker,
 producer(s), consumer, run directory) from the same SFT warm start (shared and
@@ -26,6 +27,15 @@ Settings (`experiment` section, common/config.py; environment
   routing replay none / R2 / R3, each with the PPO-style clipping mask and
   without it (eps_low = 0.999999, eps_high = 1e6: no token is masked), plus R3 with
   bf16 inference (`producer.engine.dtype=bfloat16`) against fp32 training.
+- dynamic_sampling: `consumer.dynamic_sampling` on (groups of equal rewards
+  filtered at the gate) vs off, on the demo's task, each until held-out
+  accuracy reaches warm + `demo.target_gain` (two evaluations in a row) or
+  `ARM_SECONDS["dynamic_sampling"]`. Per arm: wall seconds of RL to the target
+  and the samples trained (and generated) until then. The JSON adds
+  `dynamic_sampling_speedup` = seconds to target without / with (per pair too,
+  `dynamic_sampling_speedup_each`, when reps > 1), null when a run missed the
+  target; `..._at_least` counts a `without` run that missed it at its RL
+  seconds (a lower bound).
 
 Per arm: reward (last quarter), held-out accuracy (final, the demo's metric: avg@8), training-
 inference KL and clip fraction (means over the last quarter), entropy, and
@@ -48,8 +58,10 @@ log = logging.getLogger("rlstream.experiments")
 
 COLLAPSE_ACC_DROP = 0.10
 COLLAPSE_KL = 0.05
-ARM_SECONDS = {"async": 240.0, "objectives": 90.0, "replay": 60.0}
-REPS = {"async": 2, "objectives": 1, "replay": 1}
+ARM_SECONDS = {"async": 240.0, "objectives": 90.0, "replay": 60.0, "dynamic_sampling": 480.0}
+REPS = {"async": 2, "objectives": 1, "replay": 1, "dynamic_sampling": 1}
+TO_TARGET = ("async", "dynamic_sampling")
+"""Experiments whose arms stop at the demo's target accuracy (the others run their time)."""
 # Overrides every arm of an experiment shares (the workload), before the arm's own.
 COMMON: dict[str, dict[str, Any]] = {}
 # No PPO-style mask: r < 1 - eps_low or r > 1 + eps_high never happens in 4
@@ -79,7 +91,9 @@ def arms(name: str, cfg: RlstreamConfig) -> list[Arm]:
         out.append(Arm("R3_clip_bf16_inference", {**base, "consumer.replay": "R3",
                                                   "producer.engine.dtype": "bfloat16"}))
         return out
-    raise ConfigError(f"unknown experiment {name!r}; choose async, objectives or replay")
+    if name == "dynamic_sampling":
+        return [Arm("with", {"consumer.dynamic_sampling": "on"}), Arm("without", {"consumer.dynamic_sampling": "off"})]
+    raise ConfigError(f"unknown experiment {name!r}; choose async, objectives, replay or dynamic_sampling")
 
 
 def selected_arms(name: str, cfg: RlstreamConfig) -> list[Arm]:
@@ -130,27 +144,40 @@ def phase_profile(rows: list[dict], skip_frac: float = 0.25) -> dict | None:
     return {k: (None if v is None or v != v else round(v, 4)) for k, v in out.items()}
 
 
+def samples_to(rows: list[dict], t: float | None) -> tuple[int | None, int | None]:
+    """(trained, generated) samples at `t` seconds of RL: the last progress row at or before it."""
+    if t is None:
+        return None, None
+    ticks = [r for r in rows if r.get("kind") == "tick" and r["time"] <= t + 1e-6]
+    if not ticks:
+        return 0, 0
+    return int(ticks[-1]["outcomes"]["trained"]), int(sum(r.get("generated", 0) for r in ticks))
+
+
 def arm_metrics(res) -> dict:
     """One row of the experiment table from a `RunResult`."""
     kl = _last_quarter(res.rows, "kl")
+    trained_to_target, generated_to_target = samples_to(res.rows, res.seconds_to_target)
     collapsed = ((res.final_accuracy is not None and res.final_accuracy < res.warm_accuracy - COLLAPSE_ACC_DROP)
                  or (kl is not None and kl > COLLAPSE_KL))
     return {
         "reward": _last_quarter(res.rows, "reward_mean"), "heldout_accuracy": res.final_accuracy,
         "best_accuracy": res.best_accuracy, "kl": kl, "clip_frac": _last_quarter(res.rows, "clip_frac"),
         "entropy": _last_quarter(res.rows, "entropy"), "collapsed": bool(collapsed),
+        "filtered": res.accounting.get("filtered"),
         "samples_per_s": res.samples_per_s, "versions": res.versions, "rl_seconds": res.rl_seconds,
-        "seconds_to_target": res.seconds_to_target, "ok": res.ok, "error": res.error,
+        "seconds_to_target": res.seconds_to_target, "trained_to_target": trained_to_target,
+        "generated_to_target": generated_to_target, "ok": res.ok, "error": res.error,
         "run_dir": res.run_dir, "phases": phase_profile(res.rows),
     }
 
 
 def _table(rows: dict[str, dict]) -> str:
     cols = ("reward", "heldout_accuracy", "kl", "clip_frac", "entropy", "samples_per_s", "versions",
-            "seconds_to_target", "collapsed", "ok")
+            "seconds_to_target", "trained_to_target", "filtered", "collapsed", "ok")
     fmt = lambda v: "-" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))  # noqa: E731
     lines = ["| arm | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
-    lines += [f"| {arm} | " + " | ".join(fmt(m[c]) for c in cols) + " |" for arm, m in rows.items()]
+    lines += [f"| {arm} | " + " | ".join(fmt(m.get(c)) for c in cols) + " |" for arm, m in rows.items()]
     return "\n".join(lines)
 
 
@@ -174,14 +201,15 @@ def combine(runs: list[dict]) -> dict:
     """One arm over its repetitions: samples/s = all trained / all RL seconds, other numbers averaged."""
     if len(runs) == 1:
         return runs[0]
-    out = {k: _mean([r[k] for r in runs]) for k in ("reward", "heldout_accuracy", "best_accuracy", "kl",
-                                                     "clip_frac", "entropy", "versions", "rl_seconds")}
+    out = {k: _mean([r.get(k) for r in runs]) for k in ("reward", "heldout_accuracy", "best_accuracy", "kl",
+                                                         "clip_frac", "entropy", "versions", "rl_seconds", "filtered")}
     trained = sum(r["samples_per_s"] * r["rl_seconds"] for r in runs)
     secs = sum(r["rl_seconds"] for r in runs)
     out["samples_per_s"] = trained / secs if secs else 0.0
-    tt = [r["seconds_to_target"] for r in runs]
-    out["seconds_to_target"] = _mean(tt) if all(t is not None for t in tt) else None
-    out["seconds_to_target_each"] = tt
+    for key in ("seconds_to_target", "trained_to_target", "generated_to_target"):
+        each = [r.get(key) for r in runs]
+        out[key] = _mean(each) if all(t is not None for t in each) else None
+        out[f"{key}_each"] = each
     out["collapsed"] = any(r["collapsed"] for r in runs)
     out["ok"] = all(r["ok"] for r in runs)
     out["error"] = next((r["error"] for r in runs if r["error"]), None)
@@ -212,9 +240,9 @@ def run_experiment(name: str, cfg: RlstreamConfig, seconds: float | None = None,
         f"warm accuracy {warm.accuracy:.3f}, target {target:.3f}; order {[a.name for a in order]}")
     runs: dict[str, list[dict]] = {a.name: [] for a in arm_list}
     for i, arm in enumerate(order):
-        stop = StopRule(target_accuracy=target if name == "async" else None, max_seconds=budget)
+        stop = StopRule(target_accuracy=target if name in TO_TARGET else None, max_seconds=budget)
         res = run_rl(cfg, warm, f"{name}-{arm.name}", stop, overrides={**COMMON.get(name, {}), **arm.overrides},
-                     eval_every_s=15.0 if name == "async" else 30.0)
+                     eval_every_s=15.0 if name in TO_TARGET else 30.0)
         m = arm_metrics(res)
         runs[arm.name].append(m)
         say(f"[{i + 1}/{len(order)}] {arm.name}: {m['samples_per_s']:.1f} samples/s, "
@@ -227,18 +255,56 @@ def run_experiment(name: str, cfg: RlstreamConfig, seconds: float | None = None,
     out: dict[str, Any] = {"experiment": name, "warm_accuracy": warm.accuracy, "target_accuracy": target,
                            "metric": warm.metric, "arm_seconds": budget, "reps": reps,
                            "order": [a.name for a in order], "arms": results}
-    if name == "async":
-        sync, asyn = results["sync"], next(v for k, v in results.items() if k != "sync")
-        out["async_speedup"] = (asyn["samples_per_s"] / sync["samples_per_s"]) if sync["samples_per_s"] else None
-        if reps > 1:  # per ABBA pair: each sync run against the async run next to it
-            ss, aa = runs["sync"], next(v for k, v in runs.items() if k != "sync")
-            out["async_speedup_each"] = [round(a["samples_per_s"] / s["samples_per_s"], 3)
-                                         for s, a in zip(ss, aa) if s["samples_per_s"]]
-        out["sync_samples_per_s"] = sync["samples_per_s"]
-        out["async_samples_per_s"] = asyn["samples_per_s"]
-        out["sync_seconds_to_target"] = sync["seconds_to_target"]
-        out["async_seconds_to_target"] = asyn["seconds_to_target"]
-        st, at = sync["seconds_to_target"], asyn["seconds_to_target"]
-        out["time_to_target_speedup"] = (st / at) if st and at else None
+    if name in SUMMARIES and len(results) == 2:
+        out.update(SUMMARIES[name](results, runs, reps))
     print(json.dumps(out, default=str), flush=True)
     return 0 if all(r["ok"] for r in results.values()) else 1
+
+
+def _async_summary(results: dict[str, dict], runs: dict[str, list[dict]], reps: int) -> dict:
+    sync, asyn = results["sync"], next(v for k, v in results.items() if k != "sync")
+    out: dict[str, Any] = {}
+    out["async_speedup"] = (asyn["samples_per_s"] / sync["samples_per_s"]) if sync["samples_per_s"] else None
+    if reps > 1:  # per ABBA pair: each sync run against the async run next to it
+        ss, aa = runs["sync"], next(v for k, v in runs.items() if k != "sync")
+        out["async_speedup_each"] = [round(a["samples_per_s"] / s["samples_per_s"], 3)
+                                     for s, a in zip(ss, aa) if s["samples_per_s"]]
+    out["sync_samples_per_s"] = sync["samples_per_s"]
+    out["async_samples_per_s"] = asyn["samples_per_s"]
+    out["sync_seconds_to_target"] = sync["seconds_to_target"]
+    out["async_seconds_to_target"] = asyn["seconds_to_target"]
+    st, at = sync["seconds_to_target"], asyn["seconds_to_target"]
+    out["time_to_target_speedup"] = (st / at) if st and at else None
+    return out
+
+
+def _dynamic_sampling_summary(results: dict[str, dict], runs: dict[str, list[dict]], reps: int) -> dict:
+    """Wall seconds to the target without / with (null when an arm missed it), and per pair."""
+    w, wo = results["with"], results["without"]
+    out: dict[str, Any] = {}
+    for arm, m in (("with", w), ("without", wo)):
+        for key in ("seconds_to_target", "trained_to_target", "generated_to_target"):
+            out[f"{arm}_{key}"] = m[key]
+    out["dynamic_sampling_speedup"] = _ratio(wo["seconds_to_target"], w["seconds_to_target"])
+    out["trained_to_target_ratio"] = _ratio(wo["trained_to_target"], w["trained_to_target"])
+    # a run without that missed the target needed more than its RL seconds: a lower bound
+    # (only when every run with reached it; otherwise nothing is claimed)
+    at_least = lambda r: r["seconds_to_target"] or r["rl_seconds"]  # noqa: E731
+    with_each = [r["seconds_to_target"] for r in runs["with"]]
+    if all(with_each):
+        out["dynamic_sampling_speedup_at_least"] = _ratio(_mean([at_least(r) for r in runs["without"]]),
+                                                          _mean(with_each))
+    if reps > 1:  # per ABBA pair: each run against the other arm's run next to it
+        out["dynamic_sampling_speedup_each"] = [_ratio(b["seconds_to_target"], a["seconds_to_target"])
+                                                for a, b in zip(runs["with"], runs["without"])]
+        out["dynamic_sampling_speedup_each_at_least"] = [_ratio(at_least(b), a["seconds_to_target"])
+                                                         for a, b in zip(runs["with"], runs["without"])]
+    return out
+
+
+def _ratio(a, b) -> float | None:
+    return round(a / b, 3) if a and b else None
+
+
+SUMMARIES = {"async": _async_summary, "dynamic_sampling": _dynamic_sampling_summary}
+"""The headline numbers of the experiments that compare two arms."""

@@ -147,10 +147,10 @@ def markdown(rows: list[dict], summary: dict, plots: list[Path]) -> str:
             "Every record published on the rollouts topic ends in exactly one consumer outcome; "
             "`held` are whole groups waiting for a full batch at shutdown (their offsets stay in "
             "the checkpoint, so a restarted consumer trains them).", "",
-            "| published | trained | dropped_stale | timed_out | duplicate | mismatch | dlq | held | balanced |",
+            "| published | trained | dropped_stale | timed_out | duplicate | dlq | filtered | held | balanced |",
             "|---|---|---|---|---|---|---|---|---|",
             "| " + " | ".join(_fmt(acc.get(k)) for k in ("published", "trained", "dropped_stale", "timed_out",
-                                                       "duplicate", "mismatch", "dlq", "held", "ok")) + " |"]
+                                                       "duplicate", "dlq", "filtered", "held", "ok")) + " |"]
     codes = summary.get("exit_codes") or {}
     out += ["", "## Processes", "", "| process | exit code |", "|---|---|"]
     out += [f"| {k} | {v} |" for k, v in codes.items()]

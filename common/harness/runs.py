@@ -105,8 +105,9 @@ def write_run_config(cfg: RlstreamConfig, dirs: RunDirs, warm: Warm,
     the supervisor passes them on each command line.
     """
     data = cfg.model_dump(mode="json")
-    for k, v in {"model.path": str(warm.model_dir), "model.build_tiny": False,
-                 "producer.prompts.path": str(warm.train_path),
+    # a JSONL source reads the warm start's training file; other sources bring their own prompts
+    prompts = {"producer.prompts.path": str(warm.train_path)} if cfg.producer.prompts.type == "jsonl" else {}
+    for k, v in {"model.path": str(warm.model_dir), "model.build_tiny": False, **prompts,
                  "consumer.weight_store_dir": str(dirs.weights),
                  "consumer.checkpoint_dir": str(dirs.checkpoints),
                  "kafka.blob_dir": str(dirs.blobs), **(overrides or {})}.items():
@@ -244,7 +245,7 @@ def _progress_line(row: dict, acc: tuple[int, dict] | None, warm: float) -> str:
             f"reward={f(row['reward_mean'], '.3f')} heldout={acc_s} (warm {warm:.3f}) "
             f"kl={f(row['kl'], '.2e')} stale={f(row['staleness_mean'], '.2f')} "
             f"samples/s={row['samples_per_s']:.1f} trained={o['trained']} "
-            f"dropped={o['dropped_stale']} timed_out={o['timed_out']} dlq={o['dlq']}")
+            f"dropped={o['dropped_stale']} filtered={o['filtered']} timed_out={o['timed_out']} dlq={o['dlq']}")
 
 
 # ---------------------------------------------------------------------------- stop + account

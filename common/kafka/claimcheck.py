@@ -11,9 +11,14 @@ twice is a no-op. URIs are `file://<absolute path>`.
 Reading locates the blob by its digest under the reader's own root (the URI's
 last path component must be the digest), so producers and consumers may mount
 a shared directory at different paths, and a hostile pointer cannot make the
-reader open arbitrary files. Size and sha256 are both verified; any mismatch
-or absence raises `InvalidRecordError("claim_check", ...)`, which the reader
-routes to the DLQ.
+reader open arbitrary files. Nor can something planted inside the store: the
+blob and its `<sha[:2]>` directory must be a regular file and a directory,
+not symbolic links, and must resolve inside the root (the file is opened with
+O_NOFOLLOW and checked on the open descriptor). Size and sha256 are both
+verified; any mismatch, link or absence raises
+`InvalidRecordError("claim_check", ...)`, which the reader routes to the DLQ.
+`put` refuses a linked `<sha[:2]>` directory too (BlobStoreError), and
+replaces a link planted at a blob's path by the blob.
 
 Seam for object storage: `AbstractBlobStore` is the interface, `BlobStore` the
 directory implementation; `open_blob_store(url)`
@@ -28,11 +33,12 @@ from __future__ import annotations
 import abc
 import hashlib
 import os
+import stat
 import tempfile
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-from common.errors import ConfigError, InvalidRecordError
+from common.errors import BlobStoreError, ConfigError, InvalidRecordError
 
 
 class AbstractBlobStore(abc.ABC):
@@ -61,12 +67,20 @@ class BlobStore(AbstractBlobStore):
     def _path(self, sha: str) -> Path:
         return self.root / sha[:2] / sha
 
+    def _inside(self, directory: Path) -> bool:
+        """`directory` is a real directory (no link) that resolves inside the root."""
+        return not directory.is_symlink() and directory.resolve().is_relative_to(self.root.resolve())
+
     def put(self, data: bytes) -> tuple[str, str, int]:
         sha = hashlib.sha256(data).hexdigest()
         path = self._path(sha)
         n = len(data)
-        if not (path.is_file() and path.stat().st_size == n):
-            path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not self._inside(path.parent):
+            raise BlobStoreError(f"{path.parent} is a link or leaves the store {self.root}; remove it "
+                                 "(blob directories must be plain directories)")
+        st = os.lstat(path) if os.path.lexists(path) else None
+        if not (st is not None and stat.S_ISREG(st.st_mode) and st.st_size == n):  # a planted link is replaced
             fd, tmp = tempfile.mkstemp(prefix=f".{sha[:16]}.", suffix=".tmp", dir=path.parent)
             try:
                 with os.fdopen(fd, "wb") as f:
@@ -96,18 +110,30 @@ class BlobStore(AbstractBlobStore):
             raise InvalidRecordError("claim_check", f"blob size {nbytes} out of range")
         path = self._path(sha256)
         try:
-            size = path.stat().st_size
-            if size != nbytes:
-                raise InvalidRecordError("claim_check", f"blob {sha256[:12]} has {size} bytes, pointer says {nbytes}")
-            data = path.read_bytes()
+            data = self._read_regular(path, sha256, nbytes)
         except FileNotFoundError:
             raise InvalidRecordError("claim_check", f"blob {sha256[:12]} not found under {self.root} "
                                      "(is kafka.blob_dir the same shared directory as the producer's?)") from None
-        except OSError as e:
-            raise InvalidRecordError("claim_check", f"blob {sha256[:12]} unreadable: {e}") from None
+        except OSError as e:  # ELOOP: the blob is a symbolic link (O_NOFOLLOW)
+            raise InvalidRecordError("claim_check", f"blob {sha256[:12]} unreadable or a link: {e}") from None
         if len(data) != nbytes or hashlib.sha256(data).hexdigest() != sha256:
             raise InvalidRecordError("claim_check", f"blob {sha256[:12]} fails its sha256/size check (corrupt)")
         return data
+
+    def _read_regular(self, path: Path, sha256: str, nbytes: int) -> bytes:
+        """The bytes of `path`, a regular file inside the store reached through no link."""
+        if os.path.lexists(path.parent) and not self._inside(path.parent):
+            raise InvalidRecordError("claim_check", f"blob directory {path.parent.name} is a link or leaves "
+                                     f"the store {self.root}")
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise InvalidRecordError("claim_check", f"blob {sha256[:12]} is not a regular file")
+            if st.st_size != nbytes:
+                raise InvalidRecordError("claim_check", f"blob {sha256[:12]} has {st.st_size} bytes, "
+                                         f"pointer says {nbytes}")
+            return f.read(nbytes + 1)
 
 
 def open_blob_store(url_or_dir: str | os.PathLike) -> AbstractBlobStore:

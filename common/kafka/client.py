@@ -35,7 +35,7 @@ announcements are absolute; a dead letter may be stored twice): kafka-python's
 idempotent producer stays wedged after its batches expire in a broker outage
 (common/kafka/publisher.py), and only the publisher rebuilds its producer.
 
-`ensure_topics(kafka)` creates the five rlstream topics, idempotently:
+`ensure_topics(kafka)` creates the four rlstream topics, idempotently:
 
 | topic (setting)      | partitions                  | configs                                    |
 |----------------------|-----------------------------|--------------------------------------------|
@@ -43,7 +43,6 @@ idempotent producer stays wedged after its batches expire in a broker outage
 | topics.policy        | 1                           | max.message.bytes (small messages anyway)  |
 | topics.control       | 1                           | cleanup.policy=compact                     |
 | topics.dlq           | 1                           | max.message.bytes (holds original bytes)   |
-| topics.stale         | 1                           | max.message.bytes                          |
 
 Existing topics are left as they are (a warning if the rollouts topic has
 fewer partitions than configured: Kafka cannot shrink, and growing it would
@@ -226,7 +225,6 @@ def topic_specs(kafka: KafkaSettings) -> dict[str, tuple[int, dict[str, str]]]:
         t.control: (1, {"cleanup.policy": "compact"}),
         # a dead letter keeps its original bytes plus headers: leave room above the limit
         t.dlq: (1, {"max.message.bytes": str(kafka.max_message_bytes + (1 << 20))}),
-        t.stale: (1, dict(big)),
     }
 
 

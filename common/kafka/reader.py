@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from common import metrics
 from common.config import KafkaSettings
@@ -63,19 +64,22 @@ class RolloutReader:
 
     Validation: a record is valid iff `common.record` decodes and validates it,
     a claim-check pointer resolves to a blob that passes its size and sha256
-    check and holds the rollout the pointer names, and the Kafka key equals
-    the record's group_id (the partitioning invariant). Single-threaded.
+    check and holds the rollout the pointer names, the Kafka key equals
+    the record's group_id (the partitioning invariant), and `check` (the
+    caller's own rules, e.g. the consumer's version bound, consumer/intake.py)
+    returns instead of raising InvalidRecordError. Single-threaded.
     """
 
     def __init__(self, kafka: KafkaSettings, partitions: list[int] | None = None,
                  start_offsets: dict[int, int] | None = None, blobs: AbstractBlobStore | None = None,
                  limits: RecordLimits = DEFAULT_LIMITS, *, topic: str | None = None,
-                 fetch_max_wait_ms: int = 100):
+                 fetch_max_wait_ms: int = 100, check: Callable[[Rollout], None] | None = None):
         from kafka import TopicPartition
 
         self.kafka = kafka
         self.topic = topic or kafka.topics.rollouts
         self.limits = limits
+        self._check = check
         self._blobs = blobs
         self._dlq = DeadLetterWriter(kafka)
         self.dlq_total = 0
@@ -183,6 +187,8 @@ class RolloutReader:
         if m.key != r.group_id.encode():
             raise InvalidRecordError("key", f"Kafka key {m.key[:80] if m.key else m.key!r} != group_id "
                                      f"{r.group_id!r} (a group must stay in one partition)")
+        if self._check is not None:
+            self._check(r)
         return r, claim
 
     def take_dead(self) -> list[tuple[int, int]]:

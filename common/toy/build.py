@@ -5,9 +5,17 @@ Services call `ensure_model(cfg)` and `ensure_data(cfg)` at start: when
 Qwen3-MoE is built there (no downloads); when the prompts file is missing, the
 arithmetic task's train and held-out splits are written beside it. A real
 checkpoint directory is used as is.
+
+`task_files(cfg)` is what the harness (SFT warm start, held-out evaluation)
+reads: those two files for a JSONL source; for a reasoning-gym source
+(common/gymtasks.py), its held-out split and one epoch of its training range,
+written once under `<demo.work_dir>/data/<dataset>-<digest of the settings>/`
+(the producer generates the same items itself).
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from pathlib import Path
 
@@ -67,7 +75,30 @@ def ensure_data(cfg: RlstreamConfig, n_train: int = 4096, n_heldout: int = 256) 
     return train
 
 
+def task_files(cfg: RlstreamConfig) -> tuple[Path, Path]:
+    """(train, held-out) JSONL files of the configured task, written if missing."""
+    p = cfg.producer.prompts
+    if p.type != "reasoning_gym":
+        return ensure_data(cfg), heldout_path(cfg)
+    from common.gymtasks import GymTask
+    from common.toy.tasks import Problem, write_problems
+
+    # the files depend on what fixes the items, not on the shuffle seed or the reward
+    digest = hashlib.sha256(json.dumps(p.model_dump(exclude={"seed", "reward"}), sort_keys=True).encode())
+    folder = Path(cfg.demo.work_dir) / "data" / f"{p.dataset}-{digest.hexdigest()[:10]}"
+    train, heldout = folder / "train.jsonl", folder / "heldout.jsonl"
+    if train.is_file() and heldout.is_file():
+        return train, heldout
+    log.info("writing the reasoning-gym task %s to %s", p.dataset, folder)
+    task = GymTask(p)
+    split = task.split()
+    items = (task.item(i) for i in range(split.train_start, split.train_start + p.size))
+    write_problems(train, [Problem(it.prompt, it.answer) for it in items if it.prompt not in split.heldout_prompts])
+    write_problems(heldout, [Problem(it.prompt, it.answer) for it in split.heldout])
+    return train, heldout
+
+
 def main(cfg: RlstreamConfig) -> int:
     print(ensure_model(cfg))
-    print(ensure_data(cfg))
+    print(*task_files(cfg), sep="\n")
     return 0

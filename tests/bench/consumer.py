@@ -1,24 +1,35 @@
 """Consumer benchmark (issue #5): does the trainer wait for data, and what do checkpoints and weight
 publishing cost? Prints one JSON object.
 
-    .venv/bin/python tests/bench/consumer.py [--steps 18] [--threads 1]
+    .venv/bin/python tests/bench/consumer.py [--steps 60] [--threads 1] [--pipeline-seconds 60 | --no-pipeline
+                                             | --pipeline-json FILE]
 
-Starts its own broker (tansu, free port), a real in-process `ConsumerService`
-on the tiny model (Megatron-core, CPU) and a synthetic producer in a separate
-process that keeps the rollouts topic full: it publishes `synthetic_group`
-records (stamped with the trainer's current version) whenever fewer than
-`--ahead-batches` global batches are waiting past the consumer's read
-position, as the real producer's admission control would.
+Two answers to "does the trainer wait", because they differ by 20x:
 
-The consumer runs the service's loop by hand, timing each phase of every
-global step:  apply_control -> next_batch -> train_step -> checkpoint -> publish_weights
+1. Synthetic feed (the trainer's own cost of waiting). Starts its own broker
+   (tansu, free port), a real in-process `ConsumerService` on the tiny model
+   (Megatron-core, CPU) and a synthetic producer in a separate process that
+   keeps the rollouts topic full: it publishes `synthetic_group` records
+   (stamped with the trainer's current version) whenever fewer than
+   `--ahead-batches` global batches are waiting past the consumer's read
+   position. The consumer runs the service's loop by hand, timing each phase of
+   every global step:  next_batch (with its control catch-up) -> train_step ->
+   checkpoint -> publish_weights
+2. Real pipeline (what a user sees). `rlstream experiment async` with one run
+   per arm (`--pipeline-seconds` each; sync: max_staleness 0, async:
+   max_staleness 2): broker, vLLM producer and Megatron consumer as processes;
+   the share is the consumer's `wait` phase over its whole step
+   (`rlstream_consumer_step_phase_seconds`, steady part of each run). Or read
+   from the JSON a previous `rlstream experiment async` printed
+   (`--pipeline-json`, its last line), or skipped (`--no-pipeline`).
 
-  consumer_wait_share  next_batch seconds / step seconds (all phases), median
+  consumer_wait_share  (1) next_batch seconds / step seconds (all phases), median
                        over `--repeats` blocks of steps; target <= 0.05. All of
                        next_batch counts as waiting, including decoding,
-                       group assembly, gating and the per-poll lag query
-                       (broken down in `next_batch_breakdown`), so the figure
-                       is an upper bound on time spent starved of data.
+                       group assembly, gating, the control catch-up and the
+                       per-poll lag query (broken down in `next_batch_breakdown`),
+                       so the figure is an upper bound on time spent starved of data.
+  consumer_wait_share_pipeline  (2) per arm; `pipeline` has its source, seconds and phases.
   checkpoint_seconds   ConsumerService.checkpoint (model + optimizer + offsets, fsynced)
   publish_seconds      ConsumerService.publish_weights (export, WeightStore.write,
                        announcement), with `model_bytes`.
@@ -52,7 +63,7 @@ log = logging.getLogger("bench.consumer")
 LARGE_SPEC = dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=4,
                   num_attention_heads=8, num_key_value_heads=4, head_dim=64, num_experts=32,
                   num_experts_per_tok=4)
-PHASES = ("control", "wait", "train", "checkpoint", "publish")
+PHASES = ("wait", "train", "checkpoint", "publish")
 
 
 def _setup(threads: int) -> None:
@@ -120,10 +131,8 @@ def run_steps(svc, n: int, read_pos, version) -> list[dict]:
     steps = []
     for _ in range(n):
         p0, p1, l0, l1 = poll.seconds, poll.calls, lag.seconds, lag.calls
-        t0 = time.perf_counter()
-        svc.apply_control()
-        t1 = time.perf_counter()
-        batch = svc.next_batch()
+        t0 = t1 = time.perf_counter()
+        batch = svc.next_batch()  # its batch boundary catches the control topic up, as in the service
         t2 = time.perf_counter()
         # staleness as docs/algorithm.md defines it: trainer version at this optimizer step - oldest token version
         v_step = svc.version
@@ -136,7 +145,7 @@ def run_steps(svc, n: int, read_pos, version) -> list[dict]:
         t5 = time.perf_counter()
         read_pos.value = sum(svc.reader.positions().values())
         version.value = svc.version
-        s = dict(zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)))
+        s = dict(zip(PHASES, (t2 - t1, t3 - t2, t4 - t3, t5 - t4)))
         s.update(total=t5 - t0, poll=poll.seconds - p0, polls=poll.calls - p1, lag=lag.seconds - l0,
                  lag_calls=lag.calls - l1, compute=m["time_forward"] + m["time_backward"] + m["time_optimizer"],
                  gate_staleness=max(rg.staleness for rg in batch), train_staleness=train_staleness)
@@ -252,6 +261,13 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--ahead-batches", type=int, default=3, help="batches the producer keeps on the topic")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (consumer.num_threads)")
     ap.add_argument("--no-large", action="store_true")
+    ap.add_argument("--pipeline-seconds", type=float, default=60.0,
+                    help="RL seconds per arm of the real-pipeline measurement (rlstream experiment async, 1 rep)")
+    ap.add_argument("--pipeline-json", help="take the real-pipeline figure from this `rlstream experiment "
+                    "async` output (its last line) instead of running it")
+    ap.add_argument("--no-pipeline", action="store_true", help="synthetic feed only")
+    ap.add_argument("-c", "--config", default=str(ROOT / "configs" / "tiny-cpu.yaml"),
+                    help="config of the real-pipeline runs")
     return ap.parse_args()
 
 
@@ -352,6 +368,43 @@ def report(args, b: Bench, m: dict, t_start: float, load0: float) -> dict:
     }
 
 
+# ---------------------------------------------------------------------------
+# the real pipeline (broker, vLLM producer, Megatron consumer as processes)
+# ---------------------------------------------------------------------------
+def pipeline_wait_shares(experiment: dict) -> dict[str, float]:
+    """{arm: consumer wait seconds / step seconds} from `rlstream experiment async`'s JSON."""
+    out = {}
+    for arm, m in (experiment.get("arms") or {}).items():
+        ph = m.get("phases") or {}
+        if ph.get("c_wait") is not None and ph.get("c_step"):
+            out[arm] = round(ph["c_wait"] / ph["c_step"], 4)
+    return out
+
+
+def real_pipeline(args) -> dict | None:
+    """The async experiment's consumer wait shares (run now, or read from --pipeline-json)."""
+    if args.no_pipeline:
+        return None
+    if args.pipeline_json:
+        text, source = Path(args.pipeline_json).read_text(), f"file {args.pipeline_json}"
+    else:
+        import contextlib
+        import io
+
+        from common.config import load_config
+        from common.harness.experiments import run_experiment
+
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):  # its tables and JSON; ours is the one JSON on stdout
+            run_experiment("async", load_config(args.config), seconds=args.pipeline_seconds, reps=1)
+        sys.stderr.write(buf.getvalue())
+        text, source = buf.getvalue(), f"rlstream experiment async -c {args.config}, 1 rep"
+    experiment = json.loads(text.strip().splitlines()[-1])
+    return {"source": source, "arm_seconds": experiment.get("arm_seconds"), "reps": experiment.get("reps"),
+            "consumer_wait_share": pipeline_wait_shares(experiment),
+            "phases": {a: m.get("phases") for a, m in (experiment.get("arms") or {}).items()}}
+
+
 def teardown(b: Bench) -> None:
     if b.stop is not None:
         b.stop.set()
@@ -382,9 +435,15 @@ def main() -> None:
         setup(args, b)
         warm(args, b)
         measured = measure(args, b)
-        os.write(out_fd, (json.dumps(report(args, b, measured, t_start, load0)) + "\n").encode())
+        result = report(args, b, measured, t_start, load0)
     finally:
         teardown(b)
+    result["feed"] = "synthetic: the topic kept full by a separate process (the trainer's own waiting)"
+    pipeline = real_pipeline(args)
+    result["consumer_wait_share_pipeline"] = pipeline and pipeline["consumer_wait_share"]
+    result["pipeline"] = pipeline
+    result["bench_seconds"] = round(time.perf_counter() - t_start, 1)
+    os.write(out_fd, (json.dumps(result) + "\n").encode())
 
 
 if __name__ == "__main__":

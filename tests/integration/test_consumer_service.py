@@ -3,10 +3,12 @@
 A synthetic producer publishes valid records with known policy versions:
 - stale groups are dropped at the configured bound and kept below it;
 - in reweight mode the sample weights follow decay ** staleness;
-- a control change on the topic takes effect at the next batch boundary;
+- a control change on the topic takes effect at the next batch boundary (the
+  service applies it itself: no test calls apply_control), also when it
+  arrives while the consumer sits idle waiting for data;
 - an announced version (collective: the snapshot the links stream, and its
   durable copy) is an HF directory that transformers opens and whose log-probs
-  equal the trainer's;
+  equal the trainer's, and that the vLLM engine reloads;
 - a consumer killed with SIGKILL between steps resumes from its checkpoint and
   never trains a rollout_id twice; every record is accounted for.
 """
@@ -105,14 +107,11 @@ def test_reweight_mode_via_control_topic(service):
         k, v = encode_control(key, value, by="test")
         p.send(kafka.topics.control, key=k, value=v).get(timeout=10)
     p.close()
-    deadline = time.time() + 10
-    while svc.control.mode != "reweight" or svc.control.max_staleness != 3:
-        svc.apply_control()  # the service does this at each batch boundary
-        assert time.time() < deadline, "control change not applied"
     V = svc.version
     rng = np.random.default_rng(1)
     publish_groups(pub, [synthetic_group("rw3", G, V - 3, rng), synthetic_group("rw1", G, V - 1, rng)])
-    batch = svc.next_batch()
+    batch = svc.next_batch()  # its boundary applies the three changes acknowledged above
+    assert (svc.control.mode, svc.control.decay, svc.control.max_staleness) == ("reweight", 0.5, 3)
     weights = {rg.group.group_id: rg.weights for rg in batch}
     assert weights == {"rw3": (0.5 ** 3,) * G, "rw1": (0.5,) * G}
     svc.train_step(batch)
@@ -168,7 +167,7 @@ def test_announced_version_opens_in_transformers_with_same_logprobs(service):
     svc, _, kafka = service
     deadline = time.time() + 10
     while svc.follower.view.weights is None or svc.follower.view.weights.version < svc.version:
-        svc.apply_control()
+        svc.follower.catch_up()
         assert time.time() < deadline, "announcement not seen on the policy topic"
     ann: WeightsReady = svc.follower.view.weights
     # the collective path (the default) announces the snapshot every producer link streams...
@@ -200,14 +199,11 @@ def test_read_ahead_groups_are_gated_at_the_optimizer_step(service):
     writer.set_control("mode", "drop", by="test")
     writer.set_control("max_staleness", 0, by="test")
     writer.close()
-    deadline = time.time() + 10
-    while svc.control.max_staleness != 0 or svc.control.mode != "drop":
-        svc.apply_control()
-        assert time.time() < deadline, "control change not applied"
     V = svc.version
     publish_groups(pub, [synthetic_group(f"ahead{i}", G, V, np.random.default_rng(10 + i)) for i in range(2 * B)])
     dropped = svc.ledger.counters["dropped_stale"]
     batch = svc.next_batch()
+    assert (svc.control.max_staleness, svc.control.mode) == (0, "drop")  # applied at this batch's boundary
     assert [rg.staleness for rg in batch] == [0] * B
     assert len(svc.ledger.complete) == B  # read ahead, not yet gated
     svc.train_step(batch)  # the trainer moves to V + 1: the waiting groups are now 1 version stale
@@ -219,6 +215,74 @@ def test_read_ahead_groups_are_gated_at_the_optimizer_step(service):
     svc.train_step(batch)
     svc.checkpoint()
     svc.publish_weights()
+
+
+@pytest.mark.timeout(300)
+def test_a_change_on_an_idle_consumer_applies_to_its_next_batch(service):
+    """The consumer waits for data (inside next_batch, nothing read yet) when max_staleness drops
+    from 1 to 0; the batch it then builds is gated with 0: a group one version old is dropped.
+    (It took two batch boundaries before: the follower's first poll after a change often returns
+    nothing, and an idle consumer polled only at the top of its loop.)"""
+    import threading
+
+    svc, pub, kafka = service
+    writer = ControlPlaneWriter(kafka)
+    writer.set_control("mode", "drop", by="test")
+    writer.set_control("max_staleness", 1, by="test")
+    V = svc.version
+    rng = np.random.default_rng(30)
+    publish_groups(pub, [synthetic_group(f"warm{i}", G, V, rng) for i in range(B)])
+    step(svc)  # a batch under max_staleness 1
+    assert svc.control.max_staleness == 1
+    result = {}
+    waiter = threading.Thread(target=lambda: result.update(batch=svc.next_batch()), daemon=True)
+    waiter.start()
+    time.sleep(1.0)  # idle: the reader finds nothing
+    assert waiter.is_alive() and not svc.ledger.complete
+    writer.set_control("max_staleness", 0, by="test")
+    writer.close()
+    dropped = svc.ledger.counters["dropped_stale"]
+    # one group one version old (kept under 1, dropped under 0), then B fresh ones
+    publish_groups(pub, [synthetic_group("one_old", G, V, rng)])
+    publish_groups(pub, [synthetic_group(f"fresh{i}", G, V + 1, rng) for i in range(B)])
+    waiter.join(timeout=60)
+    assert sorted(rg.group.group_id for rg in result["batch"]) == [f"fresh{i}" for i in range(B)]
+    assert svc.ledger.counters["dropped_stale"] - dropped == G and svc.control.max_staleness == 0
+    svc.train_step(result["batch"])
+    svc.checkpoint()
+    svc.publish_weights()
+
+def test_dynamic_sampling_filters_equal_reward_groups_and_fills_the_batch(service):
+    """Complete groups whose G rewards are all equal are filtered at the gate
+    (outcome `filtered`, not trained), the batch is filled with the next groups
+    from the stream, and the progress announcement carries the filtered share."""
+    import dataclasses
+
+    from common import metrics
+
+    svc, pub, _ = service
+    assert svc.ccfg.dynamic_sampling == "auto" and svc.ccfg.filters_zero_variance  # minirl, G = 4
+    V = svc.version
+    rng = np.random.default_rng(30)
+    same = [[dataclasses.replace(r, reward=0.0) for r in synthetic_group(f"same{i}", G, V, rng)] for i in range(B)]
+    publish_groups(pub, same)
+    deadline = time.time() + 30
+    while len(svc.ledger.complete) < B:  # read, complete, not gated yet: first in line
+        svc._read(0.2)
+        assert time.time() < deadline, "the equal-reward groups were not read"
+    publish_groups(pub, [synthetic_group(f"mixed{i}", G, V, rng) for i in range(B)])
+    filtered = svc.ledger.counters["filtered"]
+    exposed = metrics.value("rlstream_consumer_records_total", outcome="filtered")
+    batch = svc.next_batch()
+    assert sorted(rg.group.group_id for rg in batch) == [f"mixed{i}" for i in range(B)]
+    assert svc.ledger.counters["filtered"] - filtered == B * G
+    assert metrics.value("rlstream_consumer_records_total", outcome="filtered") - exposed == B * G
+    trained = svc.ledger.counters["trained"]
+    svc.train_step(batch)
+    assert svc.ledger.counters["trained"] - trained == B * G
+    svc.checkpoint()
+    svc.publish_weights()
+    assert 0 < svc.announcer.sent.filtered_share == round(svc.filtered.value, 3)
 
 
 # --------------------------------------------------------- crash and resume

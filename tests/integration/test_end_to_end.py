@@ -10,7 +10,7 @@ number of policy versions, and checks what the demo promises:
   wide, so a pipeline that does not learn fails);
 - every record on the rollouts topic, counted by reading the topic back, ends
   in exactly one consumer outcome (trained, dropped_stale, timed_out,
-  duplicate, mismatch, dlq) or is held as whole groups waiting for a batch;
+  duplicate, dlq) or is held as whole groups waiting for a batch;
 - every process exits 0 on SIGTERM.
 
 Length: ~1-2.5 min SFT + ~15 s startup + 150 versions (~1.5 min on an idle

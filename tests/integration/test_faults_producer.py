@@ -15,7 +15,9 @@ part), run in phases by the tests below, in file order:
    the producer's records the producer is SIGKILLed while groups are partially
    published; those partial groups are timed out and counted, never trained;
    the restarted producer (same producer_id, as ops/ configures it) serves
-   the newest announced version from its first record.
+   the newest announced version from its first record, found by itself: the
+   consumer is frozen (SIGSTOP) while the producer restarts and generates its
+   first group, so no newer announcement can bring it up to date.
 3. broker outage: the module's own broker is frozen (SIGSTOP: sockets open,
    no answers; memory storage survives) for 20 s during steady state: the
    producer's publish buffer fills and admission stops, the publisher retries;
@@ -24,6 +26,8 @@ part), run in phases by the tests below, in file order:
 """
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -32,6 +36,7 @@ import pytest
 
 from common.kafka.broker import EmbeddedBroker, free_port
 from common.config import BrokerSettings
+from common.errors import PipelineError
 from common.harness.census import read_rollouts
 from common.harness.supervisor import Service, wait_until
 from tests.fixtures.kafka import make_kafka_settings
@@ -60,6 +65,7 @@ class Stack:
         self.old_groups: set[str] = set()
         self.restart_at = 0.0
         self.version_before_restart = 0
+        self.first_records: list = []  # the restarted producer's first group, generated while no one announced
 
     def records(self, kafka=None):
         return read_rollouts(kafka or self.kafka, quiet_s=1.0)
@@ -235,10 +241,12 @@ def test_producer_sigkill_mid_group_partial_groups_time_out_and_restart_rejoins(
     stack.partial_ids = {r.rollout_id for rs in partial.values() for r in rs}
     n_partial = len(stack.partial_ids)
 
-    stack.version_before_restart = latest_policy(stack.kafka).version
     stack.restart_at = time.time()
-    p.start()
-    # the partial groups time out in the consumer, counted, while the producer restarts
+    with frozen(c):  # nothing announces a newer version while the producer restarts
+        stack.version_before_restart = latest_policy(stack.kafka).version
+        p.start()
+        stack.first_records = _first_records_of_restarted(stack)
+    # the partial groups time out in the consumer, counted
     wait_until(lambda: c.metric("rlstream_consumer_records_total", outcome="timed_out") - timed_out0 >= n_partial,
                TIMEOUT_S + 120, "partial groups timed out", [c])
     assert c.metric("rlstream_consumer_records_total", outcome="timed_out") - timed_out0 == n_partial
@@ -247,26 +255,50 @@ def test_producer_sigkill_mid_group_partial_groups_time_out_and_restart_rejoins(
     assert not trained & stack.partial_ids, "a partial group was trained"
 
 
+class frozen:
+    """SIGSTOP a service's process group for the block (SIGCONT after, whatever happens)."""
+
+    def __init__(self, svc: Service):
+        self.pgid = os.getpgid(svc.pid)
+
+    def __enter__(self):
+        os.killpg(self.pgid, signal.SIGSTOP)
+
+    def __exit__(self, *exc):
+        os.killpg(self.pgid, signal.SIGCONT)
+
+
+def _first_records_of_restarted(stack) -> list:
+    """The restarted producer's first G records (or [] after 120 s: the test below says why)."""
+    p = stack.producer
+
+    def first_group():
+        new = _of_restarted(stack)
+        return new[:G] if len(new) >= G else None
+    try:
+        p.wait_ready(300)
+        return wait_until(first_group, 120, "records of the restarted producer", [p], interval_s=2.0)
+    except PipelineError:
+        return []
+
+
 @pytest.mark.timeout(300)
 def test_restarted_producer_rejoins_at_the_latest_version(stack):
     """Its first records carry at least the version announced before it restarted.
 
-    (producer/service.py start() drops the announcements its first follower poll returns; since
-    the consumer re-announces while it waits, the producer catches up on that re-announcement.)
+    The consumer was frozen from before the restart until these records were on the topic, so
+    no announcement came after the producer started: it must apply the newest one on the policy
+    topic at start (producer/service.py start()). Without that it serves the base model
+    (version 0): its first records carry version 0, or staleness backpressure admits nothing.
     """
     p = stack.producer
     before = stack.version_before_restart
-
-    def first_records():
-        new = _of_restarted(stack)
-        return new if len(new) >= G else None
-    try:
-        new = wait_until(first_records, 90, "records of the restarted producer", [p], interval_s=2.0)
-    except AssertionError:
-        pytest.fail(f"restarted producer generated nothing in 90 s (serving version "
+    assert before >= 2, "the crash phase did not run long enough to test anything"
+    new = stack.first_records
+    if not new:
+        pytest.fail(f"restarted producer generated nothing in 120 s (serving version "
                     f"{p.metric('rlstream_producer_policy_version')}, trainer version "
                     f"{p.metric('rlstream_producer_trainer_version')}, newest announced {before})")
-    assert p.metric("rlstream_producer_policy_version") >= before
     assert min(r.policy_version for r in new) >= before, \
         "the restarted producer generated with an older version than the newest announced"
 

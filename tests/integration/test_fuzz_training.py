@@ -5,7 +5,9 @@ trains on valid synthetic groups while hypothesis fuzzes the rollouts topic
 with records that are truncated, of another schema version, with mismatched
 lengths, NaN/inf or positive log-probs, expert ids >= num_experts, oversize
 (beyond the reader's record limits) or a pickle whose unpickling would leave
-a marker file. Afterwards: training went on, each bad record is in the DLQ
+a marker file; and with records that decode but must not be trained: a key
+given twice, another group size, a version from the future (trainer + 1000),
+a sequence longer than the model's positions (P = 600 > 512). Afterwards: training went on, each bad record is in the DLQ
 under the field its kind must be refused for, and the DLQ counters (reader and
 consumer) match the number of bad records exactly.
 
@@ -68,15 +70,21 @@ def _pack(**changes) -> bytes:
     return msgpack.packb(m, use_bin_type=True)
 
 
+def _pack_repeating(key: str, second) -> bytes:
+    """The template's map with `key` given a second time (msgpack alone would keep the last value)."""
+    pairs = list(_VALID_MAP.items()) + [(key, second)]
+    pk = msgpack.Packer(use_bin_type=True)
+    return pk.pack_map_header(len(pairs)) + b"".join(pk.pack(k) + pk.pack(v) for k, v in pairs)
+
+
 def _f32(values) -> bytes:
     return np.asarray(values, dtype="<f4").tobytes()
 
 
 @st.composite
-def bad_record(draw) -> tuple[str, str, bytes]:
-    """(kind, DLQ field it must be refused for, bytes)."""
-    kind = draw(st.sampled_from(["truncated", "schema", "lengths", "nan_logprob", "positive_logprob",
-                                 "expert_id", "oversize", "pickle"]))
+def bad_record(draw, kinds: tuple[str, ...] | None = None) -> tuple[str, str, bytes]:
+    """(kind, DLQ field it must be refused for, bytes); the kind drawn from `kinds` (default: all)."""
+    kind = draw(st.sampled_from(kinds or KINDS))
     valid = encode(_TEMPLATE)
     if kind == "truncated":
         return kind, "<bytes>", valid[:draw(st.integers(0, len(valid) - 1))]
@@ -100,7 +108,26 @@ def bad_record(draw) -> tuple[str, str, bytes]:
     if kind == "oversize":
         P = draw(st.integers(65_537, 70_000))  # RecordLimits.max_prompt_tokens = 65,536
         return kind, "prompt_ids", _pack(prompt_ids=np.full(P, 5, dtype="<i4").tobytes())
+    if kind == "repeated_key":
+        key = draw(st.sampled_from(["reward", "policy_version", "logprobs"]))
+        return kind, key, _pack_repeating(key, _VALID_MAP[key])
+    if kind == "group_size":
+        return kind, "group_size", _pack(group_size=draw(st.sampled_from([G - 1, G + 1, 2 * G])))
+    if kind == "future_version":
+        return kind, "policy_version", _pack(policy_version=draw(st.integers(1000, 10**9)))
+    if kind == "long_sequence":  # the tiny model has 512 positions; routing rows follow P
+        P = draw(st.integers(512, 700))
+        rows = P + _T - 1
+        routing = np.resize(np.asarray(_TEMPLATE.routed_experts), (rows,) + _TEMPLATE.routed_experts.shape[1:])
+        return kind, "prompt_ids", _pack(prompt_ids=np.full(P, 5, dtype="<i4").tobytes(),
+                                         routed_experts=routing.tobytes(), routing_shape=list(routing.shape))
     return kind, "<bytes>", PICKLE_BOMB
+
+
+DECODABLE = {"repeated_key", "group_size", "future_version", "long_sequence"}
+"""Kinds whose record decodes up to the rule it breaks (its key must match its group_id)."""
+KINDS = ["truncated", "schema", "lengths", "nan_logprob", "positive_logprob", "expert_id", "oversize", "pickle",
+         "repeated_key", "group_size", "future_version", "long_sequence"]
 
 
 # ---------------------------------------------------------------- the live consumer
@@ -128,7 +155,9 @@ class Live:
 
     def publish_bad(self, kind: str, field: str, value: bytes) -> None:
         self._seq += 1
-        d = self.pub.publish_bytes(f"bad-{self._seq}".encode(), value, timeout=60).result(timeout=60)
+        # keyed like the template's group: records that decode get past the key check to their own
+        key = _TEMPLATE.group_id.encode() if kind in DECODABLE else f"bad-{self._seq}".encode()
+        d = self.pub.publish_bytes(key, value, timeout=60).result(timeout=60)
         self.expected[f"{d.topic}/{d.partition}/{d.offset}"] = (kind, field)
 
 
@@ -155,6 +184,19 @@ FUZZ = settings(max_examples=30, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", KINDS)
+@settings(max_examples=1, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.data())
+def test_one_bad_record_of_each_kind_while_training(live, kind, data):
+    """Every kind at least once, whatever the fuzz below draws; then a valid group."""
+    _, field, value = data.draw(bad_record((kind,)))
+    live.publish_bad(kind, field, value)
+    live.publish_valid_group()
+    assert live.consumer.alive, live.consumer.log_tail()
+
+
 @pytest.mark.timeout(600)
 @FUZZ
 @given(bad=st.lists(bad_record(), min_size=1, max_size=3))
@@ -170,8 +212,7 @@ def test_fuzz_rollouts_topic_while_training(live, bad):
 def test_training_continued_and_every_bad_record_is_in_the_dlq_with_its_reason(live):
     c = live.consumer
     n_bad = len(live.expected)
-    assert n_bad >= 30 and {k for k, _ in live.expected.values()} >= {
-        "truncated", "schema", "lengths", "nan_logprob", "positive_logprob", "expert_id", "oversize", "pickle"}
+    assert n_bad >= 30 and {k for k, _ in live.expected.values()} >= set(KINDS)
     want_steps = live.valid_groups // B
     wait_until(lambda: live.version() >= want_steps, 300, f"{want_steps} steps", [c])
     ours = {}
@@ -249,7 +290,9 @@ def test_admin_api_rejects_out_of_range_values_and_writes_nothing(live):
     before = _control_messages(live.kafka)
     bad = [("max_staleness", -1), ("max_staleness", 1001), ("max_staleness", "many"), ("max_staleness", 1.5),
            ("mode", "yolo"), ("decay", 0), ("decay", 1.5), ("decay", "nan"), ("paused", "maybe"),
-           ("unknown_key", 1), ("__class__", "x")]
+           ("unknown_key", 1), ("__class__", "x"),
+           # strict types: JSON true is not max_staleness 1, nor "3" the integer 3, nor 1 paused
+           ("max_staleness", True), ("max_staleness", "3"), ("decay", True), ("paused", 1)]
     for key, value in bad:
         code, body = _admin(c, "POST", {"key": key, "value": value})
         assert code == 400, (key, value, body)
@@ -276,6 +319,8 @@ def test_out_of_range_and_hostile_control_messages_on_the_topic_are_ignored(live
         (b"decay", json.dumps({"value": -0.5}).encode()),
         (b"decay", json.dumps({"value": 7}).encode()),
         (b"paused", json.dumps({"value": "perhaps"}).encode()),
+        (b"max_staleness", json.dumps({"value": True}).encode()),  # not 1: strictly typed
+        (b"paused", json.dumps({"value": 1}).encode()),
         (b"evil", json.dumps({"value": 1}).encode()),
         (b"max_staleness", b"not json"),
         (b"max_staleness", json.dumps({"nothing": 1}).encode()),

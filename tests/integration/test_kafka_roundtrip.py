@@ -155,6 +155,15 @@ def test_claim_check_for_large_records(broker, tmp_path):
     reasons = [dict(m.headers)[H_REASON].decode() for m in dlq]
     assert len(reasons) == 2 and "sha256" in reasons[0] and "not found" in reasons[1]
 
+    # a link planted where the blob belongs (to the right bytes, elsewhere) is not followed
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.write_bytes(full)
+    blob.symlink_to(elsewhere)
+    with RolloutReader(kafka, blobs=BlobStore(tmp_path / "blobs")) as rd:
+        assert [it.rollout.rollout_id for it in read_n(rd, 1, timeout_s=3)] == [small.rollout_id]
+    assert metrics.value("rlstream_dlq_records_total", field="claim_check") == dlq_before + 3
+    assert "link" in dict(read_topic_raw(kafka, kafka.topics.dlq, 3)[-1].headers)[H_REASON].decode()
+
 
 @pytest.mark.timeout(30)
 def test_blob_store_atomic_content_addressed(tmp_path):
@@ -211,6 +220,49 @@ def test_invalid_records_go_to_dlq_with_reason(kafka_settings):
     assert h[H_REASON] and h[H_SOURCE].decode().startswith(kafka_settings.topics.rollouts + "/")
     assert by_field["key"].value == encode(wrong_key)
     assert "<= 0" in dict(by_field["logprobs"].headers)[H_REASON].decode()
+
+
+@pytest.mark.broker
+@pytest.mark.timeout(120)
+def test_records_the_consumer_refuses_go_to_dlq_with_reason(kafka_settings):
+    """Valid records that do not fit the reader's consumer (the limits and `check` hook of
+    consumer/intake.py), and a record with a repeated key, are dead letters with their field."""
+    from consumer.intake import VersionBound
+
+    def rec(seed, **kw):
+        return realistic_rollout(response_tokens=8, prompt_tokens=4, layers=2, seed=seed, group_id="gc",
+                                 group_size=4, vocab=64, **kw)
+    good = rec(500, policy_version=3)
+    future = rec(501, policy_version=1003, sample_idx=1)  # "trainer + 1000"
+    other_g = realistic_rollout(response_tokens=8, prompt_tokens=4, layers=2, seed=502, group_id="gc",
+                                group_size=8, vocab=64)
+    too_long = realistic_rollout(response_tokens=8, prompt_tokens=600, layers=2, seed=503, group_id="gc",
+                                 group_size=4, vocab=64, sample_idx=2)
+    pairs = list(msgpack.unpackb(encode(rec(504, sample_idx=3))).items()) + [("reward", 5.0)]
+    pk = msgpack.Packer(use_bin_type=True)
+    repeated = pk.pack_map_header(len(pairs)) + b"".join(pk.pack(k) + pk.pack(v) for k, v in pairs)
+    fields = ("policy_version", "group_size", "prompt_ids", "reward")
+    before = {f: metrics.value("rlstream_dlq_records_total", field=f) for f in fields}
+    with RolloutPublisher(kafka_settings) as pub:
+        for r in (good, future, other_g, too_long):
+            pub.publish(r).result(10)
+        pub.publish_bytes(b"gc", repeated).result(10)
+    from common.record import RecordLimits
+
+    limits = RecordLimits(max_token_id=63, max_sequence_tokens=512, group_size=4)
+    with RolloutReader(kafka_settings, limits=limits, check=VersionBound(lambda: 4)) as rd:
+        items = read_n(rd, 1)
+        time.sleep(0.5)
+        items += rd.poll(timeout_s=0.5)
+        assert [it.rollout.rollout_id for it in items] == [good.rollout_id]
+        assert len(rd.take_dead()) == 4 and sum(rd.positions().values()) == 5
+    for f in fields:
+        assert metrics.value("rlstream_dlq_records_total", field=f) == before[f] + 1, f
+    dlq = read_topic_raw(kafka_settings, kafka_settings.topics.dlq, 4)
+    reasons = {dict(x.headers)[H_FIELD].decode(): dict(x.headers)[H_REASON].decode() for x in dlq}
+    assert set(reasons) == set(fields)
+    assert "future" in reasons["policy_version"] and "consumer.group_size 4" in reasons["group_size"]
+    assert "512 positions" in reasons["prompt_ids"] and "twice" in reasons["reward"]
 
 
 @pytest.mark.broker
@@ -348,7 +400,7 @@ def test_end_offsets_count_every_record_of_a_multi_record_batch(kafka_settings):
 def test_ensure_topics_idempotent(broker, tmp_path):
     kafka = make_kafka_settings(broker.bootstrap, tmp_path, create=False, rollouts_partitions=3)
     first = ensure_topics(kafka)
-    assert set(first.values()) == {"created"} and len(first) == 5
+    assert set(first.values()) == {"created"} and len(first) == 4  # rollouts, policy, control, dlq
     assert set(ensure_topics(kafka).values()) == {"exists"}
     c = make_consumer(kafka)
     try:

@@ -7,7 +7,8 @@ import torch
 
 from common.errors import ConfigError, RlstreamError
 from consumer import convert, megatron_shims
-from consumer.model import load_hf_checkpoint, logprobs_from_logits, per_token_logprobs, read_hf_dims
+from consumer.logprobs import logprobs_from_logits
+from consumer.model import load_hf_checkpoint, per_token_logprobs, read_hf_dims
 
 pytestmark = pytest.mark.megatron
 HEADS = ["untied", "tied"]
@@ -99,11 +100,38 @@ def test_mismatched_checkpoint_is_reported(perturbed_dirs):
         read_hf_dims(perturbed_dirs["untied"] / "nope")
 
 
-def test_shims_idempotent_and_inert_with_cuda(monkeypatch, megatron_world):
-    assert megatron_shims.apply() is True and megatron_shims.apply() is True
+def test_shims_idempotent_on_cpu(megatron_world):
+    everything = frozenset(megatron_shims.TE_SHIMS + megatron_shims.NORM_SHIMS
+                           + megatron_shims.CPU_SHIMS)
+    assert megatron_shims.apply() == everything and megatron_shims.apply() == everything
     assert torch.cuda.current_device() == "cpu"
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert megatron_shims.apply() is False
     mask = megatron_shims.causal_attention_mask(3)
     assert mask.shape == (1, 1, 3, 3) and mask[0, 0].tolist() == [
         [False, True, True], [False, False, True], [False, False, False]]
+
+
+def test_gpu_without_transformer_engine_gets_only_the_te_shim(monkeypatch, megatron_world):
+    """B2: each shim on the condition it repairs. A CUDA node without Transformer
+    Engine still lacks `te_general_gemm` (NameError at the first MoE forward), and
+    must keep its real current_device, RNG tracker and optimizer calls."""
+    from megatron.core.tensor_parallel import random as mpu_random
+    from megatron.core.transformer.moe import moe_utils
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(megatron_shims, "_applied", set())  # as in a fresh process
+    monkeypatch.delattr(moe_utils, "te_general_gemm")       # TE absent, as megatron-core leaves it
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.utils import local_multi_tensor_l2_norm
+
+    monkeypatch.setattr(clip_grads, "l2_norm_impl", local_multi_tensor_l2_norm)  # no Apex/TE kernels
+    device, fork, rng = object(), object(), object()
+    monkeypatch.setattr(torch.cuda, "current_device", device)
+    monkeypatch.setattr(mpu_random.CudaRNGStatesTracker, "fork", fork)
+    monkeypatch.setattr(mpu_random, "_get_cuda_rng_state", rng)
+    assert megatron_shims.apply() == {"te_general_gemm", "l2_norm"}  # no Apex either
+    assert moe_utils.te_general_gemm is None
+    assert torch.cuda.current_device is device and mpu_random._get_cuda_rng_state is rng
+    assert mpu_random.CudaRNGStatesTracker.fork is fork
+    assert not isinstance(megatron_shims.cuda_as_cpu(), megatron_shims.CudaAsCpu)
+    opt = type("Opt", (), {"step": lambda self: "real"})()
+    assert megatron_shims.wrap_optimizer(opt) is opt and "step" not in vars(opt)  # not wrapped

@@ -1,7 +1,9 @@
 """CPU processes under torchrun (gloo): data-parallel 2, data-parallel 2 with
 expert-parallel 2, tensor-parallel 2 (sequence parallel, with R2 and R3), and
-on 4 processes tensor 2 x data 2 x expert 2, give the same updated weights and
-metrics as one process on the whole batch."""
+on 4 processes tensor 2 x data 2 x expert 2, each rank cutting its mini-batches
+into micro-batches and sharding the optimizer state (distributed optimizer),
+give the same updated weights and metrics as one process on the whole,
+unsplit batch."""
 from __future__ import annotations
 
 import importlib.util
@@ -25,13 +27,18 @@ def load_worker():
     return mod
 
 
-def run_worker(model_dir, out, nproc: int) -> dict:
+def run_worker_layouts(model_dir, out, nproc: int, layouts: list[str] = ()) -> None:
+    """torchrun the worker on `nproc` ranks (layouts: its default ones for nproc)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     torchrun = Path(sys.executable).with_name("torchrun")
     cmd = [str(torchrun), "--standalone", "--nproc_per_node", str(nproc), str(WORKER),
-           str(model_dir), str(out)]
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+           str(model_dir), str(out), *layouts]
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def run_worker(model_dir, out, nproc: int) -> dict:
+    run_worker_layouts(model_dir, out, nproc)
     worker = load_worker()
     return {name: torch.load(out / f"{name}.pt", weights_only=False)
             for name in worker.LAYOUTS if worker.world_size(name) == nproc}
@@ -68,10 +75,11 @@ def test_same_weights_as_one_process(multi_rank_results, one_rank_results, sharp
     got, want = multi_rank_results[layout], one_rank_results[replay]
     original = read_hf_safetensors(sharp_model_dir)
     assert set(got["state"]) == set(want["state"])
-    # SGD, so a weight's change is lr * its (clipped) gradient: the layouts
-    # agree to ~1.5e-8 (measured; float32 summation order), the step moves
-    # weights by ~4e-3. (AdamW's first step is ~lr * sign(grad), which turns
-    # summation noise in near-zero gradients into differences of ~1e-4.)
+    # Adam with eps 10, so a weight's change is ~0.05 x its (clipped) gradient:
+    # the layouts agree to ~1.5e-8 (measured; float32 summation order), the step
+    # moves weights by ~4e-3. (With a small eps Adam's first step is
+    # ~lr * sign(grad), which turns summation noise in near-zero gradients into
+    # differences of ~1e-4.)
     for k, v in want["state"].items():
         torch.testing.assert_close(got["state"][k], v, rtol=0, atol=1e-6)
     moved = max(float((want["state"][k] - original[k]).abs().max()) for k in original)
@@ -80,8 +88,15 @@ def test_same_weights_as_one_process(multi_rank_results, one_rank_results, sharp
                 "clip_frac", "routing_agreement_layer_0", "routing_agreement_layer_1"):
         assert got["metrics"][key] == pytest.approx(want["metrics"][key], rel=1e-4), key
     assert got["metrics"]["num_responses"] == 16
+    assert got["metrics"]["micro_batches"] >= 2  # micro-batched == unsplit
     tp = load_worker().LAYOUTS[layout][1].get("tensor", 1)
     assert got["metrics"]["logit_columns"] == read_hf_dims(sharp_model_dir).vocab_size // tp
+    if tp > 1:  # chunked vocabulary-parallel log-probs == unchunked (values, entropy, grads)
+        assert got["metrics"]["chunked_lp_diff"] < 1e-5, got["metrics"]
+        assert got["metrics"]["chunked_entropy_diff"] < 1e-5, got["metrics"]
+        assert got["metrics"]["chunked_grad_rel"] < 1e-5, got["metrics"]
+    if layout in ("dp2", "dp2_ep2", "tp2_dp2_ep2"):  # optimizer state sharded over dp ranks
+        assert got["metrics"]["restore_exact"] == 1.0
 
 
 def test_r3_differs_from_r2(one_rank_results):

@@ -94,8 +94,8 @@ def test_r3_response_only_scope_fills_prompt_with_trainer_routing(fp32_model, bf
     merged, own = rr._saved[0], replay.from_layer_indices(rec["layers"], 8)
     prompt = mb.input_mask & ~mb.routing_mask
     assert prompt.any()
-    assert torch.equal(merged[mb.routing_mask], mb.routing[mb.routing_mask].long())
-    assert torch.equal(merged[prompt], own[prompt])
+    assert torch.equal(merged[mb.routing_mask].long(), mb.routing[mb.routing_mask].long())
+    assert torch.equal(merged[prompt].long(), own[prompt])
 
 
 @pytest.mark.parametrize("mode,expect_same", [("R2", True), ("none", False)])

@@ -101,15 +101,36 @@ def test_grpo_uses_std_normalised_advantages(bf16_rollouts):
     assert advantage_mode(settings(loss="minirl").loss) == "mean"
 
 
-def test_checkpoint_round_trip_continues_identically(sharp_model_dir, bf16_rollouts, tmp_path):
-    cfg = settings(lr=1e-3, num_minibatches=2, replay="R2")
+def tensors_of(state, prefix="") -> dict:
+    """Every tensor in a nested state dict, by path."""
+    if isinstance(state, dict):
+        items = state.items()
+    elif isinstance(state, (list, tuple)):
+        items = enumerate(state)
+    else:
+        return {prefix: state} if isinstance(state, torch.Tensor) else {}
+    return {k: v for key, sub in items for k, v in tensors_of(sub, f"{prefix}/{key}").items()}
+
+
+@pytest.mark.parametrize("dtype,distributed", [("float32", True), ("bfloat16", True),
+                                               ("bfloat16", False)])
+def test_checkpoint_round_trip_continues_identically(sharp_model_dir, bf16_rollouts, tmp_path,
+                                                     dtype, distributed):
+    cfg = settings(lr=1e-3, num_minibatches=2, replay="R2", dtype=dtype)
+    cfg.optimizer.distributed = distributed
     a = Trainer.from_hf(sharp_model_dir, cfg)
     gb = a.build_batch(bf16_rollouts, 4)
     a.train_step(gb)
-    torch.save(a.state_dict(), tmp_path / "ckpt.pt")
+    saved = a.state_dict()
+    torch.save(saved, tmp_path / "ckpt.pt")
     b = Trainer.from_hf(sharp_model_dir, cfg)
     b.load_state_dict(torch.load(tmp_path / "ckpt.pt", weights_only=True))  # as consumer/checkpoint.py
     assert b.step == 1
+    # fp32 masters and Adam moments survive bit-exactly (the distributed optimizer's
+    # own state_dict() holds none of them: consumer/optimizer.py gathers them)
+    want, got = tensors_of(saved["optimizer"]), tensors_of(b.state_dict()["optimizer"])
+    assert any(t.dtype == torch.float32 and t.numel() > 1000 for t in want.values())
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
     ma, mb = a.train_step(gb), b.train_step(gb)
     assert ma["loss"] == mb["loss"]
     pa, pb = params(a), params(b)

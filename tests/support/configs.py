@@ -21,8 +21,11 @@ def service_config(kafka: KafkaSettings, model_dir, tmp: Path, *, G: int = 4, B:
                    staleness: dict | None = None, consumer: dict | None = None,
                    producer: dict | None = None) -> RlstreamConfig:
     """A small config for the tiny model: consumer and producer sections both set."""
+    # dynamic sampling off: the producers of these runs serve the untrained tiny model, every
+    # reward is 0, and the gate would filter every group (test_consumer_service.py and
+    # test_reasoning_gym.py run it on)
     c = {"group_size": G, "groups_per_batch": B, "optimizer": {"lr": 1e-3}, "checkpoint_dir": str(tmp / "ckpt"),
-         "weight_store_dir": str(tmp / "weights"), "group_timeout_s": 30.0,
+         "weight_store_dir": str(tmp / "weights"), "group_timeout_s": 30.0, "dynamic_sampling": "off",
          "http": {"port": 0, "admin_token": ADMIN_TOKEN}, **(consumer or {})}
     p = {"group_size": G, "max_tokens": 6, "prompts": {"type": "jsonl", "path": str(tmp / "data" / "train.jsonl")},
          "max_groups_in_flight": 8, "http": {"port": 0, "admin_token": ADMIN_TOKEN},

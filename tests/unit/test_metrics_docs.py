@@ -28,6 +28,7 @@ DECLARING_MODULES = {
     "common.control.http": "both",
     "producer.telemetry": "producer",
     "producer.prompts": "producer",
+    "producer.mathjudge": "producer",
     "consumer.telemetry": "consumer",
 }
 KINDS = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}

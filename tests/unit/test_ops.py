@@ -103,7 +103,7 @@ def test_every_yaml_and_json_file_parses(path):
 def test_k8s_documents_are_well_formed():
     docs = k8s_docs()
     kinds = {d["kind"] for d in docs}
-    assert {"Namespace", "ConfigMap", "Secret", "Deployment", "StatefulSet", "Service",
+    assert {"Namespace", "ConfigMap", "Secret", "Deployment", "JobSet", "Service",
             "PersistentVolumeClaim", "ServiceMonitor"} <= kinds
     for d in docs:
         assert d.get("apiVersion") and d.get("kind") and d.get("metadata", {}).get("name"), d
@@ -122,18 +122,41 @@ def test_k8s_configmap_holds_a_valid_rlstream_config(tmp_path):
     assert not cfg.model.build_tiny and cfg.producer.http.host == "0.0.0.0"
 
 
+def _pod_template(workload: dict) -> dict:
+    """The pod template of a Deployment, or of a JobSet's (only) replicated job."""
+    if workload["kind"] == "JobSet":
+        (rjob,) = workload["spec"]["replicatedJobs"]
+        return rjob["template"]["spec"]["template"]
+    return workload["spec"]["template"]
+
+
 def _container(workload: dict) -> dict:
-    (c,) = workload["spec"]["template"]["spec"]["containers"]
+    (c,) = _pod_template(workload)["spec"]["containers"]
     return c
 
 
-def _check_pod(workload: dict, service_cmd: str, http_port: int) -> None:
-    spec = workload["spec"]["template"]["spec"]
+def _service_args(workload: dict) -> list[str]:
+    """The `rlstream` arguments: the container's args, or what follows torchrun's `-m`."""
     c = _container(workload)
-    assert c["args"][:3] == [service_cmd, "-c", "/etc/rlstream/rlstream.yaml"]
+    if c.get("command") == ["torchrun"]:
+        args = c["args"]
+        return args[args.index("-m") + 1:]
+    return c["args"]
+
+
+def _torchrun_world(workload: dict) -> tuple[int, int]:
+    """(nodes, processes per node) of a torchrun container."""
+    opts = dict(a.lstrip("-").split("=", 1) for a in _container(workload)["args"] if a.startswith("--"))
+    return int(opts["nnodes"]), int(opts["nproc_per_node"])
+
+
+def _check_pod(workload: dict, service_cmd: str, http_port: int, probes: bool = True) -> None:
+    spec = _pod_template(workload)["spec"]
+    c = _container(workload)
+    assert _service_args(workload)[:3] == [service_cmd, "-c", "/etc/rlstream/rlstream.yaml"]
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert ports["http"] == http_port, "container port must equal the config's http.port"
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe") if probes else ():
         assert c[probe]["httpGet"] == {"path": "/healthz", "port": "http"}, probe
     env = {e["name"]: e for e in c["env"]}
     assert env["RLSTREAM_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"]["key"] == "admin-token"
@@ -152,8 +175,9 @@ def _check_pod(workload: dict, service_cmd: str, http_port: int) -> None:
             find("ConfigMap", v["configMap"]["name"])
         if "secret" in v:
             find("Secret", v["secret"]["secretName"])
-    labels = workload["spec"]["template"]["metadata"]["labels"]
-    assert workload["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    if workload["kind"] == "Deployment":
+        labels = _pod_template(workload)["metadata"]["labels"]
+        assert workload["spec"]["selector"]["matchLabels"].items() <= labels.items()
 
 
 def _mount_of(workload: dict, path: str) -> dict:
@@ -163,38 +187,66 @@ def _mount_of(workload: dict, path: str) -> dict:
     return max(mounts, key=lambda m: len(m["mountPath"]))
 
 
-def test_k8s_producer_and_consumer_match_the_config(tmp_path):
+def _configmap_config(tmp_path, world_size: int | None = None):
     f = tmp_path / "c.yaml"
     f.write_text(find("ConfigMap", "rlstream-config")["data"]["rlstream.yaml"])
-    cfg = load_config(f, environ={"RLSTREAM__KAFKA__SASL_PLAIN_PASSWORD": "x"})
-    prod, cons = find("Deployment", "rlstream-producer"), find("StatefulSet", "rlstream-consumer")
+    env = {"RLSTREAM__KAFKA__SASL_PLAIN_PASSWORD": "x"}
+    if world_size is not None:
+        env["WORLD_SIZE"] = str(world_size)
+    return load_config(f, environ=env)
+
+
+def test_k8s_producer_and_consumer_match_the_config(tmp_path):
+    cfg = _configmap_config(tmp_path)
+    prod, cons = find("Deployment", "rlstream-producer"), find("JobSet", "rlstream-consumer")
     _check_pod(prod, "producer", cfg.producer.http.port)
-    _check_pod(cons, "consumer", cfg.consumer.http.port)
+    _check_pod(cons, "consumer", cfg.consumer.http.port, probes=False)  # only rank 0 serves HTTP
     gpus = _container(prod)["resources"]["requests"]["nvidia.com/gpu"]
     assert int(gpus) == cfg.producer.engine.tensor_parallel_size
-    assert int(_container(cons)["resources"]["requests"]["nvidia.com/gpu"]) >= 1
-    # exactly one consumer; checkpoints on its own persistent volume
-    assert cons["spec"]["replicas"] == 1
-    assert _mount_of(cons, cfg.consumer.checkpoint_dir)["name"] in \
-        {t["metadata"]["name"] for t in cons["spec"]["volumeClaimTemplates"]}
-    headless = find("Service", cons["spec"]["serviceName"])
-    assert headless["spec"]["clusterIP"] == "None"
-    # weight store and blobs on the shared ReadWriteMany volume, seen by both
-    for path in (cfg.consumer.weight_store_dir, cfg.kafka.blob_dir):
-        for w in (prod, cons):
-            vol = {v["name"]: v for v in w["spec"]["template"]["spec"]["volumes"]}[_mount_of(w, path)["name"]]
+    # weight store, blobs and checkpoints (every rank writes its shard) on the shared RWX volume
+    for path, workloads in ((cfg.consumer.weight_store_dir, (prod, cons)), (cfg.kafka.blob_dir, (prod, cons)),
+                            (cfg.consumer.checkpoint_dir, (cons,))):
+        for w in workloads:
+            vol = {v["name"]: v for v in _pod_template(w)["spec"]["volumes"]}[_mount_of(w, path)["name"]]
             pvc = find("PersistentVolumeClaim", vol["persistentVolumeClaim"]["claimName"])
             assert "ReadWriteMany" in pvc["spec"]["accessModes"], path
     for path in (cfg.model.path, cfg.producer.prompts.path, cfg.kafka.ssl_cafile):
         _mount_of(prod, path)
 
 
+def test_k8s_consumer_runs_torchrun_with_a_layout_that_fits(tmp_path):
+    """The consumer starts under torchrun on every node of one JobSet, with GPUs per pod =
+    processes per node, and the ConfigMap's parallel layout validates for that world size
+    (the review found a one-process consumer with expert 8: "ep=8 must divide dp=1")."""
+    from common.errors import ConfigError
+
+    cons = find("JobSet", "rlstream-consumer")
+    (rjob,) = cons["spec"]["replicatedJobs"]
+    nodes, per_node = _torchrun_world(cons)
+    job = rjob["template"]["spec"]
+    assert rjob["replicas"] == 1 and job["parallelism"] == job["completions"] == nodes
+    assert job["completionMode"] == "Indexed" and job["backoffLimit"] == 0
+    assert int(_container(cons)["resources"]["requests"]["nvidia.com/gpu"]) == per_node
+    args = _container(cons)["args"]
+    assert "--node_rank=$(NODE_RANK)" in args
+    master = next(a for a in args if a.startswith("--master_addr=")).split("=", 1)[1]
+    assert master == f"{cons['metadata']['name']}-{rjob['name']}-0-0.{cons['spec']['network']['subdomain']}"
+    cfg = _configmap_config(tmp_path, world_size=nodes * per_node)
+    assert cfg.consumer.dtype == "bfloat16"
+    with pytest.raises(ConfigError, match="consumer.parallel"):
+        _configmap_config(tmp_path, world_size=per_node // 2)  # the same layout on too few ranks is refused
+
+
 def test_k8s_services_and_servicemonitor_select_the_pods():
     services = [d for d in k8s_docs() if d["kind"] == "Service"]
-    pods = {d["metadata"]["name"]: d for d in k8s_docs() if d["kind"] in ("Deployment", "StatefulSet")}
+    pods = {d["metadata"]["name"]: d for d in k8s_docs() if d["kind"] in ("Deployment", "JobSet")}
+
+    def labels(w: dict) -> dict:  # an Indexed Job's pods also carry their completion index
+        extra = {"batch.kubernetes.io/job-completion-index": "0"} if w["kind"] == "JobSet" else {}
+        return {**_pod_template(w)["metadata"]["labels"], **extra}
+
     for svc in services:
-        matched = [w for w in pods.values()
-                   if svc["spec"]["selector"].items() <= w["spec"]["template"]["metadata"]["labels"].items()]
+        matched = [w for w in pods.values() if svc["spec"]["selector"].items() <= labels(w).items()]
         assert matched, f"Service {svc['metadata']['name']} selects no pods"
         for port in svc["spec"]["ports"]:
             assert any(port["targetPort"] == p["name"] for w in matched for p in _container(w)["ports"])
@@ -361,3 +413,30 @@ def test_dockerfile_builds_the_gpu_image():
     assert re.search(r"^FROM \$\{CUDA_IMAGE\}", text, re.M) and "nvidia/cuda:" in text
     assert 'pip install ".[gpu]"' in text and 'ENTRYPOINT ["rlstream"]' in text
     assert "python3.11" in text  # pyproject: requires-python >=3.11,<3.12
+
+
+def test_dockerfile_cuda_base_matches_the_pinned_torch_build():
+    """The image's CUDA is the one the pinned torch wheel was built for (the review found a
+    CUDA 12.8 base under a CUDA 13 torch), and the image's doctor refuses a CPU-only torch."""
+    import tomllib
+
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    torch_cuda = pyproject["tool"]["rlstream"]["torch_cuda"]
+    assert "torch==2.13.0" in pyproject["project"]["dependencies"]
+    text = (OPS / "Dockerfile").read_text()
+    image = re.search(r"^ARG CUDA_IMAGE=(\S+)", text, re.M).group(1)
+    m = re.fullmatch(r"nvidia/cuda:(\d+\.\d+)\.\d+-[a-z-]*runtime-ubuntu22\.04", image)
+    assert m, image
+    assert m.group(1) == torch_cuda, f"base image CUDA {m.group(1)} != torch's CUDA {torch_cuda}"
+    assert "common.app.doctor --gpu" in text
+
+
+def test_doctor_refuses_a_cpu_torch_for_gpu_installs(monkeypatch):
+    import torch
+
+    from common.app import doctor
+
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert "CPU-only" in doctor.check_cuda_torch()
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    assert doctor.check_cuda_torch() is None

@@ -151,7 +151,7 @@ def test_the_control_settings_are_one_model_for_the_file_and_the_control_plane()
     from common.control.messages import CONTROL_KEYS, parse_control_value
 
     assert issubclass(StalenessSettings, ControlSettings) and CONTROL_KEYS == tuple(ControlSettings.model_fields)
-    assert set(StalenessSettings.model_fields) - set(ControlSettings.model_fields) == {"audit_stale"}
+    assert set(StalenessSettings.model_fields) == set(ControlSettings.model_fields)
     for key, value in [("max_staleness", 1001), ("max_staleness", -1), ("mode", "sometimes"), ("decay", 0),
                        ("decay", 1.5), ("paused", "maybe")]:
         with pytest.raises(ConfigError) as file_err:
@@ -159,10 +159,46 @@ def test_the_control_settings_are_one_model_for_the_file_and_the_control_plane()
         with pytest.raises(ConfigError) as ctl_err:
             parse_control_value(key, value)
         assert file_err.value.key == f"staleness.{key}" and ctl_err.value.key == key
-    cfg = load_config(None, ["staleness.max_staleness=5", "staleness.paused=true", "staleness.audit_stale=true"],
-                      environ={})
+    with pytest.raises(ConfigError, match="audit_stale was removed") as removed:
+        load_config(None, ["staleness.audit_stale=false"], environ={})
+    assert removed.value.key == "staleness"
+    cfg = load_config(None, ["staleness.max_staleness=5", "staleness.paused=true"], environ={})
     start = ControlSettings.from_settings(cfg.staleness)
     assert type(start) is ControlSettings and start.model_dump() == {"max_staleness": 5, "mode": "drop",
                                                                       "decay": 1.0, "paused": True}
     start.max_staleness = 0
     assert cfg.staleness.max_staleness == 5, "a service's runtime copy is its own"
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_passes_dry_run(path):
+    """What an operator runs first: `rlstream consumer --dry-run -c configs/X.yaml` exits 0
+    and prints the resolved config (both roles' sections; the producer loads the same
+    model), with no engine, trainer or broker started."""
+    import os
+    import subprocess
+    import sys
+
+    root = CONFIGS[0].parents[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RLSTREAM")}
+    env["PYTHONPATH"] = str(root)
+    out = subprocess.run([sys.executable, "-m", "common.app.cli", "consumer", "--dry-run", "-c", str(path)],
+                         cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "consumer:" in out.stdout and "producer:" in out.stdout
+
+def test_dynamic_sampling_resolves_auto_and_refuses_groups_of_one():
+    cfg = load_config(None, environ={})
+    assert cfg.consumer.dynamic_sampling == "auto" and cfg.consumer.filters_zero_variance
+    for loss in ("minirl", "minirl_no_is", "minirl_length_norm", "grpo", "cispo"):
+        assert load_config(None, [f"consumer.loss.name={loss}"], environ={}).consumer.filters_zero_variance
+    assert not load_config(None, ["consumer.dynamic_sampling=off"], environ={}).consumer.filters_zero_variance
+    assert load_config(None, ["consumer.dynamic_sampling=on"], environ={}).consumer.filters_zero_variance
+    one = ["producer.group_size=1", "consumer.group_size=1"]
+    assert not load_config(None, one, environ={}).consumer.filters_zero_variance  # auto: nothing to compare
+    with pytest.raises(ConfigError, match="never has reward variance") as e:
+        load_config(None, one + ["consumer.dynamic_sampling=on"], environ={})
+    assert e.value.key == "consumer.dynamic_sampling"
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["consumer.dynamic_sampling=sometimes"], environ={})
+    assert e.value.key == "consumer.dynamic_sampling"

@@ -15,7 +15,7 @@ from tests.fixtures.kafka import realistic_rollout
 ARRAYS = ("prompt_ids", "response_ids", "logprobs", "token_versions", "routed_experts")
 SCALARS = ("rollout_id", "group_id", "sample_idx", "group_size", "producer_id", "created_at", "prompt_text",
            "policy_version", "reward", "finish_reason", "routing_scope", "num_experts", "reward_info",
-           "sampling_digest", "model_digest")
+           "sampling_digest", "model_digest", "temperature")
 
 
 def small(**kw) -> Rollout:
@@ -158,6 +158,9 @@ ENCODE_RULES = [
     ("token_versions zero count", _poke("token_versions", (0, 1), 0), "token_versions"),
     ("token_versions first run", _poke("token_versions", (0, 0), 2), "token_versions"),
     ("num_experts 0", _set(num_experts=0), "num_experts"),
+    ("temperature 0", _set(temperature=0.0), "temperature"),
+    ("temperature negative", _set(temperature=-0.7), "temperature"),
+    ("temperature NaN", _set(temperature=float("nan")), "temperature"),
     ("routing rows", _arr("routed_experts", lambda a: a[:-1]), "routed_experts"),
     ("routing scope rows", _set(routing_scope="response"), "routed_experts"),
     ("expert id too large", _poke("routed_experts", (0, 0, 0), 8), "routed_experts"),
@@ -216,6 +219,9 @@ WIRE_RULES = [
     ("routing_scope", _wire(routing_scope="all"), "routing_scope"),
     ("num_experts missing", _wire(num_experts=KeyError), "num_experts"),
     ("finish_reason int", _wire(finish_reason=1), "finish_reason"),
+    ("temperature 0", _wire(temperature=0.0), "temperature"),
+    ("temperature str", _wire(temperature="0.7"), "temperature"),
+    ("temperature bool", _wire(temperature=True), "temperature"),
     ("claim_check not a map", _wire(claim_check=5), "claim_check"),
     ("claim_check bad sha", _wire(claim_check={"uri": "file:///x", "sha256": "ab", "bytes": 3}),
      "claim_check.sha256"),
@@ -260,3 +266,58 @@ def test_model_limits_refuse_what_the_model_cannot_take():
                            (RecordLimits.for_model(64, 2, 2, 16), "num_experts=8")):
         with pytest.raises(InvalidRecordError, match=needle):
             decode(buf, limits)
+
+
+def _pack_pairs(pairs) -> bytes:
+    """A msgpack map written pair by pair (so a key may repeat, as a hostile or buggy client can)."""
+    pk = msgpack.Packer(use_bin_type=True)
+    return pk.pack_map_header(len(pairs)) + b"".join(pk.pack(k) + pk.pack(v) for k, v in pairs)
+
+
+def test_a_repeated_key_is_refused_not_last_value_wins():
+    m = msgpack.unpackb(encode(small()))
+    pairs = list(m.items())
+    assert decode(_pack_pairs(pairs)).reward == m["reward"]  # the same pairs, each key once: valid
+    for key, second in (("reward", 5.0), ("logprobs", m["logprobs"]), ("schema", 1)):
+        with pytest.raises(InvalidRecordError) as e:
+            decode(_pack_pairs(pairs + [(key, second)]))
+        assert e.value.field == key and "twice" in e.value.reason
+    # nested maps too (reward_info, the claim-check pointer); an unknown key is not a field label
+    nested = [(k, v) for k, v in pairs if k != "reward_info"] + [
+        ("reward_info", {"correct": True})]
+    raw = _pack_pairs(nested).replace(msgpack.packb({"correct": True}),
+                                      _pack_pairs([("correct", True), ("correct", False)]))
+    with pytest.raises(InvalidRecordError) as e:
+        decode(raw)
+    assert e.value.field == "<bytes>" and "'correct' appears twice" in e.value.reason
+    p = ClaimPointer("rid", "gid", "file:///x/ab/" + "a" * 64, "a" * 64, 123)
+    ptr = msgpack.unpackb(encode_claim_pointer(p))
+    with pytest.raises(InvalidRecordError) as e:
+        decode_any(_pack_pairs(list(ptr.items()) + [("group_id", "other")]))
+    assert e.value.field == "group_id"
+
+
+def test_temperature_round_trips_and_defaults_to_one():
+    r = small()
+    r.temperature = 0.7
+    assert decode(encode(r)).temperature == pytest.approx(0.7)
+    m = msgpack.unpackb(encode(small()))
+    assert m["temperature"] == 1.0
+    del m["temperature"]  # a record from before the key existed
+    assert decode(msgpack.packb(m, use_bin_type=True)).temperature == 1.0
+
+
+def test_consumer_limits_refuse_other_group_sizes_and_sequences_beyond_the_positions():
+    r = small(response_tokens=12, prompt_tokens=5)  # group_size 8, P + T = 17
+    buf = encode(r)
+    assert decode(buf, RecordLimits(group_size=8, max_sequence_tokens=17)).rollout_id == r.rollout_id
+    with pytest.raises(InvalidRecordError) as e:
+        decode(buf, RecordLimits(group_size=4))
+    assert e.value.field == "group_size" and "consumer.group_size 4" in e.value.reason
+    with pytest.raises(InvalidRecordError) as e:
+        decode(buf, RecordLimits(max_sequence_tokens=16))
+    assert e.value.field == "response_ids" and "16 positions" in e.value.reason
+    with pytest.raises(InvalidRecordError) as e:
+        decode(buf, RecordLimits(max_sequence_tokens=5))
+    assert e.value.field == "prompt_ids"
+    assert RecordLimits.for_model(64, 2, 2, 8, positions=512).max_sequence_tokens == 512

@@ -27,6 +27,9 @@ ROOT = Path(__file__).resolve().parents[3]
     (["consumer.optimizer.betas=[0.9, 1.0]"], "consumer.optimizer.betas"),
     (["consumer.optimizer.name=lion"], "consumer.optimizer.name"),
     (["consumer.parallel.expert=0"], "consumer.parallel.expert"),
+    (["consumer.memory.micro_batch_tokens=0"], "consumer.memory.micro_batch_tokens"),
+    (["consumer.memory.logprob_chunk_tokens=-1"], "consumer.memory.logprob_chunk_tokens"),
+    (["consumer.memory.attention=flash"], "consumer.memory.attention"),
     (["consumer.groups_per_batch=2", "consumer.group_size=2", "producer.group_size=2",
       "consumer.num_minibatches=5"], "consumer.num_minibatches"),
     (["consumer.lr=1e-4"], "consumer.lr"),  # the old flat keys are gone
@@ -82,7 +85,9 @@ def test_dry_run_prints_every_knob_the_trainer_reads():
     assert proc.returncode == 0, proc.stderr
     c = yaml.safe_load(proc.stdout)["consumer"]
     assert c["optimizer"] == {"name": "adamw", "lr": 0.0002, "weight_decay": 0.0, "betas": [0.9, 0.999],
-                              "eps": 1e-8, "grad_clip": 0.0}
+                              "eps": 1e-8, "grad_clip": 0.0, "distributed": True}
+    assert c["memory"] == {"micro_batch_tokens": 16384, "logprob_chunk_tokens": 2048,
+                           "recompute": False, "attention": "auto"}
     assert c["loss"] == {"name": "minirl", "eps_low": 0.2, "eps_high": 0.27, "is_cap": 5.0, "advantage": "auto"}
     assert c["parallel"] == {"tensor": 1, "expert": 1}
 

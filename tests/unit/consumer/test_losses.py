@@ -191,3 +191,14 @@ def test_auto_advantage_is_what_each_loss_registered():
     assert advantage_mode(LossSettings(name="grpo")) == "mean_std"
     assert {advantage_mode(LossSettings(name=n)) for n in LOSSES if n != "grpo"} == {"mean"}
     assert advantage_mode(LossSettings(name="grpo", advantage="mean")) == "mean"
+
+
+def test_dynamic_sampling_auto_covers_exactly_the_group_relative_losses():
+    """`consumer.dynamic_sampling: auto` filters zero-variance groups for a loss iff its
+    advantage is group-relative (mean or mean/std over the group: exactly 0 for a
+    group of equal rewards), which is every registered loss today."""
+    from common.config import DYNAMIC_SAMPLING_LOSSES
+    from consumer.batch import ADVANTAGE_MODES
+
+    group_relative = {name for name, reg in LOSSES.items() if reg.advantage in ADVANTAGE_MODES}
+    assert set(DYNAMIC_SAMPLING_LOSSES) == group_relative == set(LOSSES)

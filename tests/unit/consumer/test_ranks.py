@@ -14,8 +14,9 @@ from consumer.ranks import Follower, Leader, RankCommand
 
 
 class FakeTrainer:
-    def __init__(self, **parallel):
+    def __init__(self, optimizer_state_sharded: bool = False, **parallel):
         self.cfg = ConsumerSettings(parallel=parallel)
+        self.optimizer_state_sharded = optimizer_state_sharded
         self.calls: list = []
 
     def build_batch(self, samples, group_size):
@@ -120,6 +121,19 @@ def test_data_parallel_only_leader_checkpoints_and_exports_alone(wire, monkeypat
     leader.checkpoint(CheckpointState(1, 1, {}), [])
     leader.export()
     assert sent == [("train", ["s"])] and ("save", 1) in ckpt.calls
+
+
+def test_distributed_optimizer_makes_the_checkpoint_collective_not_the_export(wire, monkeypatch):
+    """dp only, optimizer state sharded over the data-parallel ranks: every rank
+    gathers into the checkpoint; rank 0 still exports alone (whole weights)."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    sent, _ = wire
+    trainer, ckpt = FakeTrainer(optimizer_state_sharded=True), FakeCheckpoints()
+    leader = Leader(trainer, ckpt, group_size=4)
+    leader.checkpoint(CheckpointState(2, 2, {}), [])
+    leader.export()
+    assert sent == [("checkpoint", "/tmp/stage-2")]
+    assert [c[0] for c in ckpt.calls] == ["audit", "begin", "shard", "commit"]
 
 
 def test_follower_does_what_rank_0_sends_in_order_until_stop(wire, monkeypatch):

@@ -115,3 +115,41 @@ def test_from_rollout_keeps_the_record_and_takes_the_gate_weight():
     assert s.prompt_ids is r.prompt_ids and s.logprobs is r.logprobs  # no copies
     mb = build_global_batch([s], 1).minibatches[0]
     assert mb.tokens[0].tolist() == [5, 6, 7, 8, 9] and mb.sample_weight.tolist() == [0.5]
+    assert s.temperature == 1.0 and mb.temperature is None  # all 1.0: the division is skipped
+
+
+def test_temperature_travels_per_sample_with_padding_rows_at_one():
+    import dataclasses
+
+    from common.record import Rollout
+
+    r = Rollout(rollout_id="r", group_id="a", sample_idx=0, group_size=2, prompt_ids=np.array([5, 6], np.int32),
+                response_ids=np.array([7], np.int32), logprobs=np.array([-.1], np.float32), policy_version=0,
+                reward=1.0, temperature=0.7)
+    hot = TrainSample.from_rollout(r)
+    cold = dataclasses.replace(sample(2, 2, 0.0, "a", scope=None), temperature=1.3)
+    gb = build_global_batch([hot, cold], group_size=2, dp_rank=0, dp_size=1)
+    assert gb.minibatches[0].temperature.tolist() == pytest.approx([0.7, 1.3])
+    # three samples over two data-parallel ranks: rank 1 gets one sample and a padding row at 1.0
+    three = [dataclasses.replace(sample(2, 2, float(i), "b", scope=None), temperature=0.5) for i in range(3)]
+    mb = build_global_batch(three, group_size=3, dp_rank=1, dp_size=2).minibatches[0]
+    assert mb.temperature.tolist() == [0.5, 1.0]
+    with pytest.raises(InvalidSampleError, match="temperature"):
+        build_global_batch([dataclasses.replace(cold, temperature=0.0), hot], group_size=2)
+
+
+def test_logprobs_are_taken_at_each_rows_temperature():
+    import torch
+
+    from consumer.logprobs import logprobs_from_logits
+
+    g = torch.Generator().manual_seed(0)
+    logits, targets = torch.randn(2, 3, 11, generator=g), torch.randint(0, 11, (2, 3), generator=g)
+    t = torch.tensor([0.7, 1.3])
+    lp, ent = logprobs_from_logits(logits, targets, with_entropy=True, temperature=t)
+    for b in range(2):
+        want = torch.log_softmax(logits[b] / t[b], -1)
+        assert torch.allclose(lp[b], want.gather(-1, targets[b, :, None])[:, 0])
+        assert torch.allclose(ent[b], -(want.exp() * want).sum(-1))
+    assert torch.equal(logprobs_from_logits(logits, targets), logprobs_from_logits(logits, targets, temperature=None))
+    assert not torch.allclose(lp, logprobs_from_logits(logits, targets))

@@ -1,5 +1,6 @@
 """The producer's admission rule (producer/admission.py), called for real:
-every reason, the staleness backpressure estimate and the soak's held-group stall."""
+every reason, the staleness backpressure estimate (scaled by the trainer's
+filtered share under dynamic sampling) and the soak's held-group stall."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,7 +8,7 @@ import dataclasses
 import pytest
 
 from common.control.messages import TrainerProgress
-from producer.admission import AdmissionView, admission_block, queued_groups
+from producer.admission import MAX_FILTERED_SHARE, AdmissionView, admission_block, queued_groups, steps_ahead
 
 G, B = 4, 2
 
@@ -112,3 +113,24 @@ def test_one_held_group_does_not_pin_the_queue():
     actual = view(progress=progress(trainer_version=884, read_offsets={0: 100}, held_records=G), **at_884)
     assert queued_groups({0: 100}, {0: 100}, G, 0, 0, G) == 1
     assert admission_block(actual) is None
+
+
+def test_steps_ahead_scales_the_queue_by_the_filtered_share():
+    assert [steps_ahead(q, 2) for q in (0, 1, 2, 3, 4, 5)] == [0, 0, 1, 1, 2, 2]  # floor(Q / B)
+    assert steps_ahead(8, 2, 0.5) == 2  # half the queue is filtered: a step takes B / (1 - f) = 4 groups
+    assert steps_ahead(10, 1, 0.9) == 1  # not 0: 10 * (1 - 0.9) is 0.999... in floats
+    assert steps_ahead(100, 1, 1.0) == steps_ahead(100, 1, MAX_FILTERED_SHARE) == 10  # capped
+    assert steps_ahead(8, 2, -0.1) == 4
+
+
+def test_a_filtered_share_admits_more_so_filtering_does_not_starve_the_trainer():
+    # 4 groups queued at B = 2, max_staleness 1: trained at V + 2 -> refused without filtering ...
+    v = view(end_offsets=lambda: {0: 116}, max_staleness=1)
+    assert admission_block(v) == "staleness"
+    # ... but with half of the trainer's groups filtered it takes 4 per step: trained at V + 1
+    half = dataclasses.replace(v, progress=progress(read_offsets={0: 100}, filtered_share=0.5))
+    assert admission_block(half) is None
+    # the cap: even an all-filtered trainer (share 1.0) bounds the queue at 10x
+    far = dataclasses.replace(v, end_offsets=lambda: {0: 100 + 4 * 40},
+                              progress=progress(read_offsets={0: 100}, filtered_share=1.0))
+    assert admission_block(far) == "staleness"

@@ -72,10 +72,31 @@ def test_prompt_source_is_a_tagged_union():
      "one forward per step"),
     (["producer.engine.extra_engine_args={enable_return_routed_experts: true}"],
      "producer.engine.extra_engine_args", "producer.engine.routing"),
+    # sampling the trainer cannot reproduce: refused unless the bias is accepted by name
+    (["producer.temperature=0"], "producer.temperature", "greater than 0"),
+    (["producer.top_p=0.95"], "producer.top_p", "producer.accept_biased_logprobs"),
+    (["producer.engine.logprobs_mode=raw_logprobs", "producer.temperature=0.7"], "producer.engine",
+     "producer.accept_biased_logprobs"),
 ])
 def test_bad_values_name_an_existing_key(overrides, key, words):
     e = refused(*overrides)
     assert e.key == key and words in str(e), str(e)
+
+
+def test_sampling_the_trainer_reproduces_loads_and_the_bias_can_be_accepted_by_name():
+    p = load("producer.temperature=0.7").producer  # the record carries it, the trainer applies it
+    assert (p.temperature, p.top_p, p.accept_biased_logprobs) == (0.7, 1.0, False)
+    assert load("producer.engine.logprobs_mode=raw_logprobs").producer.temperature == 1.0  # raw == processed at 1
+    p = load("producer.top_p=0.95", "producer.accept_biased_logprobs=true").producer
+    assert p.top_p == 0.95
+    p = load("producer.engine.logprobs_mode=raw_logprobs", "producer.temperature=0.7",
+             "producer.accept_biased_logprobs=true").producer
+    assert p.engine.logprobs_mode == "raw_logprobs"
+
+
+def test_dry_run_refuses_biased_sampling_with_exit_code_2(capsys):
+    assert cli(["producer", "--dry-run", "--set", "producer.top_p=0.9"]) == 2
+    assert "producer.top_p" in capsys.readouterr().err
 
 
 def test_gpu_settings_can_be_expressed():

@@ -1,12 +1,13 @@
-"""The JSONL prompt source (producer/prompts.py), reading the toy task's files."""
+"""The prompt sources (producer/prompts.py): the JSONL source reading the toy
+task's files, and the reasoning-gym source (real reasoning-gym 0.1.25)."""
 import json
 
 import pytest
 
-from common.config import JsonlPrompts, KafkaSettings
+from common.config import JsonlPrompts, KafkaSettings, ReasoningGymPrompts, load_config
 from common.errors import ConfigError
 from common.toy import tasks
-from producer.prompts import JsonlPromptSource, open_prompt_source
+from producer.prompts import GymPromptSource, JsonlPromptSource, open_prompt_source
 from producer.verifiers import get_verifier
 
 
@@ -63,3 +64,76 @@ def test_open_prompt_source_builds_the_configured_jsonl_source(tmp_path):
     with pytest.raises(ConfigError) as e:
         open_prompt_source(JsonlPrompts(path=str(tmp_path / "missing.jsonl")), KafkaSettings())
     assert e.value.key == "producer.prompts.path"
+
+
+# ---------------------------------------------------------------------------- reasoning-gym
+
+def gym_settings(**kw) -> ReasoningGymPrompts:
+    return ReasoningGymPrompts(**{"dataset": "chain_sum", "prompt_format": "compact", "size": 40, "heldout": 32,
+                                  "params": dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1), **kw})
+
+
+def test_gym_source_cycles_reshuffles_and_never_serves_a_heldout_prompt():
+    src = open_prompt_source(gym_settings(seed=5), KafkaSettings())
+    assert isinstance(src, GymPromptSource)
+    heldout = src.split.heldout_prompts
+    both = list(GymPromptSource(gym_settings(seed=5), epochs=2))
+    e0, e1 = [p for p in both if p.epoch == 0], [p for p in both if p.epoch == 1]
+    # 1-digit sums: few distinct prompts, so the held-out ones recur in the training range and are skipped
+    skipped = [i for i in src.epoch_order(0) if src.task.item(i).prompt in heldout]
+    assert skipped and len(e0) == 40 - len(skipped) == len(e1)
+    assert not {p.text for p in e0 + e1} & heldout
+    assert sorted(p.prompt_id for p in e0) == sorted(p.prompt_id for p in e1)
+    assert [p.prompt_id for p in e0] != [p.prompt_id for p in e1]  # reshuffled
+    other = [p.prompt_id for p in GymPromptSource(gym_settings(seed=6), epochs=1)]
+    assert other != [p.prompt_id for p in e0] and sorted(other) == sorted(p.prompt_id for p in e0)
+    p = e0[0]
+    _, seed, index = p.prompt_id.split(":")
+    assert p.prompt_id.startswith("chain_sum:0:") and int(index) >= src.split.train_start
+    assert eval(p.text[:-1]) == int(p.answer)  # noqa: S307
+
+
+def test_gym_source_takes_in_the_order_it_iterates():
+    a = GymPromptSource(gym_settings(seed=3))
+    b = list(GymPromptSource(gym_settings(seed=3), epochs=1))
+    assert [(x.prompt_id, x.text, x.answer) for x in (a.take() for _ in b)] == \
+        [(x.prompt_id, x.text, x.answer) for x in b]
+
+
+def test_gym_prompts_score_with_the_dataset_or_the_verifier():
+    p = next(iter(GymPromptSource(gym_settings())))
+    reward, info = p.score(p.answer)
+    assert reward == 1.0 and info["dataset"] == "chain_sum" and info["verifier"] == "reasoning_gym"
+    assert p.score("zz")[0] == 0.0
+    exact = get_verifier("exact_match")
+    q = next(iter(GymPromptSource(gym_settings(reward="verifier"), exact)))
+    assert q.score(q.answer) == exact(q.answer, q.answer) and q.score(q.answer + "0")[0] == 0.0
+    with pytest.raises(ConfigError) as e:
+        GymPromptSource(gym_settings(reward="verifier"))
+    assert e.value.key == "producer.prompts.reward"
+    no_answers = gym_settings(dataset="graph_color", params={}, prompt_format="question", reward="verifier")
+    with pytest.raises(ConfigError, match="no answer") as e:
+        GymPromptSource(no_answers, exact)
+    assert e.value.key == "producer.prompts.reward"
+    r = next(iter(GymPromptSource(no_answers.model_copy(update={"reward": "dataset"}))))
+    assert r.answer == "" and 0.0 <= r.score("x")[0] <= 1.0  # only its scorer judges it
+
+
+def test_gym_source_with_every_training_prompt_held_out_is_refused():
+    src = GymPromptSource(gym_settings(size=1, heldout=90))
+    with pytest.raises(ConfigError, match="also held out") as e:
+        list(src)
+    assert e.value.key == "producer.prompts.size"
+
+
+def test_reasoning_gym_prompts_in_the_config_file(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("producer:\n  prompts: {type: reasoning_gym, dataset: gcd, params: {max_value: 99}, seed: 2}\n")
+    p = load_config(f, environ={}).producer.prompts
+    assert isinstance(p, ReasoningGymPrompts) and p.params == {"max_value": 99} and p.prompt_format == "question"
+    with pytest.raises(ConfigError) as e:
+        load_config(f, ["producer.prompts.prompt_format=tiny"], environ={})
+    assert e.value.key == "producer.prompts.prompt_format"
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["producer.prompts.dataset=gcd"], environ={})  # no type: not a jsonl key
+    assert "reasoning_gym" in str(e.value)

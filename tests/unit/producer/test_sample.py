@@ -3,6 +3,7 @@ checked by encoding (which validates) and decoding the record."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from common.record import decode, encode, routing_dtype_for
 from producer.sample import FinishedSample, SamplingConfig
@@ -35,6 +36,9 @@ def test_to_rollout_maps_every_field_and_encodes():
     np.testing.assert_array_equal(back.routed_experts, s.routed_experts)
     assert back.routed_experts.dtype == routing_dtype_for(8)
     assert s.to_rollout(0.0, {}, "p0", sampling).rollout_id != r.rollout_id  # fresh id per record
+    assert r.temperature == 1.0
+    hot = decode(encode(s.to_rollout(1.0, {}, "p0", SamplingConfig(max_tokens=16, temperature=1.3))))
+    assert hot.temperature == pytest.approx(1.3)  # the trainer applies the record's temperature
 
 
 def test_a_reload_mid_sample_travels_as_runs_and_sets_staleness():

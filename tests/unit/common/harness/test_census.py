@@ -25,3 +25,28 @@ def test_account_exact_with_the_consumers_held_count():
     assert not account(TopicCensus(656, 656, 656), outcomes, 8, 8, 4)["ok"]
 
 
+def test_account_keeps_a_retired_outcome_an_older_checkpoint_counted():
+    """`mismatch` (wrong group size) is a dead letter now; a consumer that resumed an older checkpoint
+    still carries its count, and the records it covers still balance."""
+    outcomes = {"trained": 600, "dropped_stale": 24, "dlq": 8, "mismatch": 8}
+    a = account(TopicCensus(648, 648, 648), outcomes, 8, 8, 4)
+    assert a["ok"] and a["mismatch"] == 8
+    assert "mismatch" not in account(TopicCensus(640, 640, 640), {"trained": 632}, 8, 8, 4)
+
+
+def test_filtered_groups_are_an_outcome_of_their_own():
+    outcomes = dict(trained=640, filtered=96, dropped_stale=8)
+    a = account(TopicCensus(752, 752, 752), outcomes, 8, 8, 4)
+    assert a["ok"] and a["filtered"] == 96, a
+    assert not account(TopicCensus(752, 752, 752), dict(trained=640, dropped_stale=8), 8, 8, 4)["ok"]
+
+
+def test_the_census_names_what_scored_the_records():
+    from common.harness.census import _scorer
+
+    assert _scorer({"reward_info": {"verifier": "reasoning_gym", "dataset": "chain_sum", "score": 0.5}}) \
+        == "reasoning_gym:chain_sum"
+    assert _scorer({"reward_info": {"verifier": "exact_match"}}) == "exact_match"
+    assert _scorer({"reward": 1.0}) == "?" and _scorer([1]) == "?"
+    a = account(TopicCensus(8, 8, 8, {"exact_match": 8}, 0), dict(trained=8), 0, 8, 4)
+    assert a["ok"] and a["scored_by"] == {"exact_match": 8} and a["partial_rewards"] == 0

@@ -1,0 +1,173 @@
+"""The trainer's optimizer: Megatron's DistributedDataParallel and mixed-precision optimizer.
+
+    opt = TrainerOptimizer(model, cfg.optimizer)   # common.config.OptimizerSettings
+    opt.zero_grad()
+    for j, micro in enumerate(micro_batches):
+        with opt.accumulating(last=j == len(micro_batches) - 1):
+            loss_of(micro).backward()              # gradients add up in fp32 buffers
+    grad_norm = opt.step()                         # reduce, clip, step: the pre-clip global norm
+    state = opt.state_dict(); opt.load_state_dict(state)   # collective (distributed optimizer)
+
+Precision. Parameters and compute are in the model's dtype. Gradients accumulate
+and are reduced in fp32 (`grad_reduce_in_fp32`). With bf16 parameters the
+optimizer keeps fp32 master weights and fp32 Adam moments and writes
+`master.bf16()` into the parameters after each step (Megatron's
+Float16OptimizerWithFloat16Params, or its DistributedOptimizer with
+`optimizer.distributed`, which shards masters and moments over the data-parallel
+ranks). Plain AdamW on bf16 parameters loses every update below the bf16 spacing
+(at lr 1e-6 ~98 % of the weights never move): docs/trainer-scale.md has the
+measurement (bf16_update_rel_error).
+
+Reduction. The losses are normalised by global counts (consumer/losses.py), so
+gradients are SUMMED over data-parallel ranks: `calculate_per_token_loss=True`
+sets DDP's gradient scaling to 1 (`average_in_collective` stays False).
+`finalize_model_grads` sums dense gradients over the data-parallel group, expert
+gradients over the expert-data-parallel group, and the partial gradients of the
+weights every TP rank holds whole (sequence-parallel norms, routers, q/k norms)
+over the TP group. The step takes the global norm over every shard (TP duplicates
+once), clips and updates. All of it runs on the gradient buffers' device.
+
+sgd is Megatron's SGD with momentum 0 and never distributed (Megatron's
+DistributedOptimizer shards Adam state only). `overlap_param_gather` stays off:
+with it parameters are gathered by the next forward, and weights exported right
+after a step would be one update stale.
+
+Checkpoints. The distributed optimizer's own `state_dict()` holds no tensors; here
+`state_dict()` gathers each sharded optimizer's masters and moments to its
+data-parallel rank 0 (over Megatron's gloo group, host tensors) and
+`load_state_dict()` scatters them back: collective, every rank calls both.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+
+from common.config import OptimizerSettings
+from common.errors import CheckpointError
+from consumer import megatron_shims
+
+SHARDING = "dp_zero_gather_scatter"
+"""Megatron's name for the gather-to-rank-0 form of the distributed optimizer's state."""
+
+
+class TrainerOptimizer:
+    """Gradient buffers (Megatron DDP around `model`) and the optimizer of one rank."""
+
+    def __init__(self, model, cfg: OptimizerSettings):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import get_megatron_optimizer
+
+        self.distributed = cfg.distributed and cfg.name == "adamw"
+        model.config.calculate_per_token_loss = True  # sum over data-parallel ranks, no 1/dp
+        self.ddp = DistributedDataParallel(
+            config=model.config, module=model, ddp_config=DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, overlap_grad_reduce=False, overlap_param_gather=False,
+                use_distributed_optimizer=self.distributed, average_in_collective=False,
+                check_for_nan_in_grad=False, bucket_size=None))
+        with megatron_shims.cuda_as_cpu():
+            opt = get_megatron_optimizer(_megatron_config(cfg, model.config, self.distributed),
+                                         [self.ddp])
+        self.optimizer = megatron_shims.wrap_optimizer(opt)
+
+    @property
+    def parts(self) -> list:
+        """The optimizers Megatron chains: dense, then experts when expert-parallel."""
+        return list(self.optimizer.chained_optimizers)
+
+    def zero_grad(self) -> None:
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def accumulating(self, last: bool):
+        """Around one micro-batch's backward: no gradient synchronisation until the last."""
+        return nullcontext() if last else self.ddp.no_sync()
+
+    def step(self) -> float:
+        """Reduce the gradients, clip (`grad_clip` > 0) and step; the pre-clip global norm."""
+        from megatron.core.distributed import finalize_model_grads
+
+        finalize_model_grads([self.ddp])
+        _ok, grad_norm, _ = self.optimizer.step()  # no loss scaler in bf16: never skipped
+        return float(grad_norm)
+
+    def fp32_masters(self) -> dict:
+        """{model parameter: its fp32 master}: this rank's flat shard under the
+        distributed optimizer, the whole tensor otherwise (fp32 parameters are their
+        own masters). For inspection: tests and tests/bench/trainer_scale.py."""
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+        from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+        out = {}
+        for opt in self.parts:
+            if isinstance(opt, DistributedOptimizer):
+                for p in opt.model_param_group_index_map:
+                    out[p] = opt._get_main_param_and_optimizer_states(p)["param"]
+            elif isinstance(opt, Float16OptimizerWithFloat16Params):
+                for model, masters in zip(opt.float16_groups, opt.fp32_from_float16_groups):
+                    out.update(zip(model, masters))
+                out.update((p, p) for group in opt.fp32_from_fp32_groups for p in group)
+            else:
+                out.update((p, p) for g in opt.optimizer.param_groups for p in g["params"])
+        return out
+
+    # -- checkpoints
+
+    def state_dict(self) -> dict:
+        """Every chained optimizer's state, the sharded masters and moments gathered to
+        data-parallel rank 0 (None elsewhere). Collective: call it on every rank."""
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        parts = []
+        for opt in self.parts:
+            sd = opt.state_dict()
+            if isinstance(opt, DistributedOptimizer):
+                sd["param_state"] = opt.get_parameter_state_dp_zero()
+                sd["param_state_sharding_type"] = SHARDING
+            parts.append(sd)
+        return {"distributed": self.distributed, "parts": parts}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Inverse of `state_dict` (collective); the model's parameters must be loaded."""
+        if state.get("distributed") != self.distributed or len(state["parts"]) != len(self.parts):
+            raise CheckpointError(
+                f"the checkpoint's optimizer (distributed={state.get('distributed')}, "
+                f"{len(state['parts'])} parts) does not match this one (distributed="
+                f"{self.distributed}, {len(self.parts)} parts): resume with the "
+                "consumer.optimizer and consumer.parallel that wrote it")
+        with torch.no_grad():  # the sharded fp32 masters are views of leaf parameters
+            for opt, sd in zip(self.parts, state["parts"]):
+                if sd.get("param_state_sharding_type") != SHARDING:
+                    opt.load_state_dict(sd)
+                    continue
+                opt.load_state_dict({k: v for k, v in sd.items() if not k.startswith("param_state")})
+                _scatter_param_state(opt, sd["param_state"])
+
+
+def _scatter_param_state(opt, param_state) -> None:
+    """`load_parameter_state_from_dp_zero`, working around two things megatron-core
+    0.16.1 gets wrong with torch's AdamW (no TE/Apex optimizer): it copies every key
+    of the per-parameter state from the gathered one, which has no `step` (KeyError),
+    and its `load_state_dict` gives every parameter the same `step` tensor, which
+    AdamW then increments in place once per parameter per step (wrong bias
+    correction after a restore). The step is set aside, then each gets its own copy."""
+    state = opt.optimizer.state
+    steps = {p: s.pop("step") for p, s in state.items() if "step" in s}
+    try:
+        opt.load_parameter_state_from_dp_zero(param_state)
+    finally:
+        for p, step in steps.items():
+            state[p]["step"] = step.clone()
+
+
+def _megatron_config(cfg: OptimizerSettings, model_config, distributed: bool):
+    """Megatron's OptimizerConfig for `consumer.optimizer` (lr fixed: no scheduler)."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    adam = cfg.name == "adamw"
+    return OptimizerConfig(
+        optimizer="adam" if adam else "sgd", lr=cfg.lr, min_lr=cfg.lr,
+        weight_decay=cfg.weight_decay if adam else 0.0, decoupled_weight_decay=True,
+        adam_beta1=cfg.betas[0], adam_beta2=cfg.betas[1], adam_eps=cfg.eps, sgd_momentum=0.0,
+        clip_grad=cfg.grad_clip, bf16=model_config.bf16, params_dtype=model_config.params_dtype,
+        use_distributed_optimizer=distributed)
