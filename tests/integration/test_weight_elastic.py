@@ -66,7 +66,12 @@ def world(broker, tiny_model_dir, tmp_path_factory):
     ensure_prompts(cfg)
     writer = ControlPlaneWriter(kafka)
     trainer = TrainerSide(tmp / "store", tiny_model_dir, timeout_s=LINK_TIMEOUT_S, writer=writer)
-    writer.announce(TrainerProgress(trainer_version=0, groups_per_batch=B, group_size=G))
+    # No trainer reads the rollouts here, so the staleness backpressure (producer/admission.py)
+    # would stop a producer once max_staleness (at most 1000) x groups_per_batch groups are
+    # queued: ~2,000 groups with B, which the tiny model reaches within the test (it did, after
+    # issues #13/#17: p1 then generates nothing while p2 joins). A large announced batch keeps
+    # both generating for the whole test.
+    writer.announce(TrainerProgress(trainer_version=0, groups_per_batch=B * 1000, group_size=G))
     base = read_weights(tiny_model_dir)
     try:
         yield kafka, services, trainer, {v: perturbed(base, seed=v) for v in (1, 2, 3)}
