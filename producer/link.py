@@ -44,6 +44,10 @@ class TrainerLink:
         self.joined = False
         """The init command ran: the gloo pair (or NCCL group) is up."""
         self._finish: int | None = None  # a finish command waiting for the receive to end
+        self._finish_version: int | None = None
+        self.swapped: tuple[int, str] | None = None
+        """(version, digest) the reloader last swapped in from this link: a finish that
+        arrives (or is answered) after the swap acknowledges it."""
 
     @classmethod
     def connect(cls, engine, endpoint: str, producer_id: str, timeout_s: float) -> "TrainerLink":
@@ -88,7 +92,7 @@ class TrainerLink:
                 self._nccl_version = int(cmd["version"])
                 self.engine.run_weight_update(cmd["update_info"], self._nccl_version)
             elif op == "finish" and self.engine.weight_transfer == "rlstream_gloo":
-                self._finish = k  # answered by poll once the receive ended
+                self._finish, self._finish_version = k, cmd.get("version")  # answered once received
                 return self._answer_finish()
             elif op not in ("start", "update", "finish"):
                 raise WeightTransferError(f"unknown command {op!r} from the trainer")
@@ -106,6 +110,10 @@ class TrainerLink:
         k, self._finish = self._finish, None
         if st["state"] == "ready":
             self.channel.ack(k, version=st["version"], digest=st["digest"])
+        elif st["state"] == "idle" and self.swapped is not None and self.swapped[0] == self._finish_version:
+            # the receive ended and the reloader swapped it in (its announcement was already
+            # here) before this finish was answered: the version arrived and verified
+            self.channel.ack(k, version=self.swapped[0], digest=self.swapped[1])
         else:
             self.channel.ack(k, error=st.get("error") or f"nothing received ({st['state']})")
             if not st.get("digest_mismatch"):  # a broken pair: this link is done

@@ -180,6 +180,8 @@ class Reloader:
             self._restore()
             return False
         self.loaded = None
+        if self.link is not None:
+            self.link.swapped = (version, digest)
         self._served("collective", seconds)
         return True
 

@@ -315,8 +315,10 @@ class SizeRun:
                 "served": [a["version"] for a in answers], **extra}
 
     def close(self) -> None:
-        self.producers.close()
+        # the sender first: a link that re-registered (after the tamper round) waits in its
+        # rendezvous for its producer, up to the link timeout, if the producer is gone already
         self.sender.close()
+        self.producers.close()
 
 
 class _corrupting:

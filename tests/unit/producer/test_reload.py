@@ -124,7 +124,7 @@ class FakeLink:
     made: list = []
 
     def __init__(self, endpoint):
-        self.endpoint, self.dead, self.polls = endpoint, None, 0
+        self.endpoint, self.dead, self.polls, self.swapped = endpoint, None, 0, None
 
     @classmethod
     def connect(cls, engine, endpoint, producer_id, timeout_s):
@@ -199,6 +199,7 @@ def test_a_received_version_is_swapped_in_once_announced_with_the_same_digest(li
     assert engine.swaps == [(1, DIGEST_B)] and engine.version == 1 and reloader.loaded is None
     assert taken("collective") == before + 1 and metrics.value("rlstream_producer_policy_version") == 1
     assert FakeLink.made[0].polls >= 2  # every tick answers the trainer's commands first
+    assert FakeLink.made[0].swapped == (1, DIGEST_B)  # for a finish the link answers after the swap
 
 
 def test_a_digest_other_than_the_announced_one_is_refused_counted_and_the_durable_copy_taken(linked):
