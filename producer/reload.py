@@ -140,7 +140,10 @@ class Reloader:
             telemetry.TRANSFER_FAILURES.inc()
             log.warning("weight link dropped: %s (still serving version %d)", link.dead, self.engine.version)
             self.link = link = None
-        if link is not None and link.endpoint != endpoint:  # the trainer restarted elsewhere: join at once
+        # the trainer restarted elsewhere: join at once. A message without an endpoint (transport
+        # file) keeps the link: dropping it silently left the trainer's end waiting for acks up
+        # to its timeout and cost a new rendezvous at the next collective version.
+        if link is not None and endpoint and link.endpoint != endpoint:
             self.link = link = None
             self._rejoin_at = 0.0
         if link is None and endpoint and time.monotonic() >= self._rejoin_at:

@@ -285,3 +285,15 @@ def test_a_swap_failing_halfway_restores_the_newest_durable_copy(linked):
     assert not reloader.tick()
     assert failures() == before + 1 and engine.version == 2 and engine.loads[-1][2] == b"two"
     assert reloader.loaded is not None
+
+
+def test_a_file_announcement_keeps_the_link(linked):
+    """A version announced as a file (no endpoint) between collective ones leaves the link up:
+    it is not re-registered at the next collective version."""
+    engine, reloader, store_dir = linked
+    reloader.apply(collective(0, DIGEST_A))
+    link = FakeLink.made[-1]
+    assert reloader.apply(publish(store_dir, 1, b"v1"))
+    reloader.tick()
+    reloader.apply(collective(2, DIGEST_B))
+    assert len(FakeLink.made) == 1 and reloader.link is link
