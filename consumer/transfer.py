@@ -253,7 +253,7 @@ class RlstreamGlooTrainerEngine(TrainerWeightTransferEngine[RlstreamGlooTrainerI
 def open_nccl_link(client: LinkClient, host: str, source: SnapshotSource):
     """vLLM's own NCCL trainer engine on a link (GPU): a 2-rank NCCL group of its own, on
     a free port of this host; the producer joins through its init command.
-    (Not exercised on the CPU test machine: tests/integration/test_weight_transfer_gpu.py.)"""
+    Never run: it needs a GPU and no test exercises it yet (docs/weights.md, "GPU")."""
     import socket
 
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
