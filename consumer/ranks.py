@@ -9,7 +9,7 @@ command and every follower does the same work, in the same order:
     TRAIN       its own BatchShare          pad its mini-batches, train_step
     CHECKPOINT  the staging dir             snapshot its state to host memory (collective);
                                             the pair's writer writes its (tp, ep) shard in a thread
-    EXPORT      -                           export_hf_state_dict (gathers every shard)
+    EXPORT      -                           iterate the weight source (layer groups gathered to rank 0)
     STOP        -                           wait for its checkpoint write, leave
     RESUME      checkpoint path ("": none)  (once, in start_rank) load its shard of it
 
@@ -168,11 +168,12 @@ class Leader:
         self.ckpt.wait_for_shards(tmp, shards)
         self.ckpt.commit(tmp, st, shards)
 
-    def export(self) -> dict:
-        """The HF tensors of the current weights (gathered from every shard)."""
+    def export(self):
+        """The current weights as a WeightSource (consumer/weight_source.py) for rank 0 to
+        iterate once; when sharded, every follower iterates it in step (EXPORT)."""
         if self.sharded:
             self.send(RankCommand.EXPORT)
-        return self.trainer.export_hf_state_dict()
+        return self.trainer.weight_source()
 
     def stop(self) -> None:
         """Wait for the checkpoint in flight to commit, then release the followers."""
@@ -215,7 +216,8 @@ class Follower:
         elif cmd == RankCommand.CHECKPOINT:
             snapshot_shard(self.trainer, self.ckpt, self.writes, Path(text))
         elif cmd == RankCommand.EXPORT:
-            self.trainer.export_hf_state_dict()
+            for _ in self.trainer.weight_source().iter_groups():  # the gathers, in step with rank 0
+                pass
 
 
 def run_follower(cfg: RlstreamConfig) -> int:

@@ -81,7 +81,8 @@ class ConsumerService:
         self.reader = self._open_reader(offsets)
         self._writer = ControlPlaneWriter(self.kafka)
         self.announcer = PolicyAnnouncer(self._writer, WeightStore(self.ccfg.weight_store_dir, self.ccfg.keep_versions),
-                                         self.cfg.model.path, self.ccfg.groups_per_batch, self.ccfg.group_size)
+                                         self.cfg.model.path, self.ccfg.groups_per_batch, self.ccfg.group_size,
+                                         self.ccfg.weights, _weight_backend(self.ccfg.weights.backend))
         self._continue_versions()
         if self.announcer.behind(self.follower.view.weights, self.version):
             self.publish_weights()
@@ -144,7 +145,7 @@ class ConsumerService:
             if getattr(self, "leader", None) is not None:
                 self.leader.stop()  # waits for the checkpoint write in flight
         finally:
-            close_attrs(self, ("reader", "follower", "_writer", "http"), log)
+            close_attrs(self, ("announcer", "reader", "follower", "_writer", "http"), log)
 
     # ----------------------------------------------------------------- loop
 
@@ -248,6 +249,15 @@ class ConsumerService:
     def announce_progress(self, every_s: float = 1.0) -> None:
         self.announcer.progress(self.version, self.reader.positions(), self.ledger.held_records(),
                                 self.filtered.value, every_s)
+
+
+def _weight_backend(backend: str) -> str:
+    """`consumer.weights.backend: auto` made concrete: rlstream_gloo on CPU, vLLM's nccl on GPU."""
+    if backend != "auto":
+        return backend
+    import torch
+
+    return "nccl" if torch.cuda.is_available() else "rlstream_gloo"
 
 
 def main(cfg: RlstreamConfig) -> int:

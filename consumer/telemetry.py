@@ -29,6 +29,15 @@ _FILTERED = metrics.gauge("rlstream_consumer_filtered_share",
                           "Share of recent groups within the staleness bound filtered for equal rewards (dynamic sampling)")
 _HELD = metrics.gauge("rlstream_consumer_held_records",
                       "Records read but not yet given an outcome (partial groups + complete groups waiting for a batch)")
+WEIGHT_LINKS = metrics.gauge("rlstream_consumer_weight_links", "Producers linked to the weight endpoint now")
+WEIGHT_LINK_FAILURES = metrics.counter("rlstream_consumer_weight_link_failures_total",
+                                       "Producer links dropped: a dead, hung or refusing producer (the others continue)")
+WEIGHT_SEND_SECONDS = metrics.histogram("rlstream_consumer_weight_send_seconds",
+                                        "One version to one producer: start until the producer verified it")
+WEIGHT_EXPORT_SECONDS = metrics.histogram("rlstream_consumer_weight_export_seconds",
+                                          "Gather, pack and hash one version (the snapshot every link sends)")
+DURABLE_VERSION = metrics.gauge("rlstream_consumer_durable_version",
+                                "Newest version written to the durable weight store")
 
 
 def serve_http(settings, health: Callable, control: Callable, writer):

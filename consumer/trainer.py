@@ -266,8 +266,15 @@ class Trainer:
     # -- weights and checkpoints
 
     def export_hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """On-disk HF tensors for vLLM (collective when tp/ep > 1)."""
+        """On-disk HF tensors for vLLM (collective when tp/ep > 1; the whole dict on rank 0)."""
         return convert.export_hf_state_dict(self.model)
+
+    def weight_source(self):
+        """The current weights as a vLLM WeightSource, HF names per layer group, gathered to
+        rank 0 (consumer/weight_source.py; iterate on every rank when tp/ep > 1)."""
+        from consumer.weight_source import MegatronSource
+
+        return MegatronSource(self.model)
 
     @property
     def optimizer_state_sharded(self) -> bool:

@@ -1,28 +1,39 @@
-"""Weight reload: serve an announced policy version, never half of one.
+"""Weight reload: serve announced policy versions, never half of one.
 
-`Reloader.apply(msg: WeightsReady) -> bool` is the whole contract; the
-service calls it between two engine steps (one thread drives both, so no
-forward ever sees a half-loaded model). For a version newer than the one
-served it:
+    reloader.apply(msg)     # each new WeightsReady (the newest of a control poll)
+    reloader.tick()         # every loop iteration, between two engine steps
+    reloader.catch_up(msg)  # at start: before generating
 
-1. stages the version: hard links (a copy across file systems) into one of
-   two private slots, `a` and `b`, the one not being served, so the
-   consumer pruning its weight store cannot pull files from under a load;
-2. verifies the staged copy (size and sha256 of model.safetensors), so what
-   is checked is exactly what is loaded;
-3. reloads the engine in place from the slot.
+The service calls all three between engine steps from its one thread, so no
+forward ever sees a half-loaded model. Two ways in (docs/weights.md):
 
-A version that fails 1 or 2 is refused: the engine keeps serving what it
-served, the failure is logged and counted
-(`rlstream_producer_weight_reload_failures_total`), and `apply` returns
-False. A load that fails halfway (3) is counted too and rolled back by
-reloading the previous version from its own slot (or the base model
-directory); if that fails as well the weights are inconsistent and
-`WeightReloadError` tells the service to exit so a supervisor restarts it.
+Collective (`transport: collective`): the producer keeps a link to the
+trainer's endpoint (producer/link.py), the trainer streams each version over
+it, vLLM's weight-transfer engine receives it in the background while the
+engine keeps stepping and checks every group's digest (producer/transfer.py);
+`tick` swaps it in once the announcement of that version arrived and its
+digest equals the received one. A late or restarted producer registers and
+the trainer sends it the current version at once.
 
-The transport is a seam: today the announcement carries a file:// URI into
-the weight store (common/weights/store.py); another transport only changes
-how step 1 gets the files.
+Durable (`transport: file`, and the fallback): the version's directory in the
+weight store is staged (hard links, a copy across file systems) into one of
+two private slots, `a` and `b` (the one not being served), its size and
+sha256 verified, then reloaded in place.
+
+Failures, by kind:
+- refused (digest or sha256 mismatch, missing files): the engine keeps
+  serving what it served, `rlstream_producer_weight_reload_failures_total`
+  rises (the alert's metric), and a collective version falls back to the
+  newest durable copy if that is newer than what is served;
+- a link that broke or timed out (a dead or hung trainer): counted in
+  `rlstream_producer_weight_transfer_failures_total`; the link is
+  re-registered, and a version not received within
+  `producer.engine.weight_transfer_timeout_s` of its announcement is taken
+  from the durable store when a newer copy is there;
+- a load that fails halfway: counted and rolled back by reloading the
+  previous durable version from its slot (or the base model directory, or
+  the newest durable copy); if that fails too the weights are inconsistent
+  and `WeightReloadError` tells the service to exit so a supervisor restarts it.
 """
 from __future__ import annotations
 
@@ -31,74 +42,221 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
-from common.control.messages import WeightsReady
-from common.errors import WeightReloadError
+from common.control.messages import DurableCopy, WeightsReady
+from common.errors import DigestMismatchError, WeightReloadError
 from producer import telemetry
+from producer.link import TrainerLink
 
 log = logging.getLogger("rlstream.producer")
+
+_REJOIN_EVERY_S = 1.0
 
 
 class ReloadableEngine(Protocol):
     """What the reloader needs of `producer.engine.RolloutEngine`."""
 
     version: int
+    weight_transfer: str | None
 
     def reload_weights(self, weights_dir: str | Path, version: int) -> float: ...
 
+    def weight_status(self) -> dict[str, Any]: ...
+
+    def swap_weights(self, version: int, digest: str) -> float: ...
+
+    def discard_weights(self) -> None: ...
+
 
 class Reloader:
-    """Stages, verifies and loads announced versions into `engine`, which serves
-    `base_dir` (the model directory) until the first reload."""
+    """Takes announced versions into `engine`, which serves `base_dir` (the model
+    directory, version 0) until the first one."""
 
-    def __init__(self, engine: ReloadableEngine, base_dir: str | Path):
-        self.engine = engine
-        self.loaded = Path(base_dir)  # what the engine serves now
+    def __init__(self, engine: ReloadableEngine, base_dir: str | Path, producer_id: str = "producer",
+                 timeout_s: float = 30.0):
+        self.engine, self.producer_id, self.timeout_s = engine, producer_id, timeout_s
+        self.loaded: Path | None = Path(base_dir)
+        """The directory of the version the engine serves (None: it came over the link)."""
         self.stage_root = Path(tempfile.mkdtemp(prefix="rlstream-weights-"))
+        self.newest: WeightsReady | None = None
+        self.link: TrainerLink | None = None
+        self._digests: dict[int, str] = {}  # announced collective versions -> their digest
+        self._awaited_since: float | None = None  # the newest announced version is not served since
+        self._rejoin_at = 0.0
+
+    # ------------------------------------------------------------ the three calls
 
     def apply(self, msg: WeightsReady) -> bool:
-        """Serve `msg.version` if it is newer and verifies; True when the engine now serves it."""
-        if msg.version <= self.engine.version:
+        """A new announcement; True when the engine now serves a newer version."""
+        if self.newest is None or msg.version >= self.newest.version:
+            self.newest = msg
+        if msg.transport == "collective" and self.engine.weight_transfer is not None:
+            self._digests = {v: d for v, d in self._digests.items() if v > msg.version - 8}
+            self._digests[msg.version] = msg.digest
+            if msg.version > self.engine.version and self._awaited_since is None:
+                self._awaited_since = time.monotonic()
+            return self.tick()
+        copy = msg.durable_copy()
+        return copy is not None and copy.version > self.engine.version and self._load_durable(copy)
+
+    def tick(self) -> bool:
+        """Between two engine steps: answer the trainer, swap in a received version,
+        recover an overdue one. True when the served version changed."""
+        if self.newest is None or self.engine.weight_transfer is None:
             return False
+        self._keep_link()
+        if self.link is not None:
+            self.link.poll()
+        changed = self._take_received()
+        if self.engine.version >= self.newest.version:
+            self._awaited_since = None
+        elif self._awaited_since is not None and time.monotonic() - self._awaited_since > self.timeout_s:
+            self._awaited_since = time.monotonic()  # try the link again for as long, then again
+            changed = self._fall_back(f"version {self.newest.version} did not arrive over the link "
+                                      f"within {self.timeout_s:.0f} s") or changed
+        return changed
+
+    def catch_up(self, msg: WeightsReady, timeout_s: float | None = None) -> bool:
+        """At start, before generating: serve `msg`'s version (over the link, else the durable store)."""
+        self.apply(msg)
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        while self.engine.version < msg.version and time.monotonic() < deadline:
+            if msg.transport != "collective" or self.engine.weight_transfer is None:
+                break
+            self.tick()
+            time.sleep(0.01)
+        if self.engine.version < msg.version:
+            self._fall_back(f"version {msg.version} did not arrive over the link at start")
+        return self.engine.version >= msg.version
+
+    # ------------------------------------------------------------ collective
+
+    def _keep_link(self) -> None:
+        """A link to the newest announced endpoint: (re-)register when there is none or it died."""
+        endpoint = self.newest.endpoint
+        link = self.link
+        if link is not None and link.dead:
+            telemetry.TRANSFER_FAILURES.inc()
+            log.warning("weight link dropped: %s (still serving version %d)", link.dead, self.engine.version)
+            self.link = link = None
+        # the trainer restarted elsewhere: join at once. A message without an endpoint (transport
+        # file) keeps the link: dropping it silently left the trainer's end waiting for acks up
+        # to its timeout and cost a new rendezvous at the next collective version.
+        if link is not None and endpoint and link.endpoint != endpoint:
+            self.link = link = None
+            self._rejoin_at = 0.0
+        if link is None and endpoint and time.monotonic() >= self._rejoin_at:
+            self._rejoin_at = time.monotonic() + _REJOIN_EVERY_S
+            self.link = TrainerLink.connect(self.engine, endpoint, self.producer_id, self.timeout_s)
+
+    def _take_received(self) -> bool:
+        st = self.engine.weight_status()
+        if st["state"] == "failed":
+            self.engine.discard_weights()
+            if st.get("digest_mismatch"):
+                return self._refuse(st["version"], st["error"])
+            if self.link is not None and not self.link.dead:
+                self.link.dead = st["error"]
+            return False
+        if st["state"] != "ready":
+            return False
+        version, digest = st["version"], st["digest"]
+        if version <= self.engine.version:
+            self.engine.discard_weights()
+            return False
+        announced = self._digests.get(version)
+        if announced is None:
+            return False  # its announcement is on its way: swap at a later tick (tick bounds the wait)
+        if announced != digest:
+            self.engine.discard_weights()
+            return self._refuse(version, f"received digest {digest[:12]} != announced {announced[:12]}")
+        return self._swap(version, digest)
+
+    def _swap(self, version: int, digest: str) -> bool:
+        try:
+            seconds = self.engine.swap_weights(version, digest)
+        except DigestMismatchError as e:
+            return self._refuse(version, str(e))
+        except Exception:  # noqa: BLE001 - a load that failed halfway is rolled back
+            telemetry.RELOAD_FAILURES.inc()
+            self._restore()
+            return False
+        self.loaded = None
+        if self.link is not None:
+            self.link.swapped = (version, digest)
+        self._served("collective", seconds)
+        return True
+
+    def _refuse(self, version, reason: str) -> bool:
+        telemetry.RELOAD_FAILURES.inc()
+        log.error("refusing weight version %s from the link: %s (still serving version %d)",
+                  version, reason, self.engine.version)
+        return self._fall_back("the link's version was refused")
+
+    def _fall_back(self, why: str) -> bool:
+        """Serve the newest durable copy if it is newer than what is served."""
+        copy = self.newest.durable_copy() if self.newest is not None else None
+        if copy is None or copy.version <= self.engine.version:
+            log.warning("%s; no newer durable copy, still serving version %d", why, self.engine.version)
+            return False
+        log.warning("%s; taking durable version %d", why, copy.version)
+        return self._load_durable(copy)
+
+    # ------------------------------------------------------------ durable
+
+    def _load_durable(self, copy: DurableCopy) -> bool:
         t0 = time.perf_counter()
-        staged = self._stage_and_verify(msg)
+        staged = self._stage_and_verify(copy)
         if staged is None:
             return False
         try:
-            self.engine.reload_weights(staged, msg.version)
+            self.engine.reload_weights(staged, copy.version)
         except Exception:  # noqa: BLE001 - any load failure is rolled back
             telemetry.RELOAD_FAILURES.inc()
-            self._restore_loaded()
+            self._restore()
             return False
         self.loaded = staged
-        telemetry.RELOAD_SECONDS.observe(time.perf_counter() - t0)
-        telemetry.VERSION.set(self.engine.version)
+        self._served("file", time.perf_counter() - t0)
         return True
 
-    def _stage_and_verify(self, msg: WeightsReady) -> Path | None:
-        """The staged, verified copy of `msg`'s version, or None (refused, logged, counted)."""
+    def _stage_and_verify(self, copy: DurableCopy) -> Path | None:
+        """The staged, verified copy of `copy`'s version, or None (refused, logged, counted)."""
         from common.weights.store import stage_version, verify
 
         slot = self.stage_root / ("a" if self.loaded != self.stage_root / "a" else "b")  # not what is loaded
         try:
-            staged = stage_version(msg.uri, slot)
-            verify(staged.as_uri(), msg.sha256, msg.bytes)
+            staged = stage_version(copy.uri, slot)
+            verify(staged.as_uri(), copy.sha256, copy.bytes)
         except Exception as e:  # noqa: BLE001 - a bad version must never take the service down
             telemetry.RELOAD_FAILURES.inc()
             log.error("refusing weight version %d: %s (still serving version %d)",
-                      msg.version, e, self.engine.version)
+                      copy.version, e, self.engine.version)
             return None
         return staged
 
-    def _restore_loaded(self) -> None:
-        """A load failed halfway: reload what was serving, or raise (never serve half a model)."""
-        log.exception("loading a verified version failed; restoring version %d", self.engine.version)
+    def _restore(self) -> None:
+        """A load failed halfway: reload what was serving (or the newest durable copy), or
+        raise (never serve half a model)."""
+        log.exception("loading a verified version failed; restoring a consistent model")
         try:
-            self.engine.reload_weights(self.loaded, self.engine.version)
+            if self.loaded is not None:
+                self.engine.reload_weights(self.loaded, self.engine.version)
+                return
+            copy = self.newest.durable_copy() if self.newest is not None else None
+            staged = self._stage_and_verify(copy) if copy is not None else None
+            if staged is None:
+                raise WeightReloadError("no durable copy to restore from")
+            self.engine.reload_weights(staged, copy.version)
+            self.loaded = staged
         except Exception as e:  # noqa: BLE001 - whatever failed, the weights are now inconsistent
             raise WeightReloadError(f"weights are inconsistent after a failed reload and restoring "
-                                    f"{self.loaded} failed too ({e}); exiting so a supervisor restarts us") from e
+                                    f"failed too ({e}); exiting so a supervisor restarts us") from e
+
+    def _served(self, transport: str, seconds: float) -> None:
+        telemetry.RELOAD_SECONDS.observe(seconds)
+        telemetry.VERSIONS_TAKEN.labels(transport=transport).inc()
+        telemetry.VERSION.set(self.engine.version)
 
     def close(self) -> None:
         shutil.rmtree(self.stage_root, ignore_errors=True)

@@ -8,7 +8,7 @@ engine steps. Each iteration of the loop:
     follow_control -> admit -> engine step -> score_and_publish
 
 follow_control applies runtime settings, the trainer's progress and new weights
-(producer/reload.py); admit starts groups until producer/admission.py names a
+(producer/reload.py: over the link to the trainer, or from the durable store); admit starts groups until producer/admission.py names a
 reason to wait; score_and_publish scores each finished sample and hands its
 record (producer/sample.py) to the outbox (producer/outbox.py).
 
@@ -95,10 +95,11 @@ class ProducerService:
         runfile.write_run_file(self.pcfg.run_file, fresh=True, **runfile.started(
             "producer", self.http.url, self.kafka.bootstrap_servers, producer_id=self.producer_id,
             **({"agent_url": agent_url} if agent_url else {})))
-        self.reloader = Reloader(self.engine, self.cfg.model.path)
-        self.follow_control()
+        self.reloader = Reloader(self.engine, self.cfg.model.path, self.producer_id,
+                                 self.pcfg.engine.weight_transfer_timeout_s)
+        self.follow_control(weights=False)
         if self.follower.view.weights is not None:  # catch up to the newest announced version before generating
-            self.reloader.apply(self.follower.view.weights)
+            self.reloader.catch_up(self.follower.view.weights)
 
     def _episode_runner(self):
         """The multi-turn runner, or None (single-turn: the default)."""
@@ -170,13 +171,15 @@ class ProducerService:
             self.outbox.flush()
             time.sleep(0.02)
 
-    def follow_control(self) -> None:
+    def follow_control(self, weights: bool = True) -> None:
         newest = None
         for event in self.follower.poll():
             if isinstance(event, WeightsReady):
                 newest = event  # only the newest version of a poll matters
-        if newest is not None:
-            self.reloader.apply(newest)
+        if weights:
+            if newest is not None:
+                self.reloader.apply(newest)
+            self.reloader.tick()  # the link: the trainer's commands, a received version to swap in
         view = self.follower.view  # also what polls before this one saw (start-up)
         if view.progress is not None:
             self.progress = view.progress

@@ -22,9 +22,16 @@ VERSION = metrics.gauge("rlstream_producer_policy_version", "Policy version the 
 TRAINER_VERSION = metrics.gauge("rlstream_producer_trainer_version",
                                 "Trainer version of the last TrainerProgress message")
 RELOAD_SECONDS = metrics.histogram("rlstream_producer_weight_reload_seconds",
-                                   "Seconds to verify and reload a weight version")
+                                   "Seconds the engine stalls to take a new weight version (file: stage, verify, "
+                                   "reload; collective: swap in the received version)")
 RELOAD_FAILURES = metrics.counter("rlstream_producer_weight_reload_failures_total",
-                                  "Announced versions refused (size/sha256 mismatch, missing files, load error)")
+                                  "Announced versions refused (size/sha256 or digest mismatch, missing files, "
+                                  "load error)")
+VERSIONS_TAKEN = metrics.counter("rlstream_producer_weight_versions_total",
+                                 "Weight versions the engine took, by how they arrived", ["transport"])
+TRANSFER_FAILURES = metrics.counter("rlstream_producer_weight_transfer_failures_total",
+                                    "Links to the trainer that broke or timed out (the version is taken from "
+                                    "the next transfer or the durable store)")
 HELD_BACK = metrics.counter("rlstream_producer_held_back_total", "Admission attempts refused, by reason", ["reason"])
 EPISODES = metrics.counter("rlstream_producer_episodes_total",
                            "Multi-turn episodes finished, by how they ended", ["end"])

@@ -9,10 +9,11 @@ Two small topics, both JSON, both read from the beginning by every service:
   The newest value per key wins, so a restarted service recovers the current
   settings from the topic.
 - `rlstream.policy`: two kinds of message, tagged by `kind` (the Kafka key is
-  the kind too): `WeightsReady` (a new policy version; the newest version
-  wins) and `TrainerProgress` (the trainer's version, read offsets, held
-  records, batch shape and filtered share; the newest message wins), which
-  producers size their staleness backpressure from.
+  the kind too): `WeightsReady` (a new policy version, how it travels and
+  where its durable copy is; the newest version wins) and `TrainerProgress`
+  (the trainer's version, read offsets, held records, batch shape and filtered
+  share; the newest message wins), which producers size their staleness
+  backpressure from.
 
 Values are validated on both ends: `ctl set` refuses bad values before
 writing, and a follower ignores (and counts) an out-of-range or malformed
@@ -31,7 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from common.config import ControlSettings
 from common.errors import ConfigError
@@ -41,21 +42,71 @@ CONTROL_KEYS = tuple(ControlSettings.model_fields)
 
 
 
+@dataclass(frozen=True)
+class DurableCopy:
+    """A version in the durable weight store (common/weights/store.py): what `verify` needs."""
+
+    version: int
+    uri: str
+    sha256: str
+    bytes: int
+
+
 class WeightsReady(BaseModel):
     """The consumer published a new policy version (`kind: weights_ready`).
 
-    Producers reload it between engine steps once it verifies; the newest
-    version wins.
+    `transport` says how the version travels (docs/weights.md):
+
+    - `file`: the version is in the durable store at `uri` (`sha256`, `bytes`
+      of its model.safetensors); producers stage, verify and reload it.
+    - `collective`: the trainer streams it to every producer linked at
+      `endpoint`; `digest` is its version digest (common/weights/wire.py),
+      checked before the swap. `durable_*` name the newest durable copy (an
+      older version, written every `consumer.weights.durable_every` versions),
+      from which producers that start late, restart or miss a transfer catch up.
+
+    Producers take it between engine steps once it verifies; the newest
+    version wins. Messages without `transport` (older writers) are `file`.
     """
 
     model_config = ConfigDict(extra="forbid")
     kind: Literal["weights_ready"] = "weights_ready"
     version: int = Field(ge=0)
-    uri: str = Field(min_length=1)
-    """Where the version lives (file:// URI of a weight-store directory)."""
-    sha256: str = Field(min_length=64, max_length=64)
-    bytes: int = Field(ge=1)
+    transport: Literal["file", "collective"] = "file"
+    uri: str | None = Field(None, min_length=1)
+    """file: where the version lives (file:// URI of a weight-store directory)."""
+    sha256: str | None = Field(None, min_length=64, max_length=64)
+    bytes: int | None = Field(None, ge=1)
+    digest: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
+    """collective: the version digest (blake3, hex) the received stream must have."""
+    endpoint: str | None = Field(None, pattern=r"^[^\s:]+:\d{1,5}$")
+    """collective: host:port of the trainer's weight endpoint (common/weights/link.py)."""
+    durable_version: int | None = Field(None, ge=0)
+    durable_uri: str | None = Field(None, min_length=1)
+    durable_sha256: str | None = Field(None, min_length=64, max_length=64)
+    durable_bytes: int | None = Field(None, ge=1)
     created_at: float = Field(default_factory=time.time)
+
+    @model_validator(mode="after")
+    def _complete(self):
+        if self.transport == "file" and None in (self.uri, self.sha256, self.bytes):
+            raise ValueError("transport file needs uri, sha256 and bytes")
+        if self.transport == "collective" and None in (self.digest, self.endpoint):
+            raise ValueError("transport collective needs digest and endpoint")
+        durable = (self.durable_version, self.durable_uri, self.durable_sha256, self.durable_bytes)
+        if any(v is not None for v in durable) and None in durable:
+            raise ValueError("durable_version, durable_uri, durable_sha256 and durable_bytes go together")
+        if self.durable_version is not None and self.durable_version > self.version:
+            raise ValueError("durable_version is newer than version")
+        return self
+
+    def durable_copy(self) -> DurableCopy | None:
+        """The newest durable copy this message names: the version itself (file), or durable_* (collective)."""
+        if self.transport == "file":
+            return DurableCopy(self.version, self.uri, self.sha256, self.bytes)
+        if self.durable_version is None:
+            return None
+        return DurableCopy(self.durable_version, self.durable_uri, self.durable_sha256, self.durable_bytes)
 
 
 class TrainerProgress(BaseModel):

@@ -133,7 +133,9 @@ class ControlFollower:
         if isinstance(msg, TrainerProgress):
             self.view.progress = msg
             return msg
-        if self.view.weights is None or msg.version > self.view.weights.version:
+        # the newest version wins; the same version announced again (a restarted trainer:
+        # its new endpoint, a newer durable copy) replaces the earlier message
+        if self.view.weights is None or msg.version >= self.view.weights.version:
             self.view.weights = msg
             return msg
         return None

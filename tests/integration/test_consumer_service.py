@@ -6,8 +6,9 @@ A synthetic producer publishes valid records with known policy versions:
 - a control change on the topic takes effect at the next batch boundary (the
   service applies it itself: no test calls apply_control), also when it
   arrives while the consumer sits idle waiting for data;
-- an announced version is an HF directory that transformers opens and whose
-  log-probs equal the trainer's, and that the vLLM engine reloads;
+- an announced version (collective: the snapshot the links stream, and its
+  durable copy) is an HF directory that transformers opens and whose log-probs
+  equal the trainer's, and that the vLLM engine reloads;
 - a consumer killed with SIGKILL between checkpoints resumes from the last one,
   redoes the steps after it, never trains a rollout_id twice in the final
   model's lineage and never reuses a version; every record is accounted for;
@@ -171,7 +172,15 @@ def test_announced_version_opens_in_transformers_with_same_logprobs(service):
         svc.follower.catch_up()
         assert time.time() < deadline, "announcement not seen on the policy topic"
     ann: WeightsReady = svc.follower.view.weights
-    d = verify(ann.uri, ann.sha256, ann.bytes)
+    # the collective path (the default) announces the snapshot every producer link streams...
+    snap = svc.announcer.snapshot
+    assert (ann.transport, ann.version, ann.digest, ann.endpoint) == \
+        ("collective", svc.version, snap.digest, svc.announcer.sender.endpoint)
+    # ...and its durable copy, written in the background every K versions and at shutdown (here: now)
+    svc.announcer.durable.flush(snap)
+    copy = svc.announcer.durable.newest
+    assert copy.version == svc.version
+    d = verify(copy.uri, copy.sha256, copy.bytes)
     hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     tokens = torch.tensor([[4, 13, 5, 17, 20, 6, 7, 1]])
     with torch.no_grad():

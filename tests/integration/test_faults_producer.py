@@ -102,7 +102,12 @@ def stack(tiny_model_dir, tmp_path_factory):
     kafka = make_kafka_settings(broker.bootstrap, tmp / "blobs", rollouts_partitions=2,
                                 publish_buffer_records=6)
     cfg = service_config(kafka, tiny_model_dir, tmp, G=G, B=B, staleness={"max_staleness": MAX_STALENESS},
-                         consumer={"group_timeout_s": TIMEOUT_S},
+                         # transport file: the restart phase freezes the consumer, whose process hosts
+                         # the collective path's weight endpoint, so a restarted producer could only
+                         # take the newest durable copy (every consumer.weights.durable_every versions,
+                         # older than the newest announced); this test is about start() applying the
+                         # newest announcement (docs/weights.md, failure handling)
+                         consumer={"group_timeout_s": TIMEOUT_S, "weights": {"transport": "file"}},
                          producer={"producer_id": PRODUCER_ID, "max_groups_in_flight": 4})
     ensure_prompts(cfg)
     kafka_w = make_kafka_settings(broker.bootstrap, tmp / "blobs", rollouts_partitions=2)

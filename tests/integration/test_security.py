@@ -51,10 +51,10 @@ def _calls(tree):
             yield node, owner, name
 
 
-# torch.distributed's *_object collectives pickle, between the ranks of one torchrun job (shards
-# gathered for export) over the gloo/nccl group, never data from Kafka or storage. The rank protocol
-# sends commands and batch shares as plain tensors (consumer/channel.py, consumer/shares.py).
-ALLOWED = {("consumer/convert.py", "all_gather_object")}
+# torch.distributed's *_object collectives pickle. None is allowed: the rank protocol sends commands
+# and batch shares as plain tensors (consumer/channel.py, consumer/shares.py) and the weight export
+# gathers raw bytes (consumer/weight_source.py).
+ALLOWED: set[tuple[str, str]] = set()
 
 
 # The record decoder's object_pairs_hook builds a plain dict and refuses repeated keys; nothing else.

@@ -36,13 +36,41 @@ class FakeTrainer:
         self.weight[0] += 1
         return {"loss": 0.0}
 
-    def export_hf_state_dict(self):
+    def weight_source(self):
         self.calls.append(("export",))
-        return {"w": 1}
+        return FakeSource(self.calls)
 
     def state_dict(self):
         self.calls.append(("state_dict",))
         return {"model": {"w": self.weight}}
+
+
+class FakeSource:
+    """The trainer's weight source: rank 0 iterates it later; a follower at once."""
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def iter_groups(self):
+        self.calls.append(("gather",))
+        yield ["w"], [None]
+
+    def __eq__(self, other):
+        return isinstance(other, FakeSource)
+
+
+class FakeSource:
+    """The trainer's weight source: rank 0 iterates it later; a follower at once."""
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def iter_groups(self):
+        self.calls.append(("gather",))
+        yield ["w"], [None]
+
+    def __eq__(self, other):
+        return isinstance(other, FakeSource)
 
 
 class FakeCheckpoints:
@@ -119,7 +147,7 @@ def test_sharded_leader_announces_every_collective_and_sends_each_rank_its_share
     assert leader.sharded
     assert leader.train(["s1", "s2"]) == {"loss": 0.0}
     leader.checkpoint(CheckpointState(3, 3, {0: 5}))
-    assert leader.export() == {"w": 1}
+    assert leader.export() == FakeSource([])  # rank 0 iterates it when it packs the version
     leader.stop()
     assert ch.sent == [("train", ""), ("shares", ["share0:['s1', 's2']", "share1:['s1', 's2']"]),
                        ("checkpoint", "/tmp/stage-3"), ("export", ""), ("stop", "")]
@@ -182,7 +210,7 @@ def test_follower_does_what_rank_0_sends_in_order_until_stop(layout, monkeypatch
     trainer, ckpt = FakeTrainer(tensor=2), FakeCheckpoints()
     assert Follower(trainer, ckpt, ch).run() == 0
     assert trainer.calls == [("batch_from_share", "share-a"), ("train_step", "share-a"), ("state_dict",),
-                             ("export",), ("batch_from_share", "share-b"), ("train_step", "share-b")]
+                             ("export",), ("gather",), ("batch_from_share", "share-b"), ("train_step", "share-b")]
     assert [c[:3] for c in ckpt.calls] == [("shard", "/tmp/stage-1", SHARDS[0])]
     assert ch.script == []
 

@@ -9,7 +9,7 @@ import pytest
 from common.app.cli import main as cli
 from common.config import EngineSettings, JsonlPrompts, KafkaTopicPrompts, load_config
 from common.errors import ConfigError
-from producer.engine import engine_args, resolve_routing
+from producer.engine import engine_args, prefix_caching, resolve_routing, resolve_weight_transfer
 
 
 def load(*overrides: str):
@@ -28,8 +28,12 @@ def test_defaults_are_todays_behaviour():
     assert p.drain_timeout_s == 60.0
     e = p.engine
     assert (e.max_model_len, e.routing, e.enable_prefix_caching, e.logprobs_mode, e.enable_chunked_prefill) == \
-        (256, "auto", False, "processed_logprobs", True)
+        (256, "auto", None, "processed_logprobs", True)
+    # unset prefix caching: off with capture (today's CPU path), on with native routing (vLLM 0.32 needs it)
+    assert prefix_caching(e, "capture") is False and prefix_caching(e, "off") is False
+    assert prefix_caching(e, "native") is True
     assert e.kv_cache_memory_bytes == 256 << 20 and e.extra_engine_args == {}
+    assert (e.block_size, e.weight_transfer, e.weight_transfer_timeout_s) == (None, "auto", 30.0)
 
 
 def test_prompt_source_is_a_tagged_union():
@@ -131,6 +135,26 @@ def test_auto_routing_resolves_per_platform_and_checks_what_needs_it():
         assert e.value.key == key
     assert resolve_routing(EngineSettings(tensor_parallel_size=2, kv_cache_memory_bytes=None), on_cpu=False) == \
         "native"
+    # vLLM 0.32 refuses native routing without prefix caching (review B1): refused at start, naming the key
+    with pytest.raises(ConfigError) as e:
+        resolve_routing(EngineSettings(enable_prefix_caching=False), on_cpu=False)
+    assert e.value.key == "producer.engine.enable_prefix_caching"
+
+
+def test_weight_transfer_resolves_per_platform():
+    assert resolve_weight_transfer(EngineSettings(), on_cpu=True) == "rlstream_gloo"
+    assert resolve_weight_transfer(EngineSettings(tensor_parallel_size=2), on_cpu=False) == "nccl"
+    assert resolve_weight_transfer(EngineSettings(weight_transfer="off"), on_cpu=True) is None
+    for settings in (EngineSettings(weight_transfer="nccl"), EngineSettings(tensor_parallel_size=2)):
+        with pytest.raises(ConfigError) as e:
+            resolve_weight_transfer(settings, on_cpu=True)
+        assert e.value.key == "producer.engine.weight_transfer"
+    args = engine_args(EngineSettings(block_size=16, enable_prefix_caching=True, routing="off"), "/m", "off",
+                       on_cpu=True, weight_transfer="rlstream_gloo")
+    assert args["weight_transfer_config"] == {"backend": "rlstream_gloo"} and args["block_size"] == 16
+    assert args["enable_prefix_caching"] is True
+    assert args["worker_extension_cls"] == "producer.transfer.RlstreamWorkerExtension"
+    assert "weight_transfer_config" not in engine_args(EngineSettings(), "/m", "capture", on_cpu=True)
 
 
 def test_engine_args_follow_the_settings():

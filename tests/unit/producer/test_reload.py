@@ -2,6 +2,7 @@
 fake engine (pure logic; the real engine's reloads are in tests/integration)."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -110,3 +111,189 @@ def test_a_failed_rollback_raises_an_rlstream_error(setup):
     engine.fail = {"a", "b"}
     with pytest.raises(WeightReloadError, match="inconsistent"):
         reloader.apply(publish(store, 2, b"two"))
+
+
+# ---------------------------------------------------------------- the collective path
+
+DIGEST_A, DIGEST_B = "a" * 64, "b" * 64
+
+
+class FakeLink:
+    """producer/link.py's TrainerLink: the trainer's commands are not the reloader's business."""
+
+    made: list = []
+
+    def __init__(self, endpoint):
+        self.endpoint, self.dead, self.polls, self.swapped = endpoint, None, 0, None
+
+    @classmethod
+    def connect(cls, engine, endpoint, producer_id, timeout_s):
+        link = cls(endpoint)
+        cls.made.append(link)
+        return link
+
+    def poll(self):
+        self.polls += 1
+
+
+class FakeTransferEngine(FakeEngine):
+    """A FakeEngine whose weight-transfer engine received (or failed) what `status` says."""
+
+    weight_transfer = "rlstream_gloo"
+
+    def __init__(self):
+        super().__init__()
+        self.status = {"state": "idle"}
+        self.swaps: list[tuple[int, str]] = []
+        self.discards = 0
+        self.swap_error: Exception | None = None
+
+    def received(self, version, digest):
+        self.status = {"state": "ready", "version": version, "digest": digest}
+
+    def weight_status(self):
+        return dict(self.status)
+
+    def swap_weights(self, version, digest):
+        if self.swap_error is not None:
+            raise self.swap_error
+        self.swaps.append((version, digest))
+        self.version, self.status = version, {"state": "idle"}
+        return 0.01
+
+    def discard_weights(self):
+        self.discards += 1
+        self.status = {"state": "idle"}
+
+
+def collective(version, digest, endpoint="trainer:1", durable: WeightsReady | None = None) -> WeightsReady:
+    extra = {} if durable is None else dict(durable_version=durable.version, durable_uri=durable.uri,
+                                            durable_sha256=durable.sha256, durable_bytes=durable.bytes)
+    return WeightsReady(version=version, transport="collective", digest=digest, endpoint=endpoint, **extra)
+
+
+@pytest.fixture
+def linked(tmp_path, monkeypatch):
+    import producer.reload as reload_mod
+
+    FakeLink.made = []
+    monkeypatch.setattr(reload_mod, "TrainerLink", FakeLink)
+    engine = FakeTransferEngine()
+    reloader = Reloader(engine, tmp_path / "base", "p0", timeout_s=30.0)
+    yield engine, reloader, tmp_path / "store"
+    reloader.close()
+
+
+def taken(transport: str) -> float:
+    return metrics.value("rlstream_producer_weight_versions_total", transport=transport)
+
+
+def test_a_received_version_is_swapped_in_once_announced_with_the_same_digest(linked):
+    engine, reloader, _ = linked
+    reloader.apply(collective(0, DIGEST_A))  # the trainer's start-up announcement: registers a link
+    assert len(FakeLink.made) == 1 and FakeLink.made[0].endpoint == "trainer:1"
+    engine.received(1, DIGEST_B)  # the stream finished before its announcement arrived
+    assert not reloader.tick() and engine.swaps == [] and engine.discards == 0
+    before = taken("collective")
+    assert reloader.apply(collective(1, DIGEST_B))
+    assert engine.swaps == [(1, DIGEST_B)] and engine.version == 1 and reloader.loaded is None
+    assert taken("collective") == before + 1 and metrics.value("rlstream_producer_policy_version") == 1
+    assert FakeLink.made[0].polls >= 2  # every tick answers the trainer's commands first
+    assert FakeLink.made[0].swapped == (1, DIGEST_B)  # for a finish the link answers after the swap
+
+
+def test_a_digest_other_than_the_announced_one_is_refused_counted_and_the_durable_copy_taken(linked):
+    engine, reloader, store = linked
+    durable = publish(store, 1, b"one")
+    reloader.apply(collective(2, DIGEST_A, durable=durable))
+    engine.received(2, DIGEST_B)  # corrupted in a way the group digests did not catch
+    before, files = failures(), taken("file")
+    assert reloader.tick()
+    assert engine.swaps == [] and engine.discards == 1
+    assert failures() == before + 1 and taken("file") == files + 1
+    assert engine.version == 1 and engine.loads[-1][2] == b"one"  # the fallback: durable version 1
+
+
+def test_a_receive_that_failed_its_digest_check_is_refused_and_falls_back(linked, caplog):
+    engine, reloader, store = linked
+    reloader.apply(collective(3, DIGEST_A, durable=publish(store, 2, b"two")))
+    engine.status = {"state": "failed", "version": None, "error": "version 3, group 1: digest 12 != sent 34",
+                     "digest_mismatch": True}
+    before = failures()
+    assert reloader.tick() and engine.version == 2 and failures() == before + 1
+    assert "refusing weight version" in caplog.text and "group 1" in caplog.text
+    assert not FakeLink.made[0].dead  # the stream was read to its end: the link stays
+
+
+def test_a_broken_link_is_counted_and_registered_anew_without_a_refusal(linked, monkeypatch):
+    import producer.reload as reload_mod
+
+    engine, reloader, _ = linked
+    monkeypatch.setattr(reload_mod, "_REJOIN_EVERY_S", 0.0)
+    reloader.apply(collective(1, DIGEST_A))
+    engine.status = {"state": "failed", "error": "weight link receive failed: Connection reset by peer",
+                     "digest_mismatch": False}
+    refused, broken = failures(), metrics.value("rlstream_producer_weight_transfer_failures_total")
+    assert not reloader.tick()
+    assert FakeLink.made[0].dead and engine.discards == 1
+    reloader.tick()  # the next tick drops it and registers again
+    assert len(FakeLink.made) == 2 and reloader.link is FakeLink.made[1]
+    assert metrics.value("rlstream_producer_weight_transfer_failures_total") == broken + 1 and failures() == refused
+
+
+def test_a_version_the_link_does_not_deliver_in_time_comes_from_the_durable_store(linked):
+    engine, reloader, store = linked
+    reloader.timeout_s = 0.05
+    reloader.apply(collective(4, DIGEST_A, durable=publish(store, 3, b"three")))
+    assert engine.version == 0
+    time.sleep(0.1)
+    assert reloader.tick() and engine.version == 3 and engine.loads[-1][2] == b"three"
+    engine.received(4, DIGEST_A)  # it arrives after all: served next
+    assert reloader.tick() and engine.version == 4
+
+
+def test_a_new_endpoint_replaces_the_link_and_old_versions_are_discarded(linked):
+    engine, reloader, _ = linked
+    reloader.apply(collective(1, DIGEST_A))
+    engine.received(1, DIGEST_A)
+    assert reloader.tick() and engine.version == 1
+    reloader.apply(collective(1, DIGEST_A, endpoint="trainer:2"))  # the trainer restarted at version 1
+    assert [lk.endpoint for lk in FakeLink.made] == ["trainer:1", "trainer:2"]
+    engine.received(1, DIGEST_A)  # it sends its current version to the new link: nothing new
+    assert not reloader.tick() and engine.discards == 1 and engine.swaps == [(1, DIGEST_A)]
+
+
+def test_catch_up_serves_the_announced_version_before_generating(linked):
+    engine, reloader, store = linked
+    engine.received(2, DIGEST_A)
+    assert reloader.catch_up(collective(2, DIGEST_A)) and engine.version == 2
+    # no link delivery: the durable copy, after the timeout
+    reloader.timeout_s = 0.05
+    assert reloader.catch_up(collective(4, DIGEST_B, durable=publish(store, 4, b"four"))) and engine.version == 4
+    assert reloader.catch_up(publish(store, 5, b"five")) and engine.version == 5  # transport file
+
+
+def test_a_swap_failing_halfway_restores_the_newest_durable_copy(linked):
+    engine, reloader, store = linked
+    reloader.apply(collective(1, DIGEST_A, durable=publish(store, 1, b"one")))
+    engine.received(1, DIGEST_A)
+    assert reloader.tick() and reloader.loaded is None  # served from the link
+    reloader.apply(collective(2, DIGEST_B, durable=publish(store, 2, b"two")))
+    engine.received(2, DIGEST_B)
+    engine.swap_error = RuntimeError("layer 3 failed to load")
+    before = failures()
+    assert not reloader.tick()
+    assert failures() == before + 1 and engine.version == 2 and engine.loads[-1][2] == b"two"
+    assert reloader.loaded is not None
+
+
+def test_a_file_announcement_keeps_the_link(linked):
+    """A version announced as a file (no endpoint) between collective ones leaves the link up:
+    it is not re-registered at the next collective version."""
+    engine, reloader, store_dir = linked
+    reloader.apply(collective(0, DIGEST_A))
+    link = FakeLink.made[-1]
+    assert reloader.apply(publish(store_dir, 1, b"v1"))
+    reloader.tick()
+    reloader.apply(collective(2, DIGEST_B))
+    assert len(FakeLink.made) == 1 and reloader.link is link

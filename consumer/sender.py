@@ -1,0 +1,187 @@
+"""How each new version leaves the trainer (rank 0) on the collective path: producer links.
+
+    sender = WeightSender(cfg.consumer.weights)      # hosts the endpoint, accepts links
+    sender.publish(snapshot)                         # every link streams it, concurrently
+
+`WeightSender` hosts the weight endpoint (common/weights/link.py): an acceptor
+thread serves each producer that registers with a link thread of its own,
+which opens the link through vLLM's trainer factory (`rlstream_gloo`, or
+`nccl` on GPU), sends the current version at once (a producer that joins late
+gets it without waiting for the next step), then every newer one. A link that
+fails (a dead, hung or refusing producer: each blocking step is bounded by
+`consumer.weights.timeout_s`) is counted, told to re-register and dropped;
+the other links never wait for it, and `publish` never waits for any link: the
+training loop goes on while versions stream. A link that is still sending
+when a newer version is published sends the newer one next (newest wins).
+The durable store is consumer/durable.py.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from datetime import timedelta
+
+from common.config import WeightSyncSettings
+from common.errors import RlstreamError, WeightTransferError
+from common.weights import link as wlink
+from consumer import telemetry
+from consumer.transfer import (LinkClient, RlstreamGlooTrainerInitInfo, Snapshot, SnapshotSource, open_nccl_link,
+                               register)
+
+log = logging.getLogger("rlstream.consumer")
+
+
+class WeightSender:
+    def __init__(self, settings: WeightSyncSettings, backend: str = "rlstream_gloo"):
+        register()
+        self.settings, self.backend = settings, backend
+        self.store = wlink.open_store(settings.host, settings.port, settings.timeout_s, master=True)
+        wildcard = settings.host in ("0.0.0.0", "::", "")
+        # what producers dial: a wildcard listen address is not one (a StatefulSet pod's FQDN is)
+        self.host = settings.advertise_host or (socket.getfqdn() if wildcard else settings.host)
+        self.local_host = "127.0.0.1" if wildcard else settings.host
+        self.endpoint = f"{self.host}:{self.store.port}"
+        """What producers dial (announced in WeightsReady)."""
+        self.current: Snapshot | None = None
+        self.links: dict[int, _Link] = {}
+        self.failures = 0
+        self._cond = threading.Condition()
+        self._closed = False
+        self._acceptor = threading.Thread(target=self._accept, name="rlstream-weights-accept", daemon=True)
+        self._acceptor.start()
+        log.info("weight endpoint %s (%s)", self.endpoint, backend)
+
+    def publish(self, snapshot: Snapshot) -> None:
+        """Every link sends `snapshot` next (it may still be filling); returns at once."""
+        with self._cond:
+            self.current = snapshot
+            self._cond.notify_all()
+
+    def wait_delivered(self, version: int, timeout_s: float) -> bool:
+        """Every live link has sent `version` (or a newer one), or timeout. For tests and benchmarks."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            return self._cond.wait_for(lambda: all(lk.sent >= version for lk in self.links.values()),
+                                       max(0.0, deadline - time.monotonic()))
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._acceptor.join(timeout=5)
+        for lk in list(self.links.values()):
+            lk.join(timeout=self.settings.timeout_s)
+
+    # ------------------------------------------------------------ links
+
+    def _accept(self) -> None:
+        seen = 0
+        while True:
+            with self._cond:
+                if self._cond.wait_for(lambda: self._closed, 0.05):
+                    return
+            try:
+                joined = wlink.joins(self.store)
+            except (RuntimeError, OSError):  # the store is shutting down
+                return
+            for n in range(seen + 1, joined + 1):
+                lk = _Link(self, n)
+                with self._cond:
+                    self.links[n] = lk
+                lk.start()
+            seen = joined
+
+    def _next(self, sent: int) -> Snapshot | None:
+        """Block until a version newer than `sent` is published (None: closing)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._closed or (self.current is not None and self.current.version > sent))
+            return None if self._closed else self.current.acquire()
+
+    def _dropped(self, lk: "_Link", error: BaseException | None) -> None:
+        with self._cond:
+            self.links.pop(lk.n, None)
+            if error is not None:
+                self.failures += 1
+            self._cond.notify_all()
+        telemetry.WEIGHT_LINKS.set(len(self.links))
+        if error is not None:
+            telemetry.WEIGHT_LINK_FAILURES.inc()
+            log.warning("weight link %d (%s) dropped after %d versions: %s", lk.n, lk.producer, lk.count, error)
+
+
+class _Link(threading.Thread):
+    """One producer's link: open it, then send every version newer than the last one sent."""
+
+    def __init__(self, sender: WeightSender, n: int):
+        super().__init__(name=f"rlstream-weights-link-{n}", daemon=True)
+        self.sender, self.n = sender, n
+        self.producer = "?"
+        self.sent, self.count = -1, 0
+        self.client: LinkClient | None = None
+        self.engine = None
+
+    def run(self) -> None:
+        error: BaseException | None = None
+        try:
+            # a store connection of this link's own: a blocking wait holds its connection
+            store = wlink.open_store(self.sender.local_host, self.sender.store.port, self.sender.settings.timeout_s)
+            self.client = LinkClient(store, self.n, self.sender.settings.timeout_s)
+            self.producer = self._who()
+            while (snap := self.sender._next(self.sent)) is not None:
+                try:
+                    self._send(snap)
+                finally:
+                    snap.release()
+        except (RlstreamError, RuntimeError, OSError) as e:
+            error = e
+            self._close_remote(str(e))
+        finally:
+            if self.engine is not None:
+                self.engine.shutdown()
+            self.sender._dropped(self, error)
+
+    def _who(self) -> str:
+        key, store = f"{wlink.ROOT}link/{self.n}/who", self.client.store
+        try:
+            store.wait([key], timedelta(seconds=self.sender.settings.timeout_s))
+            return store.get(key).decode()
+        except RuntimeError as e:
+            raise WeightTransferError(f"link {self.n} registered no producer id ({e})") from None
+
+    def _send(self, snap: Snapshot) -> None:
+        t0 = time.perf_counter()
+        if self.engine is None:
+            self.engine = self._open(snap)
+            telemetry.WEIGHT_LINKS.set(len(self.sender.links))
+            log.info("weight link %d: producer %s joined", self.n, self.producer)
+        if self.sender.backend == "nccl":
+            snap.wait()
+            self.engine.source = SnapshotSource(snap)
+        else:
+            self.engine.source = snap
+        self.client.version = snap.version
+        self.engine.send_weights()
+        with self.sender._cond:
+            self.sent, self.count = snap.version, self.count + 1
+            self.sender._cond.notify_all()
+        telemetry.WEIGHT_SEND_SECONDS.observe(time.perf_counter() - t0)
+
+    def _open(self, snap: Snapshot):
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+        if self.sender.backend == "nccl":
+            snap.wait()
+            return open_nccl_link(self.client, self.sender.host, SnapshotSource(snap))
+        info = RlstreamGlooTrainerInitInfo(host=self.sender.host, port=self.sender.store.port, link=self.n,
+                                           timeout_s=self.sender.settings.timeout_s, rank=0)
+        return WeightTransferTrainerFactory.trainer_init(info, client=self.client)
+
+    def _close_remote(self, reason: str) -> None:
+        if self.client is None:
+            return
+        try:
+            self.client.channel.post("close", reason=reason[:500])
+        except (RuntimeError, OSError):  # best effort: the store may be gone
+            pass

