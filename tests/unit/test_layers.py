@@ -96,3 +96,13 @@ def test_checker_catches_a_violation(tmp_path, monkeypatch, module, imported):
     src = tmp_path / "m.py"
     src.write_text(f"def f():\n    from {imported} import x\n")
     assert imported in imports(src)
+
+
+def test_test_files_have_unique_names():
+    """The test folders are not packages: pytest imports each test file by its basename
+    (rootdir-relative "rootdir/conftest" mode), so two files of one name stop the whole
+    collection ("import file mismatch")."""
+    from collections import Counter
+
+    names = Counter(p.name for p in (ROOT / "tests").rglob("test_*.py"))
+    assert [n for n, c in names.items() if c > 1] == []
