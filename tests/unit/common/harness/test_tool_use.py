@@ -169,3 +169,22 @@ def test_the_tool_use_experiment_needs_episodes_and_reports_both_sides(tmp_path)
     md = report(warm, before, {**before, "accuracy": 0.6}, {"rl_gain_with_tool": 0.3})
     assert "| warm start (format SFT) | 0.300 | 0.400 | 0.130 | 0.220 | 0.500 | - |" in md
     assert "| after RL | 0.600 |" in md and "rl_gain_with_tool: 0.300" in md and "12+7=c(12+7)=19,19" in md
+
+
+def test_tool_format_sft_on_the_real_tiny_model_saves_and_is_reused(tiny_model_dir, tmp_path):
+    """Two steps of the tool stage on the random tiny model (HF, KV cache): it trains, is
+    evaluated with the tool, saves a loadable model with its marker, and is reused."""
+    from common.harness.evaluate import heldout_scores, load_model
+    from common.harness.sft import SftConfig, ToolSft, warm_start
+    from common.toy.tasks import write_problems
+
+    data = write_problems(tmp_path / "p.jsonl", PROBLEMS)
+    cfg = SftConfig(band_low=0.9, band_high=1.0, max_steps=2, eval_every=2, batch_size=4, num_threads=1)
+    tool = ToolSft(LIMITS, traces=0.5)
+    res = warm_start(tiny_model_dir, tmp_path / "tool", data, data, cfg, tool=tool)
+    assert (res.steps, res.reused, len(res.history)) == (2, False, 1) and 0.0 <= res.accuracy <= 1.0
+    assert warm_start(tiny_model_dir, tmp_path / "tool", data, data, cfg, tool=tool).reused
+    assert not warm_start(tiny_model_dir, tmp_path / "tool2", data, data, cfg, tool=ToolSft(LIMITS, 1.0)).reused
+    model, tok = load_model(tmp_path / "tool")
+    s = heldout_scores(model, tok, PROBLEMS, "greedy", 1.0, 8, episodes=LIMITS)
+    assert sum(s["ends"].values()) == 4 and set(s["ends"]) <= {"done", "max_turns", "max_tokens"}
