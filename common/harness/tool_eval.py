@@ -37,6 +37,7 @@ class EpisodeOutcome:
     """Prompt, model turns and observations as text (EOS not shown)."""
     reward: float
     tool_calls: int
+    """The environment's own count (its `calls` attribute, as the calculator keeps; else 0)."""
     end: str
     """done | max_turns | max_tokens (as the producer's reward_info["end"])."""
 
@@ -79,7 +80,8 @@ def _end(ep: _Live, reward: float, end: str) -> None:
 
 
 def _take_turn(ep: _Live, out: list[int], tok, settings: EpisodeSettings, stops: frozenset[int]) -> None:
-    """Append one model turn (`out`, EOS stripped), step the environment, append its observation."""
+    """Append one model turn (`out` as decoded: an ending EOS was dropped and is put back), step the
+    environment, append its observation or end the episode."""
     from producer.episodes import ModelTurn
 
     if len(out) < settings.max_turn_tokens and not (out and out[-1] in stops):
