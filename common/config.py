@@ -745,6 +745,14 @@ class DemoSettings(_Section):
     """Seconds between held-out evaluations of the newest weight version."""
     progress_every_s: float = Field(5.0, gt=0)
     """Seconds between progress lines (one scrape of every service)."""
+    sft_tool_traces: float = Field(0.5, ge=0, le=1)
+    """With `producer.episodes`: a second SFT stage on the warm start teaches the tool's call
+    format; this share of its examples are worked tool episodes, the rest plain answers."""
+    sft_tool_band_low: float = Field(0.2, ge=0, le=1)
+    """That stage stops once greedy held-out accuracy WITH the tool is inside [low, high]
+    (the format known, not perfect: RL must have room to improve)."""
+    sft_tool_band_high: float = Field(0.5, ge=0, le=1)
+    sft_tool_max_steps: int = Field(1000, ge=1)
 
 
 class ExperimentSettings(_Section):
@@ -756,7 +764,7 @@ class ExperimentSettings(_Section):
     """Run only these arms (e.g. to redo some of them); empty: every arm. A
     comma-separated string is accepted."""
     arm_seconds: float | None = Field(None, gt=0)
-    """RL seconds per arm; None: the experiment's own (async 240, objectives 90, replay 60, dynamic_sampling 480)."""
+    """RL seconds per arm; None: the experiment's own (async 240, objectives 90, replay 60, dynamic_sampling 480, tool_use 300)."""
     reps: int | None = Field(None, ge=1)
     """Repetitions per arm, interleaved A B B A; None: the experiment's own (async 2, others 1)."""
 

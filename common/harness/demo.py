@@ -79,15 +79,39 @@ def prepare_warm(cfg: RlstreamConfig, reuse: bool | None = None) -> Warm:
     if not res.in_band:
         say(f"warning: SFT ended at held-out accuracy {res.accuracy:.3f}, outside "
             f"[{sft_cfg.band_low}, {sft_cfg.band_high}] (step cap or a jump over the band)")
-    scores = score_dir(out, heldout, d.eval_metric, cfg.producer.temperature, cfg.producer.max_tokens)
-    say(f"warm start: held-out {d.eval_metric} accuracy {scores['accuracy']:.3f} (greedy {scores['greedy']:.3f}) "
-        f"after {res.steps} SFT steps ({'reused' if res.reused else f'{time.monotonic() - t0:.0f} s'})")
+    if cfg.producer.episodes is not None:
+        out, res = _tool_warm_start(cfg, out, train, heldout, d.reuse_warm_start if reuse is None else reuse)
+    scores = score_dir(out, heldout, d.eval_metric, cfg.producer.temperature, cfg.producer.max_tokens,
+                       cfg.producer.episodes)
+    tool = "" if cfg.producer.episodes is None else (f" with the tool, {scores['no_tool']:.3f} greedy without, "
+                                                     f"tool call rate {scores['call_rate']:.2f}")
+    say(f"warm start: held-out {d.eval_metric} accuracy {scores['accuracy']:.3f} (greedy {scores['greedy']:.3f})"
+        f"{tool} after {res.steps} SFT steps ({'reused' if res.reused else f'{time.monotonic() - t0:.0f} s'})")
     return Warm(out.resolve(), train.resolve(), heldout.resolve(), scores["accuracy"], res.seconds,
-                res.steps, res.reused, d.eval_metric, scores["greedy"])
+                res.steps, res.reused, d.eval_metric, scores["greedy"], scores)
 
 
-def score_dir(model_dir, heldout, metric: str, temperature: float, max_new_tokens: int) -> dict:
-    """`common.harness.evaluate.heldout_scores` of a model directory (seeded sampling)."""
+def _tool_warm_start(cfg: RlstreamConfig, plain: Path, train: Path, heldout: Path, reuse: bool):
+    """(directory, SftResult) of the second SFT stage: the plain warm start taught the
+    call format of `producer.episodes`' environment (common/harness/sft.py `ToolSft`)."""
+    from common.harness.sft import SftConfig, ToolSft, warm_start
+
+    d = cfg.demo
+    sft_cfg = SftConfig(band_low=d.sft_tool_band_low, band_high=d.sft_tool_band_high,
+                        max_steps=d.sft_tool_max_steps, eval_every=20, eval_limit=128,
+                        seed=cfg.producer.prompts.seed)
+    out = Path(d.work_dir) / "tool-warm-model"
+    res = warm_start(plain, out, train, heldout, sft_cfg, reuse=reuse, progress=say,
+                     tool=ToolSft(cfg.producer.episodes, d.sft_tool_traces))
+    if not res.in_band:
+        say(f"warning: the tool-format SFT ended at held-out accuracy {res.accuracy:.3f} with the tool, outside "
+            f"[{sft_cfg.band_low}, {sft_cfg.band_high}]")
+    return out, res
+
+
+def score_dir(model_dir, heldout, metric: str, temperature: float, max_new_tokens: int, episodes=None) -> dict:
+    """`common.harness.evaluate.heldout_scores` of a model directory (seeded sampling;
+    with `episodes`, scored with the tool and without)."""
     import torch
 
     from common.harness.evaluate import heldout_scores, load_model
@@ -96,6 +120,7 @@ def score_dir(model_dir, heldout, metric: str, temperature: float, max_new_token
     threads = torch.get_num_threads()
     model, tok = load_model(model_dir)
     try:
-        return heldout_scores(model, tok, read_problems(heldout), metric, temperature, max_new_tokens)
+        return heldout_scores(model, tok, read_problems(heldout), metric, temperature, max_new_tokens,
+                              episodes=episodes)
     finally:
         torch.set_num_threads(threads)

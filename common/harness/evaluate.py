@@ -77,8 +77,9 @@ def _by_length(token_lists: list[list[int]]) -> dict[int, list[int]]:
 
 
 def _decode_loop(model, prompts: list[list[int]], max_new_tokens: int, eos_id: int,
-                 temperature: float, generator) -> list[list[int]]:
-    """Decode one equal-length batch with a KV cache; greedy when temperature == 0."""
+                 temperature: float, generator, stop_ids: frozenset[int] = frozenset()) -> list[list[int]]:
+    """Decode one equal-length batch with a KV cache; greedy when temperature == 0.
+    A sequence ends at `eos_id` (not returned) or at one of `stop_ids` (returned)."""
     import torch
 
     x = torch.tensor(prompts, dtype=torch.long)
@@ -100,6 +101,7 @@ def _decode_loop(model, prompts: list[list[int]], max_new_tokens: int, eos_id: i
                     done[i] = True
                 else:
                     out[i].append(t)
+                    done[i] = t in stop_ids
         if bool(done.all()):
             break
         x = nxt[:, None]
@@ -157,14 +159,27 @@ def pass_at_k(model, tok, problems: list[Problem], k: int = 8, temperature: floa
 
 
 def heldout_scores(model, tok, problems: list[Problem], metric: str = DEFAULT_METRIC, temperature: float = 1.0,
-                   max_new_tokens: int = 8, seed: int = 0) -> dict:
+                   max_new_tokens: int = 8, seed: int = 0, episodes=None) -> dict:
     """Greedy accuracy and, for metric "avg@k", mean sampled accuracy and pass@k.
 
     Returns {"metric": metric, "accuracy": <the metric's value>, "greedy": ..., "avg": ..., "pass": ...}.
     "avg@k" is the paper's evaluation (mean accuracy over k samples per problem
     at the rollout temperature); "greedy" is exact match of the greedy answer.
+    With `episodes` (`producer.episodes` settings) every score is WITH the tool
+    (common/harness/tool_eval.py `tool_scores`: also call_rate, calls_per_episode,
+    ends) and "no_tool" is the single-turn greedy accuracy on the same prompts.
     """
     t0 = time.perf_counter()
+    if episodes is not None:
+        from common.harness.tool_eval import tool_scores
+
+        out = tool_scores(model, tok, problems, episodes, metric, temperature, seed)
+        out["no_tool"] = evaluate_model(model, tok, problems, max_new_tokens).accuracy
+        if metric.startswith("avg@"):
+            out["no_tool_avg"] = pass_at_k(model, tok, problems, int(metric[4:]), temperature, max_new_tokens,
+                                           seed)["sample_accuracy"]
+        out["seconds"] = time.perf_counter() - t0
+        return out
     out = {"metric": metric, "greedy": evaluate_model(model, tok, problems, max_new_tokens).accuracy}
     if metric == "greedy":
         out["accuracy"] = out["greedy"]
@@ -183,8 +198,11 @@ class VersionEvaluator:
     version in a weight store; versions pruned before they could be loaded are skipped."""
 
     def __init__(self, store_dir: Path, heldout: Path, metric: str = DEFAULT_METRIC,
-                 temperature: float = 1.0, max_new_tokens: int = 8, limit: int | None = None):
+                 temperature: float = 1.0, max_new_tokens: int = 8, limit: int | None = None,
+                 episodes=None):
         self.store_dir = store_dir
+        self.episodes = episodes
+        """`producer.episodes` settings: score with the tool (`heldout_scores`); None: single-turn."""
         self.problems = read_problems(heldout, limit)
         self.metric, self.temperature, self.max_new_tokens = metric, temperature, max_new_tokens
         self.last_version = -1
@@ -208,7 +226,8 @@ class VersionEvaluator:
             log.info("version %d vanished while loading (%s); skipping", v, e)
             return None
         self.last_version, self.last_at = v, time.monotonic()
-        return v, heldout_scores(model, tok, self.problems, self.metric, self.temperature, self.max_new_tokens)
+        return v, heldout_scores(model, tok, self.problems, self.metric, self.temperature, self.max_new_tokens,
+                                 episodes=self.episodes)
 
 
 def main(argv: list[str] | None = None) -> int:

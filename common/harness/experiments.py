@@ -1,9 +1,10 @@
-"""`rlstream experiment async|objectives|replay|dynamic_sampling`: short side-by-side runs.
+"""`rlstream experiment async|objectives|replay|dynamic_sampling|tool_use`: short side-by-side runs.
 
     rlstream experiment async            -c configs/tiny-cpu.yaml
     rlstream experiment objectives       -c configs/tiny-cpu.yaml
     rlstream experiment replay           -c configs/tiny-cpu.yaml
     rlstream experiment dynamic_sampling -c configs/tiny-cpu.yaml
+    rlstream experiment tool_use         -c configs/tiny-calculator.yaml
 
 Every arm is one full pipeline run (`common.harness.runs.run_rl`: fresh broker,
 producer(s), consumer, run directory) from the same SFT warm start (shared and
@@ -36,6 +37,13 @@ Settings (`experiment` section, common/config.py; environment
   `dynamic_sampling_speedup_each`, when reps > 1), null when a run missed the
   target; `..._at_least` counts a `without` run that missed it at its RL
   seconds (a lower bound).
+- tool_use (needs `producer.episodes`, configs/tiny-calculator.yaml): one arm,
+  `rl`, RL on calculator episodes from the warm start taught the call format
+  (`prepare_warm`'s second SFT stage), until held-out accuracy WITH the tool
+  reaches warm + `demo.target_gain` or `ARM_SECONDS["tool_use"]`. The JSON adds
+  `before_rl` / `after_rl`: held-out accuracy with the tool (avg@8, greedy) and
+  without it (single-turn, same prompts), the tool-call rate, and the gains
+  (common/harness/tool_use.py, which also writes `tool_use.md` in the run dir).
 
 Per arm: reward (last quarter), held-out accuracy (final, the demo's metric: avg@8), training-
 inference KL and clip fraction (means over the last quarter), entropy, and
@@ -58,9 +66,9 @@ log = logging.getLogger("rlstream.experiments")
 
 COLLAPSE_ACC_DROP = 0.10
 COLLAPSE_KL = 0.05
-ARM_SECONDS = {"async": 240.0, "objectives": 90.0, "replay": 60.0, "dynamic_sampling": 480.0}
-REPS = {"async": 2, "objectives": 1, "replay": 1, "dynamic_sampling": 1}
-TO_TARGET = ("async", "dynamic_sampling")
+ARM_SECONDS = {"async": 240.0, "objectives": 90.0, "replay": 60.0, "dynamic_sampling": 480.0, "tool_use": 300.0}
+REPS = {"async": 2, "objectives": 1, "replay": 1, "dynamic_sampling": 1, "tool_use": 1}
+TO_TARGET = ("async", "dynamic_sampling", "tool_use")
 """Experiments whose arms stop at the demo's target accuracy (the others run their time)."""
 # Overrides every arm of an experiment shares (the workload), before the arm's own.
 COMMON: dict[str, dict[str, Any]] = {}
@@ -93,7 +101,12 @@ def arms(name: str, cfg: RlstreamConfig) -> list[Arm]:
         return out
     if name == "dynamic_sampling":
         return [Arm("with", {"consumer.dynamic_sampling": "on"}), Arm("without", {"consumer.dynamic_sampling": "off"})]
-    raise ConfigError(f"unknown experiment {name!r}; choose async, objectives, replay or dynamic_sampling")
+    if name == "tool_use":
+        from common.harness.tool_use import require_episodes
+
+        require_episodes(cfg)
+        return [Arm("rl", {})]
+    raise ConfigError(f"unknown experiment {name!r}; choose async, objectives, replay, dynamic_sampling or tool_use")
 
 
 def selected_arms(name: str, cfg: RlstreamConfig) -> list[Arm]:
@@ -257,6 +270,10 @@ def run_experiment(name: str, cfg: RlstreamConfig, seconds: float | None = None,
                            "order": [a.name for a in order], "arms": results}
     if name in SUMMARIES and len(results) == 2:
         out.update(SUMMARIES[name](results, runs, reps))
+    if name == "tool_use":
+        from common.harness.tool_use import tool_use_summary
+
+        out.update(tool_use_summary(cfg, warm, results))
     print(json.dumps(out, default=str), flush=True)
     return 0 if all(r["ok"] for r in results.values()) else 1
 

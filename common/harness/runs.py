@@ -64,6 +64,8 @@ class Warm:
     reused: bool
     metric: str = "greedy"
     greedy_accuracy: float = 0.0
+    scores: dict = field(default_factory=dict)
+    """Every held-out score of the warm model (`heldout_scores`: with the tool and without for episodes)."""
 
 
 @dataclass
@@ -182,7 +184,7 @@ def run_rl(cfg: RlstreamConfig, warm: Warm, label: str, stop: StopRule,
     run_cfg = write_run_config(cfg, dirs, warm, overrides)
     pipe = Pipeline(run_cfg, dirs.config, dirs.logs, num_producers or cfg.demo.num_producers)
     evaluator = VersionEvaluator(dirs.weights, warm.heldout_path, warm.metric, run_cfg.producer.temperature,
-                                 run_cfg.producer.max_tokens)
+                                 run_cfg.producer.max_tokens, episodes=run_cfg.producer.episodes)
     # the warm start is version 0 (the consumer publishes it unchanged as v0)
     rows: list[dict] = [{"kind": "eval", "time": 0.0, "version": 0, "heldout_accuracy": warm.accuracy,
                          "heldout_greedy": warm.greedy_accuracy, "metric": warm.metric, "source": "warm start"}]
@@ -311,7 +313,8 @@ def _shutdown(pipe: Pipeline, run_cfg: RlstreamConfig, res: RunResult) -> None:
 def _eval_row(t: float, version: int, scores: dict) -> dict:
     return {"kind": "eval", "time": round(t, 2), "version": version, "heldout_accuracy": scores["accuracy"],
             "heldout_greedy": scores["greedy"], "heldout_pass_at_k": scores.get("pass"),
-            "metric": scores["metric"], "eval_seconds": round(scores["seconds"], 2)}
+            "metric": scores["metric"], "eval_seconds": round(scores["seconds"], 2),
+            **{f"heldout_{k}": scores[k] for k in ("no_tool", "call_rate") if k in scores}}
 
 
 def _final_eval(evaluator: VersionEvaluator, rows: list[dict], res: RunResult) -> None:

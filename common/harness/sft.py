@@ -21,6 +21,17 @@ saved HF-format (`save_pretrained`, safetensors) with the tokenizer, so vLLM
 and the Megatron converter load it as they load the base model, plus
 `rlstream_sft.json` (settings, data digest, accuracy, time) which lets the
 demo reuse a warm model built from the same inputs.
+
+Tool format (`ToolSft`, the tool_use experiment): a share of the training
+problems is written as an episode of the environment instead, its worked
+solution (`reference_turns` of the environment class, e.g. the calculator's
+"c(37+48)" "=85," ... "66"): the loss is on the model turns and `<eos>`, not
+on the prompt or the observations, exactly the tokens the producer would
+sample. The rest stay plain answers, so the model can still answer without the
+tool and RL decides between the two. The band is then measured WITH the tool
+(greedy episodes, common/harness/tool_eval.py), and the warm model this starts
+from is usually the plain warm start (`prepare_warm`), so the format is all
+this stage has to teach.
 """
 from __future__ import annotations
 
@@ -35,6 +46,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from common.config import EpisodeSettings
+from common.errors import ConfigError
 from common.toy.tasks import Problem, read_problems
 
 log = logging.getLogger("rlstream.sft")
@@ -61,6 +74,19 @@ class SftConfig:
     seed: int = 0
 
 
+@dataclass(frozen=True)
+class ToolSft:
+    """Teach an environment's call format (module doc)."""
+
+    episodes: EpisodeSettings
+    """The environment and the limits its episodes are evaluated under (`producer.episodes`)."""
+    traces: float = 0.5
+    """Share of the training problems written as worked tool episodes."""
+
+    def inputs(self) -> dict:
+        return {"traces": self.traces, "episodes": self.episodes.model_dump(mode="json")}
+
+
 @dataclass
 class SftResult:
     accuracy: float
@@ -74,29 +100,58 @@ class SftResult:
 
 # ----------------------------------------------------------------- data
 
-def _encode_examples(tok, problems: list[Problem]) -> list[tuple[list[int], int]]:
-    """(token ids of prompt+answer+eos, prompt length) per problem."""
+def _encode_examples(tok, problems: list[Problem], tool: ToolSft | None = None,
+                     seed: int = 0) -> list[tuple[list[int], list[bool]]]:
+    """(token ids, loss mask) per problem: prompt + answer + eos with the loss on the
+    answer and eos; with `tool`, a seeded share of them as worked tool episodes
+    (loss on the model turns and eos only)."""
+    rng = random.Random(seed)
+    turns_of = _reference_turns(tool)
     out = []
     for pr in problems:
-        p = tok.encode(pr.prompt, add_special_tokens=False)
-        a = tok.encode(pr.answer, add_special_tokens=False)
-        out.append((p + a + [tok.eos_token_id], len(p)))
+        segments = [(pr.prompt, False)]
+        if tool is not None and rng.random() < tool.traces:
+            turns = turns_of(pr.prompt)
+            if turns is None:
+                raise ConfigError(f"{pr.prompt!r} has no worked solution with the {tool.episodes.env} tool; "
+                                  "the tool format needs the arithmetic task", key="producer.episodes.env")
+            segments += turns
+        else:
+            segments.append((pr.answer, True))
+        ids, mask = [], []
+        for text, learn in segments:
+            t = tok.encode(text, add_special_tokens=False)
+            ids += t
+            mask += [learn] * len(t)
+        out.append((ids + [tok.eos_token_id], mask + [True]))
     return out
 
 
-def _collate(batch: list[tuple[list[int], int]], pad_id: int):
-    """Right-padded input ids, attention mask and labels (-100 on prompt and padding)."""
+def _reference_turns(tool: ToolSft | None):
+    if tool is None:
+        return None
+    from producer.envs import env_factory
+
+    env_cls = env_factory(tool.episodes)
+    if not hasattr(env_cls, "reference_turns"):
+        raise ConfigError(f"environment {tool.episodes.env!r} has no reference_turns to teach its format",
+                          key="producer.episodes.env")
+    return env_cls.reference_turns
+
+
+def _collate(batch: list[tuple[list[int], list[bool]]], pad_id: int):
+    """Right-padded input ids, attention mask and labels (-100 where the loss mask is off, and on padding)."""
     import torch
 
     width = max(len(ids) for ids, _ in batch)
     x = torch.full((len(batch), width), pad_id, dtype=torch.long)
     labels = torch.full((len(batch), width), -100, dtype=torch.long)
     mask = torch.zeros((len(batch), width), dtype=torch.long)
-    for i, (ids, plen) in enumerate(batch):
+    for i, (ids, learn) in enumerate(batch):
         t = torch.tensor(ids, dtype=torch.long)
         x[i, :len(ids)] = t
         mask[i, :len(ids)] = 1
-        labels[i, plen:len(ids)] = t[plen:]
+        labels[i, :len(ids)] = torch.where(torch.tensor(learn), t, -100)
     return x, mask, labels
 
 
@@ -117,16 +172,26 @@ def _distance_to_band(acc: float, cfg: SftConfig) -> float:
     return max(cfg.band_low - acc, acc - cfg.band_high, 0.0)
 
 
+def _band_accuracy(model, tok, heldout: list[Problem], cfg: SftConfig, tool: ToolSft | None) -> float:
+    """Greedy held-out accuracy: single-turn, or with the tool when teaching its format."""
+    if tool is None:
+        from common.harness.evaluate import evaluate_model
+
+        return evaluate_model(model, tok, heldout, cfg.max_new_tokens).accuracy
+    from common.harness.tool_eval import run_episodes
+
+    outs = run_episodes(model, tok, heldout, tool.episodes)
+    return sum(o.reward > 0 for o in outs) / max(len(outs), 1)
+
+
 def train(model, tok, train_problems: list[Problem], heldout: list[Problem], cfg: SftConfig,
-          progress=None) -> SftResult:
+          progress=None, tool: ToolSft | None = None) -> SftResult:
     """Fine-tune `model` in place until held-out accuracy is in the band (see module doc)."""
     import torch
 
-    from common.harness.evaluate import evaluate_model
-
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
-    examples = _encode_examples(tok, train_problems)
+    examples = _encode_examples(tok, train_problems, tool, cfg.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=0.0)
     t0 = time.perf_counter()
     history: list[dict] = []
@@ -153,16 +218,16 @@ def train(model, tok, train_problems: list[Problem], heldout: list[Problem], cfg
         if step % cfg.eval_every and step < cfg.max_steps:
             continue
         model.eval()
-        r = evaluate_model(model, tok, heldout, cfg.max_new_tokens)
-        row = {"step": step, "loss": round(loss_ema, 4), "accuracy": r.accuracy,
+        acc = _band_accuracy(model, tok, heldout, cfg, tool)
+        row = {"step": step, "loss": round(loss_ema, 4), "accuracy": acc,
                "seconds": round(time.perf_counter() - t0, 1)}
         history.append(row)
-        (progress or log.info)(f"sft step={step} loss={loss_ema:.3f} heldout_acc={r.accuracy:.3f} "
-                               f"t={row['seconds']:.0f}s")
-        d = _distance_to_band(r.accuracy, cfg)
+        (progress or log.info)(f"sft{' (tool format)' if tool else ''} step={step} loss={loss_ema:.3f} "
+                               f"heldout_acc={acc:.3f}{' with the tool' if tool else ''} t={row['seconds']:.0f}s")
+        d = _distance_to_band(acc, cfg)
         if best is None or d < best[0]:
             best = (d, copy.deepcopy(model.state_dict()), step)
-        if d == 0.0 or r.accuracy > cfg.band_high:
+        if d == 0.0 or acc > cfg.band_high:
             break
     assert best is not None
     if best[2] != step:
@@ -175,20 +240,24 @@ def train(model, tok, train_problems: list[Problem], heldout: list[Problem], cfg
 
 # ----------------------------------------------------------------- entry points
 
-def _marker(cfg: SftConfig, base_dir, train_path, heldout_path) -> dict:
+def _marker(cfg: SftConfig, base_dir, train_path, heldout_path, tool: ToolSft | None = None) -> dict:
     spec = Path(base_dir) / "rlstream_tiny_spec.json"
-    return {"sft": asdict(cfg), "data": data_digest(train_path, heldout_path),
-            "base_weights": data_digest(Path(base_dir) / "model.safetensors"),
-            "spec": json.loads(spec.read_text()) if spec.exists() else None}
+    out = {"sft": asdict(cfg), "data": data_digest(train_path, heldout_path),
+           "base_weights": data_digest(Path(base_dir) / "model.safetensors"),
+           "spec": json.loads(spec.read_text()) if spec.exists() else None}
+    if tool is not None:  # only then: plain warm starts built before keep their marker
+        out["tool"] = tool.inputs()
+    return out
 
 
-def load_warm(out_dir, cfg: SftConfig, base_dir, train_path, heldout_path) -> SftResult | None:
+def load_warm(out_dir, cfg: SftConfig, base_dir, train_path, heldout_path,
+              tool: ToolSft | None = None) -> SftResult | None:
     """The saved result if `out_dir` holds a warm model built from exactly these inputs."""
     m = Path(out_dir) / SFT_MARKER
     if not m.is_file() or not (Path(out_dir) / "model.safetensors").is_file():
         return None
     saved = json.loads(m.read_text())
-    if saved.get("inputs") != _marker(cfg, base_dir, train_path, heldout_path):
+    if saved.get("inputs") != _marker(cfg, base_dir, train_path, heldout_path, tool):
         return None
     res = SftResult(**saved["result"])
     res.reused = True
@@ -196,20 +265,21 @@ def load_warm(out_dir, cfg: SftConfig, base_dir, train_path, heldout_path) -> Sf
 
 
 def warm_start(base_dir, out_dir, train_path, heldout_path, cfg: SftConfig | None = None,
-               reuse: bool = True, progress=None) -> SftResult:
-    """SFT the model in `base_dir` into `out_dir` (HF format); reuse a matching one if allowed."""
+               reuse: bool = True, progress=None, tool: ToolSft | None = None) -> SftResult:
+    """SFT the model in `base_dir` into `out_dir` (HF format); reuse a matching one if allowed.
+    With `tool`: teach that environment's call format (module doc)."""
     import torch
 
     from common.harness.evaluate import load_model
 
     cfg = cfg or SftConfig()
-    if reuse and (res := load_warm(out_dir, cfg, base_dir, train_path, heldout_path)) is not None:
+    if reuse and (res := load_warm(out_dir, cfg, base_dir, train_path, heldout_path, tool)) is not None:
         (progress or log.info)(f"sft: reusing warm model {out_dir} (held-out accuracy {res.accuracy:.3f})")
         return res
     torch.set_num_threads(cfg.num_threads)
     model, tok = load_model(base_dir)
     heldout = read_problems(heldout_path, cfg.eval_limit)
-    res = train(model, tok, read_problems(train_path), heldout, cfg, progress)
+    res = train(model, tok, read_problems(train_path), heldout, cfg, progress, tool)
     out = Path(out_dir)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -220,7 +290,7 @@ def warm_start(base_dir, out_dir, train_path, heldout_path, cfg: SftConfig | Non
             shutil.copyfile(Path(base_dir) / name, tmp / name)
     res.out_dir = str(out)
     (tmp / SFT_MARKER).write_text(json.dumps(
-        {"inputs": _marker(cfg, base_dir, train_path, heldout_path), "result": asdict(res)}, indent=1))
+        {"inputs": _marker(cfg, base_dir, train_path, heldout_path, tool), "result": asdict(res)}, indent=1))
     shutil.rmtree(out, ignore_errors=True)
     os.rename(tmp, out)
     return res

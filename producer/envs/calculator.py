@@ -55,6 +55,11 @@ class CalculatorEnv:
 
     stop_texts = (")",)
 
+    @staticmethod
+    def reference_turns(prompt: str) -> list[tuple[str, bool]] | None:
+        """A worked solution with the tool (module function `reference_turns`), for SFT."""
+        return reference_turns(prompt)
+
     def reset(self, task: EpisodeTask) -> str:
         self.task, self.calls = task, 0
         return task.prompt_text
@@ -67,3 +72,24 @@ class CalculatorEnv:
             return StepResult("=" + (calculate(m.group(1)) if m else "err") + ",")
         reward, info = self.task.score(text)
         return StepResult(None, float(reward), True, {**info, "tool_calls": self.calls})
+
+
+def reference_turns(prompt: str) -> list[tuple[str, bool]] | None:
+    """The worked solution of an arithmetic prompt ("a+b-c=") with the tool, as
+    [(text, is_model_turn)] after the prompt: one call per operator, left to right,
+    each followed by its observation, then the final answer (without EOS):
+
+        37+48-19=  ->  [("c(37+48)", True), ("=85,", False), ("c(85-19)", True), ("=66,", False), ("66", True)]
+
+    None if the prompt is not a chain of integers joined by + and -. The SFT warm
+    start (common/harness/sft.py) teaches the call format with these traces.
+    """
+    m = re.fullmatch(r"(\d+)((?:[+-]\d+)+)=", prompt.strip())
+    if not m:
+        return None
+    value, turns = m.group(1), []
+    for op, num in re.findall(r"([+-])(\d+)", m.group(2)):
+        expr = f"{value}{op}{num}"
+        value = calculate(expr)
+        turns += [(f"c({expr})", True), (f"={value},", False)]
+    return turns + [(value, True)]

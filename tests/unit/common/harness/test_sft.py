@@ -7,7 +7,8 @@ from common.toy.tasks import Problem
 def test_sft_batches_mask_the_prompt():
     from common.harness.sft import _collate
 
-    x, mask, labels = _collate([([5, 6, 7, 1], 2), ([5, 6, 1], 2)], pad_id=0)
+    x, mask, labels = _collate([([5, 6, 7, 1], [False, False, True, True]),
+                                ([5, 6, 1], [False, False, True])], pad_id=0)
     assert x.tolist() == [[5, 6, 7, 1], [5, 6, 1, 0]]
     assert mask.tolist() == [[1, 1, 1, 1], [1, 1, 1, 0]]
     assert labels.tolist() == [[-100, -100, 7, 1], [-100, -100, 1, -100]]
@@ -23,4 +24,4 @@ def test_sft_examples_are_prompt_answer_eos_of_the_tasks_problems():
             return [ord(c) for c in text]
 
     got = _encode_examples(CharTokenizer(), [Problem("1+2=", "3")])
-    assert got == [([ord(c) for c in "1+2="] + [ord("3"), 1], 4)]
+    assert got == [([ord(c) for c in "1+2="] + [ord("3"), 1], [False] * 4 + [True, True])]

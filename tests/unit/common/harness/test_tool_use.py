@@ -1,0 +1,190 @@
+"""The tool_use experiment's pieces: the calculator's worked solutions, the tool-format
+SFT examples, held-out episodes with the tool (common/harness/tool_eval.py) driven by
+a scripted model, and the experiment's arms and report. The whole pipeline (real
+vLLM, broker, Megatron) is what `rlstream experiment tool_use` runs (docs/demo.md)."""
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from common.config import EpisodeSettings, load_config
+from common.errors import ConfigError
+from common.toy.tasks import Problem
+from common.toy.tinymodel import CHARS, EOS, SPECIALS
+
+ROOT = Path(__file__).resolve().parents[4]
+VOCAB = SPECIALS + CHARS
+EOS_ID = VOCAB.index(EOS)
+
+
+class CharTokenizer:
+    """The tiny model's tokenizer, one id per character (no files needed)."""
+
+    eos_token_id = EOS_ID
+    pad_token_id = 0
+
+    def encode(self, text, add_special_tokens=False):
+        return [VOCAB.index(c) for c in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(VOCAB[i] for i in ids if not (skip_special_tokens and VOCAB[i] in SPECIALS))
+
+
+class ScriptedModel:
+    """A causal LM that writes `script(prompt)` after the prompt (then EOS), whatever
+    the context says; its "KV cache" is the token sequence so far."""
+
+    def __init__(self, script):
+        self.script, self.tok = script, CharTokenizer()
+
+    def __call__(self, input_ids, past_key_values=None, use_cache=True):
+        import torch
+
+        seqs = input_ids.tolist() if past_key_values is None else [
+            p + x for p, x in zip(past_key_values, input_ids.tolist())]
+        logits = torch.full((len(seqs), 1, len(VOCAB)), -1e9)
+        for b, seq in enumerate(seqs):
+            plen = seq.index(VOCAB.index("=")) + 1
+            prompt = self.tok.decode(seq[:plen])
+            target = seq[:plen] + self.tok.encode(self.script(prompt)) + [EOS_ID]
+            ok = len(seq) < len(target) and target[:len(seq)] == seq
+            logits[b, 0, target[len(seq)] if ok else VOCAB.index("?")] = 0.0
+        return SimpleNamespace(logits=logits, past_key_values=seqs)
+
+
+def oracle(prompt: str) -> str:
+    """The worked solution with the tool: what a perfect tool user writes (observations included)."""
+    from producer.envs.calculator import reference_turns
+
+    return "".join(text for text, _ in reference_turns(prompt))
+
+
+PROBLEMS = [Problem("12+7=", "19"), Problem("37+48-19=", "66"), Problem("3-48=", "-45"),
+            Problem("40-46+34=", "28")]
+LIMITS = EpisodeSettings(max_turns=3, max_turn_tokens=12, max_episode_tokens=48)
+
+
+def test_reference_turns_are_calls_observations_and_the_answer_the_environment_accepts():
+    from producer.envs.calculator import CalculatorEnv, reference_turns
+    from producer.episodes import EpisodeTask, ModelTurn
+
+    assert reference_turns("37+48-19=") == [("c(37+48)", True), ("=85,", False), ("c(85-19)", True),
+                                            ("=66,", False), ("66", True)]
+    assert reference_turns("3-48=") == [("c(3-48)", True), ("=-45,", False), ("-45", True)]
+    assert reference_turns("what is 3+4?") is None and reference_turns("12=") is None
+    for p in PROBLEMS:  # replayed through the environment: same observations, reward 1
+        env = CalculatorEnv()
+        env.reset(EpisodeTask(p.prompt, p.answer, lambda t, a=p.answer: (float(t == a), {})))
+        turns = reference_turns(p.prompt)
+        for (text, is_model), nxt in zip(turns, turns[1:] + [None]):
+            if is_model:
+                r = env.step(ModelTurn(text, (), "stop"))
+                assert r.observation == (nxt[0] if nxt else None)
+        assert (r.done, r.reward, r.info["tool_calls"]) == (True, 1.0, len(turns) // 2)
+
+
+def test_tool_sft_examples_learn_model_turns_and_eos_not_prompt_or_observations():
+    from common.harness.sft import ToolSft, _encode_examples
+
+    tok = CharTokenizer()
+    (ids, mask), = _encode_examples(tok, [Problem("3-48=", "-45")], ToolSft(LIMITS, traces=1.0))
+    assert tok.decode(ids, skip_special_tokens=False) == "3-48=c(3-48)=-45,-45" + EOS
+    learned = "".join(VOCAB[i] if m else "." for i, m in zip(ids, mask))
+    assert learned == "....." + "c(3-48)" + "....." + "-45" + EOS
+    (ids, mask), = _encode_examples(tok, [Problem("3-48=", "-45")], ToolSft(LIMITS, traces=0.0))
+    assert "".join(VOCAB[i] if m else "." for i, m in zip(ids, mask)) == ".....-45" + EOS
+    mixed = _encode_examples(tok, PROBLEMS * 50, ToolSft(LIMITS, traces=0.5))
+    share = sum(VOCAB.index("c") in ids for ids, _ in mixed) / len(mixed)
+    assert 0.35 < share < 0.65  # a seeded half are tool episodes
+    with pytest.raises(ConfigError, match="worked solution"):
+        _encode_examples(tok, [Problem("what?", "1")], ToolSft(LIMITS, traces=1.0))
+
+
+def test_sft_marker_changes_only_for_the_tool_stage(tmp_path):
+    from common.harness.sft import SftConfig, ToolSft, _marker
+
+    (tmp_path / "model.safetensors").write_bytes(b"w")
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    plain = _marker(SftConfig(), tmp_path, data, data)
+    assert "tool" not in plain  # warm starts built before this stage are still reused
+    assert _marker(SftConfig(), tmp_path, data, data, ToolSft(LIMITS))["tool"]["traces"] == 0.5
+
+
+def test_episodes_with_the_tool_drive_the_environment_and_score_the_final_answer():
+    from common.harness.tool_eval import run_episodes
+
+    model = ScriptedModel(oracle)
+    outs = run_episodes(model, model.tok, PROBLEMS, LIMITS)
+    assert [o.reward for o in outs] == [1.0] * 4 and [o.end for o in outs] == ["done"] * 4
+    assert [o.tool_calls for o in outs] == [1, 2, 1, 2]
+    assert outs[1].transcript == "37+48-19=c(37+48)=85,c(85-19)=66,66"
+    wrong = ScriptedModel(lambda p: "c(1+1)=2,5")  # a call, then a wrong answer
+    assert [o.reward for o in run_episodes(wrong, wrong.tok, PROBLEMS[:1], LIMITS)] == [0.0]
+
+
+def test_limits_end_episodes_as_in_the_producer():
+    from common.harness.tool_eval import run_episodes
+
+    caller = ScriptedModel(lambda p: "c(1)=1," * 10)  # calls forever
+    (o,) = run_episodes(caller, caller.tok, PROBLEMS[:1], LIMITS)
+    assert (o.end, o.reward, o.tool_calls) == ("max_turns", 0.0, 3)
+    (o,) = run_episodes(caller, caller.tok, PROBLEMS[:1], LIMITS.model_copy(update={"max_episode_tokens": 7}))
+    assert (o.end, o.reward) == ("max_tokens", 0.0)  # "c(1)" + "=1," would leave no room for a turn
+    (o,) = run_episodes(caller, caller.tok, PROBLEMS[:1], LIMITS.model_copy(update={"max_episode_tokens": 10}))
+    assert (o.end, o.transcript) == ("done", "12+7=c(1)=1,c(1")  # cut for length: that is the answer
+    rambler = ScriptedModel(lambda p: "1" * 30)  # never stops: the turn ends for length, it is the answer
+    (o,) = run_episodes(rambler, rambler.tok, PROBLEMS[:1], LIMITS)
+    assert (o.end, o.reward, o.transcript) == ("done", 0.0, "12+7=" + "1" * 12)
+
+
+def test_heldout_scores_with_the_tool_and_without():
+    from common.harness.evaluate import heldout_scores
+
+    model = ScriptedModel(oracle)
+    s = heldout_scores(model, model.tok, PROBLEMS, "avg@2", 1.0, 8, episodes=LIMITS)
+    assert (s["accuracy"], s["greedy"], s["pass"], s["call_rate"]) == (1.0, 1.0, 1.0, 1.0)
+    assert s["calls_per_episode"] == 1.5 and s["ends"] == {"done": 4}
+    assert s["no_tool"] == 0.0 and s["no_tool_avg"] == 0.0  # single-turn it writes a call: wrong
+    direct = ScriptedModel(lambda p: str(eval(p[:-1])))  # noqa: S307 - answers without the tool
+    s = heldout_scores(direct, direct.tok, PROBLEMS, "greedy", 1.0, 8, episodes=LIMITS)
+    assert (s["accuracy"], s["no_tool"], s["call_rate"]) == (1.0, 1.0, 0.0)
+
+
+def test_the_tool_use_experiment_needs_episodes_and_reports_both_sides(tmp_path):
+    from common.harness.experiments import arms
+    from common.harness.runs import Warm
+    from common.harness.tool_use import report
+
+    with pytest.raises(ConfigError) as e:
+        arms("tool_use", load_config(ROOT / "configs/tiny-cpu.yaml", environ={}))
+    assert e.value.key == "producer.episodes"
+    cfg = load_config(ROOT / "configs/tiny-calculator.yaml", environ={})
+    assert cfg.producer.episodes.env == "calculator" and [a.name for a in arms("tool_use", cfg)] == ["rl"]
+    warm = Warm(tmp_path, tmp_path / "t", tmp_path / "h", 0.3, 1.0, 10, False, "avg@8", 0.4)
+    before = {"accuracy": 0.3, "greedy": 0.4, "no_tool": 0.22, "no_tool_avg": 0.13, "call_rate": 0.5,
+              "examples": ["12+7=c(12+7)=19,19"]}
+    md = report(warm, before, {**before, "accuracy": 0.6}, {"rl_gain_with_tool": 0.3})
+    assert "| warm start (format SFT) | 0.300 | 0.400 | 0.130 | 0.220 | 0.500 | - |" in md
+    assert "| after RL | 0.600 |" in md and "rl_gain_with_tool: 0.300" in md and "12+7=c(12+7)=19,19" in md
+
+
+def test_tool_format_sft_on_the_real_tiny_model_saves_and_is_reused(tiny_model_dir, tmp_path):
+    """Two steps of the tool stage on the random tiny model (HF, KV cache): it trains, is
+    evaluated with the tool, saves a loadable model with its marker, and is reused."""
+    from common.harness.evaluate import heldout_scores, load_model
+    from common.harness.sft import SftConfig, ToolSft, warm_start
+    from common.toy.tasks import write_problems
+
+    data = write_problems(tmp_path / "p.jsonl", PROBLEMS)
+    cfg = SftConfig(band_low=0.9, band_high=1.0, max_steps=2, eval_every=2, batch_size=4, num_threads=1)
+    tool = ToolSft(LIMITS, traces=0.5)
+    res = warm_start(tiny_model_dir, tmp_path / "tool", data, data, cfg, tool=tool)
+    assert (res.steps, res.reused, len(res.history)) == (2, False, 1) and 0.0 <= res.accuracy <= 1.0
+    assert warm_start(tiny_model_dir, tmp_path / "tool", data, data, cfg, tool=tool).reused
+    assert not warm_start(tiny_model_dir, tmp_path / "tool2", data, data, cfg, tool=ToolSft(LIMITS, 1.0)).reused
+    model, tok = load_model(tmp_path / "tool")
+    s = heldout_scores(model, tok, PROBLEMS, "greedy", 1.0, 8, episodes=LIMITS)
+    assert sum(s["ends"].values()) == 4 and set(s["ends"]) <= {"done", "max_turns", "max_tokens"}
