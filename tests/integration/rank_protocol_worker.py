@@ -39,6 +39,7 @@ def one_layout(model_dir: str, out: Path, layout: str) -> None:
     from consumer.ranks import Follower, Leader
     from consumer.shares import sample_bytes
     from consumer.trainer import Trainer
+    from consumer.weight_source import collect
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
@@ -53,7 +54,7 @@ def one_layout(model_dir: str, out: Path, layout: str) -> None:
         leader = Leader(trainer, ckpt, group_size=4, channel=channel)
         metrics = leader.train(samples)
         leader.checkpoint(CheckpointState(1, 1, {0: 16}, runs=[["w", 0]]))
-        state = leader.export()
+        state = collect(leader.export())  # the followers iterate the weight source in step
         leader.stop()
         torch.save({"state": state, "metrics": metrics}, out / f"{layout}.pt")
     else:

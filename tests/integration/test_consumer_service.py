@@ -320,7 +320,7 @@ def test_sigkill_between_checkpoints_resumes_exactly_once(broker, tiny_model_dir
     from common.kafka.publisher import RolloutPublisher
     from consumer.checkpoint import CheckpointManager
     from tests.support.audit import audit_steps
-    from tests.support.topics import weights_announcements
+    from tests.support.topics import announced_versions, weights_announcements
 
     kafka = make_kafka_settings(broker.bootstrap, tmp_path / "blobs", rollouts_partitions=2)
     total_steps = 6
@@ -366,8 +366,8 @@ def test_sigkill_between_checkpoints_resumes_exactly_once(broker, tiny_model_dir
     assert final.step == total_steps
     assert final.counters["trained"] == len(published)
     assert sum(final.counters.values()) == len(published)
-    versions = [a.version for a in weights_announcements(kafka)]
-    assert versions == sorted(set(versions)), f"a version was reused: {versions}"
+    versions = announced_versions(weights_announcements(kafka))  # a version is never given to other weights
+    assert versions == sorted(versions), f"a version was reused: {versions}"
     # the restored step-2 weights came back as version 4, above the dead 3; steps 3..6 -> 5..8
     assert versions[-5:] == [4, 5, 6, 7, 8] and final.version == 8
 

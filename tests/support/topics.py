@@ -30,6 +30,22 @@ def weights_announcements(kafka: KafkaSettings) -> list:
     return out
 
 
+def announced_versions(announcements: list) -> list[int]:
+    """The versions in the order they were first announced. A version may be announced
+    again only for the same weights (the durable copy written later: the same digest);
+    a version number given to other weights fails here."""
+    weights: dict[int, str | None] = {}
+    order = []
+    for a in announcements:
+        w = a.digest or a.sha256
+        if a.version in weights:
+            assert weights[a.version] == w, f"version {a.version} announced for other weights"
+        else:
+            weights[a.version] = w
+            order.append(a.version)
+    return order
+
+
 def send_raw(kafka: KafkaSettings, topic: str, key: bytes | None, value: bytes) -> None:
     """One message, acknowledged (acks=all), no validation at all."""
     from kafka import KafkaProducer
