@@ -24,20 +24,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.support.engine import run_until_done
+
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 TOKENS = 24
 PROMPT = "1234567890+9876543210=" * 2
 """Longer than two KV-cache blocks, so a second group's prompt is served from the prefix cache."""
-
-
-def run_until_done(eng, max_steps: int = 1000) -> list:
-    out = []
-    for _ in range(max_steps):
-        if not eng.num_in_flight:
-            return out
-        out += eng.step()
-    raise AssertionError(f"{eng.num_in_flight} samples still in flight after {max_steps} steps")
 
 
 @pytest.fixture(scope="module")

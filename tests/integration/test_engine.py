@@ -6,16 +6,9 @@ import threading
 import numpy as np
 import pytest
 
+from tests.support.engine import run_until_done
+
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-
-
-def run_until_done(eng, max_steps=1000):
-    out = []
-    for _ in range(max_steps):
-        if not eng.num_in_flight:
-            return out
-        out += eng.step()
-    raise AssertionError(f"{eng.num_in_flight} samples still in flight after {max_steps} steps")
 
 
 @pytest.fixture(scope="module")
