@@ -13,8 +13,11 @@ update_info ops (`RlstreamGlooUpdateInfo.op`):
     receive   start receiving the next version on a thread: the engine keeps
               stepping while the bytes arrive and every group's digest is checked
     swap      (between two engine steps) load the staged version if its version
-              and digest equal the announced ones: layerwise reload, as vLLM's
-              built-in engines do, plus the CPU MoE repack of the layers loaded
+              and digest equal the announced ones: the experts were loaded and
+              prepacked while the version arrived (producer/expert_staging.py) and
+              are copied in; the rest goes through vLLM's layerwise reload, as its
+              built-in engines do. Where experts cannot be staged (GPU, quantized)
+              they take the layerwise reload too, plus the CPU MoE repack
     discard   drop a staged or failed version
 
 `status()` (worker RPC `rlstream_weight_status`) reports idle | receiving |
@@ -32,6 +35,7 @@ engine arg `worker_extension_cls`), which vLLM does before it loads the model.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -87,6 +91,7 @@ class RlstreamGlooEngine(WeightTransferEngine[RlstreamGlooInitInfo, RlstreamGloo
         self._staged: ReceivedVersion | None = None
         self._error: BaseException | None = None
         self._pool: list = []
+        self._experts = None  # ExpertStaging, built at the first receive (the model is loaded by then)
         self.last: dict[str, Any] = {}
         """Timings of the last receive and swap (seconds)."""
 
@@ -149,7 +154,12 @@ class RlstreamGlooEngine(WeightTransferEngine[RlstreamGlooInitInfo, RlstreamGloo
 
     def _receive(self) -> None:
         try:
-            self._staged = receive_version(self.pair, self._pool)
+            experts = self._expert_staging()
+            prepare = None
+            if experts:
+                experts.begin()
+                prepare = experts.prepare_group
+            self._staged = receive_version(self.pair, self._pool, prepare=prepare)
             self._pool = []
             self.last = {"receive_s": self._staged.seconds, "bytes": self._staged.header.nbytes}
         except BaseException as e:  # noqa: BLE001 - reported through status() and swap
@@ -179,13 +189,27 @@ class RlstreamGlooEngine(WeightTransferEngine[RlstreamGlooInitInfo, RlstreamGloo
                 f"received version {staged.header.version} (digest {staged.digest[:12]}) is not the announced "
                 f"version {info.version} (digest {str(info.digest)[:12]}); refused, the served weights stay")
         t0 = time.perf_counter()
-        names = self._load(staged)
+        experts = self._experts if self._experts and self._experts.complete else None
+        names = self._load(staged, skip=experts.owns if experts else None)
         t1 = time.perf_counter()
-        repacked = self._repack(names)
-        self.last.update(apply_s=t1 - t0, repack_s=time.perf_counter() - t1, repacked_layers=repacked)
+        if experts is not None:
+            committed = experts.commit()
+            self.last.update(apply_s=t1 - t0, commit_s=time.perf_counter() - t1, staged_layers=committed,
+                             repacked_layers=0)
+        else:
+            repacked = self._repack(names)
+            self.last.update(apply_s=t1 - t0, repack_s=time.perf_counter() - t1, repacked_layers=repacked,
+                             staged_layers=0)
         self._discard()
 
-    def _load(self, staged: ReceivedVersion) -> set[str]:
+    def _expert_staging(self):
+        from producer.expert_staging import ExpertStaging
+
+        if self._experts is None:
+            self._experts = ExpertStaging(self.model)
+        return self._experts
+
+    def _load(self, staged: ReceivedVersion, skip=None) -> set[str]:
         """vLLM's layerwise reload (what its NCCL and IPC engines run): each layer is
         re-materialized, loaded with its own loaders, post-processed, and copied into
         the original kernel tensors (storage, and CUDA-graph references, kept)."""
@@ -197,13 +221,14 @@ class RlstreamGlooEngine(WeightTransferEngine[RlstreamGlooInitInfo, RlstreamGloo
 
         def tensors():
             for name, t in staged.tensors():
-                names.add(name)
-                yield name, t
+                if skip is None or not skip(name):
+                    names.add(name)
+                    yield name, t
 
         initialize_layerwise_reload(self.model)
-        with disable_mtp_completeness_check():
+        with disable_mtp_completeness_check(), _quiet_unloaded_layers(skip is not None):
             self.model.load_weights(tensors())
-        finalize_layerwise_reload(self.model, self.model_config)
+            finalize_layerwise_reload(self.model, self.model_config)
         return names
 
     def _repack(self, names: set[str]) -> int:
@@ -214,6 +239,31 @@ class RlstreamGlooEngine(WeightTransferEngine[RlstreamGlooInitInfo, RlstreamGloo
         from producer.cpu_moe import repack_cpu_moe
 
         return repack_cpu_moe(self.model, names)
+
+
+@contextlib.contextmanager
+def _quiet_unloaded_layers(on: bool):
+    """Mute vLLM's "Failed to load weights" warning while staged experts are skipped:
+    their layers get no tensors on purpose, and vLLM puts their own tensors back."""
+    if not on:
+        yield
+        return
+    logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    muted = _DropMessage("Failed to load weights")
+    logger.addFilter(muted)
+    try:
+        yield
+    finally:
+        logger.removeFilter(muted)
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
 
 
 class RlstreamWorkerExtension:

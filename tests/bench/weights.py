@@ -12,12 +12,18 @@ run):
   file        WeightStore.write (safetensors + fsync + sha256), then each producer stages,
               verifies (sha256) and reloads it: today's per-version path
   collective  Snapshot (pack + blake3 per group) streamed to every producer's link while it
-              fills; each producer receives in the background, verifies, swaps between steps
+              fills; each producer receives in the background (and stages its experts,
+              producer/expert_staging.py), verifies, swaps between steps
+  collective_idle  the same with the producers not generating (their requests aborted first):
+              what the path costs when it does not share the CPU with generation, as raw
   raw         a plain torch.distributed gloo broadcast of the same group buffers (warm), from
-              this process to every producer at once: the limit of the transport
+              this process to every producer at once, producers not generating: the limit
+              of the transport
 
   seconds                 trainer start (write / pack) -> the last producer serves the version
   stall_seconds           per producer: time its loop spent in the reloader (not stepping)
+  receive_seconds         per producer (collective): its receive thread, header to the last
+                          digest checked (experts staged by then)
   collective_vs_file_speedup, collective_vs_raw_broadcast (= raw / collective)
   tamper_refused          at the largest size, a version with one bucket flipped on the wire:
                           every producer refuses it and keeps serving the previous version
@@ -56,7 +62,7 @@ SIZES = {  # TinyModelSpec overrides (fp32 bytes: 2 MB, 54 MB, 214 MB, 1.07 GB)
     "l1g": dict(hidden_size=1024, intermediate_size=2048, moe_intermediate_size=1024, num_hidden_layers=5,
                 num_attention_heads=8, num_key_value_heads=4, head_dim=128, num_experts=16),
 }
-CONDITIONS = ("file", "collective", "raw")
+CONDITIONS = ("file", "collective", "collective_idle", "raw")
 
 
 def _setup_process(threads: int) -> int:
@@ -99,6 +105,7 @@ class Child:
                                                    kv_cache_memory_bytes=64 << 20), self.model_dir)
         self.reloader = Reloader(self.engine, self.model_dir, f"bench-{args.index}", timeout_s=300)
         self.pending: dict | None = None
+        self.generate = True
         self.stall = 0.0
         self.raw = None
         self.n = 0
@@ -118,7 +125,7 @@ class Child:
     def _keep_generating(self) -> None:
         from producer.sample import SamplingConfig
 
-        while self.engine.num_in_flight < 4:
+        while self.generate and self.engine.num_in_flight < 4:
             self.n += 1
             self.engine.submit_group(self.engine.encode("12+34="), n=2, tag=f"g{self.n}",
                                      sampling=SamplingConfig(max_tokens=64, ignore_eos=True))
@@ -140,6 +147,13 @@ class Child:
             self._timed(self.reloader.apply, msg)
         elif cmd["op"] == "raw":
             self._raw(cmd)
+        elif cmd["op"] == "generate":
+            self.generate = cmd["on"]
+            if not self.generate:
+                self.engine.abort_all()
+                while self.engine.has_work():  # let the aborted requests drain out
+                    self.engine.step()
+            _send(self.out_fd, {"generate": self.generate})
         return cmd["op"] != "stop"
 
     def _answer(self) -> None:
@@ -147,7 +161,9 @@ class Child:
         if p is None:
             return
         if self.engine.version >= p["version"]:
-            _send(self.out_fd, {"version": self.engine.version, "at": time.time(), "stall_s": self.stall})
+            last = self.engine.weight_status()["last"] if self.engine.weight_transfer else {}
+            _send(self.out_fd, {"version": self.engine.version, "at": time.time(), "stall_s": self.stall,
+                                "receive_s": last.get("receive_s")})
         elif _refusals() > p["refusals"]:
             _send(self.out_fd, {"refused": True, "version": self.engine.version, "at": time.time()})
         else:
@@ -271,6 +287,15 @@ class SizeRun:
                                                                   bytes=m["bytes"]).model_dump(mode="json")})
         return self._result(t0, {"write_s": write_s})
 
+    def collective_idle(self) -> dict:
+        self.producers.tell({"op": "generate", "on": False})
+        self.producers.answers()
+        try:
+            return self.collective()
+        finally:
+            self.producers.tell({"op": "generate", "on": True})
+            self.producers.answers()
+
     def collective(self, corrupt: bool = False) -> dict:
         from common.control.messages import WeightsReady
         from consumer.transfer import Snapshot
@@ -290,9 +315,18 @@ class SizeRun:
 
     def raw_broadcast(self) -> dict:
         """The snapshot's group buffers, broadcast warm to every producer at once."""
+        bufs = self.snapshot.buffers
+        self.producers.tell({"op": "generate", "on": False})  # as before: a child blocked in the
+        self.producers.answers()                               # broadcast does not step its engine
+        try:
+            return self._raw_round(bufs)
+        finally:
+            self.producers.tell({"op": "generate", "on": True})
+            self.producers.answers()
+
+    def _raw_round(self, bufs) -> dict:
         from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
-        bufs = self.snapshot.buffers
         if self.raw is None:
             store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
             world = 1 + len(self.producers.procs)
@@ -311,6 +345,7 @@ class SizeRun:
     def _result(self, t0: float, extra: dict) -> dict:
         answers = self.producers.answers()
         return {"seconds": max(a["at"] for a in answers) - t0, "stall_s": [a.get("stall_s") for a in answers],
+                "receive_s": [a.get("receive_s") for a in answers],
                 "refused": all(a.get("refused") for a in answers),
                 "served": [a["version"] for a in answers], **extra}
 
@@ -377,8 +412,9 @@ def warm(run: SizeRun) -> None:
 
 def measure(run: SizeRun, reps: int) -> dict:
     rows = {c: [] for c in CONDITIONS}
+    n = len(CONDITIONS)
     for r in range(reps):
-        for c in CONDITIONS[r % 3:] + CONDITIONS[:r % 3]:
+        for c in CONDITIONS[r % n:] + CONDITIONS[:r % n]:
             res = run.raw_broadcast() if c == "raw" else getattr(run, c)()
             rows[c].append(res)
             log.info("%s rep %d %s: %.3f s", run.name, r, c, res["seconds"])
@@ -387,16 +423,23 @@ def measure(run: SizeRun, reps: int) -> dict:
 
 def summarize(run: SizeRun, rows: dict, tamper: dict | None) -> dict:
     sec = {c: _med([r["seconds"] for r in rows[c]]) for c in CONDITIONS}
-    stall = {c: _med([s for r in rows[c] for s in r["stall_s"] if s is not None]) for c in ("file", "collective")}
+    timed = ("file", "collective", "collective_idle")
+    stall = {c: _med([s for r in rows[c] for s in r["stall_s"] if s is not None]) for c in timed}
+    receive = {c: _med([s for r in rows[c] for s in r["receive_s"] if s is not None]) for c in timed[1:]}
     out = {"bytes": run.bytes, "producers": len(run.producers.procs),
            "engine_start_s": [round(s, 1) for s in run.producers.start_s],
            "file_seconds": sec["file"], "collective_seconds": sec["collective"],
            "raw_broadcast_seconds": sec["raw"],
+           "collective_idle_seconds": sec["collective_idle"],
            "file_stall_seconds": stall["file"], "collective_stall_seconds": stall["collective"],
+           "collective_idle_stall_seconds": stall["collective_idle"],
+           "collective_receive_seconds": receive["collective"],
+           "collective_idle_receive_seconds": receive["collective_idle"],
            "file_write_seconds": _med([r["write_s"] for r in rows["file"]]),
            "collective_pack_hash_seconds": _med([r["fill_s"] for r in rows["collective"]]),
            "collective_vs_file_speedup": round(sec["file"] / sec["collective"], 3),
            "collective_vs_raw_broadcast": round(sec["raw"] / sec["collective"], 3),
+           "collective_idle_vs_raw_broadcast": round(sec["raw"] / sec["collective_idle"], 3),
            "all": {c: [round(r["seconds"], 4) for r in rows[c]] for c in CONDITIONS}}
     if tamper is not None:
         out["tamper_refused"] = tamper["refused"] and all(v == run.version - 1 for v in tamper["served"])

@@ -3,7 +3,9 @@ this process: the trainer's sending half (tests/support/weights.py TrainerSide: 
 WeightSender, snapshots and links) and the producer's reloader on one thread between steps.
 
 - round trip: requests in flight keep going across the swap (two runs of versions), and the
-  engine then computes exactly what the same weights loaded from a directory compute;
+  engine then computes exactly what the same weights loaded from a directory compute; the
+  experts were staged (loaded and prepacked) while the version arrived, and when staging
+  fails the swap loads them itself, with the same result;
 - a received but not yet announced version changes nothing until its swap (the staging
   buffers the next version reuses are not the served weights);
 - a bucket corrupted in flight is refused: old weights kept, the alert's metric raised, the
@@ -99,6 +101,26 @@ def test_a_version_streams_in_while_requests_continue_and_then_serves_exactly_th
     for s in spanning:
         assert [v for v, _ in s.token_versions] == [0, 1] and sum(c for _, c in s.token_versions) == 40
     np.testing.assert_array_equal(greedy(engine), want)  # bit for bit what the file path serves
+    last = engine.weight_status()["last"]  # the experts were staged while the version arrived
+    assert last["staged_layers"] == 2 and last["repacked_layers"] == 0, last
+
+
+@pytest.mark.timeout(600)
+def test_when_staging_the_experts_fails_the_swap_loads_them_itself(setup, monkeypatch):
+    from producer.expert_staging import ExpertStaging
+
+    engine, trainer, reloader, versions, reference = setup
+    want = reference(2)
+    engine.reload_weights(engine.model_dir, 0)
+
+    def broken(self, prefix, tensors):
+        raise RuntimeError("planted staging failure")
+    monkeypatch.setattr(ExpertStaging, "_prepare_layer", broken)
+    reloader.apply(trainer.publish(2, versions[2]))
+    until(lambda: engine.version == 2, reloader, engine)
+    last = engine.weight_status()["last"]
+    assert last["staged_layers"] == 0 and last["repacked_layers"] == 2, last
+    np.testing.assert_array_equal(greedy(engine), want)
 
 
 @pytest.mark.timeout(600)
