@@ -31,11 +31,21 @@ subclass for the engines that check.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
 from consumer import convert
 from consumer.parallel import world
+
+
+@dataclass(frozen=True)
+class _ParamMeta:
+    """vLLM's `ParamMeta` fields, for machines without vLLM."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
 
 
 class MegatronSource:
@@ -45,9 +55,13 @@ class MegatronSource:
         self._groups = convert.hf_groups(self.dims)
 
     def metadata(self) -> list:
-        """vLLM `ParamMeta` (name, dtype, full HF shape) of every tensor, without gathering."""
-        from vllm.distributed.weight_transfer.base import ParamMeta
-
+        """vLLM `ParamMeta` (name, dtype, full HF shape) of every tensor, without gathering;
+        the same fields in a record of our own where vLLM is not installed (a trainer
+        machine exporting to a durable store, tests/bench/weights_export.py on a GPU image)."""
+        try:
+            from vllm.distributed.weight_transfer.base import ParamMeta
+        except ImportError:
+            ParamMeta = _ParamMeta
         return [ParamMeta(n, self.dtype, shape) for g in self._groups for n, shape in g]
 
     def shapes(self) -> list[list[tuple[str, tuple[int, ...]]]]:
