@@ -115,12 +115,15 @@ def pack(tensors: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.
 
     One copy per tensor, straight into `out` (reused across versions when
     given: first-touch page faults of a fresh buffer measured 4x slower than a
-    warm one), whatever the source's contiguity or device.
+    warm one), whatever the source's contiguity or device. A new buffer for
+    CUDA tensors is pinned: on an H100 the device-to-host copy into pageable
+    memory ran at 8.5 GB/s, into pinned memory at 52 GB/s
+    (tests/bench/weights_export.py, docs/weights.md).
     """
     sizes = [t.numel() * t.element_size() for t in tensors]
     total = sum(sizes)
     if out is None or out.numel() != total:
-        out = torch.empty(total, dtype=torch.uint8)
+        out = torch.empty(total, dtype=torch.uint8, pin_memory=any(t.is_cuda for t in tensors))
     off = 0
     for t, n in zip(tensors, sizes):
         if off % t.element_size() == 0:  # a typed view of the slot: one copy, whatever the layout
