@@ -24,6 +24,9 @@ run):
   stall_seconds           per producer: time its loop spent in the reloader (not stepping)
   receive_seconds         per producer (collective): its receive thread, header to the last
                           digest checked (experts staged by then)
+  cpu_seconds             collective_idle and raw: CPU seconds of every process (this one and
+                          the producers, all threads) from the version's start to its last
+                          answer; with nothing else running, wall >= cpu_seconds / cores
   collective_vs_file_speedup, collective_vs_raw_broadcast (= raw / collective)
   tamper_refused          at the largest size, a version with one bucket flipped on the wire:
                           every producer refuses it and keeps serving the previous version
@@ -142,7 +145,7 @@ class Child:
 
         if cmd["op"] == "apply":
             msg = WeightsReady.model_validate(cmd["msg"])
-            self.pending = {"version": msg.version, "refusals": _refusals()}
+            self.pending = {"version": msg.version, "refusals": _refusals(), "cpu0": time.process_time()}
             self.stall = 0.0
             self._timed(self.reloader.apply, msg)
         elif cmd["op"] == "raw":
@@ -163,7 +166,7 @@ class Child:
         if self.engine.version >= p["version"]:
             last = self.engine.weight_status()["last"] if self.engine.weight_transfer else {}
             _send(self.out_fd, {"version": self.engine.version, "at": time.time(), "stall_s": self.stall,
-                                "receive_s": last.get("receive_s")})
+                                "receive_s": last.get("receive_s"), "cpu_s": time.process_time() - p["cpu0"]})
         elif _refusals() > p["refusals"]:
             _send(self.out_fd, {"refused": True, "version": self.engine.version, "at": time.time()})
         else:
@@ -180,8 +183,9 @@ class Child:
             pg = ProcessGroupGloo(PrefixStore("raw", store), cmd["rank"], cmd["world"], timedelta(seconds=120))
             self.raw = (store, pg, [torch.empty(n, dtype=torch.uint8) for n in cmd["sizes"]])
         _, pg, bufs = self.raw
+        cpu0 = time.process_time()
         _broadcast(pg, bufs)
-        _send(self.out_fd, {"raw": True, "at": time.time()})
+        _send(self.out_fd, {"raw": True, "at": time.time(), "cpu_s": time.process_time() - cpu0})
 
 
 def _refusals() -> float:
@@ -280,7 +284,7 @@ class SizeRun:
         from common.control.messages import WeightsReady
 
         self.version += 1
-        t0 = time.time()
+        t0, self._cpu0 = time.time(), time.process_time()
         m = self.store.write(self.version, self.tensors(), self.model_dir)
         write_s = time.time() - t0
         self.producers.tell({"op": "apply", "msg": WeightsReady(version=self.version, uri=m["uri"], sha256=m["sha256"],
@@ -302,7 +306,7 @@ class SizeRun:
         from tests.support.weights import dict_source
 
         self.version += 1
-        t0 = time.time()
+        t0, self._cpu0 = time.time(), time.process_time()
         snap = Snapshot(self.version, dict_source(self.tensors()), reuse=self.snapshot)
         with _corrupting(corrupt):
             self.sender.publish(snap)
@@ -338,13 +342,18 @@ class SizeRun:
             _broadcast(self.raw[1], bufs)  # the first round only warms the receive buffers
             self.producers.answers()
         self.producers.tell({"op": "raw"})
-        t0 = time.time()
+        t0, cpu0 = time.time(), time.process_time()
         _broadcast(self.raw[1], bufs)
-        return {"seconds": max(a["at"] for a in self.producers.answers()) - t0}
+        answers = self.producers.answers()
+        return {"seconds": max(a["at"] for a in answers) - t0,
+                "cpu_s": time.process_time() - cpu0 + sum(a["cpu_s"] for a in answers)}
 
     def _result(self, t0: float, extra: dict) -> dict:
         answers = self.producers.answers()
+        cpu = [a.get("cpu_s") for a in answers]
+        cpu_s = None if None in cpu else time.process_time() - self._cpu0 + sum(cpu)
         return {"seconds": max(a["at"] for a in answers) - t0, "stall_s": [a.get("stall_s") for a in answers],
+                "cpu_s": cpu_s,
                 "receive_s": [a.get("receive_s") for a in answers],
                 "refused": all(a.get("refused") for a in answers),
                 "served": [a["version"] for a in answers], **extra}
@@ -440,6 +449,9 @@ def summarize(run: SizeRun, rows: dict, tamper: dict | None) -> dict:
            "collective_vs_file_speedup": round(sec["file"] / sec["collective"], 3),
            "collective_vs_raw_broadcast": round(sec["raw"] / sec["collective"], 3),
            "collective_idle_vs_raw_broadcast": round(sec["raw"] / sec["collective_idle"], 3),
+           "collective_idle_cpu_seconds": _med([r["cpu_s"] for r in rows["collective_idle"] if r["cpu_s"] is not None]),
+           "raw_cpu_seconds": _med([r["cpu_s"] for r in rows["raw"]]),
+           "cores": os.cpu_count(),
            "all": {c: [round(r["seconds"], 4) for r in rows[c]] for c in CONDITIONS}}
     if tamper is not None:
         out["tamper_refused"] = tamper["refused"] and all(v == run.version - 1 for v in tamper["served"])
