@@ -4,8 +4,9 @@ WeightSender, snapshots and links) and the producer's reloader on one thread bet
 
 - round trip: requests in flight keep going across the swap (two runs of versions), and the
   engine then computes exactly what the same weights loaded from a directory compute; the
-  experts were staged (loaded and prepacked) while the version arrived, and when staging
-  fails the swap loads them itself, with the same result;
+  experts were staged (loaded and prepacked) while the version arrived, the staged bytes are
+  those a load leaves in the layer, and when staging fails the swap loads them itself, with
+  the same result;
 - a received but not yet announced version changes nothing until its swap (the staging
   buffers the next version reuses are not the served weights);
 - a bucket corrupted in flight is refused: old weights kept, the alert's metric raised, the
@@ -103,6 +104,38 @@ def test_a_version_streams_in_while_requests_continue_and_then_serves_exactly_th
     np.testing.assert_array_equal(greedy(engine), want)  # bit for bit what the file path serves
     last = engine.weight_status()["last"]  # the experts were staged while the version arrived
     assert last["staged_layers"] == 2 and last["repacked_layers"] == 0, last
+
+
+def _stage_checkpoint_and_compare(worker, model_dir: str) -> dict:
+    """In the engine's worker: stage every expert of `model_dir` (what serves) and compare
+    the staged tensors with the live layer's, packed and as loaded."""
+    from producer.expert_staging import ExpertStaging
+    from common.weights.wire import GroupSpec, pack
+    from tests.support.weights import read_weights
+
+    staging = ExpertStaging(worker.model_runner.model)
+    sd = read_weights(model_dir)
+    staging.begin()
+    for prefix in staging.layers:
+        names = [n for n in sd if n.startswith(prefix + ".")]
+        staging.prepare_group(GroupSpec.of(names, [sd[n].dtype for n in names], [sd[n].shape for n in names]),
+                              pack([sd[n] for n in names]))
+    out = {"complete": staging.complete, "layers": len(staging.layers), "packed": [], "loaded": []}
+    for layer in staging.layers.values():
+        for p in ("w13_weight", "w2_weight"):
+            live = getattr(layer.module, p).data
+            out["packed"].append(bool(torch.equal(live, layer.packed[p])))
+            out["loaded"].append(bool(torch.equal(live, layer.loaded[p])))
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_staged_experts_are_the_bytes_a_load_leaves_in_the_layer(rollout_engine, tiny_model_dir):
+    rollout_engine.reload_weights(tiny_model_dir, 0)
+    got = rollout_engine._engine.collective_rpc(_stage_checkpoint_and_compare, args=(str(tiny_model_dir),))[0]
+    assert got["complete"] and got["layers"] == 2, got
+    assert all(got["packed"]), got  # staged + prepacked == what vLLM's load + repack left in the layer
+    assert not any(got["loaded"]), got  # the prepack matters: the loader's layout alone differs
 
 
 @pytest.mark.timeout(600)
