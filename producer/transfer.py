@@ -226,7 +226,8 @@ class RlstreamGlooEngine(WeightTransferEngine[RlstreamGlooInitInfo, RlstreamGloo
                     yield name, t
 
         initialize_layerwise_reload(self.model)
-        with disable_mtp_completeness_check(), _quiet_unloaded_layers(skip is not None):
+        quiet = _quiet_unloaded_layers() if skip is not None else contextlib.nullcontext()
+        with disable_mtp_completeness_check(), quiet:
             self.model.load_weights(tensors())
             finalize_layerwise_reload(self.model, self.model_config)
         return names
@@ -242,28 +243,18 @@ class RlstreamGlooEngine(WeightTransferEngine[RlstreamGlooInitInfo, RlstreamGloo
 
 
 @contextlib.contextmanager
-def _quiet_unloaded_layers(on: bool):
+def _quiet_unloaded_layers():
     """Mute vLLM's "Failed to load weights" warning while staged experts are skipped:
     their layers get no tensors on purpose, and vLLM puts their own tensors back."""
-    if not on:
-        yield
-        return
     logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
-    muted = _DropMessage("Failed to load weights")
+
+    def muted(record: logging.LogRecord) -> bool:
+        return "Failed to load weights" not in record.getMessage()
     logger.addFilter(muted)
     try:
         yield
     finally:
         logger.removeFilter(muted)
-
-
-class _DropMessage(logging.Filter):
-    def __init__(self, text: str):
-        super().__init__()
-        self.text = text
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return self.text not in record.getMessage()
 
 
 class RlstreamWorkerExtension:

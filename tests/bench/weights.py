@@ -39,6 +39,7 @@ only the JSON; logs (ours, vLLM's, the children's) go to stderr.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -245,6 +246,17 @@ class Producers:
     def answers(self) -> list[dict]:
         return [self.read(i) for i in range(len(self.procs))]
 
+    @contextlib.contextmanager
+    def idle(self):
+        """The producers not generating (their requests aborted and drained) inside the block."""
+        self.tell({"op": "generate", "on": False})
+        self.answers()
+        try:
+            yield
+        finally:
+            self.tell({"op": "generate", "on": True})
+            self.answers()
+
     def close(self) -> None:
         try:
             self.tell({"op": "stop"})
@@ -292,13 +304,8 @@ class SizeRun:
         return self._result(t0, {"write_s": write_s})
 
     def collective_idle(self) -> dict:
-        self.producers.tell({"op": "generate", "on": False})
-        self.producers.answers()
-        try:
+        with self.producers.idle():
             return self.collective()
-        finally:
-            self.producers.tell({"op": "generate", "on": True})
-            self.producers.answers()
 
     def collective(self, corrupt: bool = False) -> dict:
         from common.control.messages import WeightsReady
@@ -319,14 +326,8 @@ class SizeRun:
 
     def raw_broadcast(self) -> dict:
         """The snapshot's group buffers, broadcast warm to every producer at once."""
-        bufs = self.snapshot.buffers
-        self.producers.tell({"op": "generate", "on": False})  # as before: a child blocked in the
-        self.producers.answers()                               # broadcast does not step its engine
-        try:
-            return self._raw_round(bufs)
-        finally:
-            self.producers.tell({"op": "generate", "on": True})
-            self.producers.answers()
+        with self.producers.idle():  # as before: a child blocked in the broadcast does not step its engine
+            return self._raw_round(self.snapshot.buffers)
 
     def _raw_round(self, bufs) -> dict:
         from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
