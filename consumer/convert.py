@@ -23,7 +23,7 @@ Tensor/expert parallelism: `shard_megatron` cuts a full Megatron dict into one
 rank's shard (column-parallel dims split per query group / per gate-up half;
 experts split across expert-parallel ranks and renumbered locally), and
 `unshard_megatron` is its inverse. `export_hf_state_dict(model)` gathers the
-shards to rank 0, one layer group at a time (consumer/weight_source.py), and
+shards to rank 0, one layer group at a time (consumer/weights/export.py), and
 returns the on-disk HF dict for `save_file`.
 """
 from __future__ import annotations
@@ -128,7 +128,7 @@ def megatron_to_hf(mg: dict[str, torch.Tensor], dims) -> dict[str, torch.Tensor]
 
 
 # ---------------------------------------------------------------- layer groups
-# The unit of the weight transfer (consumer/weight_source.py): group 0 is the
+# The unit of the weight transfer (consumer/weights/export.py): group 0 is the
 # embedding, group i + 1 decoder layer i, the last the final norm and lm_head;
 # in HF names this is exactly vLLM's `layerwise_groups` partition.
 
@@ -322,9 +322,9 @@ def export_hf_state_dict(model) -> dict[str, torch.Tensor]:
 
     Collective when tensor/expert parallel (call on every rank): gathered one
     layer group at a time within the groups that hold the shards
-    (consumer/weight_source.py). The whole dict on rank 0 (contiguous CPU
+    (consumer/weights/export.py). The whole dict on rank 0 (contiguous CPU
     tensors in the model's dtype); other ranks get an empty dict.
     """
-    from consumer.weight_source import MegatronSource, collect
+    from consumer.weights.export import MegatronSource, collect
 
     return collect(MegatronSource(model))

@@ -169,7 +169,7 @@ class Leader:
         self.ckpt.commit(tmp, st, shards)
 
     def export(self):
-        """The current weights as a WeightSource (consumer/weight_source.py) for rank 0 to
+        """The current weights as a WeightSource (consumer/weights/export.py) for rank 0 to
         iterate once; when sharded, every follower iterates it in step (EXPORT)."""
         if self.sharded:
             self.send(RankCommand.EXPORT)

@@ -66,7 +66,7 @@ class ConsumerService:
         from common.control.plane import ControlFollower, ControlPlaneWriter
         from common.kafka.client import ensure_topics
         from common.weights.store import WeightStore
-        from consumer.announce import PolicyAnnouncer
+        from consumer.weights.announce import PolicyAnnouncer
         from consumer.cadence import Cadence
         from consumer.ranks import Leader, start_rank
 

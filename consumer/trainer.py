@@ -271,8 +271,8 @@ class Trainer:
 
     def weight_source(self):
         """The current weights as a vLLM WeightSource, HF names per layer group, gathered to
-        rank 0 (consumer/weight_source.py; iterate on every rank when tp/ep > 1)."""
-        from consumer.weight_source import MegatronSource
+        rank 0 (consumer/weights/export.py; iterate on every rank when tp/ep > 1)."""
+        from consumer.weights.export import MegatronSource
 
         return MegatronSource(self.model)
 

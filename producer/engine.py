@@ -30,7 +30,7 @@ New weights arrive two ways, both between two steps (docs/weights.md):
 `reload_weights(dir, version)` reads a durable-store directory;
 `swap_weights(version, digest)` swaps in a version that vLLM's weight-transfer
 engine (`producer.engine.weight_transfer`: rlstream_gloo on CPU,
-producer/transfer.py) received in the background while the engine kept
+producer/weights/gloo_engine.py) received in the background while the engine kept
 stepping. With prefix caching on, every request's KV blocks are salted with
 the version current at submit (`cache_salt`), so no request ever reuses KV
 (or routing rows) computed by older weights, while requests in flight keep
@@ -170,7 +170,7 @@ def engine_args(s: EngineSettings, model_dir: str | os.PathLike, routing_mode: s
         kv_cache_memory_bytes=s.kv_cache_memory_bytes,
         # rlstream's worker RPCs (weight status, CPU MoE repack), by name: they
         # also work in a spawned engine core, where a callable would not pickle
-        worker_extension_cls="producer.transfer.RlstreamWorkerExtension",
+        worker_extension_cls="producer.weights.gloo_engine.RlstreamWorkerExtension",
     )
     if weight_transfer is not None:
         args["weight_transfer_config"] = {"backend": weight_transfer}
@@ -227,9 +227,9 @@ class RolloutEngine:
         self.prefix_caching = prefix_caching(self.settings, self.routing_mode)
         self.weight_transfer = resolve_weight_transfer(self.settings, self._on_cpu)
         if self.weight_transfer == "rlstream_gloo":
-            from producer.transfer import register
+            from producer.weights.gloo_engine import register
 
-            register()  # before the engine builds its worker (in-process); see producer/transfer.py
+            register()  # before the engine builds its worker (in-process); see producer/weights/gloo_engine.py
         args = engine_args(self.settings, self.model_dir, self.routing_mode, self._on_cpu, self.weight_transfer)
         self._engine = LLMEngine.from_engine_args(EngineArgs(**args))
         self.num_experts = int(self._engine.model_config.get_num_experts())
@@ -397,7 +397,7 @@ class RolloutEngine:
         t0 = time.perf_counter()
         self._engine.collective_rpc("reload_weights", kwargs={"weights_path": str(weights_dir)})
         if self._on_cpu:
-            self._engine.collective_rpc("rlstream_repack_cpu_moe")  # producer/cpu_moe.py
+            self._engine.collective_rpc("rlstream_repack_cpu_moe")  # producer/weights/cpu_moe.py
         dt = self._weights_changed(version, t0)
         log.info("reloaded weights %s as version %d in %.3f s", weights_dir, version, dt)
         return dt
@@ -412,7 +412,7 @@ class RolloutEngine:
         self.stats.last_reload_seconds = dt
         return dt
 
-    # -- weights over a transfer link (producer/transfer.py, producer/link.py) ---------
+    # -- weights over a transfer link (producer/weights/gloo_engine.py, producer/weights/trainer_link.py) ---------
     def init_weight_link(self, init_info: dict[str, Any]) -> None:
         """Join the trainer's link (vLLM's `init_weight_transfer_engine`; blocks for the rendezvous)."""
         self._check_thread()

@@ -8,7 +8,7 @@ engine steps. Each iteration of the loop:
     follow_control -> admit -> engine step -> score_and_publish
 
 follow_control applies runtime settings, the trainer's progress and new weights
-(producer/reload.py: over the link to the trainer, or from the durable store); admit starts groups until producer/admission.py names a
+(producer/weights/reload.py: over the link to the trainer, or from the durable store); admit starts groups until producer/admission.py names a
 reason to wait; score_and_publish scores each finished sample and hands its
 record (producer/sample.py) to the outbox (producer/outbox.py).
 
@@ -76,7 +76,7 @@ class ProducerService:
         from common.kafka.publisher import RolloutPublisher
         from producer.engine import RolloutEngine
         from producer.prompts import open_prompt_source
-        from producer.reload import Reloader
+        from producer.weights.reload import Reloader
         from producer.verifiers import get_verifier
 
         ensure_topics(self.kafka)

@@ -13,7 +13,7 @@ run):
               verifies (sha256) and reloads it: today's per-version path
   collective  Snapshot (pack + blake3 per group) streamed to every producer's link while it
               fills; each producer receives in the background (and stages its experts,
-              producer/expert_staging.py), verifies, swaps between steps
+              producer/weights/staging.py), verifies, swaps between steps
   collective_idle  the same with the producers not generating (their requests aborted first):
               what the path costs when it does not share the CPU with generation, as raw
   raw         a plain torch.distributed gloo broadcast of the same group buffers (warm), from
@@ -102,7 +102,7 @@ class Child:
     def __init__(self, args, out_fd: int):
         from common.config import EngineSettings
         from producer.engine import RolloutEngine
-        from producer.reload import Reloader
+        from producer.weights.reload import Reloader
 
         self.out_fd, self.model_dir = out_fd, Path(args.model)
         self.engine = RolloutEngine(EngineSettings(dtype="float32", max_model_len=128, max_num_seqs=16,
@@ -275,7 +275,7 @@ class SizeRun:
     def __init__(self, name: str, model_dir: Path, args, tmp: Path):
         from common.config import WeightSyncSettings
         from common.weights.store import WeightStore
-        from consumer.sender import WeightSender
+        from consumer.weights.sender import WeightSender
         from tests.support.weights import perturbed, read_weights
 
         self.name, self.model_dir = name, model_dir
@@ -309,7 +309,7 @@ class SizeRun:
 
     def collective(self, corrupt: bool = False) -> dict:
         from common.control.messages import WeightsReady
-        from consumer.transfer import Snapshot
+        from consumer.weights.engines import Snapshot
         from tests.support.weights import dict_source
 
         self.version += 1

@@ -56,7 +56,7 @@ def measure_size(name: str, overrides: dict, reps: int, models_dir: Path) -> dic
     from common.toy.tinymodel import TinyModelSpec, build_tiny_model
     from common.weights import wire
     from consumer.trainer import Trainer
-    from consumer.snapshot import Snapshot
+    from consumer.weights.snapshot import Snapshot
 
     t0 = time.perf_counter()
     model_dir = build_tiny_model(models_dir / name, TinyModelSpec(**overrides))

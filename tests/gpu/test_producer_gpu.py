@@ -11,7 +11,7 @@ transformers on the host. The tests check:
     for a later group whose prompt is served from the prefix cache, and it
     encodes into a valid record;
   - an in-place weight update through the producer's own path
-    (`producer.reload.Reloader.apply` of a `WeightsReady` for a version in the
+    (`producer.weights.reload.Reloader.apply` of a `WeightsReady` for a version in the
     weight store): greedy outputs become those of the new weights (each token
     HF's argmax, log-probs HF's within 1e-3) and a reload of the base weights
     gives the base outputs back.
@@ -116,7 +116,7 @@ def test_in_place_weight_update_switches_greedy_outputs(gpu_engine, tiny_model_d
 
     from common.control.messages import WeightsReady
     from common.weights.store import WeightStore
-    from producer.reload import Reloader
+    from producer.weights.reload import Reloader
     from producer.sample import SamplingConfig
     from tests.integration.test_producer_service import hf_logprobs
 

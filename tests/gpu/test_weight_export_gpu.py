@@ -1,5 +1,5 @@
 """The trainer's half of the collective weight path on one GPU (issue #15): the export
-from CUDA parameters into the snapshot that every link streams (consumer/snapshot.py).
+from CUDA parameters into the snapshot that every link streams (consumer/weights/snapshot.py).
 
 Mirrors tests/integration/test_weight_link.py's snapshot checks on CPU: the packed
 version holds exactly the trainer's HF export, and its digest is the one the same
@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.megatron, pytest.mark.usefixtures("ne
 def test_snapshot_of_cuda_weights_is_pinned_and_carries_exactly_the_export(tiny_model_dir):
     from common.config import ConsumerSettings
     from common.weights import wire
-    from consumer.snapshot import Snapshot
+    from consumer.weights.snapshot import Snapshot
     from consumer.trainer import Trainer
 
     trainer = Trainer.from_hf(tiny_model_dir, ConsumerSettings(dtype="bfloat16", group_size=1))

@@ -39,7 +39,7 @@ def one_layout(model_dir: str, out: Path, layout: str) -> None:
     from consumer.ranks import Follower, Leader
     from consumer.shares import sample_bytes
     from consumer.trainer import Trainer
-    from consumer.weight_source import collect
+    from consumer.weights.export import collect
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()

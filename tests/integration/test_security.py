@@ -53,7 +53,7 @@ def _calls(tree):
 
 # torch.distributed's *_object collectives pickle. None is allowed: the rank protocol sends commands
 # and batch shares as plain tensors (consumer/channel.py, consumer/shares.py) and the weight export
-# gathers raw bytes (consumer/weight_source.py).
+# gathers raw bytes (consumer/weights/export.py).
 ALLOWED: set[tuple[str, str]] = set()
 
 

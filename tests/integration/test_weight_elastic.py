@@ -41,7 +41,7 @@ class SlowSnapshot:
 
     @classmethod
     def make(cls, version, source, reuse=None):
-        from consumer.transfer import Snapshot
+        from consumer.weights.engines import Snapshot
 
         class Slow(Snapshot):
             def groups(self, timeout_s: float = 600.0):

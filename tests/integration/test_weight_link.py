@@ -1,4 +1,4 @@
-"""The collective path's transport without vLLM (common/weights/link.py, consumer/transfer.py
+"""The collective path's transport without vLLM (common/weights/link.py, consumer/weights/engines.py
 Snapshot): real gloo pairs over loopback, one thread per end."""
 from __future__ import annotations
 
@@ -112,7 +112,7 @@ def test_a_receiver_that_goes_away_fails_the_send_within_the_timeout():
 
 
 def test_a_snapshot_streams_groups_while_it_is_still_filling():
-    from consumer.transfer import Snapshot
+    from consumer.weights.engines import Snapshot
 
     ts = groups_of(4)
     slow = dict_source(ts)

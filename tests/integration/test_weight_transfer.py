@@ -46,7 +46,7 @@ def until(cond, reloader, engine, timeout_s=60.0, step=False):
 
 @pytest.fixture
 def setup(rollout_engine, tiny_model_dir, tmp_path):
-    from producer.reload import Reloader
+    from producer.weights.reload import Reloader
 
     trainer = TrainerSide(tmp_path / "store", tiny_model_dir)
     reloader = Reloader(rollout_engine, tiny_model_dir, "p-test", timeout_s=20.0)
@@ -100,7 +100,7 @@ def test_a_version_streams_in_while_requests_continue_and_then_serves_exactly_th
 def _stage_checkpoint_and_compare(worker, model_dir: str) -> dict:
     """In the engine's worker: stage every expert of `model_dir` (what serves) and compare
     the staged tensors with the live layer's, packed and as loaded."""
-    from producer.expert_staging import ExpertStaging
+    from producer.weights.staging import ExpertStaging
     from common.weights.wire import GroupSpec, pack
     from tests.support.weights import read_weights
 
@@ -131,7 +131,7 @@ def test_staged_experts_are_the_bytes_a_load_leaves_in_the_layer(rollout_engine,
 
 @pytest.mark.timeout(600)
 def test_when_staging_the_experts_fails_the_swap_loads_them_itself(setup, monkeypatch):
-    from producer.expert_staging import ExpertStaging
+    from producer.weights.staging import ExpertStaging
 
     engine, trainer, reloader, versions, reference = setup
     want = reference(2)

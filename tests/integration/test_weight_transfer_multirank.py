@@ -1,4 +1,4 @@
-"""The weight export of a sharded trainer, over a weight link (consumer/weight_source.py):
+"""The weight export of a sharded trainer, over a weight link (consumer/weights/export.py):
 under torchrun (gloo, CPU) with data 2 x expert 2, tensor 2, and tensor 2 x data 2 x
 expert 2, what a producer receives equals the single-process export bit for bit, in the
 same layer groups, with the same version digest. After a training step under Megatron's
@@ -27,7 +27,7 @@ LAYOUTS = {"dp2_ep2": 2, "tp2": 2, "tp2_dp2_ep2": 4}
 def one_rank(megatron_world, sharp_model_dir):
     """The single-process export of the same checkpoint, packed the same way."""
     from consumer.trainer import Trainer
-    from consumer.transfer import Snapshot
+    from consumer.weights.engines import Snapshot
 
     trainer = Trainer.from_hf(sharp_model_dir)
     snap = Snapshot(1, trainer.weight_source())

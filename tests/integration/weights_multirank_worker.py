@@ -3,7 +3,7 @@
     torchrun --standalone --nproc_per_node N weights_multirank_worker.py MODEL_DIR OUT_DIR LAYOUT
 
 Every rank builds the trainer in LAYOUT (consumer.parallel) from MODEL_DIR and iterates its
-weight source (consumer/weight_source.py: each layer group gathered to rank 0 within the
+weight source (consumer/weights/export.py: each layer group gathered to rank 0 within the
 TP/EP groups holding it); rank 0 packs it into a snapshot that one gloo link streams, while
 it fills, to a receiver thread (common/weights/link.py receive_version, the producer's
 receive path). Rank 0 writes what arrived and the version digest to OUT_DIR/LAYOUT.pt.
@@ -44,7 +44,7 @@ def main(model_dir: str, out_dir: str, layout: str) -> None:
     from common.config import ConsumerSettings
     from common.weights import link
     from consumer.trainer import Trainer
-    from consumer.transfer import Snapshot
+    from consumer.weights.engines import Snapshot
 
     torch.set_num_threads(1)
     if layout.endswith("_step"):

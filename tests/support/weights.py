@@ -51,7 +51,7 @@ def dict_source(tensors: dict[str, torch.Tensor]):
 
 
 class TrainerSide:
-    """The trainer's sending half (consumer/sender.py, consumer/transfer.py, consumer/durable.py),
+    """The trainer's sending half (consumer/weights/sender.py, consumer/weights/engines.py, consumer/weights/durable.py),
     fed versions by the test instead of a training loop.
 
         trainer = TrainerSide(tmp / "store", model_dir)
@@ -61,7 +61,7 @@ class TrainerSide:
     def __init__(self, store_dir: Path, model_dir, timeout_s: float = 20.0, writer=None):
         from common.config import WeightSyncSettings
         from common.weights.store import WeightStore
-        from consumer.sender import WeightSender
+        from consumer.weights.sender import WeightSender
 
         self.sender = WeightSender(WeightSyncSettings(timeout_s=timeout_s))
         self.store = WeightStore(store_dir, keep=20)
@@ -72,7 +72,7 @@ class TrainerSide:
     def publish(self, version: int, tensors: dict, durable: bool = False, snapshot_cls=None):
         """Stream `tensors` as `version` to every link; announce it (through `writer` when set)."""
         from common.control.messages import DurableCopy, WeightsReady
-        from consumer.transfer import Snapshot
+        from consumer.weights.engines import Snapshot
 
         snap = (snapshot_cls or Snapshot)(version, dict_source(tensors), reuse=self.snapshot)
         self.sender.publish(snap)

@@ -1,4 +1,4 @@
-"""consumer/durable.py: the durable store written in the background every K versions and at
+"""consumer/weights/durable.py: the durable store written in the background every K versions and at
 shutdown (real WeightStore on a temp dir; snapshots are plain tensors)."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 import torch
 
 from common.weights.store import WeightStore, verify
-from consumer.durable import DurableWriter
+from consumer.weights.durable import DurableWriter
 
 
 class FakeSnapshot:

@@ -1,9 +1,9 @@
-"""The producer's end of a weight link (producer/link.py TrainerLink): the trainer's
+"""The producer's end of a weight link (producer/weights/trainer_link.py TrainerLink): the trainer's
 commands, run between engine steps, with a fake channel and engine (pure logic; real
 links are tests/integration/test_weight_link.py and test_weight_transfer.py)."""
 from __future__ import annotations
 
-from producer.link import TrainerLink
+from producer.weights.trainer_link import TrainerLink
 
 DIGEST = "c" * 64
 

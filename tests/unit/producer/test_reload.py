@@ -1,4 +1,4 @@
-"""Weight reload (producer/reload.py): stage, verify, reload, roll back, with a
+"""Weight reload (producer/weights/reload.py): stage, verify, reload, roll back, with a
 fake engine (pure logic; the real engine's reloads are in tests/integration)."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from common import metrics
 from common.control.messages import WeightsReady
 from common.errors import WeightReloadError
 from common.weights.store import WEIGHTS_FILE, sha256_file
-from producer.reload import Reloader
+from producer.weights.reload import Reloader
 
 
 class FakeEngine:
@@ -119,7 +119,7 @@ DIGEST_A, DIGEST_B = "a" * 64, "b" * 64
 
 
 class FakeLink:
-    """producer/link.py's TrainerLink: the trainer's commands are not the reloader's business."""
+    """producer/weights/trainer_link.py's TrainerLink: the trainer's commands are not the reloader's business."""
 
     made: list = []
 
@@ -174,7 +174,7 @@ def collective(version, digest, endpoint="trainer:1", durable: WeightsReady | No
 
 @pytest.fixture
 def linked(tmp_path, monkeypatch):
-    import producer.reload as reload_mod
+    import producer.weights.reload as reload_mod
 
     FakeLink.made = []
     monkeypatch.setattr(reload_mod, "TrainerLink", FakeLink)
@@ -226,7 +226,7 @@ def test_a_receive_that_failed_its_digest_check_is_refused_and_falls_back(linked
 
 
 def test_a_broken_link_is_counted_and_registered_anew_without_a_refusal(linked, monkeypatch):
-    import producer.reload as reload_mod
+    import producer.weights.reload as reload_mod
 
     engine, reloader, _ = linked
     monkeypatch.setattr(reload_mod, "_REJOIN_EVERY_S", 0.0)

@@ -13,7 +13,7 @@ fails (a dead, hung or refusing producer: each blocking step is bounded by
 the other links never wait for it, and `publish` never waits for any link: the
 training loop goes on while versions stream. A link that is still sending
 when a newer version is published sends the newer one next (newest wins).
-The durable store is consumer/durable.py.
+The durable store is consumer/weights/durable.py.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from common.config import WeightSyncSettings
 from common.errors import RlstreamError, WeightTransferError
 from common.weights import link as wlink
 from consumer import telemetry
-from consumer.transfer import (LinkClient, RlstreamGlooTrainerInitInfo, Snapshot, SnapshotSource, open_nccl_link,
+from consumer.weights.engines import (LinkClient, RlstreamGlooTrainerInitInfo, Snapshot, SnapshotSource, open_nccl_link,
                                register)
 
 log = logging.getLogger("rlstream.consumer")

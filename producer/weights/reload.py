@@ -8,9 +8,9 @@ The service calls all three between engine steps from its one thread, so no
 forward ever sees a half-loaded model. Two ways in (docs/weights.md):
 
 Collective (`transport: collective`): the producer keeps a link to the
-trainer's endpoint (producer/link.py), the trainer streams each version over
+trainer's endpoint (producer/weights/trainer_link.py), the trainer streams each version over
 it, vLLM's weight-transfer engine receives it in the background while the
-engine keeps stepping and checks every group's digest (producer/transfer.py);
+engine keeps stepping and checks every group's digest (producer/weights/gloo_engine.py);
 `tick` swaps it in once the announcement of that version arrived and its
 digest equals the received one. A late or restarted producer registers and
 the trainer sends it the current version at once.
@@ -47,7 +47,7 @@ from typing import Any, Protocol
 from common.control.messages import DurableCopy, WeightsReady
 from common.errors import DigestMismatchError, WeightReloadError
 from producer import telemetry
-from producer.link import TrainerLink
+from producer.weights.trainer_link import TrainerLink
 
 log = logging.getLogger("rlstream.producer")
 

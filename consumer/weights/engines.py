@@ -1,16 +1,16 @@
 """The sending half of the collective weight path, on vLLM 0.32's weight-transfer framework.
 
-    snap = Snapshot(version, source)            # source: a vLLM WeightSource (consumer/weight_source.py)
+    snap = Snapshot(version, source)            # source: a vLLM WeightSource (consumer/weights/export.py)
     sender.publish(snap)                        # link threads start streaming what is packed
     snap.fill()                                 # pack + hash group by group (collective on every rank)
     engine = WeightTransferTrainerFactory.trainer_init(info, client=LinkClient(...))   # per link
     engine.source = snap; engine.send_weights() # start -> stream -> finish (producer verified it)
 
-`Snapshot` (consumer/snapshot.py) is one version packed for sending; this
+`Snapshot` (consumer/weights/snapshot.py) is one version packed for sending; this
 module streams it.
 
 `RlstreamGlooTrainerEngine` (`rlstream_gloo`, the trainer half of
-producer/transfer.py) streams a snapshot over one link's gloo pair; on GPU the
+producer/weights/gloo_engine.py) streams a snapshot over one link's gloo pair; on GPU the
 same link code drives vLLM's `nccl` trainer engine with the snapshot as its
 source (`SnapshotSource`, groups copied to the device one tensor at a time).
 `LinkClient` is vLLM's `VLLMWeightSyncClient` over the link's command channel.
@@ -28,8 +28,8 @@ from vllm.distributed.weight_transfer.base import (ParamMeta, TrainerInitInfo, T
 
 from common.errors import WeightTransferError
 from common.weights.link import Channel, GlooPair, open_store, send_version
-from consumer.snapshot import Snapshot
-from consumer.weight_source import MegatronSource
+from consumer.weights.snapshot import Snapshot
+from consumer.weights.export import MegatronSource
 
 BACKEND = "rlstream_gloo"
 WeightSource.register(MegatronSource)  # implements the interface without importing vLLM
@@ -67,7 +67,7 @@ class SnapshotSource(WeightSource):
 
 class LinkClient:
     """vLLM's `VLLMWeightSyncClient` over one link's command channel (common/weights/link.py):
-    each call posts a command the producer runs between its engine steps (producer/link.py)
+    each call posts a command the producer runs between its engine steps (producer/weights/trainer_link.py)
     and waits for its answer, at most `timeout_s`."""
 
     def __init__(self, store, link: int, timeout_s: float):

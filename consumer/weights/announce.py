@@ -4,7 +4,7 @@ trainer is (`TrainerProgress`).
 
 New weights, per `consumer.weights.transport` (docs/weights.md):
 - collective: the version is packed into a snapshot that every producer link
-  streams while it fills (consumer/transfer.py, consumer/sender.py), then
+  streams while it fills (consumer/weights/engines.py, consumer/weights/sender.py), then
   announced with its digest, the endpoint, and the newest durable copy; the
   durable store is written in the background every `durable_every` versions
   and at shutdown;
@@ -46,8 +46,8 @@ class PolicyAnnouncer:
         weights = weights or WeightSyncSettings()
         self.sender = self.durable = self.snapshot = None
         if weights.transport == "collective":
-            from consumer.durable import DurableWriter
-            from consumer.sender import WeightSender
+            from consumer.weights.durable import DurableWriter
+            from consumer.weights.sender import WeightSender
 
             self.sender = WeightSender(weights, backend)
             self.durable = DurableWriter(store, model_path, weights.durable_every)
@@ -56,12 +56,12 @@ class PolicyAnnouncer:
         """Publish `source` (the trainer's WeightSource, iterated once: a collective on
         every rank) as weight `version`, then announce it."""
         if self.sender is None:
-            from consumer.weight_source import collect
+            from consumer.weights.export import collect
 
             m = self.store.write(version, collect(source), self.model_path)
             self.writer.announce(WeightsReady(version=version, uri=m["uri"], sha256=m["sha256"], bytes=m["bytes"]))
             return
-        from consumer.transfer import Snapshot
+        from consumer.weights.engines import Snapshot
 
         snap = Snapshot(version, source, reuse=self.snapshot)
         self.sender.publish(snap)  # the links stream each group as it is packed
