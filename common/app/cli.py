@@ -6,6 +6,7 @@
     rlstream demo     -c configs/tiny-cpu.yaml      # everything, end to end, on CPU
     rlstream ctl get|set KEY [VALUE] --url URL      # runtime control client
     rlstream build-model -c configs/tiny-cpu.yaml   # the tiny MoE + tokenizer + task data
+    rlstream twin up|down|exec ...                  # a cluster twin on this machine (network namespaces)
 
 Every subcommand validates its configuration (defaults < file < declared
 RLSTREAM_* aliases < RLSTREAM__SECTION__KEY < --set < dedicated flags; see
@@ -84,6 +85,8 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("name", choices=["async", "objectives", "replay", "dynamic_sampling", "tool_use"])
     exp.add_argument("-c", "--config", default="configs/tiny-cpu.yaml")
     exp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    from common.cluster.cli import add_parser as add_twin_parser
+    add_twin_parser(sub)
     return p
 
 
@@ -113,6 +116,9 @@ def _print_memory_check(cfg: RlstreamConfig) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "twin":  # no configuration: it builds hosts, not services
+        from common.cluster.cli import run_twin
+        return run_twin(args)
     try:
         cfg = load_config(args.config, getattr(args, "set", []), flags=_flags(args))
         _configure_logging(cfg.cli.log_level)
