@@ -654,6 +654,17 @@ class WeightSyncSettings(_Section):
     """Write the durable store in the background every K versions (version % K == 0)
     and at shutdown. Ignored with transport: file (every version)."""
 
+    def advertised_host(self) -> str:
+        """The host announced to producers: `advertise_host`, else `host`, else (a wildcard
+        listen address is nothing a producer can dial) this machine's FQDN."""
+        if self.advertise_host:
+            return self.advertise_host
+        if self.host in ("0.0.0.0", "::", ""):
+            import socket
+
+            return socket.getfqdn()
+        return self.host
+
 
 class ConsumerSettings(_Section):
     """The trainer service (consumer/service.py) and its trainer (consumer/trainer.py)."""
