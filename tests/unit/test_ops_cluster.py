@@ -27,7 +27,6 @@ from common.config import load_config
 from test_ops import COMPOSE, OPS, ROOT, _container, _torchrun_world, find, k8s_docs
 
 
-
 def _dist(requirement: str) -> str:
     """The normalized distribution name of a PEP 508 requirement ("math-verify[x]==1" -> "math-verify")."""
     name = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", requirement).group(1)

@@ -23,6 +23,8 @@ from consumer.model import HFModelDims
 ROOT = Path(__file__).resolve().parents[3]
 QWEN3_30B = ROOT / "tests" / "fixtures" / "models" / "qwen3-30b-a3b"
 GPU_CONFIGS = sorted((ROOT / "configs").glob("qwen3-30b-a3b-*.yaml"))
+MULTI_NODE_CONFIGS = [p for p in GPU_CONFIGS if yaml.safe_load(p.read_text())["consumer"]["parallel"]["world_size"] > 8]
+TWO_NODE_H200 = ROOT / "configs" / "qwen3-30b-a3b-onpolicy-bf16-2x8-h200.yaml"
 SECRETS = {"RLSTREAM__KAFKA__SASL_PLAIN_PASSWORD": "x"}  # the configmap's SASL password comes from a Secret
 
 
@@ -123,10 +125,21 @@ def test_every_shipped_gpu_config_fits_its_declared_memory(path, tmp_path):
     assert check.skipped is None and check.plan.world_size == cfg.consumer.parallel.world_size
     assert check.fits, check.report()
     check.refuse()  # no error
-    assert "fits 80 GB" in check.report()
+    assert f"fits {cfg.consumer.memory.device_memory_gb:g} GB" in check.report()
 
 
-@pytest.mark.parametrize("path", GPU_CONFIGS, ids=lambda p: p.name)
+def test_the_two_node_config_needs_h200s():
+    """configs/...-2x8-h200.yaml trains on one node of 8 GPUs: 96.4 GB per GPU (76.8 static),
+    which fits an H200 and is refused on an 80 GB H100."""
+    cfg = load_config(TWO_NODE_H200, [f"model.path={QWEN3_30B}"], environ={})
+    check = check_config(cfg, {})
+    assert check.fits and round(check.result.total_gb, 1) == 96.4 and cfg.consumer.parallel.world_size == 8
+    h100 = check_config(load_config(TWO_NODE_H200, [f"model.path={QWEN3_30B}", "consumer.memory.device_memory_gb=80"],
+                                    environ={}), {})
+    assert not h100.fits and "DOES NOT FIT 80 GB" in h100.report()
+
+
+@pytest.mark.parametrize("path", MULTI_NODE_CONFIGS, ids=lambda p: p.name)
 def test_the_recipes_refuse_eight_gpus(path):
     """The negative control: the same files on one node of 8 GPUs cannot fit (76.8 GB static)."""
     cfg = load_config(path, [f"model.path={QWEN3_30B}", "consumer.parallel.world_size=8"], environ={})
