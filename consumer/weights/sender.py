@@ -18,7 +18,6 @@ The durable store is consumer/weights/durable.py.
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
 from datetime import timedelta
@@ -39,8 +38,7 @@ class WeightSender:
         self.settings, self.backend = settings, backend
         self.store = wlink.open_store(settings.host, settings.port, settings.timeout_s, master=True)
         wildcard = settings.host in ("0.0.0.0", "::", "")
-        # what producers dial: a wildcard listen address is not one (a StatefulSet pod's FQDN is)
-        self.host = settings.advertise_host or (socket.getfqdn() if wildcard else settings.host)
+        self.host = settings.advertised_host()  # what producers dial
         self.local_host = "127.0.0.1" if wildcard else settings.host
         self.endpoint = f"{self.host}:{self.store.port}"
         """What producers dial (announced in WeightsReady)."""

@@ -367,13 +367,17 @@ def test_systemd_unit(unit, tmp_path):
     cp.read_string(unit.read_text())
     assert {"Unit", "Service", "Install"} <= set(cp.sections())
     exec_start = cp["Service"]["ExecStart"].split()
-    assert exec_start[0].endswith("/rlstream") and exec_start[1] in SERVICES and exec_start[2] == "-c"
+    if exec_start[0].endswith("/torchrun"):  # the consumer: `torchrun ... -m consumer -c` (test_ops_cluster.py)
+        exec_start = [exec_start[0], *exec_start[exec_start.index("-m") + 1:]]
+    else:
+        assert exec_start[0].endswith("/rlstream")
+    assert exec_start[1] in SERVICES and exec_start[2] == "-c"
     assert unit.name == f"rlstream-{exec_start[1]}.service"
     if not shutil.which("systemd-analyze"):
         pytest.skip("systemd-analyze not installed")
     # verify with ExecStart pointing at this checkout's installed entry point
     local = tmp_path / unit.name
-    local.write_text(unit.read_text().replace(exec_start[0], str(ROOT / ".venv" / "bin" / "rlstream")))
+    local.write_text(unit.read_text().replace(exec_start[0], str(ROOT / ".venv" / "bin" / Path(exec_start[0]).name)))
     r = subprocess.run(["systemd-analyze", "verify", str(local)], capture_output=True, text=True, timeout=30)
     problems = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
     assert not problems, problems
@@ -412,7 +416,7 @@ def test_promtool_check_config(config):
 def test_dockerfile_builds_the_gpu_image():
     text = (OPS / "Dockerfile").read_text()
     assert re.search(r"^FROM \$\{CUDA_IMAGE\}", text, re.M) and "nvidia/cuda:" in text
-    assert 'pip install ".[gpu]"' in text and 'ENTRYPOINT ["rlstream"]' in text
+    assert 'pip install ".[gpu,tasks]"' in text and 'ENTRYPOINT ["rlstream"]' in text
     assert "python3.11" in text  # pyproject: requires-python >=3.11,<3.12
 
 

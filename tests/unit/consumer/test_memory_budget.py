@@ -23,6 +23,8 @@ from consumer.model import HFModelDims
 ROOT = Path(__file__).resolve().parents[3]
 QWEN3_30B = ROOT / "tests" / "fixtures" / "models" / "qwen3-30b-a3b"
 GPU_CONFIGS = sorted((ROOT / "configs").glob("qwen3-30b-a3b-*.yaml"))
+MULTI_NODE_CONFIGS = [p for p in GPU_CONFIGS if yaml.safe_load(p.read_text())["consumer"]["parallel"]["world_size"] > 8]
+TWO_NODE_H200 = ROOT / "configs" / "qwen3-30b-a3b-onpolicy-bf16-2x8-h200.yaml"
 SECRETS = {"RLSTREAM__KAFKA__SASL_PLAIN_PASSWORD": "x"}  # the configmap's SASL password comes from a Secret
 
 
@@ -77,6 +79,37 @@ def test_activations_reproduce_the_doc():
         (40960 - 2048) * d.vocab_size * 10)
 
 
+@pytest.mark.parametrize("world", [16, 32], ids=["k8s-16-ranks", "recipes-32-ranks"])
+def test_expert_imbalance_grows_the_activation_estimate(world):
+    """N8: the dispatcher is dropless with no balancing loss, so the busiest expert-parallel
+    rank holds more than K copies of each position. The imbalance factor scales exactly the
+    expert terms (2 K H + 4 K F) of the one recomputed layer; static memory is unchanged."""
+    d = qwen3_30b()
+    ests = {f: estimate(d, MemoryPlan(world_size=world, ep=8, tokens=40960, recompute=True, expert_imbalance=f))
+            for f in (1.0, 1.5, 2.0, 3.0)}
+    acts = [e.activation_bytes for e in ests.values()]
+    assert acts == sorted(acts) and len(set(acts)) == len(acts)
+    assert len({e.static_bytes for e in ests.values()}) == 1
+    expert_bytes_per_position = (2 * d.topk * d.hidden_size + 4 * d.topk * d.moe_ffn_hidden_size) * 2
+    assert ests[2.0].activation_bytes - ests[1.0].activation_bytes == pytest.approx(40960 * expert_bytes_per_position)
+    assert round(ests[1.0].total_gb, 1) == {16: 71.2, 32: 59.7}[world]  # the doc's balanced figures
+    assert ests[2.0].fits(80.0)
+    # at 3x the 16-rank layout (the k8s ConfigMap) no longer fits 80 GB; 32 ranks still do
+    assert ests[3.0].fits(80.0) is (world == 32)
+
+
+def test_the_config_sets_the_imbalance_factor():
+    path = GPU_CONFIGS[0]
+    default = check_config(load_config(path, [f"model.path={QWEN3_30B}"], environ={}), {})
+    assert default.plan.expert_imbalance == 1.5 and "expert imbalance 1.5" in default.report()
+    hot = check_config(load_config(path, [f"model.path={QWEN3_30B}", "consumer.memory.expert_imbalance=3"],
+                                   environ={}), {})
+    assert hot.result.activation_bytes > default.result.activation_bytes
+    with pytest.raises(ConfigError) as e:
+        load_config(path, ["consumer.memory.expert_imbalance=0.5"], environ={})  # below balance is no margin
+    assert e.value.key == "consumer.memory.expert_imbalance"
+
+
 @pytest.mark.parametrize("world,total_gb,fits", [(16, 71, True), (32, 60, True), (8, 94, False)])
 def test_totals_match_the_doc_verdicts(world, total_gb, fits):
     est = estimate(qwen3_30b(), MemoryPlan(world_size=world, ep=8, tokens=40960, recompute=True))
@@ -92,16 +125,27 @@ def test_every_shipped_gpu_config_fits_its_declared_memory(path, tmp_path):
     assert check.skipped is None and check.plan.world_size == cfg.consumer.parallel.world_size
     assert check.fits, check.report()
     check.refuse()  # no error
-    assert "fits 80 GB" in check.report()
+    assert f"fits {cfg.consumer.memory.device_memory_gb:g} GB" in check.report()
 
 
-@pytest.mark.parametrize("path", GPU_CONFIGS, ids=lambda p: p.name)
+def test_the_two_node_config_needs_h200s():
+    """configs/...-2x8-h200.yaml trains on one node of 8 GPUs: 96.4 GB per GPU (76.8 static),
+    which fits an H200 and is refused on an 80 GB H100."""
+    cfg = load_config(TWO_NODE_H200, [f"model.path={QWEN3_30B}"], environ={})
+    check = check_config(cfg, {})
+    assert check.fits and round(check.result.total_gb, 1) == 96.4 and cfg.consumer.parallel.world_size == 8
+    h100 = check_config(load_config(TWO_NODE_H200, [f"model.path={QWEN3_30B}", "consumer.memory.device_memory_gb=80"],
+                                    environ={}), {})
+    assert not h100.fits and "DOES NOT FIT 80 GB" in h100.report()
+
+
+@pytest.mark.parametrize("path", MULTI_NODE_CONFIGS, ids=lambda p: p.name)
 def test_the_recipes_refuse_eight_gpus(path):
     """The negative control: the same files on one node of 8 GPUs cannot fit (76.8 GB static)."""
     cfg = load_config(path, [f"model.path={QWEN3_30B}", "consumer.parallel.world_size=8"], environ={})
     check = check_config(cfg, {})
     assert not check.fits and "DOES NOT FIT" in check.report()
-    with pytest.raises(ConfigError, match=r"~94\.\d GB per GPU .* static 76\.8 GB.*add ranks") as e:
+    with pytest.raises(ConfigError, match=r"~96\.\d GB per GPU .* static 76\.8 GB.*add ranks") as e:
         check.refuse()
     assert e.value.key == "consumer.memory.device_memory_gb"
 
