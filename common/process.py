@@ -41,6 +41,11 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
     _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def die_with_parent_hook():
+    """A preexec_fn for subprocess.Popen: SIGTERM when the spawning thread exits (None off Linux)."""
+    return _die_with_parent if _LIBC is not None else None
+
+
 def spawn(argv: list[str], log_path: str | os.PathLike, env: dict[str, str] | None = None, *,
           own_group: bool = True, die_with_parent: bool = True) -> subprocess.Popen:
     """Start `argv` with stdout and stderr appended to `log_path` (created with its folder).

@@ -32,6 +32,7 @@ longer runs (a SIGKILLed pytest cannot clean up after itself).
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 import re
@@ -41,6 +42,8 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from common import process
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +117,17 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _delete_namespace(ns: str) -> None:
+    """SIGKILL what still runs in `ns`, then delete it and its /etc/netns files."""
+    for pid in _ip("netns", "pids", ns, check=False).stdout.split():
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+    _ip("netns", "del", ns, check=False)
+    shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)
+
+
 def remove_stale_test_namespaces() -> list[str]:
     """Delete namespaces of twins whose test process is gone; return their names."""
     r = _ip("netns", "list", check=False)
@@ -122,8 +136,7 @@ def remove_stale_test_namespaces() -> list[str]:
         ns = line.split()[0] if line.strip() else ""
         m = _TEST_PREFIX.match(ns)
         if m and not _pid_alive(int(m.group(1))):
-            _ip("netns", "del", ns, check=False)
-            shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)
+            _delete_namespace(ns)
             gone.append(ns)
     return gone
 
@@ -144,8 +157,7 @@ def remove(prefix: str) -> list[str]:
     r = _ip("netns", "list", check=False)
     gone = [line.split()[0] for line in r.stdout.splitlines() if line.startswith(f"{prefix}-")]
     for ns in gone:
-        _ip("netns", "del", ns, check=False)
-        shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)
+        _delete_namespace(ns)
     return gone
 
 
@@ -275,11 +287,9 @@ class ClusterTwin:
         for p in self._procs:
             _stop(p)
         self._procs.clear()
-        for h in self.hosts:
-            ns = f"{self.prefix}-{h.name}"
-            _ip("netns", "del", ns, check=False)
-            shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)
-        _ip("netns", "del", self.switch, check=False)  # takes the observer's veth pair with it
+        for h in self.hosts:  # and whatever else was started in them (`exec`, a crashed test)
+            _delete_namespace(f"{self.prefix}-{h.name}")
+        _delete_namespace(self.switch)  # takes the observer's veth pair with it
         self._up = False
 
     def __enter__(self) -> "ClusterTwin":
@@ -287,6 +297,12 @@ class ClusterTwin:
 
     def __exit__(self, *exc) -> None:
         self.down()
+
+    def nic_bytes(self, host: str) -> tuple[int, int]:
+        """(received, sent) bytes on the host's NIC so far."""
+        r = _in(self.ns(host), "ip", "-s", "-j", "link", "show", "eth0")
+        stats = json.loads(r.stdout)[0]["stats64"]
+        return int(stats["rx"]["bytes"]), int(stats["tx"]["bytes"])
 
     # ------------------------------------------------------------ processes
     def command(self, host: str, argv: list[str]) -> list[str]:
@@ -296,8 +312,10 @@ class ClusterTwin:
                 "sh", "-c", 'hostname "$0" && exec "$@"', host, *argv]
 
     def popen(self, host: str, argv: list[str], **kw) -> subprocess.Popen:
-        """Start argv inside `host` in a session of its own; `down()` stops it."""
+        """Start argv inside `host` in a session of its own; `down()` stops it, and
+        it gets SIGTERM if this process dies first."""
         kw.setdefault("start_new_session", True)
+        kw.setdefault("preexec_fn", process.die_with_parent_hook())
         p = subprocess.Popen(self.command(host, argv), **kw)
         self._procs.append(p)
         return p

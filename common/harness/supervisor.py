@@ -96,11 +96,15 @@ class Service:
     """`rlstream <command> -c <config>` as a child process, one incarnation after another."""
 
     def __init__(self, command: str, config: str | os.PathLike, log_dir: str | os.PathLike, *,
-                 name: str | None = None, sets: Iterable[str] = (), env: dict[str, str] | None = None):
+                 name: str | None = None, sets: Iterable[str] = (), env: dict[str, str] | None = None,
+                 launch: Callable[[list[str]], list[str]] | None = None, address: str | None = None):
         self.command, self.config, self.log_dir = command, Path(config), Path(log_dir)
         self.name = name or command
         self.sets = list(sets)
         self.env = child_env(1) if env is None else env
+        # On another host of a cluster twin (common/cluster/twin.py): `launch` wraps the argv
+        # to run there (ClusterTwin.command), `address` is where this machine reaches it.
+        self.launch, self.address = launch, address
         self.proc = None
         self.incarnation = 0
 
@@ -112,7 +116,8 @@ class Service:
             raise PipelineError(f"{self.name} is already running (pid {self.pid})")
         self.incarnation += 1
         self.run_path().unlink(missing_ok=True)
-        self.proc = process.spawn(self.argv(), self.log_path(), self.env)
+        argv = self.launch(self.argv()) if self.launch else self.argv()
+        self.proc = process.spawn(argv, self.log_path(), self.env)
         log.info("started %s #%d (pid %d): %s", self.name, self.incarnation, self.pid,
                  " ".join(self.argv()[2:]))
         return self
@@ -192,7 +197,11 @@ class Service:
     def url(self) -> str | None:
         """http://host:port of /metrics, /healthz and the admin API, once it serves."""
         st = self.status()
-        return st.get("http_url") if st else None
+        url = st.get("http_url") if st else None
+        if url and self.address:  # a wildcard bind on another host: reach it at the host's address
+            for wildcard in ("//0.0.0.0:", "//[::]:"):
+                url = url.replace(wildcard, f"//{self.address}:")
+        return url
 
     def wait_ready(self, timeout_s: float = 240.0) -> str:
         """The HTTP address, once the run file has it (PipelineError if the service died)."""

@@ -1,0 +1,99 @@
+"""The compose deployment on a cluster twin with shaped NICs: versions, seconds, bytes. One JSON object.
+
+    .venv/bin/python tests/bench/cluster.py [--producers 2] [--versions 8] [--rate-mbit 1000] [--smoke]
+
+Hosts are network namespaces (common/cluster/twin.py), every NIC shaped to
+--rate-mbit each way with tc tbf; the services are ops/compose/docker-compose.yml
+as shipped, with the CPU swaps of common/cluster/rehearsal.py (listed in the
+output's `swaps`). After the first version (engine warm-up, first links), it
+trains --versions more and reports:
+
+  versions_trained          versions in the measured window
+  seconds_per_version       window seconds / versions_trained
+  collective_share          versions producers took over the collective path / versions
+                            they took in the window (goal 1.0; 'file' is the durable copy)
+  trainer_egress_over_model_bytes   bytes sent by the trainer host's NIC per version /
+                            the model's bytes (safetensors): the weight fan-out's cost,
+                            plus Kafka fetch requests and metrics (small)
+  nic_rate_mbit, hosts, trainer_hosts, producer_tp
+
+--smoke: one producer, two versions (about a minute on 2 cores). Needs root
+(network namespaces); otherwise it prints {"skipped": reason}. stdout carries
+only the JSON; logs go to stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+log = logging.getLogger("bench.cluster")
+
+
+def model_bytes(work: Path) -> int:
+    return sum(p.stat().st_size for p in (work / "runs").rglob("*.safetensors"))
+
+
+def measure(producers: int, versions: int, rate_mbit: float, root: Path) -> dict:
+    from common.cluster.rehearsal import SWAPS, ComposeOnTwin
+    from common.harness.supervisor import wait_until
+
+    with ComposeOnTwin(root, producers=producers, rate_mbit=rate_mbit) as run:
+        wait_until(lambda: run.version() >= 1, 600, "the first version", run.services, interval_s=1)
+        v0 = run.version()
+        taken0 = {p.name: (run.versions_taken(p), run.versions_taken(p, "collective")) for p in run.producers}
+        tx0, t0 = run.twin.nic_bytes("consumer")[1], time.monotonic()
+        wait_until(lambda: run.version() >= v0 + versions, 60 + 120 * versions, f"{versions} more versions",
+                   run.services, interval_s=0.5)
+        v1, t1, tx1 = run.version(), time.monotonic(), run.twin.nic_bytes("consumer")[1]
+        wait_until(lambda: all(run.versions_taken(p) >= v1 for p in run.producers), 120,
+                   "the producers to take the last version", run.services)
+        took = sum(run.versions_taken(p) - taken0[p.name][0] for p in run.producers)
+        collective = sum(run.versions_taken(p, "collective") - taken0[p.name][1] for p in run.producers)
+        trained = v1 - v0
+        return {
+            "versions_trained": int(trained),
+            "seconds_per_version": round((t1 - t0) / trained, 3),
+            "collective_share": round(collective / took, 3) if took else None,
+            "trainer_egress_over_model_bytes": round((tx1 - tx0) / trained / model_bytes(run.work), 3),
+            "model_bytes": model_bytes(run.work),
+            "nic_rate_mbit": rate_mbit,
+            "hosts": [h.name for h in run.twin.hosts],
+            "trainer_hosts": 1,
+            "producer_tp": [1] * producers,
+            "shaping_note": sorted({s.note for s in run.twin.shaping.values() if s.note}),
+            "swaps": SWAPS,
+        }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--producers", type=int, default=2)
+    ap.add_argument("--versions", type=int, default=8)
+    ap.add_argument("--rate-mbit", type=float, default=1000.0)
+    ap.add_argument("--smoke", action="store_true", help="one producer, two versions")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
+    if args.smoke:
+        args.producers, args.versions = 1, 2
+    from common.cluster.twin import unavailable_reason
+
+    why = unavailable_reason()
+    if why:
+        print(json.dumps({"skipped": f"no cluster twin here: {why}"}))
+        return 0
+    with tempfile.TemporaryDirectory(prefix="rlstream-bench-cluster-") as d:
+        out = measure(args.producers, args.versions, args.rate_mbit, Path(d))
+    out["smoke"] = args.smoke
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
