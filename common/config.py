@@ -238,6 +238,13 @@ class EngineSettings(_Section):
     """Where the MoE routing of each sample comes from. auto: capture on CPU, native on GPU.
     capture: router hooks (CPU, in-process). native: vLLM's enable_return_routed_experts
     (GPU). off: records carry no routing (no R3, no routing-agreement metric)."""
+    parse_special_tokens: bool = False
+    """Tokenise the literal text of a special token ("<eos>", "<|im_end|>") in prompts,
+    environment observations and agents' messages as that token. Off (safe): such text
+    is ordinary characters, so no user, tool or environment can end a turn or forge a
+    role marker; a chat template's own markers are parsed either way
+    (producer/text_tokens.py). On: only for trusted sources that write markers on
+    purpose, e.g. a prompt file already rendered with the model's chat template."""
     extra_engine_args: dict[str, Any] = {}
     """Passed to vllm.EngineArgs unchanged, last (escape hatch for arguments without a
     setting, e.g. {attention_backend: FLASHINFER}). Arguments that have a setting are refused."""

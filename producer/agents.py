@@ -60,6 +60,7 @@ from producer import telemetry
 from producer.episodes import EpisodeState, ObservationEncoder
 from producer.groups import GroupInfo, InFlightGroups
 from producer.sample import FinishedSample, SamplingConfig
+from producer.text_tokens import encode_rendered, encode_text
 
 log = logging.getLogger("rlstream.producer.agents")
 
@@ -272,7 +273,7 @@ class AgentEpisodes:
         self.engine, self.settings, self.limits = engine, settings, limits
         self.sampling, self.groups, self.group_size = sampling, groups, group_size
         self.take_task, self.producer_id = take_task, producer_id
-        self.encoder = ObservationEncoder(engine.tokenizer())
+        self.encoder = ObservationEncoder(engine.tokenizer(), parse_special=engine.settings.parse_special_tokens)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.episodes: dict[str, AgentEpisode] = {}
         self._turns: dict[AgentTag, AgentEpisode] = {}
@@ -421,19 +422,25 @@ class AgentEpisodes:
     def _render_prompt(self, messages: list[dict]) -> np.ndarray:
         if messages[-1]["role"] == "assistant":
             raise AgentRequestError(400, "messages: the first call must end with a user (or system) message")
-        tok = self.engine.tokenizer()
+        tok, parse = self.engine.tokenizer(), self.engine.settings.parse_special_tokens
+        contents = [m["content"] for m in messages]
         if getattr(tok, "chat_template", None) is None:  # the tiny toy model: plain text, as the environments
-            text = "".join(m["content"] for m in messages)
-        else:
-            text = _templated(lambda: tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
-        ids = np.asarray(tok.encode(text, add_special_tokens=False), dtype=np.int32)
+            ids = encode_text(tok, "".join(contents), parse)
+        else:  # the template's markers parsed, a special token's text in a message not (producer/text_tokens.py)
+            def render(texts: list[str]) -> str:
+                return tok.apply_chat_template([{**m, "content": t} for m, t in zip(messages, texts)],
+                                               tokenize=False, add_generation_prompt=True)
+
+            ids = _templated(lambda: encode_rendered(tok, render, contents, parse))
+        ids = np.asarray(ids, dtype=np.int32)
         if ids.size == 0 or ids.size >= self.engine.settings.max_model_len:
             raise AgentRequestError(400, f"messages: a prompt of {ids.size} tokens (the engine's max_model_len "
                                          f"is {self.engine.settings.max_model_len})", "max_tokens")
         return ids
 
     def _stop_token(self, text: str) -> int:
-        ids = self.engine.encode(text)
+        # parsed: a stop naming a special token means that token (stopping is all it can do)
+        ids = encode_text(self.engine.tokenizer(), text, parse_special=True)
         if len(ids) != 1:
             raise AgentRequestError(400, f"stop: {text!r} is {len(ids)} tokens of this model; each stop "
                                          "must be one token (the engine stops on token ids)")

@@ -33,7 +33,7 @@ class ScriptedEngine:
 
     def __init__(self, replies: list[str], max_model_len: int = 256):
         self.replies, self.version, self.requests = list(replies), 0, {}
-        self.settings = type("S", (), {"max_model_len": max_model_len})()
+        self.settings = type("S", (), {"max_model_len": max_model_len, "parse_special_tokens": False})()
         self.model_dir = type("P", (), {"name": "tiny"})()
 
     def encode(self, text):

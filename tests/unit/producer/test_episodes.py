@@ -27,7 +27,7 @@ class ScriptedEngine:
 
     def __init__(self, script: dict[int, list[str]], max_model_len: int = 256):
         self.script, self.version, self.requests = script, 0, {}
-        self.settings = type("S", (), {"max_model_len": max_model_len})()
+        self.settings = type("S", (), {"max_model_len": max_model_len, "parse_special_tokens": False})()
         self.prompts: list[np.ndarray] = []
 
     def encode(self, text):
