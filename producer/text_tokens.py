@@ -22,7 +22,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 
-
 class RewrittenSpecialText(ValueError):
     """A message content holding a special token's text was rewritten by the chat
     template, so it cannot be told apart from the template's own markers (the agent
