@@ -40,6 +40,8 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import math
+import numbers
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -49,7 +51,7 @@ import numpy as np
 
 from common.config import EpisodeSettings
 from common.errors import ConfigError
-from common.record import Rollout
+from common.record import DEFAULT_LIMITS, Rollout
 from producer import telemetry
 from producer.sample import FinishedSample, SamplingConfig
 from producer.text_tokens import RewrittenSpecialText, encode_rendered, encode_text
@@ -331,7 +333,13 @@ class EpisodeRunner:
         if not isinstance(r, StepResult):
             self._end(ep, "env_error", f"step returned {type(r).__name__}, not a StepResult")
             return
-        ep.reward += float(r.reward)
+        total = _reward_total(ep.reward, r.reward)
+        if total is None:  # the record would be refused at publication (common/record.py's bound)
+            self._end(ep, "env_error", f"step reward {repr(r.reward)[:40]} is not a finite number, or the "
+                                       f"episode's total leaves [-{DEFAULT_LIMITS.max_abs_reward:g}, "
+                                       f"{DEFAULT_LIMITS.max_abs_reward:g}]")
+            return
+        ep.reward = total
         ep.info.update(r.info)
         if r.done or r.observation is None:
             self._end(ep, "done")
@@ -376,6 +384,14 @@ class EpisodeRunner:
             self._unrecorded.append(ep.group_id)  # group is timed out by the consumer, like an
             return                                # aborted sample; the producer releases its slot)
         self._ended.append(ep.to_finished(end))
+
+
+def _reward_total(so_far: float, step_reward: Any) -> float | None:
+    """The episode's reward after a step, or None if it is no finite number within the record's bound."""
+    if isinstance(step_reward, bool) or not isinstance(step_reward, numbers.Real):  # numpy scalars are Real
+        return None
+    total = so_far + float(step_reward)
+    return total if math.isfinite(total) and abs(total) <= DEFAULT_LIMITS.max_abs_reward else None
 
 
 def _single_token(engine, text: str) -> int:
