@@ -238,6 +238,13 @@ class EngineSettings(_Section):
     """Where the MoE routing of each sample comes from. auto: capture on CPU, native on GPU.
     capture: router hooks (CPU, in-process). native: vLLM's enable_return_routed_experts
     (GPU). off: records carry no routing (no R3, no routing-agreement metric)."""
+    parse_special_tokens: bool = False
+    """Tokenise the literal text of a special token ("<eos>", "<|im_end|>") in prompts,
+    environment observations and agents' messages as that token. Off (safe): such text
+    is ordinary characters, so no user, tool or environment can end a turn or forge a
+    role marker; a chat template's own markers are parsed either way
+    (producer/text_tokens.py). On: only for trusted sources that write markers on
+    purpose, e.g. a prompt file already rendered with the model's chat template."""
     extra_engine_args: dict[str, Any] = {}
     """Passed to vllm.EngineArgs unchanged, last (escape hatch for arguments without a
     setting, e.g. {attention_backend: FLASHINFER}). Arguments that have a setting are refused."""
@@ -387,8 +394,9 @@ class ProducerSettings(_Section):
     engine.logprobs_mode raw_logprobs, also temperature != 1): the records' log-probs are
     then not those of the distribution the trainer evaluates, and every IS weight and
     MiniRL mask is biased. Off: such a configuration is refused at load."""
-    temperature: float = Field(1.0, gt=0.0)
-    """Sampling temperature (> 0: greedy decoding has no usable log-probs). Each record
+    temperature: float = Field(1.0, ge=0.01, le=100.0)
+    """Sampling temperature in [0.01, 100], the range a record may carry (common/record.py
+    MIN_TEMPERATURE: vLLM is greedy below 1e-5 and samples (0, 0.01) at 0.01). Each record
     carries it and the trainer divides its logits by it before log-probs and entropy."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     """Nucleus sampling; < 1 needs accept_biased_logprobs (the trainer samples no nucleus).

@@ -16,10 +16,11 @@ little-endian buffers (msgpack `bin`) and decode zero-copy with
 | prompt_ids       | bin int32[P], 1 <= P        | prompt token ids, in [0, vocab)                 |
 | response_ids     | bin int32[T], 1 <= T        | sampled token ids, in [0, vocab)                |
 | prompt_text      | str (optional)              |                                                 |
-| logprobs         | bin float32[T]              | log mu_old of each sampled token (finite, <= 0);|
+| logprobs         | bin float32[T]              | log mu_old of each sampled token, in [-1000, 0];|
 |                  |                             | v2: exactly 0 on environment tokens             |
 | loss_mask        | bin uint8[T] (v2, required) | 1 = model token, 0 = environment token; [0] = 1 |
-| temperature      | float > 0 (optional, 1.0)   | sampling temperature the log-probs were taken at|
+| temperature      | float in [0.01, 100] (opt.) | sampling temperature the log-probs were taken at|
+|                  |                             | (absent: 1.0)                                   |
 | policy_version   | int >= 0                    | version at dispatch                             |
 | token_versions   | bin int64[R,2] (optional)   | run-length (version, count); counts sum to T    |
 |                  |                             | (environment tokens included, see below)        |
@@ -28,7 +29,7 @@ little-endian buffers (msgpack `bin`) and decode zero-copy with
 | routing_shape    | [rows, layers, top_k]       | rows = P+T-1 (scope "full") or T ("response")   |
 | routing_scope    | "full" or "response"        |                                                 |
 | num_experts      | int in [1, 65536]           | experts per MoE layer                           |
-| reward           | float (finite)              |                                                 |
+| reward           | float in [-1e6, 1e6]        | (bounds: "Value limits" below)                  |
 | reward_info      | map (optional)              | verifier details                                |
 | finish_reason    | str                         | "stop", "length", "abort"                       |
 | sampling_digest  | str                         | digest of the sampling parameters               |
@@ -62,6 +63,13 @@ A *claim-check pointer* replaces a record above the configured size: the map
 records of either version; a reader also takes 2); the blob
 at `uri` holds the full encoded record (see common/kafka/claimcheck.py).
 
+Value limits: the trainer divides the logits by `temperature`, exponentiates
+log-prob differences and sums rewards, advantages and log-probs in float32, so a
+value outside the range a sampler produces is refused like a malformed one
+(InvalidRecordError naming the field: the dead-letter topic with the reason). The
+bounds are `MIN_TEMPERATURE`, `MAX_TEMPERATURE`, `MIN_LOGPROB` and
+`RecordLimits.max_abs_reward`; their reasons are beside them.
+
 Staleness of a sample = trainer version at the optimizer step - its oldest
 model token's version (`Rollout.oldest_version`).
 """
@@ -89,6 +97,22 @@ _DTYPES = {"uint8": np.dtype("<u1"), "uint16": np.dtype("<u2")}
 _I32, _F32, _I64, _U8 = np.dtype("<i4"), np.dtype("<f4"), np.dtype("<i8"), np.dtype("<u1")
 _BOOL = np.dtype(bool)
 
+MIN_TEMPERATURE = 0.01
+"""The lowest temperature vLLM samples at: it decodes greedily below 1e-5 (its
+`_SAMPLING_EPS`; greedy log-probs are not those of softmax(logits / t)) and raises any
+temperature in (0, 0.01) to 0.01 (its `_MAX_TEMP`), so a record below 0.01 claims
+log-probs the engine never took. At 1e-30 the trainer's logits / t overflowed and a
+step's KL metric read 2.6e29. tests/unit/common/test_record_limits.py pins both to vLLM's."""
+MAX_TEMPERATURE = 100.0
+"""Far above any useful sampling temperature (at 100 the softmax of a model's logits,
+a few tens apart, is already near uniform); above it a record is garbage or hostile, and
+1e300 made the trainer's logits / t underflow to an exactly uniform distribution."""
+MIN_LOGPROB = -1000.0
+"""A sampled token had a non-zero probability in the sampler's float type: at least
+2**-1074 even in float64 (log = -744.4), 2**-149 in float32 (log = -103.3). Anything
+lower was not sampled; refusing it also keeps the trainer's sums of T log-probs (and
+of log mu - log pi, the KL metric) far inside float32."""
+
 
 @dataclass(frozen=True)
 class RecordLimits:
@@ -111,6 +135,11 @@ class RecordLimits:
     trainer far more than it is worth, or cannot be run at all."""
     group_size: int | None = None
     """The consumer's G: a record of another group size can never join a group."""
+    max_abs_reward: float = 1e6
+    """|reward| at most this. Rewards are scores (0/1 verifiers, small rubrics); the
+    trainer takes group means and stds (squares: 1e12 here) and multiplies advantages
+    by summed log-probs in float32 (max 3.4e38), so 1e6 leaves a wide margin, while a
+    reward of 1e300 became inf (advantage NaN) the moment it was cast to float32."""
 
     @classmethod
     def for_model(cls, vocab_size: int, layers: int, top_k: int, experts: int,
@@ -463,21 +492,36 @@ def validate(r: Rollout, limits: RecordLimits = DEFAULT_LIMITS) -> None:
             raise InvalidRecordError(name, "token ids must be in [0, max_token_id]")
     if r.logprobs.shape[0] != T:
         raise InvalidRecordError("logprobs", f"length {r.logprobs.shape[0]} != response length {T}")
-    if not np.isfinite(r.logprobs).all():
-        raise InvalidRecordError("logprobs", "must be finite (found NaN or inf)")
-    if (r.logprobs > 0).any():
-        raise InvalidRecordError("logprobs", "log-probabilities must be <= 0")
+    _validate_logprobs(r.logprobs)
     if r.finish_reason not in FINISH_REASONS:
         raise InvalidRecordError("finish_reason", f"must be one of {FINISH_REASONS}, got {r.finish_reason!r}")
-    if not math.isfinite(r.reward):
-        raise InvalidRecordError("reward", "must be finite")
-    if isinstance(r.temperature, bool) or not (math.isfinite(r.temperature) and r.temperature > 0):
-        raise InvalidRecordError("temperature", f"must be a finite number > 0, got {r.temperature!r}")
+    _validate_scalars(r, limits)
     if r.policy_version < 0:
         raise InvalidRecordError("policy_version", "must be >= 0")
     _validate_loss_mask(r, T)
     _validate_token_versions(r, T)
     _validate_routing(r, P, T, limits)
+
+
+def _validate_logprobs(lp: np.ndarray) -> None:
+    if not np.isfinite(lp).all():
+        raise InvalidRecordError("logprobs", "must be finite (found NaN or inf)")
+    if lp.size and (float(lp.max()) > 0 or float(lp.min()) < MIN_LOGPROB):
+        raise InvalidRecordError("logprobs", f"log-probabilities must be in [{MIN_LOGPROB:g}, 0] (a sampled "
+                                 f"token's), found {float(lp.min()):g}..{float(lp.max()):g}")
+
+
+def _validate_scalars(r: Rollout, limits: RecordLimits) -> None:
+    """The reward and temperature: finite, and within what a sampler and a verifier produce."""
+    if isinstance(r.reward, bool) or not math.isfinite(r.reward):
+        raise InvalidRecordError("reward", f"must be a finite number, got {r.reward!r}")
+    if abs(r.reward) > limits.max_abs_reward:
+        raise InvalidRecordError("reward", f"{r.reward:g} is outside [-{limits.max_abs_reward:g}, "
+                                 f"{limits.max_abs_reward:g}]")
+    t = r.temperature
+    if isinstance(t, bool) or not (math.isfinite(t) and MIN_TEMPERATURE <= t <= MAX_TEMPERATURE):
+        raise InvalidRecordError("temperature", f"must be a number in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}] "
+                                 f"(the range vLLM samples at), got {t!r}")
 
 
 def _validate_loss_mask(r: Rollout, T: int) -> None:

@@ -26,7 +26,8 @@ Limits (producer.episodes): `max_turns` calls, `max_turn_tokens` per call (a
 request's max_tokens is clamped to it), `max_episode_tokens` response tokens;
 a call beyond them is refused (400 `max_turns` / `max_tokens`) and the episode waits
 for its reward. Sampling is the producer's: a request's temperature or top_p must
-be absent or equal to it (the record carries one temperature for the trainer).
+be absent or equal to it (the record carries one temperature for the trainer). Every
+request field is type-checked before use: a wrong one is a 400 naming it (`BadParameter`).
 
 Ends (`rlstream_producer_episodes_total{end}`): `reported` (the agent's reward),
 `verified` (the task's verifier scored the last assistant message), both published;
@@ -48,21 +49,36 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+import math
+
 import numpy as np
 
 from common.config import AgentEndpointSettings, EpisodeSettings
 from common.errors import AgentRequestError
-from common.record import Rollout
+from common.record import DEFAULT_LIMITS, Rollout
 from producer import telemetry
 from producer.episodes import EpisodeState, ObservationEncoder
 from producer.groups import GroupInfo, InFlightGroups
 from producer.sample import FinishedSample, SamplingConfig
+from producer.text_tokens import encode_rendered, encode_text
 
 log = logging.getLogger("rlstream.producer.agents")
 
 END_REASONS = ("reported", "verified", "abandoned", "shutdown")
 ROLES = ("system", "user", "assistant", "tool")
 UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format", "logit_bias")
+PENALTIES = ("presence_penalty", "frequency_penalty")
+"""Sampling transforms the producer never applies: absent or 0 (the trainer could not reproduce them)."""
+MAX_STOPS = 4
+
+
+class BadParameter(AgentRequestError):
+    """A request field of the wrong type or value: 400, the field in the message and
+    in the error body's `param` (as OpenAI names it), never a 500 from deeper down."""
+
+    def __init__(self, param: str, why: str):
+        super().__init__(400, f"{param}: {why}")
+        self.param = param
 
 
 class AgentTag(NamedTuple):
@@ -112,9 +128,13 @@ def task_for(body: dict, prompts, verify) -> AgentTask | str:
     """A new group's task: the agent's own (`prompt`, optional `answer`: scored by
     `verify` when given) or the next of the producer's prompt source ("no_prompts" when dry)."""
     if body.get("prompt") is not None:
-        prompt, answer = str(body["prompt"]), body.get("answer")
+        prompt, answer = body["prompt"], body.get("answer")
+        if not isinstance(prompt, str) or not prompt:
+            raise BadParameter("prompt", "a non-empty string")
         if answer is None:
             return AgentTask(prompt, "", None)
+        if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+            raise BadParameter("answer", "a string or a number (what the producer's verifier compares with)")
         return AgentTask(prompt, str(answer), lambda text: verify(text, str(answer)))
     p = prompts.take()
     if p is None:
@@ -126,49 +146,93 @@ def task_for(body: dict, prompts, verify) -> AgentTask | str:
 # --------------------------------------------------------------------------- requests
 
 def parse_chat(body: dict, sampling: SamplingConfig) -> ChatCall:
-    """Validate an OpenAI chat-completions body; AgentRequestError(400) names what to fix."""
+    """Validate an OpenAI chat-completions body; BadParameter (400) names the field to fix.
+    Every field is type-checked here, so a wrong type is a 400, never a 500 from code below."""
     for key in UNSUPPORTED:
         if body.get(key) is not None:
-            raise AgentRequestError(400, f"{key}: not supported; tool calls are parsed from the content "
-                                         "by the agent, tool results come back as role 'tool' messages")
-    if body.get("stream"):
-        raise AgentRequestError(400, "stream: not supported; send stream false")
-    if body.get("n", 1) != 1:
-        raise AgentRequestError(400, "n: must be 1 (a group's G samples are G episodes)")
-    for key, ours in (("temperature", sampling.temperature), ("top_p", sampling.top_p)):
-        if body.get(key) is not None and float(body[key]) != ours:
-            raise AgentRequestError(400, f"{key}: the producer samples with {ours} (the record carries one "
-                                         f"{key} for the trainer); send {ours} or leave it out")
-    if body.get("top_logprobs"):
-        raise AgentRequestError(400, "top_logprobs: only the sampled token's log-prob is available (0)")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
-        raise AgentRequestError(400, f"max_tokens: {max_tokens!r} is not a positive integer")
-    stop = body.get("stop") or ()
-    stop = (stop,) if isinstance(stop, str) else tuple(stop)
-    if not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
-        raise AgentRequestError(400, "stop: a string or a list of at most 4 non-empty strings")
-    return ChatCall(parse_messages(body.get("messages")), max_tokens, stop, bool(body.get("logprobs")))
+            raise BadParameter(key, "not supported; tool calls are parsed from the content by the agent, "
+                                    "tool results come back as role 'tool' messages")
+    if _flag(body, "stream"):
+        raise BadParameter("stream", "not supported; send stream false")
+    if _integer(body, "n", 1) != 1:
+        raise BadParameter("n", "must be 1 (a group's G samples are G episodes)")
+    _same_sampling(body, sampling)
+    if _integer(body, "top_logprobs", 0) != 0:
+        raise BadParameter("top_logprobs", "only the sampled token's log-prob is available (0)")
+    max_tokens = _integer(body, "max_tokens", None, lo=1)
+    max_tokens = _integer(body, "max_completion_tokens", max_tokens, lo=1)
+    logprobs = _flag(body, "logprobs")
+    return ChatCall(parse_messages(body.get("messages")), max_tokens, _stops(body.get("stop")), logprobs)
+
+
+def _flag(body: dict, key: str) -> bool:
+    v = body.get(key)
+    if v is not None and not isinstance(v, bool):
+        raise BadParameter(key, f"true or false, got {_shown(v)}")
+    return bool(v)
+
+
+def _integer(body: dict, key: str, default: int | None, lo: int = 0) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise BadParameter(key, f"an integer >= {lo}, got {_shown(v)}")
+    return v
+
+
+def _number(body: dict, key: str) -> float | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise BadParameter(key, f"a finite number, got {_shown(v)}")
+    return float(v)
+
+
+def _same_sampling(body: dict, sampling: SamplingConfig) -> None:
+    """Sampling is the producer's: the record carries one temperature for the trainer."""
+    for key, ours in (("temperature", sampling.temperature), ("top_p", sampling.top_p)) + \
+            tuple((k, 0.0) for k in PENALTIES):
+        v = _number(body, key)
+        if v is not None and v != ours:
+            raise BadParameter(key, f"the producer samples with {ours} (the record carries one sampling "
+                                    f"distribution for the trainer); send {ours} or leave it out")
+
+
+def _stops(raw: Any) -> tuple[str, ...]:
+    stop = () if raw is None else (raw,) if isinstance(raw, str) else raw
+    if not isinstance(stop, (list, tuple)) or len(stop) > MAX_STOPS \
+            or not all(isinstance(s, str) and s for s in stop):
+        raise BadParameter("stop", f"a string or a list of at most {MAX_STOPS} non-empty strings, "
+                                   f"got {_shown(raw)}")
+    return tuple(stop)
+
+
+def _shown(v: Any) -> str:
+    """A refused value as the error shows it (short: it is the sender's)."""
+    return repr(v)[:40]
 
 
 def parse_messages(raw: Any) -> list[dict]:
     """[{role, content}] with text content (a list of text parts is joined)."""
     if not isinstance(raw, list) or not raw:
-        raise AgentRequestError(400, "messages: a non-empty list of {role, content}")
+        raise BadParameter("messages", "a non-empty list of {role, content}")
     out = []
     for i, m in enumerate(raw):
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise AgentRequestError(400, f"messages[{i}]: role must be one of {', '.join(ROLES)}")
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or m["role"] not in ROLES:
+            raise BadParameter(f"messages[{i}].role", f"one of {', '.join(ROLES)}")
         content = m.get("content")
         if isinstance(content, list):
-            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-                raise AgentRequestError(400, f"messages[{i}].content: only text parts are supported")
-            content = "".join(str(p.get("text", "")) for p in content)
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text", ""), str)
+                       for p in content):
+                raise BadParameter(f"messages[{i}].content", "only text parts are supported")
+            content = "".join(p.get("text", "") for p in content)
         if not isinstance(content, str):
-            raise AgentRequestError(400, f"messages[{i}].content: text expected")
+            raise BadParameter(f"messages[{i}].content", "text expected")
         if m.get("tool_calls"):
-            raise AgentRequestError(400, f"messages[{i}].tool_calls: not supported; send the content "
-                                         "this endpoint returned")
+            raise BadParameter(f"messages[{i}].tool_calls", "not supported; send the content this endpoint "
+                                                            "returned")
         out.append({"role": m["role"], "content": content})
     return out
 
@@ -209,7 +273,7 @@ class AgentEpisodes:
         self.engine, self.settings, self.limits = engine, settings, limits
         self.sampling, self.groups, self.group_size = sampling, groups, group_size
         self.take_task, self.producer_id = take_task, producer_id
-        self.encoder = ObservationEncoder(engine.tokenizer())
+        self.encoder = ObservationEncoder(engine.tokenizer(), parse_special=engine.settings.parse_special_tokens)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.episodes: dict[str, AgentEpisode] = {}
         self._turns: dict[AgentTag, AgentEpisode] = {}
@@ -292,7 +356,7 @@ class AgentEpisodes:
                 fut.set_result((200, self._describe(ep)))
         except AgentRequestError as e:
             telemetry.AGENT_REFUSED.labels(kind=e.kind).inc()
-            fut.set_result((e.status, error_body(str(e), e.kind)))
+            fut.set_result((e.status, error_body(str(e), e.kind, getattr(e, "param", None))))
         except Exception as e:  # noqa: BLE001 - one agent's request must not stop the producer's loop
             log.exception("agent request %s on episode %s failed", kind, eid)
             telemetry.AGENT_REFUSED.labels(kind="internal_error").inc()
@@ -358,19 +422,25 @@ class AgentEpisodes:
     def _render_prompt(self, messages: list[dict]) -> np.ndarray:
         if messages[-1]["role"] == "assistant":
             raise AgentRequestError(400, "messages: the first call must end with a user (or system) message")
-        tok = self.engine.tokenizer()
+        tok, parse = self.engine.tokenizer(), self.engine.settings.parse_special_tokens
+        contents = [m["content"] for m in messages]
         if getattr(tok, "chat_template", None) is None:  # the tiny toy model: plain text, as the environments
-            text = "".join(m["content"] for m in messages)
-        else:
-            text = _templated(lambda: tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
-        ids = np.asarray(tok.encode(text, add_special_tokens=False), dtype=np.int32)
+            ids = encode_text(tok, "".join(contents), parse)
+        else:  # the template's markers parsed, a special token's text in a message not (producer/text_tokens.py)
+            def render(texts: list[str]) -> str:
+                return tok.apply_chat_template([{**m, "content": t} for m, t in zip(messages, texts)],
+                                               tokenize=False, add_generation_prompt=True)
+
+            ids = _templated(lambda: encode_rendered(tok, render, contents, parse))
+        ids = np.asarray(ids, dtype=np.int32)
         if ids.size == 0 or ids.size >= self.engine.settings.max_model_len:
             raise AgentRequestError(400, f"messages: a prompt of {ids.size} tokens (the engine's max_model_len "
                                          f"is {self.engine.settings.max_model_len})", "max_tokens")
         return ids
 
     def _stop_token(self, text: str) -> int:
-        ids = self.engine.encode(text)
+        # parsed: a stop naming a special token means that token (stopping is all it can do)
+        ids = encode_text(self.engine.tokenizer(), text, parse_special=True)
         if len(ids) != 1:
             raise AgentRequestError(400, f"stop: {text!r} is {len(ids)} tokens of this model; each stop "
                                          "must be one token (the engine stops on token ids)")
@@ -389,9 +459,7 @@ class AgentEpisodes:
     def _reward(self, ep: AgentEpisode, body: dict) -> dict:
         if ep.waiting is not None:
             raise AgentRequestError(409, "a call of this episode is generating; wait for its answer", "busy")
-        reward, info = body.get("reward"), body.get("info") or {}
-        if not isinstance(info, dict):
-            raise AgentRequestError(400, "info: an object of scalar values")
+        reward, info = body.get("reward"), _info(body.get("info"))
         if reward is None:
             if ep.task.score is None:
                 raise AgentRequestError(400, "reward: required (this group's task has no verifier: its prompt "
@@ -399,10 +467,8 @@ class AgentEpisodes:
             last = ep.history[-1]["content"] if ep.state.turns else ""
             reward, vinfo = ep.task.score(last)
             info, end = {**vinfo, **info}, "verified"
-        elif isinstance(reward, bool) or not isinstance(reward, (int, float)) or not np.isfinite(reward):
-            raise AgentRequestError(400, f"reward: {reward!r} is not a finite number")
         else:
-            end = "reported"
+            reward, end = _reported_reward(body), "reported"
         ep.state.reward = float(reward)
         ep.state.info.update(info)
         published = self._end(ep, end)
@@ -470,5 +536,32 @@ def _templated(render: Callable[[], Any]) -> Any:
         raise AgentRequestError(400, f"messages: the model's chat template refused them: {e}"[:300]) from e
 
 
-def error_body(message: str, kind: str) -> dict:
-    return {"error": {"message": message, "type": kind}}
+def _reported_reward(body: dict) -> float:
+    """The agent's reward: a finite number within the record's bound (a record beyond it
+    would be refused at publication, after the episode was already closed)."""
+    reward, bound = _number(body, "reward"), DEFAULT_LIMITS.max_abs_reward
+    if abs(reward) > bound:
+        raise BadParameter("reward", f"{reward:g} is outside [-{bound:g}, {bound:g}] (common/record.py)")
+    return reward
+
+
+def _info(raw: Any) -> dict:
+    """The reward's `info`: a map of scalars (it goes into the record's reward_info, which
+    msgpack must encode: no integer beyond 64 bits, no deep nesting)."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise BadParameter("info", f"an object of scalar values, got {_shown(raw)}")
+    for k, v in raw.items():
+        ok = v is None or isinstance(v, (str, bool, float)) or (isinstance(v, int) and -2**63 <= v < 2**64)
+        if not ok:
+            raise BadParameter(f"info.{k[:40]}", f"a string, number, boolean or null, got {_shown(v)}")
+    return raw
+
+
+def error_body(message: str, kind: str, param: str | None = None) -> dict:
+    """OpenAI's error shape; `param` names the request field at fault when there is one."""
+    err = {"message": message, "type": kind}
+    if param is not None:
+        err["param"] = param
+    return {"error": err}

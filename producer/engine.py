@@ -60,6 +60,7 @@ from common.config import EngineSettings
 from common.errors import ConfigError, EngineError
 from common.record import routing_dtype_for
 from producer.sample import FinishedSample, SamplingConfig
+from producer.text_tokens import encode_text
 
 log = logging.getLogger(__name__)
 
@@ -252,8 +253,9 @@ class RolloutEngine:
 
     # -- tokenizer helpers ---------------------------------------------------
     def encode(self, text: str) -> np.ndarray:
-        """Prompt text -> int32 token ids (no special tokens added)."""
-        ids = self._engine.get_tokenizer().encode(text, add_special_tokens=False)
+        """Prompt or environment text -> int32 token ids (no special tokens added; a
+        special token's text stays text unless engine.parse_special_tokens: producer/text_tokens.py)."""
+        ids = encode_text(self._engine.get_tokenizer(), text, self.settings.parse_special_tokens)
         return np.asarray(ids, dtype=np.int32)
 
     def decode(self, ids) -> str:

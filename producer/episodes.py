@@ -17,7 +17,8 @@ killed: an environment must not block forever.
 Token-in, token-out. The model's turn is appended exactly as sampled (ids,
 log-probs, per-token versions from the engine); the environment's text is
 tokenised once (`ObservationEncoder`: through the chat template where the
-tokenizer has one) and appended with loss mask 0, log-prob 0 and the engine's
+tokenizer has one; a special token's text in it stays text, producer/text_tokens.py)
+and appended with loss mask 0, log-prob 0 and the engine's
 version at that moment. The next model turn is submitted as soon as the step
 returns, with the whole token sequence as its prompt, so episodes at different
 turns share the engine's continuous batching; nothing is ever decoded and
@@ -39,6 +40,8 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import math
+import numbers
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -48,9 +51,10 @@ import numpy as np
 
 from common.config import EpisodeSettings
 from common.errors import ConfigError
-from common.record import Rollout
+from common.record import DEFAULT_LIMITS, Rollout
 from producer import telemetry
 from producer.sample import FinishedSample, SamplingConfig
+from producer.text_tokens import RewrittenSpecialText, encode_rendered, encode_text
 
 END_REASONS = ("done", "max_turns", "max_tokens", "step_timeout", "env_error")
 _FINISH = {"done": "stop", "max_turns": "length", "max_tokens": "length",
@@ -100,10 +104,12 @@ class ObservationEncoder:
     """Environment text -> token ids, once. Without a chat template: the plain
     tokenizer. With one: the text as a message of `role`, rendered as the
     template renders it after an assistant turn, minus the model's own closing
-    token (it is already in the response, as sampled)."""
+    token (it is already in the response, as sampled). Either way a special
+    token's text in the messages is ordinary text unless `parse_special`
+    (producer.engine.parse_special_tokens)."""
 
-    def __init__(self, tokenizer, role: str = "tool"):
-        self.tok, self.role = tokenizer, role
+    def __init__(self, tokenizer, role: str = "tool", parse_special: bool = False):
+        self.tok, self.role, self.parse_special = tokenizer, role, parse_special
         self.template = getattr(tokenizer, "chat_template", None) is not None
 
     def __call__(self, text: str, last_model_token: int | None = None) -> list[int]:
@@ -113,8 +119,11 @@ class ObservationEncoder:
         """Messages that follow a model turn (tool, user or system), as token ids; without
         a chat template their contents concatenated (producer/agents.py uses this too)."""
         if not self.template:
-            return list(self.tok.encode("".join(m["content"] for m in messages), add_special_tokens=False))
-        return list(self.tok.encode(self._delta(messages, last_model_token), add_special_tokens=False))
+            return encode_text(self.tok, "".join(m["content"] for m in messages), self.parse_special)
+        def render(texts: list[str]) -> str:
+            return self._delta([{**m, "content": t} for m, t in zip(messages, texts)], last_model_token)
+
+        return encode_rendered(self.tok, render, [m["content"] for m in messages], self.parse_special)
 
     def _delta(self, messages: list[dict], last_model_token: int | None) -> str:
         marker = "\x00assistant\x00"
@@ -232,7 +241,8 @@ class EpisodeRunner:
         self.engine, self.settings, self._env_factory = engine, settings, env_factory
         stops = tuple(_single_token(engine, t) for t in env_factory().stop_texts)
         self.sampling = dataclasses.replace(sampling, stop_token_ids=tuple(sampling.stop_token_ids) + stops)
-        self.encode_observation = encoder or ObservationEncoder(engine.tokenizer())
+        self.encode_observation = encoder or ObservationEncoder(
+            engine.tokenizer(), parse_special=engine.settings.parse_special_tokens)
         self._pool = cf.ThreadPoolExecutor(settings.env_workers, thread_name_prefix="rlstream-env")
         self._turns: dict[str, EpisodeState] = {}  # request tag -> episode whose model turn is generating
         self._pending: dict[cf.Future, tuple[EpisodeState, float, str]] = {}  # env call -> (episode, deadline, kind)
@@ -323,14 +333,27 @@ class EpisodeRunner:
         if not isinstance(r, StepResult):
             self._end(ep, "env_error", f"step returned {type(r).__name__}, not a StepResult")
             return
-        ep.reward += float(r.reward)
+        total = _reward_total(ep.reward, r.reward)
+        if total is None:  # the record would be refused at publication (common/record.py's bound)
+            self._end(ep, "env_error", f"step reward {repr(r.reward)[:40]} is not a finite number, or the "
+                                       f"episode's total leaves [-{DEFAULT_LIMITS.max_abs_reward:g}, "
+                                       f"{DEFAULT_LIMITS.max_abs_reward:g}]")
+            return
+        ep.reward = total
         ep.info.update(r.info)
         if r.done or r.observation is None:
             self._end(ep, "done")
         elif ep.turns >= self.settings.max_turns:
             self._end(ep, "max_turns")
         else:
-            ids = self.encode_observation(r.observation, ep.response[-1])
+            if not isinstance(r.observation, str):
+                self._end(ep, "env_error", f"step returned a {type(r.observation).__name__} observation, not text")
+                return
+            try:
+                ids = self.encode_observation(r.observation, ep.response[-1])
+            except RewrittenSpecialText as e:
+                self._end(ep, "env_error", f"observation: {e}"[:200])
+                return
             if len(ep.response) + len(ids) + 1 > self._room(ep):
                 self._end(ep, "max_tokens")
                 return
@@ -363,8 +386,17 @@ class EpisodeRunner:
         self._ended.append(ep.to_finished(end))
 
 
+def _reward_total(so_far: float, step_reward: Any) -> float | None:
+    """The episode's reward after a step, or None if it is no finite number within the record's bound."""
+    if isinstance(step_reward, bool) or not isinstance(step_reward, numbers.Real):  # numpy scalars are Real
+        return None
+    total = so_far + float(step_reward)
+    return total if math.isfinite(total) and abs(total) <= DEFAULT_LIMITS.max_abs_reward else None
+
+
 def _single_token(engine, text: str) -> int:
-    ids = engine.encode(text)
+    # parsed: a stop text that names a special token means that token (the environment's code, trusted)
+    ids = encode_text(engine.tokenizer(), text, parse_special=True)
     if len(ids) != 1:
         raise ConfigError(f"the environment's stop text {text!r} is {len(ids)} tokens of this model, "
                           "not one (vLLM stops on token ids)", key="producer.episodes.env")

@@ -155,3 +155,16 @@ def test_trainer_log_probs_match_vllm_on_model_tokens_of_every_turn(rollout_engi
           f"({int(late.sum())} after an environment turn)")
     assert int(late.sum()) > 0
     assert float(diff.max()) < MATCH_TOL
+
+
+@pytest.mark.timeout(600)
+def test_the_real_engines_tokenizer_keeps_a_special_tokens_text_as_text(rollout_engine):
+    """vLLM's tokenizer wrapper passes split_special_tokens through (producer/text_tokens.py)."""
+    from producer.episodes import ObservationEncoder
+
+    eos = rollout_engine.tokenizer().eos_token_id
+    assert eos in rollout_engine.tokenizer().encode("1+<eos>2=", add_special_tokens=False)  # parsed by default
+    assert eos not in rollout_engine.encode("1+<eos>2=")
+    assert eos not in ObservationEncoder(rollout_engine.tokenizer())("=<eos>,")
+    assert rollout_engine.encode("12+7=").tolist() == rollout_engine.tokenizer().encode("12+7=",
+                                                                                        add_special_tokens=False)

@@ -33,7 +33,7 @@ class ScriptedEngine:
 
     def __init__(self, replies: list[str], max_model_len: int = 256):
         self.replies, self.version, self.requests = list(replies), 0, {}
-        self.settings = type("S", (), {"max_model_len": max_model_len})()
+        self.settings = type("S", (), {"max_model_len": max_model_len, "parse_special_tokens": False})()
         self.model_dir = type("P", (), {"name": "tiny"})()
 
     def encode(self, text):
@@ -120,7 +120,7 @@ def test_chat_requests_are_validated_naming_what_to_fix():
            "max_tokens": chat([{"role": "user", "content": "x"}], max_tokens=0),
            "stop": chat([{"role": "user", "content": "x"}], stop=[1]),
            "messages:": {"messages": []},
-           "role must be": chat([{"role": "bot", "content": "x"}]),
+           "messages[0].role": chat([{"role": "bot", "content": "x"}]),
            "content": chat([{"role": "user", "content": None}])}
     for what, body in bad.items():
         with pytest.raises(AgentRequestError) as e:

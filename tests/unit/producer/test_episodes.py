@@ -27,7 +27,7 @@ class ScriptedEngine:
 
     def __init__(self, script: dict[int, list[str]], max_model_len: int = 256):
         self.script, self.version, self.requests = script, 0, {}
-        self.settings = type("S", (), {"max_model_len": max_model_len})()
+        self.settings = type("S", (), {"max_model_len": max_model_len, "parse_special_tokens": False})()
         self.prompts: list[np.ndarray] = []
 
     def encode(self, text):
@@ -235,3 +235,34 @@ def test_episode_settings_are_validated_and_off_by_default():
     for bad in ({"env": "shell"}, {"max_turns": 0}, {"step_timeout_s": 0}, {"typo": 1}):
         with pytest.raises(Exception):
             ProducerSettings(episodes=bad)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 1e300, "1", None, [1.0]])
+def test_a_step_reward_no_record_can_carry_ends_the_episode_with_env_error(bad):
+    class BadReward(CalculatorEnv):
+        def step(self, turn):
+            return StepResult("=2,", reward=bad)
+
+    eng = ScriptedEngine({0: ["c(1+1)", "2$"]})
+    runner = EpisodeRunner(eng, settings(), SamplingConfig(), BadReward)
+    runner.start("g", 0, 1, task())
+    (ep,) = run(eng, runner)
+    assert ep.end == "env_error" and "step reward" in ep.info["error"]
+    r = ep.to_rollout("p", runner.sampling, None)
+    assert decode(encode(r)).reward == 0.0  # published (its group completes) with the reward so far
+    runner.close()
+
+
+@pytest.mark.timeout(30)
+def test_numpy_step_rewards_are_numbers():
+    class NumpyReward(CalculatorEnv):
+        def step(self, turn):
+            return StepResult(None, reward=np.float32(0.5), done=True)
+
+    eng = ScriptedEngine({0: ["2$"]})
+    runner = EpisodeRunner(eng, settings(), SamplingConfig(), NumpyReward)
+    runner.start("g", 0, 1, task())
+    (ep,) = run(eng, runner)
+    assert ep.end == "done" and ep.to_rollout("p", runner.sampling, None).reward == 0.5
+    runner.close()

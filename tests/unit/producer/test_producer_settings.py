@@ -73,7 +73,10 @@ def test_prompt_source_is_a_tagged_union():
     (["producer.engine.extra_engine_args={enable_return_routed_experts: true}"],
      "producer.engine.extra_engine_args", "producer.engine.routing"),
     # sampling the trainer cannot reproduce: refused unless the bias is accepted by name
-    (["producer.temperature=0"], "producer.temperature", "greater than 0"),
+    (["producer.temperature=0"], "producer.temperature", "greater than or equal to 0.01"),
+    # vLLM samples (0, 0.01) at 0.01: the record would claim log-probs it never took
+    (["producer.temperature=0.005"], "producer.temperature", "greater than or equal to 0.01"),
+    (["producer.temperature=1e300"], "producer.temperature", "less than or equal to 100"),
     (["producer.top_p=0.95"], "producer.top_p", "producer.accept_biased_logprobs"),
     (["producer.engine.logprobs_mode=raw_logprobs", "producer.temperature=0.7"], "producer.engine",
      "producer.accept_biased_logprobs"),
@@ -92,6 +95,17 @@ def test_sampling_the_trainer_reproduces_loads_and_the_bias_can_be_accepted_by_n
     p = load("producer.engine.logprobs_mode=raw_logprobs", "producer.temperature=0.7",
              "producer.accept_biased_logprobs=true").producer
     assert p.engine.logprobs_mode == "raw_logprobs"
+
+
+def test_the_temperature_bounds_are_the_records():
+    from common.config import ProducerSettings
+    from common.record import MAX_TEMPERATURE, MIN_TEMPERATURE
+
+    ProducerSettings(temperature=MIN_TEMPERATURE)
+    ProducerSettings(temperature=MAX_TEMPERATURE)  # every temperature the config takes, a record takes
+    for t in (MIN_TEMPERATURE * 0.99, MAX_TEMPERATURE * 1.01):
+        with pytest.raises(Exception):
+            ProducerSettings(temperature=t)
 
 
 def test_dry_run_refuses_biased_sampling_with_exit_code_2(capsys):
