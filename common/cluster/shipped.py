@@ -92,4 +92,5 @@ def systemd_service(path: str | Path, env_files: dict[str, str] | None = None) -
             k, _, v = kv.partition("=")
             env[k] = v
     exec_start = svc.get("ExecStart", [""])[-1].lstrip("-@+!:")
-    return ShippedService(Path(path).stem, shlex.split(exec_start), env, (svc.get("WorkingDirectory") or [None])[-1])
+    argv = [interpolate(a, env) for a in shlex.split(exec_start)]  # systemd expands ${VAR} from the unit's env
+    return ShippedService(Path(path).stem, argv, env, (svc.get("WorkingDirectory") or [None])[-1])

@@ -37,7 +37,11 @@ log = logging.getLogger("bench.cluster")
 
 
 def model_bytes(work: Path) -> int:
-    return sum(p.stat().st_size for p in (work / "runs").rglob("*.safetensors"))
+    """The policy's bytes as the trainer loaded them (model.path of tiny-cpu.yaml, relative to the volume)."""
+    from common.config import load_config
+
+    path = work / load_config(str(ROOT / "configs" / "tiny-cpu.yaml")).model.path
+    return sum(p.stat().st_size for p in path.glob("*.safetensors"))
 
 
 def measure(producers: int, versions: int, rate_mbit: float, root: Path) -> dict:
