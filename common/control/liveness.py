@@ -60,6 +60,7 @@ class ProgressMonitor:
         self._work_since: dict[str, float] = {}  # activity -> when its current work arrived (absent: no work)
         self._ops: dict[str, tuple[float, float]] = {}  # running operation -> (started, limit_s)
         self._export = export
+        self._exported_names: set[str] = set()
         if export:  # the newest monitor of the process answers the scrape
             _LIVE.set_function(lambda: 1.0 if self.check()[0] else 0.0)
 
@@ -136,7 +137,9 @@ class ProgressMonitor:
         return max(self._work_since[name], self._beat.get(name, 0.0))
 
     def _exported(self, name: str) -> None:
-        if self._export:  # idempotent: the child's function reads this monitor at scrape time
+        """The gauge of `name`, once: its function reads this monitor at scrape time."""
+        if self._export and name not in self._exported_names:
+            self._exported_names.add(name)
             _SINCE.labels(activity=name).set_function(lambda: self.seconds_since_progress(name))
 
     def health(self, details: dict) -> tuple[bool, dict]:
