@@ -175,7 +175,6 @@ class ConsumerService:
                 if batch is None:
                     continue
                 step_metrics = clock.phase("train", self.train_step, batch)
-                self.liveness.beat("train_step")
                 clock.phase("checkpoint", self.checkpoint)
                 clock.phase("publish", self.publish_weights)
                 telemetry.observe_step(self.step, self.version, step_metrics, batch, clock.phases, self.ledger.counters)
@@ -245,6 +244,7 @@ class ConsumerService:
 
         samples = [TrainSample.from_rollout(r, w) for rg in batch for r, w in zip(rg.group.rollouts(), rg.weights)]
         out = self.leader.train(samples)
+        self.liveness.beat("train_step")
         self.step += 1
         self.version += 1
         self.leader.ckpt.audit({"step": self.step, "version": self.version, "trained": self.ledger.trained(),
