@@ -61,7 +61,7 @@ class ConsumerService:
         """[run id, step it started at] of every incarnation whose steps make the model (consumer/checkpoint.py)."""
         self._stop = False
         # live while a full batch waiting gets trained within the bound; ready once started
-        self.liveness = ProgressMonitor(self.ccfg.liveness.stall_after_s, service="consumer")
+        self.liveness = ProgressMonitor(self.ccfg.liveness.stall_after_s)
         self.readiness = Readiness(self.kafka.bootstrap_servers)
 
     # ------------------------------------------------------------ lifecycle
@@ -205,6 +205,7 @@ class ConsumerService:
         while len(batch) < self.ccfg.groups_per_batch:
             if self._stop:
                 self.ledger.put_back()  # untrained: back in line
+                self.liveness.has_work("train_step", False)  # stopping: the final checkpoint is no stall
                 return None
             self._note_work(batch)
             if boundary and self.ledger.complete:

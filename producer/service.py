@@ -65,7 +65,7 @@ class ProducerService:
         self._stop = False
         self.stats = telemetry.SampleStats()
         # live while requests in the engine get engine steps and a weight update ends in time
-        self.liveness = ProgressMonitor(self.pcfg.liveness.stall_after_s, service="producer")
+        self.liveness = ProgressMonitor(self.pcfg.liveness.stall_after_s)
         self.readiness = Readiness(self.kafka.bootstrap_servers)
 
     # ------------------------------------------------------------ lifecycle

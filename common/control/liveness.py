@@ -1,6 +1,6 @@
 """Liveness means progress; readiness means initialised and connected.
 
-    monitor = ProgressMonitor(stall_after_s=300, service="producer")
+    monitor = ProgressMonitor(stall_after_s=300)
     monitor.has_work("engine_step", engine.has_work())   # every loop iteration
     monitor.beat("engine_step")                          # each time the activity advances
     with monitor.operation("weight_update", limit_s=900):
@@ -29,6 +29,7 @@ Metrics, evaluated at each scrape (so they move while the loop is wedged):
 """
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -36,6 +37,8 @@ from contextlib import contextmanager
 from typing import Callable, Iterator
 
 from common import metrics
+
+log = logging.getLogger(__name__)
 
 _LIVE = metrics.gauge("rlstream_live", "1 while the service's loop makes progress (GET /healthz 200), else 0")
 _SINCE = metrics.gauge("rlstream_loop_seconds_since_progress",
@@ -47,14 +50,14 @@ class ProgressMonitor:
     """Activities the loop advances and bounded operations it runs; `check()` says whether it is live.
 
     Thread-safe: the loop writes, the HTTP thread reads. `clock` is injectable
-    (seconds, monotonic) for tests.
+    (seconds, monotonic) for tests; `export=False` keeps it off the metrics.
     """
 
-    def __init__(self, stall_after_s: float, service: str = "service",
-                 clock: Callable[[], float] = time.monotonic, export: bool = True):
+    def __init__(self, stall_after_s: float, clock: Callable[[], float] = time.monotonic, export: bool = True):
         if stall_after_s <= 0:
             raise ValueError(f"stall_after_s must be > 0, got {stall_after_s}")
-        self.stall_after_s, self.service, self._clock = stall_after_s, service, clock
+        self.stall_after_s, self._clock = stall_after_s, clock
+        self._was_live = True
         self._lock = threading.Lock()
         self._beat: dict[str, float] = {}  # activity -> last beat
         self._work_since: dict[str, float] = {}  # activity -> when its current work arrived (absent: no work)
@@ -121,6 +124,10 @@ class ProgressMonitor:
                             f"{self.stall_after_s:.0f})"
                             for name in sorted(self._work_since)
                             if (idle := now - self._stalled_since(name)) > self.stall_after_s]
+            turned, self._was_live = self._was_live != (not reasons), not reasons
+        if turned:  # once per change, not per probe
+            log.log(logging.ERROR if reasons else logging.INFO, "liveness: %s",
+                    "; ".join(reasons) if reasons else "live again")
         return not reasons, reasons
 
     def seconds_since_progress(self, name: str) -> float:

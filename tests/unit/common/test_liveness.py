@@ -8,6 +8,7 @@ turn 503 within the configured bound, with the reason.
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import threading
 import time
@@ -112,6 +113,19 @@ def test_health_details_carry_the_reasons_only_when_not_live(clock):
     clock.t += 11.0
     live, details = m.health({"version": 3})
     assert not live and details["version"] == 3 and "train_step" in details["reasons"][0]
+
+
+def test_a_change_of_liveness_is_logged_once_not_per_probe(clock, caplog):
+    caplog.set_level(logging.INFO, logger="common.control.liveness")
+    m = monitor(clock)
+    m.has_work("train_step", True)
+    clock.t += 11.0
+    for _ in range(3):
+        m.check()
+    m.beat("train_step")
+    m.check()
+    assert [(r.levelname, r.getMessage()[:21]) for r in caplog.records if r.name == "common.control.liveness"] == [
+        ("ERROR", "liveness: train_step "), ("INFO", "liveness: live again")]
 
 
 def test_stall_after_s_must_be_positive():
