@@ -232,7 +232,8 @@ def test_consumer_with_a_full_batch_and_a_hung_train_step_turns_unhealthy():
     import consumer.batch  # noqa: F401 - train_step imports it (and torch): not inside the measured bound
     from consumer.service import ConsumerService
 
-    cfg = RlstreamConfig.model_validate({"producer": {"group_size": 2}, "consumer": {"group_size": 2, "groups_per_batch": 2,
+    cfg = RlstreamConfig.model_validate({"producer": {"group_size": 2},
+                                         "consumer": {"group_size": 2, "groups_per_batch": 2,
                                                       "liveness": {"stall_after_s": STALL_S}}})
     svc = ConsumerService(cfg, "127.0.0.1:1")
     svc.follower = SimpleNamespace(catch_up=lambda: [], poll=lambda: [], view=SimpleNamespace(state=ControlSettings()))
