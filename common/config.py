@@ -158,6 +158,24 @@ class HttpSettings(_Section):
     """Bearer token of the admin API (env RLSTREAM_ADMIN_TOKEN, see ENV_ALIASES). None: admin off."""
 
 
+class LivenessSettings(_Section):
+    """When GET /healthz turns 503: the loop has work and makes no progress (common/control/liveness.py)."""
+
+    stall_after_s: float = Field(1800.0, gt=0, le=86400)
+    """Not live once work has waited this long without a train step. Set it above the
+    slowest loop iteration (train step + checkpoint + publish: minutes for the 30B recipes)."""
+
+
+class ProducerLivenessSettings(LivenessSettings):
+    stall_after_s: float = Field(300.0, gt=0, le=86400)
+    """Not live once requests in the engine have waited this long without an engine step
+    (a step takes milliseconds to seconds)."""
+    weight_update_limit_s: float = Field(900.0, gt=0, le=86400)
+    """Not live once following the trainer (a reload: stage, verify and load a version; a
+    collective receive) has blocked the loop this long. Above the load time of the largest
+    version (a 61 GB durable copy: minutes)."""
+
+
 # ------------------------------------------------------------- producer
 
 RoutingMode = Literal["auto", "capture", "native", "off"]
@@ -408,6 +426,7 @@ class ProducerSettings(_Section):
     (math-verify: equivalent values and expressions, producer/verifiers.py)."""
     engine: EngineSettings = EngineSettings()
     http: HttpSettings = HttpSettings()
+    liveness: ProducerLivenessSettings = ProducerLivenessSettings()
     num_threads: int = Field(1, ge=1)
     """torch/OpenMP threads of the engine process."""
     drain_timeout_s: float = Field(60.0, gt=0)
@@ -709,6 +728,7 @@ class ConsumerSettings(_Section):
     memory: TrainerMemorySettings = TrainerMemorySettings()
     parallel: ParallelSettings = ParallelSettings()
     http: HttpSettings = HttpSettings()
+    liveness: LivenessSettings = LivenessSettings()
     num_threads: int = Field(1, ge=1)
     """torch/OpenMP threads of each trainer process."""
     run_file: str | None = None

@@ -36,6 +36,7 @@ import time
 import uuid
 
 from common.config import ControlSettings, RlstreamConfig
+from common.control.liveness import ProgressMonitor, Readiness
 from common.control.messages import ControlChange
 from common.lifecycle import close_attrs
 from consumer import telemetry
@@ -59,6 +60,9 @@ class ConsumerService:
         self.lineage: list[list] = [[self.run_id, 0]]
         """[run id, step it started at] of every incarnation whose steps make the model (consumer/checkpoint.py)."""
         self._stop = False
+        # live while a full batch waiting gets trained within the bound; ready once started
+        self.liveness = ProgressMonitor(self.ccfg.liveness.stall_after_s)
+        self.readiness = Readiness(self.kafka.bootstrap_servers)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -88,7 +92,9 @@ class ConsumerService:
             self.publish_weights()
         self.announce_progress(every_s=0.0)
         telemetry.observe_version(self.version)
-        self.http = telemetry.serve_http(self.ccfg.http, self._health, lambda: self.control, self._writer)
+        self.http = telemetry.serve_http(self.ccfg.http, self._health, lambda: self.control, self._writer,
+                                         ready=self._ready)
+        self.readiness.initialised()
         telemetry.started(self.ccfg.run_file, self.http.url, self.kafka.bootstrap_servers, self.step, self.version)
 
     def _restore(self, latest) -> dict[int, int] | None:
@@ -135,10 +141,16 @@ class ConsumerService:
         return max(self.version, announced.version if announced is not None else 0)
 
     def _health(self) -> tuple[bool, dict]:
-        return True, {"version": self.version, "step": self.step, "open_groups": self.ledger.assembler.num_open}
+        """GET /healthz (the HTTP thread): live unless a full batch waits and no step trained it in time."""
+        return self.liveness.health({"version": self.version, "step": self.step,
+                                     "open_groups": self.ledger.assembler.num_open})
+
+    def _ready(self) -> tuple[bool, dict]:
+        return self.readiness.check({"version": self.version, "step": self.step})
 
     def stop(self, *_):
         self._stop = True
+        self.readiness.stopping()
 
     def close(self) -> None:
         try:
@@ -193,7 +205,9 @@ class ConsumerService:
         while len(batch) < self.ccfg.groups_per_batch:
             if self._stop:
                 self.ledger.put_back()  # untrained: back in line
+                self.liveness.has_work("train_step", False)  # stopping: the final checkpoint is no stall
                 return None
+            self._note_work(batch)
             if boundary and self.ledger.complete:
                 self.apply_control()  # the batch boundary
                 boundary = False
@@ -212,6 +226,12 @@ class ConsumerService:
                 self._read(poll_s)
         return batch
 
+    def _note_work(self, batch: list[ReadyGroup]) -> None:
+        """Work for the liveness check: a full batch is there to train (not paused). Partial
+        groups and a partial batch wait for producers, not for this loop: no work."""
+        available = len(batch) + len(self.ledger.complete)
+        self.liveness.has_work("train_step", not self.control.paused and available >= self.ccfg.groups_per_batch)
+
     def _read(self, poll_s: float) -> None:
         items = self.reader.poll(max_records=512, timeout_s=poll_s)
         self.ledger.read(items, self.reader.take_dead())
@@ -225,6 +245,7 @@ class ConsumerService:
 
         samples = [TrainSample.from_rollout(r, w) for rg in batch for r, w in zip(rg.group.rollouts(), rg.weights)]
         out = self.leader.train(samples)
+        self.liveness.beat("train_step")
         self.step += 1
         self.version += 1
         self.leader.ckpt.audit({"step": self.step, "version": self.version, "trained": self.ledger.trained(),

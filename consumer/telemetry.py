@@ -40,11 +40,12 @@ DURABLE_VERSION = metrics.gauge("rlstream_consumer_durable_version",
                                 "Newest version written to the durable weight store")
 
 
-def serve_http(settings, health: Callable, control: Callable, writer):
-    """/metrics, /healthz and the admin API (changes go to the control topic through `writer`)."""
+def serve_http(settings, health: Callable, control: Callable, writer, ready: Callable | None = None):
+    """/metrics, /healthz, /readyz and the admin API (changes go to the control topic through `writer`)."""
     from common.control.http import start_service_http
 
-    http = start_service_http(settings, health, control, writer, by=f"admin@consumer-{socket.gethostname()}")
+    http = start_service_http(settings, health, control, writer, by=f"admin@consumer-{socket.gethostname()}",
+                              ready=ready)
     log.info("consumer http on %s", http.url)
     return http
 

@@ -36,6 +36,7 @@ import time
 
 from common import metrics, runfile
 from common.config import ControlSettings, RlstreamConfig
+from common.control.liveness import ProgressMonitor, Readiness
 from common.control.messages import TrainerProgress, WeightsReady
 from common.lifecycle import close_attrs
 from producer import telemetry
@@ -63,6 +64,9 @@ class ProducerService:
         self.agents = None  # producer/agents.py AgentEpisodes when producer.agent_endpoint is set
         self._stop = False
         self.stats = telemetry.SampleStats()
+        # live while requests in the engine get engine steps and a weight update ends in time
+        self.liveness = ProgressMonitor(self.pcfg.liveness.stall_after_s)
+        self.readiness = Readiness(self.kafka.bootstrap_servers)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -100,6 +104,7 @@ class ProducerService:
         self.follow_control(weights=False)
         if self.follower.view.weights is not None:  # catch up to the newest announced version before generating
             self.reloader.catch_up(self.follower.view.weights)
+        self.readiness.initialised()
 
     def _episode_runner(self):
         """The multi-turn runner, or None (single-turn: the default)."""
@@ -130,14 +135,24 @@ class ProducerService:
 
         self._writer = ControlPlaneWriter(self.kafka)
         self.http = start_service_http(self.pcfg.http, self._health, lambda: self.control,
-                                       self._writer, by=f"admin@{self.producer_id}")
+                                       self._writer, by=f"admin@{self.producer_id}", ready=self._ready)
 
     def _health(self) -> tuple[bool, dict]:
-        return True, {"version": self.engine.version, "in_flight": self.engine.num_in_flight,
-                      "pending": len(self.outbox.pending), "producer_id": self.producer_id}
+        """GET /healthz (the HTTP thread): live unless requests wait for an engine step, or a
+        weight update blocks the loop, beyond their bounds (producer.liveness)."""
+        return self.liveness.health(self._status())
+
+    def _ready(self) -> tuple[bool, dict]:
+        """GET /readyz: the engine loaded and caught up to the announced version, the broker reachable."""
+        return self.readiness.check(self._status())
+
+    def _status(self) -> dict:
+        return {"version": self.engine.version, "in_flight": self.engine.num_in_flight,
+                "pending": len(self.outbox.pending), "producer_id": self.producer_id}
 
     def stop(self, *_):
         self._stop = True
+        self.readiness.stopping()
 
     # ----------------------------------------------------------------- loop
 
@@ -163,6 +178,7 @@ class ProducerService:
         self.follow_control()
         self.admit()
         self.serve_agents()
+        self.liveness.has_work("engine_step", self.engine.has_work())
         if self.episodes is not None and self.episodes.has_work():
             self.step_episodes()
         elif self.engine.has_work():
@@ -176,10 +192,11 @@ class ProducerService:
         for event in self.follower.poll():
             if isinstance(event, WeightsReady):
                 newest = event  # only the newest version of a poll matters
-        if weights:
-            if newest is not None:
-                self.reloader.apply(newest)
-            self.reloader.tick()  # the link: the trainer's commands, a received version to swap in
+        if weights:  # bounded: a transfer that never ends (a hung trainer, NCCL without a timeout) is not live
+            with self.liveness.operation("weight_update", self.pcfg.liveness.weight_update_limit_s):
+                if newest is not None:
+                    self.reloader.apply(newest)
+                self.reloader.tick()  # the link: the trainer's commands, a received version to swap in
         view = self.follower.view  # also what polls before this one saw (start-up)
         if view.progress is not None:
             self.progress = view.progress
@@ -217,6 +234,7 @@ class ProducerService:
     def engine_step(self) -> list:
         """One engine step; the agents' turns go to them, the rest is returned."""
         finished = self.engine.step()
+        self.liveness.beat("engine_step")
         return finished if self.agents is None else self.agents.claim(finished)
 
     def serve_agents(self) -> None:

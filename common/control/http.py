@@ -1,7 +1,9 @@
 """Every service's HTTP endpoint: /metrics, /healthz and the admin API.
 
 - `GET /metrics`   Prometheus text exposition (common/metrics.py registry).
-- `GET /healthz`   200 `{"status": "ok", ...}` while the service is healthy, else 503.
+- `GET /healthz`   200 `{"status": "ok", ...}` while the service is live (its loop makes
+  progress: common/control/liveness.py), else 503 with the reasons.
+- `GET /readyz`    200 once the service is initialised and its broker reachable, else 503.
 - `GET /admin/control`            current runtime settings (bearer token).
 - `POST /admin/control` `{"key": "max_staleness", "value": 3}`  validate and
   write the change to `rlstream.control`; every service applies it at its next
@@ -84,8 +86,10 @@ class ServiceHttp:
                  admin_token: str | None = None,
                  get_control: Callable[[], dict] | None = None,
                  set_control: Callable[[str, Any], Any] | None = None, *,
-                 client_timeout_s: float = 10.0, request_deadline_s: float = 60.0, max_connections: int = 64):
+                 client_timeout_s: float = 10.0, request_deadline_s: float = 60.0, max_connections: int = 64,
+                 ready: Callable[[], tuple[bool, dict]] | None = None):
         self.health, self.token = health, admin_token
+        self.ready = ready or health  # (ready, details); without one, ready = live
         self.get_control, self.set_control = get_control, set_control
         self.request_deadline_s = request_deadline_s
         # `timeout`: socketserver's StreamRequestHandler puts it on the socket (every read and write)
@@ -165,6 +169,9 @@ class _Handler(BaseHTTPRequestHandler):
         elif path == "/healthz":
             ok, details = self.service.health()
             self._json(200 if ok else 503, {"status": "ok" if ok else "unhealthy", **details})
+        elif path == "/readyz":
+            ok, details = self.service.ready()
+            self._json(200 if ok else 503, {"status": "ready" if ok else "not ready", **details})
         elif path == "/admin/control":
             if self._admin_guard():
                 self._json(200, self.service.get_control() if self.service.get_control else {})
@@ -233,7 +240,7 @@ class _Handler(BaseHTTPRequestHandler):
 ServiceHttp.handler_base = _Handler
 
 
-def start_service_http(settings, health, control_view, writer, by: str) -> ServiceHttp:
+def start_service_http(settings, health, control_view, writer, by: str, ready=None) -> ServiceHttp:
     """The HTTP endpoint of a service (`settings`: config.HttpSettings).
 
     The admin token is `settings.admin_token` (the config loader applies the
@@ -242,5 +249,5 @@ def start_service_http(settings, health, control_view, writer, by: str) -> Servi
     """
     return ServiceHttp(settings.host, settings.port, health, settings.admin_token,
                        get_control=lambda: control_view().model_dump(),
-                       set_control=lambda key, value: writer.set_control(key, value, by=by)).start()
+                       set_control=lambda key, value: writer.set_control(key, value, by=by), ready=ready).start()
 

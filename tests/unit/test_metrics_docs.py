@@ -26,6 +26,7 @@ DECLARING_MODULES = {
     "common.kafka.reader": "consumer",
     "common.control.plane": "both",
     "common.control.http": "both",
+    "common.control.liveness": "both",
     "producer.telemetry": "producer",
     "producer.prompts": "producer",
     "producer.mathjudge": "producer",

@@ -150,14 +150,21 @@ def _torchrun_world(workload: dict) -> tuple[int, int]:
     return int(opts["nnodes"]), int(opts["nproc_per_node"])
 
 
-def _check_pod(workload: dict, service_cmd: str, http_port: int, probes: bool = True) -> None:
+PROBE_PATHS = {"startupProbe": "/healthz", "readinessProbe": "/readyz", "livenessProbe": "/healthz"}
+
+
+def _check_pod(workload: dict, service_cmd: str, http_port: int, rank0_probes: bool = False) -> None:
     spec = _pod_template(workload)["spec"]
     c = _container(workload)
     assert _service_args(workload)[:3] == [service_cmd, "-c", "/etc/rlstream/rlstream.yaml"]
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert ports["http"] == http_port, "container port must equal the config's http.port"
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe") if probes else ():
-        assert c[probe]["httpGet"] == {"path": "/healthz", "port": "http"}, probe
+    for probe, path in PROBE_PATHS.items():  # liveness (progress) and readiness are separate endpoints
+        if rank0_probes:  # only rank 0 serves HTTP: the probe asks it on node 0 and passes elsewhere
+            command = c[probe]["exec"]["command"][-1]
+            assert '[ "$NODE_RANK" != 0 ] ||' in command and f"127.0.0.1:{http_port}{path}'" in command, probe
+        else:
+            assert c[probe]["httpGet"] == {"path": path, "port": "http"}, probe
     env = {e["name"]: e for e in c["env"]}
     assert env["RLSTREAM_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"]["key"] == "admin-token"
     for e in env.values():  # every secret reference points at an existing key
@@ -200,7 +207,7 @@ def test_k8s_producer_and_consumer_match_the_config(tmp_path):
     cfg = _configmap_config(tmp_path)
     prod, cons = find("Deployment", "rlstream-producer"), find("JobSet", "rlstream-consumer")
     _check_pod(prod, "producer", cfg.producer.http.port)
-    _check_pod(cons, "consumer", cfg.consumer.http.port, probes=False)  # only rank 0 serves HTTP
+    _check_pod(cons, "consumer", cfg.consumer.http.port, rank0_probes=True)
     gpus = _container(prod)["resources"]["requests"]["nvidia.com/gpu"]
     assert int(gpus) == cfg.producer.engine.tensor_parallel_size
     # weight store, blobs and checkpoints (every rank writes its shard) on the shared RWX volume
