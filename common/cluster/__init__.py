@@ -1,9 +1,13 @@
 """A cluster on one machine: the twin tests and benchmarks rehearse a deployment on.
 
-    twin.py   hosts as Linux network namespaces on one bridge, each NIC shaped with
-              `tc`, a hosts file per host (service names resolve as in the cluster),
-              and processes started inside a host with that host's name.
+    twin.py     hosts as Linux network namespaces on one bridge, each NIC shaped with
+                `tc`, a hosts file per host (service names resolve as in the cluster),
+                and processes started inside a host with that host's name.
+    shipped.py  the shipped deployment files (compose, systemd units) read as their
+                orchestrator runs them: commands and environments.
+    cli.py      `rlstream twin up|down|exec`.
 
-`rlstream twin up|down|ls` (common/cluster/cli.py) drives it by hand; docs/operations.md,
-"Rehearse a deployment on the cluster twin", says how.
+common/harness/rehearsal.py starts the compose deployment on a twin (tests, benchmarks).
+
+docs/operations.md, "Rehearse a deployment on the cluster twin", says how.
 """

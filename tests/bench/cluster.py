@@ -4,7 +4,7 @@
 
 Hosts are network namespaces (common/cluster/twin.py), every NIC shaped to
 --rate-mbit each way with tc tbf; the services are ops/compose/docker-compose.yml
-as shipped, with the CPU swaps of common/cluster/rehearsal.py (listed in the
+as shipped, with the CPU swaps of common/harness/rehearsal.py (listed in the
 output's `swaps`). After the first version (engine warm-up, first links), it
 trains --versions more and reports:
 
@@ -45,7 +45,7 @@ def model_bytes(work: Path) -> int:
 
 
 def measure(producers: int, versions: int, rate_mbit: float, root: Path) -> dict:
-    from common.cluster.rehearsal import SWAPS, ComposeOnTwin
+    from common.harness.rehearsal import SWAPS, ComposeOnTwin
     from common.harness.supervisor import wait_until
 
     with ComposeOnTwin(root, producers=producers, rate_mbit=rate_mbit) as run:
