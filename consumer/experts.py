@@ -90,7 +90,16 @@ def resolve(setting: str, hidden: int, ffn: int, dtype: torch.dtype) -> str:
             raise ConfigError(f"consumer.memory.experts=grouped: no grouped GEMM here (no Transformer "
                               f"Engine; {refused}); use auto or sequential", _KEY)
     log.info("MoE experts: %s (%s=%s: %s)", kind, _KEY, setting, why)
+    _report(kind)
     return kind
+
+
+def _report(kind: str) -> None:
+    """The choice as a metric (docs/metrics.md): 1 for `kind`, 0 for the others."""
+    from consumer.telemetry import EXPERTS_KERNEL
+
+    for k in KINDS:
+        EXPERTS_KERNEL.labels(kind=k).set(1.0 if k == kind else 0.0)
 
 
 def experts_spec(kind: str):

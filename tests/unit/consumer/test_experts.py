@@ -9,11 +9,20 @@ from common.errors import ConfigError
 from consumer import experts
 
 
+def kernel_metric() -> dict[str, float]:
+    from common.metrics import REGISTRY
+
+    return {k: REGISTRY.get_sample_value("rlstream_trainer_experts_kernel", {"kind": k})
+            for k in experts.KINDS}
+
+
 def test_sequential_on_request_and_grouped_where_the_probe_passes():
     assert experts.resolve("sequential", 128, 64, torch.float32) == "sequential"
+    assert kernel_metric() == {"te_grouped": 0.0, "torch_grouped": 0.0, "sequential": 1.0}
     if not experts.te_available():  # CPU: torch's grouped matmul
         assert experts.resolve("auto", 128, 64, torch.float32) == "torch_grouped"
         assert experts.resolve("grouped", 128, 64, torch.float32) == "torch_grouped"
+        assert kernel_metric()["torch_grouped"] == 1.0 and kernel_metric()["sequential"] == 0.0
 
 
 def test_grouped_refused_with_a_reason_auto_falls_back(monkeypatch):
