@@ -157,14 +157,34 @@ class TorchGroupedMLP(_grouped_mlp_class()):
     def forward(self, hidden: torch.Tensor, tokens_per_expert: torch.Tensor,
                 probs: torch.Tensor):
         """[T, hidden] rows sorted by local expert -> [T, hidden]; as SequentialMLP: the
-        SwiGLU output is scaled by the routing prob, then cast back to the input dtype."""
+        SwiGLU output is scaled by the routing prob, then cast back to the input dtype.
+        T = 0 (no row for this rank's experts) needs no special case: torch's grouped
+        matmul gives every expert weight its zero gradient (tested)."""
         w1 = self.weight1.view(self.num_local_experts, self.config.hidden_size, -1)
         w2 = self.weight2.view(self.num_local_experts, -1, self.config.hidden_size)
         # group ends, on the rows' device (the allgather dispatcher counts on the host)
         offs = tokens_per_expert.to(hidden.device).cumsum(0).to(torch.int32)
-        gate, up = torch.chunk(torch._grouped_mm(hidden, w1, offs=offs), 2, dim=-1)
+        gate, up = torch.chunk(_grouped_mm(hidden, w1, offs), 2, dim=-1)
         act = (F.silu(gate) * up * probs.unsqueeze(-1)).to(hidden.dtype)
-        return torch._grouped_mm(act.contiguous(), w2, offs=offs), None
+        return _grouped_mm(act.contiguous(), w2, offs), None
+
+
+class _DenseGrad(torch.autograd.Function):
+    """Identity whose backward hands on a freshly laid out gradient: torch._grouped_mm's
+    backward refuses a broadcast one (stride 0, e.g. from `out.sum()`), contiguous or not."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.clone(memory_format=torch.contiguous_format)
+
+
+def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Rows of x in groups ending at `offs`, group g times w[g]."""
+    return _DenseGrad.apply(torch._grouped_mm(x, w, offs=offs))
 
 
 # ---------------------------------------------------------------- names

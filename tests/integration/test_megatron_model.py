@@ -191,3 +191,19 @@ def test_grouped_experts_export_and_checkpoint_names(expert_kinds, sharp_model_d
         assert torch.equal(convert.export_hf_state_dict(grp)["model.layers.0.mlp.experts.3.down_proj.weight"],
                            on_disk["model.layers.0.mlp.experts.3.down_proj.weight"] * 2)
         state_g[name].copy_(state_s[name])
+
+
+def test_grouped_experts_without_rows_and_with_a_broadcast_gradient(expert_kinds):
+    """A rank whose experts receive no token still gives every expert weight a (zero)
+    gradient, and a broadcast output gradient (`out.sum()`) passes torch._grouped_mm's
+    backward, which refuses stride-0 gradients."""
+    experts = expert_kinds["grouped"].decoder.layers[0].mlp.experts
+    n, h = experts.num_local_experts, experts.config.hidden_size
+    for rows, counts in ((0, [0] * n), (5, [2, 0, 3] + [0] * (n - 3))):
+        experts.zero_grad()
+        hidden = torch.randn(rows, h, requires_grad=True)
+        out, _ = experts(hidden, torch.tensor(counts), torch.rand(rows))
+        out.sum().backward()
+        assert out.shape == (rows, h)
+        assert experts.weight1.grad is not None and experts.weight2.grad is not None
+        assert (experts.weight1.grad.abs().sum() > 0) == (rows > 0)
