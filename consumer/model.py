@@ -31,6 +31,13 @@ activation recompute one layer at a time; the log-probs never materialise
 On CPU: gloo, `use_cpu_initialization`, the allgather token dispatcher and the
 shims of consumer/megatron_shims.py. On GPU: NCCL, the alltoall dispatcher.
 
+Experts (`consumer.memory.experts`, consumer/experts.py): one grouped GEMM over
+a layer's local experts (Transformer Engine's TEGroupedMLP, else torch's
+grouped matmul, on CPU too), SequentialMLP only where neither runs; chosen
+once per build, logged, kept as `model.experts`. The grouped weights appear
+under SequentialMLP's per-expert names (convert.local_megatron_state_dict), so
+loading, checkpoints and the HF export do not depend on the choice.
+
 Tensor parallelism. Megatron's MoE layer trains under TP only with sequence
 parallelism, so `tp > 1` turns it on: between the attention and expert blocks
 each TP rank holds S/tp of the sequence (the forward right-pads the input to a
