@@ -63,12 +63,13 @@ def torch_grouped_mm_works(hidden: int, ffn: int, dtype: torch.dtype,
         return f"torch {torch.__version__} has no _grouped_mm"
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        x = torch.randn(2, hidden, dtype=dtype, device=device, requires_grad=True)
-        w1 = torch.randn(1, hidden, 2 * ffn, dtype=dtype, device=device, requires_grad=True)
-        w2 = torch.randn(1, ffn, hidden, dtype=dtype, device=device, requires_grad=True)
-        offs = torch.tensor([2], dtype=torch.int32, device=device)
-        h = torch._grouped_mm(x, w1, offs=offs)[:, :ffn].contiguous()
-        torch._grouped_mm(h, w2, offs=offs).square().sum().backward()
+        with torch.enable_grad():  # a model may be built inside no_grad
+            x = torch.randn(2, hidden, dtype=dtype, device=device, requires_grad=True)
+            w1 = torch.randn(1, hidden, 2 * ffn, dtype=dtype, device=device, requires_grad=True)
+            w2 = torch.randn(1, ffn, hidden, dtype=dtype, device=device, requires_grad=True)
+            offs = torch.tensor([2], dtype=torch.int32, device=device)
+            h = torch._grouped_mm(x, w1, offs=offs)[:, :ffn].contiguous()
+            torch._grouped_mm(h, w2, offs=offs).square().sum().backward()
     except (RuntimeError, NotImplementedError) as e:
         return f"torch._grouped_mm refused {dtype} at hidden={hidden}, ffn={ffn}: {e}"
     return None
@@ -87,7 +88,7 @@ def resolve(setting: str, hidden: int, ffn: int, dtype: torch.dtype) -> str:
         kind, why = ("torch_grouped", "torch._grouped_mm probe passed") if refused is None \
             else ("sequential", refused)
         if kind == "sequential" and setting == "grouped":
-            raise ConfigError(f"consumer.memory.experts=grouped: no grouped GEMM here (no Transformer "
+            raise ConfigError(f"grouped: no grouped GEMM here (no Transformer "
                               f"Engine; {refused}); use auto or sequential", _KEY)
     log.info("MoE experts: %s (%s=%s: %s)", kind, _KEY, setting, why)
     _report(kind)

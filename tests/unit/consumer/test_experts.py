@@ -33,6 +33,8 @@ def test_grouped_refused_with_a_reason_auto_falls_back(monkeypatch):
     with pytest.raises(ConfigError, match="no grouped GEMM") as e:
         experts.resolve("grouped", 6, 6, torch.float32)
     assert e.value.key == "consumer.memory.experts"
+    with torch.no_grad():  # the probe's backward is not fooled by a caller's no_grad
+        assert experts.torch_grouped_mm_works(128, 64, torch.float32) is None
     with pytest.raises(ConfigError, match="unknown experts"):
         experts.resolve("fast", 128, 64, torch.float32)
 
