@@ -622,6 +622,14 @@ class TrainerMemorySettings(_Section):
     sdpa: torch scaled_dot_product_attention (flash/memory-efficient kernels, no [S, S]
     scores); local: Megatron's unfused DotProductAttention ([heads, S, S] scores, an
     explicit mask). auto: te when Transformer Engine imports, else sdpa."""
+    experts: Literal["auto", "grouped", "sequential"] = "auto"
+    """MoE experts kernel (consumer/experts.py). grouped: one grouped GEMM over all local
+    experts (Transformer Engine's TEGroupedMLP with CUDA, else torch._grouped_mm: CPU or
+    CUDA, fp32 or bf16, hidden and per-TP-rank expert FFN sizes whose rows are multiples
+    of 16 bytes); refuses to start without one. sequential: one GEMM per expert
+    (Megatron's SequentialMLP). auto: grouped where available, else sequential. The
+    choice is logged and is the model's `experts`; checkpoints and the weight export
+    use the same (per-expert) names either way."""
     device_memory_gb: float | None = Field(None, gt=0, le=4096)
     """Memory of one trainer GPU in GB (1e9 bytes), e.g. 80 for an H100. With
     consumer.parallel.world_size set, `--dry-run` prints the per-GPU estimate of

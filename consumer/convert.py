@@ -310,9 +310,12 @@ def unshard_megatron(shards: dict[tuple[int, int], dict], dims, tp_size: int = 1
 
 
 def local_megatron_state_dict(model) -> dict[str, torch.Tensor]:
-    """The model's own tensors (no `_extra_state` placeholders)."""
-    return {k: v for k, v in model.state_dict().items()
-            if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+    """The model's own tensors (no `_extra_state` placeholders), grouped experts under
+    SequentialMLP's per-expert names (views: consumer/experts.py)."""
+    from consumer.experts import sequential_names
+
+    return sequential_names({k: v for k, v in model.state_dict().items()
+                             if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}, model)
 
 
 

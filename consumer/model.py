@@ -31,6 +31,13 @@ activation recompute one layer at a time; the log-probs never materialise
 On CPU: gloo, `use_cpu_initialization`, the allgather token dispatcher and the
 shims of consumer/megatron_shims.py. On GPU: NCCL, the alltoall dispatcher.
 
+Experts (`consumer.memory.experts`, consumer/experts.py): one grouped GEMM over
+a layer's local experts (Transformer Engine's TEGroupedMLP, else torch's
+grouped matmul, on CPU too), SequentialMLP only where neither runs; chosen
+once per build, logged, kept as `model.experts`. The grouped weights appear
+under SequentialMLP's per-expert names (convert.local_megatron_state_dict), so
+loading, checkpoints and the HF export do not depend on the choice.
+
 Tensor parallelism. Megatron's MoE layer trains under TP only with sequence
 parallelism, so `tp > 1` turns it on: between the attention and expert blocks
 each TP rank holds S/tp of the sequence (the forward right-pads the input to a
@@ -116,9 +123,10 @@ def read_hf_dims(hf_dir: str | os.PathLike) -> HFModelDims:
 
 
 def transformer_config(dims: HFModelDims, dtype: torch.dtype = torch.float32,
-                       recompute: bool = False):
+                       recompute: bool = False, grouped_experts: bool = False):
     """Megatron TransformerConfig equivalent to the HF Qwen3-MoE config; `recompute`:
-    full activation recompute, one layer at a time."""
+    full activation recompute, one layer at a time; `grouped_experts`: the experts
+    run as one grouped GEMM (consumer/experts.py)."""
     from megatron.core import parallel_state as ps
     from megatron.core.transformer import TransformerConfig
 
@@ -132,7 +140,7 @@ def transformer_config(dims: HFModelDims, dtype: torch.dtype = torch.float32,
         moe_router_pre_softmax=False, moe_router_score_function="softmax",
         moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
         moe_token_dispatcher_type="allgather" if on_cpu else "alltoall",
-        moe_grouped_gemm=False, moe_enable_routing_replay=True, moe_router_dtype="fp32",
+        moe_grouped_gemm=grouped_experts, moe_enable_routing_replay=True, moe_router_dtype="fp32",
         normalization="RMSNorm", layernorm_epsilon=dims.rms_norm_eps, qk_layernorm=True,
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
         add_qkv_bias=False, hidden_dropout=0.0, attention_dropout=0.0,
@@ -177,13 +185,15 @@ def _with_norm(spec, norm):
     return spec
 
 
-def layer_specs(dims: HFModelDims, attention: str = "sdpa"):
-    """Megatron block spec: local (non-TE) Qwen3-MoE layers with rlstream's RMSNorm and
-    the core attention `attention` (resolved, consumer/attention.py)."""
+def layer_specs(dims: HFModelDims, attention: str = "sdpa", experts: str = "sequential"):
+    """Megatron block spec: local (non-TE) Qwen3-MoE layers with rlstream's RMSNorm, the
+    core attention `attention` (resolved, consumer/attention.py) and the MoE experts
+    module `experts` (resolved, consumer/experts.py)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     from consumer.attention import core_attention
+    from consumer.experts import experts_spec
 
     layer = get_gpt_layer_local_spec(num_experts=dims.num_experts, moe_grouped_gemm=False,
                                      qk_layernorm=True, normalization="RMSNorm")
@@ -191,26 +201,34 @@ def layer_specs(dims: HFModelDims, attention: str = "sdpa"):
     sa = layer.submodules.self_attention
     sa = dataclasses.replace(sa, submodules=dataclasses.replace(
         sa.submodules, core_attention=core_attention(attention)))
+    moe = layer.submodules.mlp
+    moe = dataclasses.replace(moe, submodules=dataclasses.replace(
+        moe.submodules, experts=experts_spec(experts)))
     layer = dataclasses.replace(layer, submodules=dataclasses.replace(
-        layer.submodules, self_attention=sa))
+        layer.submodules, self_attention=sa, mlp=moe))
     return TransformerBlockSubmodules(layer_specs=[layer] * dims.num_layers, layer_norm=RMSNorm)
 
 
 def build_model(dims: HFModelDims, dtype: torch.dtype = torch.float32,
-                attention: str = "auto", recompute: bool = False):
+                attention: str = "auto", recompute: bool = False, experts: str = "auto"):
     """An uninitialised-weights GPTModel (parallel state must be initialised).
-    `attention` and `recompute`: `consumer.memory` (common/config.py)."""
+    `attention`, `recompute` and `experts`: `consumer.memory` (common/config.py)."""
+    from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
+    from consumer import experts as moe_experts
     from consumer.attention import resolve
 
     megatron_shims.apply()
     attention = resolve(attention)
+    experts = moe_experts.resolve(
+        experts, dims.hidden_size,
+        dims.moe_ffn_hidden_size // ps.get_expert_tensor_parallel_world_size(), dtype)
     before = len(RouterReplay.global_router_replay_instances)
     model = GPTModel(
-        config=transformer_config(dims, dtype, recompute),
-        transformer_layer_spec=layer_specs(dims, attention),
+        config=transformer_config(dims, dtype, recompute, grouped_experts=experts != "sequential"),
+        transformer_layer_spec=layer_specs(dims, attention, experts),
         vocab_size=dims.vocab_size, max_sequence_length=dims.max_position_embeddings,
         # under TP each rank keeps its vocabulary shard of the logits
         # (consumer/logprobs.py); with tp = 1 this changes nothing
@@ -222,7 +240,7 @@ def build_model(dims: HFModelDims, dtype: torch.dtype = torch.float32,
     # addresses each model's own routers (consumer/replay.py), so several models
     # (tests, old/new policies) can live in one process.
     del RouterReplay.global_router_replay_instances[before:]
-    model.hf_dims, model.attention = dims, attention
+    model.hf_dims, model.attention, model.experts = dims, attention, experts
     if torch.cuda.is_available():
         model.cuda()
     return model
@@ -230,7 +248,7 @@ def build_model(dims: HFModelDims, dtype: torch.dtype = torch.float32,
 
 def load_hf_checkpoint(hf_dir: str | os.PathLike, par: ParallelLayout | None = None,
                        dtype: torch.dtype = torch.float32, attention: str = "auto",
-                       recompute: bool = False):
+                       recompute: bool = False, experts: str = "auto"):
     """Build the Megatron model for `hf_dir` and load its safetensors weights.
 
     Initialises the parallel state (`par`, default world of one) if needed.
@@ -240,7 +258,7 @@ def load_hf_checkpoint(hf_dir: str | os.PathLike, par: ParallelLayout | None = N
 
     init_parallel(par or ParallelLayout())
     dims = read_hf_dims(hf_dir)
-    model = build_model(dims, dtype, attention, recompute)
+    model = build_model(dims, dtype, attention, recompute, experts)
     load_rank_shard(model, hf_dir)
     return model
 

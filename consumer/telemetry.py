@@ -23,6 +23,8 @@ _STALENESS = metrics.histogram("rlstream_consumer_staleness_versions", "Stalenes
 _VERSION = metrics.gauge("rlstream_consumer_policy_version", "Trainer policy version (completed global steps)")
 _LAG = metrics.gauge("rlstream_consumer_lag_records", "Records on the rollouts topic not yet read")
 _PHASE = metrics.histogram("rlstream_consumer_step_phase_seconds", "Global step time by phase", ["phase"])
+EXPERTS_KERNEL = metrics.gauge("rlstream_trainer_experts_kernel",
+                               "MoE experts kernel of this trainer: 1 for the one in use", ["kind"])
 _STEP = metrics.gauge("rlstream_trainer_step_metric", "Last global step's trainer metrics", ["name"])
 _OPEN = metrics.gauge("rlstream_consumer_open_groups", "Partial groups held by the assembler")
 _FILTERED = metrics.gauge("rlstream_consumer_filtered_share",

@@ -136,7 +136,7 @@ class Trainer:
         cfg = cfg or ConsumerSettings()
         layout = ParallelLayout.of(cfg.parallel, world_size or launch_world_size())
         model = load_hf_checkpoint(hf_dir, layout, DTYPES[cfg.dtype], cfg.memory.attention,
-                                   cfg.memory.recompute)
+                                   cfg.memory.recompute, cfg.memory.experts)
         return cls(model, cfg)
 
     # -- data

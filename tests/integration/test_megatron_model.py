@@ -135,3 +135,75 @@ def test_gpu_without_transformer_engine_gets_only_the_te_shim(monkeypatch, megat
     assert not isinstance(megatron_shims.cuda_as_cpu(), megatron_shims.CudaAsCpu)
     opt = type("Opt", (), {"step": lambda self: "real"})()
     assert megatron_shims.wrap_optimizer(opt) is opt and "step" not in vars(opt)  # not wrapped
+
+
+# ---------------------------------------------------------------- grouped-GEMM experts
+
+
+@pytest.fixture(scope="module")
+def expert_kinds(megatron_world, sharp_model_dir):
+    """The same checkpoint in SequentialMLP and in the grouped layout (consumer/experts.py)."""
+    return {k: load_hf_checkpoint(sharp_model_dir, experts=k) for k in ("sequential", "grouped")}
+
+
+def test_grouped_experts_equal_sequential_fp32(expert_kinds):
+    """One grouped GEMM over the experts = one GEMM per expert: log-probs and every
+    parameter's gradient within fp32 tolerance, same tokens, same weights."""
+    from consumer.experts import sequential_names
+
+    seq, grp = expert_kinds["sequential"], expert_kinds["grouped"]
+    assert (seq.experts, grp.experts) == ("sequential", "torch_grouped")
+    assert type(grp.decoder.layers[0].mlp.experts).__name__ == "TorchGroupedMLP"
+    tokens = torch.randint(0, 64, (3, 40), generator=torch.Generator().manual_seed(7))
+    grads = {}
+    for kind, model in expert_kinds.items():
+        model.zero_grad()
+        lp, ent = per_token_logprobs(model, tokens, with_entropy=True)
+        (lp.mean() + 0.1 * ent.mean()).backward()
+        grads[kind] = (lp.detach(), sequential_names(
+            {n: p.grad for n, p in model.named_parameters()}, model))
+    (lp_s, g_s), (lp_g, g_g) = grads["sequential"], grads["grouped"]
+    assert (lp_s - lp_g).abs().max().item() < 1e-5 and lp_s.std() > 0.1
+    assert set(g_s) == set(g_g)
+    expert = "decoder.layers.1.mlp.experts.local_experts.5.linear_fc1.weight"
+    assert g_s[expert].abs().max() > 0  # the experts get gradient: the comparison means something
+    worst = max(((g - g_g[n]).abs().max() / g.abs().max().clamp_min(1e-12)).item()
+                for n, g in g_s.items())
+    assert worst < 1e-5, worst  # relative to each gradient's largest entry
+
+
+def test_grouped_experts_export_and_checkpoint_names(expert_kinds, sharp_model_dir):
+    """The grouped weights export to the same HF tensors (bit-exact to the file), and
+    the checkpoint names are SequentialMLP's: a sequential model's state loads into a
+    grouped one through the views."""
+    seq, grp = expert_kinds["sequential"], expert_kinds["grouped"]
+    on_disk = convert.read_hf_safetensors(sharp_model_dir)
+    exported = convert.export_hf_state_dict(grp)
+    assert set(exported) == set(on_disk)
+    assert all(torch.equal(exported[k], v) for k, v in on_disk.items())
+    state_s, state_g = convert.local_megatron_state_dict(seq), convert.local_megatron_state_dict(grp)
+    assert set(state_s) == set(state_g)
+    name = "decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight"
+    before = grp.decoder.layers[0].mlp.experts.weight2.detach().clone()
+    with torch.no_grad():
+        state_g[name].copy_(state_s[name] * 2)  # writes into the grouped weight2
+        assert not torch.equal(grp.decoder.layers[0].mlp.experts.weight2, before)
+        assert torch.equal(convert.export_hf_state_dict(grp)["model.layers.0.mlp.experts.3.down_proj.weight"],
+                           on_disk["model.layers.0.mlp.experts.3.down_proj.weight"] * 2)
+        state_g[name].copy_(state_s[name])
+
+
+def test_grouped_experts_without_rows_and_with_a_broadcast_gradient(expert_kinds):
+    """A rank whose experts receive no token still gives every expert weight a (zero)
+    gradient, and a broadcast output gradient (`out.sum()`) passes torch._grouped_mm's
+    backward, which refuses stride-0 gradients."""
+    experts = expert_kinds["grouped"].decoder.layers[0].mlp.experts
+    n, h = experts.num_local_experts, experts.config.hidden_size
+    for rows, counts in ((0, [0] * n), (5, [2, 0, 3] + [0] * (n - 3))):
+        experts.zero_grad()
+        hidden = torch.randn(rows, h, requires_grad=True)
+        out, _ = experts(hidden, torch.tensor(counts), torch.rand(rows))
+        out.sum().backward()
+        assert out.shape == (rows, h)
+        assert experts.weight1.grad is not None and experts.weight2.grad is not None
+        assert (experts.weight1.grad.abs().sum() > 0) == (rows > 0)
