@@ -46,6 +46,7 @@ import torch
 from common.config import OptimizerSettings
 from common.errors import CheckpointError
 from consumer import megatron_shims
+from consumer.cadence import fresh
 
 SHARDING = "dp_zero_gather_scatter"
 """Megatron's name for the gather-to-rank-0 form of the distributed optimizer's state."""
@@ -122,7 +123,8 @@ class TrainerOptimizer:
         for opt in self.parts:
             sd = opt.state_dict()
             if isinstance(opt, DistributedOptimizer):
-                sd["param_state"] = opt.get_parameter_state_dp_zero()
+                # new host tensors nothing else holds: a checkpoint takes them without a copy
+                sd["param_state"] = fresh(opt.get_parameter_state_dp_zero())
                 sd["param_state_sharding_type"] = SHARDING
             parts.append(sd)
         return {"distributed": self.distributed, "parts": parts}

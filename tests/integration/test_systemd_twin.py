@@ -14,7 +14,7 @@ Swaps (device and paths only): /opt/rlstream -> this checkout's venv,
 /etc/rlstream -> a temporary directory, /var/lib/rlstream -> one directory all hosts
 share (the model and checkpoints on shared storage), the tiny model built once
 before the units start (`rlstream build-model`, the install step), CPU threads, and
-the tiny-model batch swaps of common/cluster/rehearsal.py.
+the tiny-model batch swaps of common/harness/rehearsal.py.
 
 It trains VERSIONS versions; the producer on its own host must take every version
 over the collective path. Before the units listened on all interfaces, it failed:
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from common.cluster.rehearsal import CONSUMER_SWAPS, PRODUCER_SWAPS, ShippedOnTwin, service_env
+from common.harness.rehearsal import CONSUMER_SWAPS, PRODUCER_SWAPS, ShippedOnTwin, service_env
 from common.cluster.shipped import ShippedService, systemd_service
 from common.cluster.twin import ClusterTwin, Host, unavailable_reason
 from common.harness.supervisor import wait_until

@@ -127,6 +127,27 @@ def test_checkpoint_round_trip_continues_identically(sharp_model_dir, bf16_rollo
     assert all(torch.equal(pa[n], pb[n]) for n in pa)
 
 
+def test_checkpoint_snapshot_takes_the_gathered_optimizer_state_without_a_copy(sharp_model_dir, bf16_rollouts):
+    """N7b: the masters and moments the distributed optimizer gathers for a checkpoint are
+    new host tensors; the snapshot (consumer/cadence.host_copy) takes them as they are,
+    and copies only the live model tensors. The clone doubled each writing rank's host
+    memory at a checkpoint."""
+    from consumer.cadence import host_copy
+
+    cfg = settings(lr=1e-3, dtype="bfloat16")
+    cfg.optimizer.distributed = True
+    t = Trainer.from_hf(sharp_model_dir, cfg)
+    t.train_step(t.build_batch(bf16_rollouts, 4))
+    state = t.state_dict()
+    gathered = tensors_of(state["optimizer"])
+    assert sum(v.numel() for v in gathered.values()) > 1000
+    snap = host_copy(state)
+    kept = tensors_of(snap["optimizer"])
+    assert all(kept[k] is gathered[k] for k in gathered), "a gathered optimizer tensor was cloned"
+    live = state["model"]
+    assert all(snap["model"][k].data_ptr() != live[k].data_ptr() for k in live)
+
+
 def test_export_after_step_is_the_trained_model(sharp_model_dir, bf16_rollouts, tmp_path):
     """Export -> save -> reload gives a model with the trained log-probabilities."""
     from safetensors.torch import save_file
