@@ -1,28 +1,35 @@
-"""The compose deployment as shipped, started on a cluster twin: each service on a host of its own.
+"""The shipped deployments, started on a cluster twin: each service on a host of its own.
 
-Shared by tests/integration/test_deployment_twin.py (does it train across
-hosts?) and tests/bench/cluster.py (how fast, how many bytes). The commands and
-environments come from ops/compose/docker-compose.yml through
+    ComposeOnTwin   ops/compose/docker-compose.yml: kafka, consumer, producer-i hosts
+    SystemdOnTwin   ops/systemd/ units: broker, trainer-0..N-1 (one torchrun job
+                    across hosts), producer-i hosts
+
+Shared by tests/integration/test_deployment_twin.py and test_systemd_twin.py (do
+they train across hosts?) and tests/bench/cluster.py (how fast, how many bytes).
+Commands and environments come from the shipped files through
 common/cluster/shipped.py; the only changes are the swaps below, each one a
-device or packaging difference between a GPU node with containers and this
-CPU machine, never a setting the deployment gets wrong. More producers than
-the file ships are made the way its header tells users to: copies of
-producer-1 with a new name and producer id.
+device or packaging difference between GPU nodes and this CPU machine, never a
+setting the deployment gets wrong. More producers than a file ships are made the
+way it tells users to: copies with a new name and producer id.
 """
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+from abc import ABC, abstractmethod
 from contextlib import ExitStack
+from dataclasses import replace
 from pathlib import Path
 
-from common.cluster.shipped import ShippedService, compose_services
+from common.cluster.shipped import ShippedService, compose_services, systemd_service
 from common.cluster.twin import ClusterTwin, Host
 from common.harness.supervisor import Service, child_env, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "ops" / "compose" / "docker-compose.yml"
+UNITS = ROOT / "ops" / "systemd"
 
 SWAPS = {
     "kafka": "apache/kafka:3.9.0 -> `rlstream broker` (tansu) listening on kafka:9092",
@@ -71,38 +78,43 @@ def producer_copy(template: ShippedService, i: int) -> ShippedService:
     return ShippedService(f"producer-{i}", list(template.command), env, template.working_dir)
 
 
-class ComposeOnTwin:
-    """kafka, consumer and `producers` producer hosts; NICs at `rate_mbit` (None: unshaped).
+def producer_copy_unit(template: ShippedService, i: int) -> ShippedService:
+    """producer-i from the producer unit, as its header says: its own RLSTREAM__PRODUCER__PRODUCER_ID."""
+    env = dict(template.environment, RLSTREAM__PRODUCER__PRODUCER_ID=f"producer-{i}")
+    return replace(template, name=f"producer-{i}", environment=env)
 
-        with ComposeOnTwin(tmp_path, producers=2) as run:
-            run.consumer.metric("rlstream_consumer_policy_version")
-    """
 
-    def __init__(self, root: Path, producers: int = 2, rate_mbit: float | None = None,
-                 consumer_env: dict[str, str] | None = None, start_timeout_s: float = 300):
+class Rehearsal(ABC):
+    """What both deployments share: the twin, the broker host, start and stop, readings."""
+
+    broker_host = "kafka"
+
+    def __init__(self, root: Path, host_names: list[str], rate_mbit: float | None, start_timeout_s: float):
         self.work, self.logs = root / "volume", root / "logs"
-        self.num_producers, self.start_timeout_s = producers, start_timeout_s
-        self.consumer_env = {**CONSUMER_SWAPS, **(consumer_env or {})}
-        self.token = "twin-" + os.urandom(8).hex()
-        self.shipped = compose_services(COMPOSE, {"RLSTREAM_CONFIG": str(ROOT / "configs" / "tiny-cpu.yaml"),
-                                                  "RLSTREAM_ADMIN_TOKEN": self.token})
-        names = ["kafka", "consumer"] + [f"producer-{i}" for i in range(producers)]
-        self.twin = ClusterTwin([Host(n, rate_mbit=rate_mbit) for n in names], observer=True)
-        self.consumer: ShippedOnTwin | None = None
+        self.start_timeout_s = start_timeout_s
+        self.twin = ClusterTwin([Host(n, rate_mbit=rate_mbit) for n in host_names], observer=True)
+        self.ranks: list[ShippedOnTwin] = []
         self.producers: list[ShippedOnTwin] = []
         self._stack = ExitStack()
 
     @property
-    def services(self) -> list[Service]:
-        return [s for s in (self.consumer, *self.producers) if s is not None]
+    def consumer(self) -> ShippedOnTwin | None:
+        """Rank 0: HTTP, metrics and the weight endpoint."""
+        return self.ranks[0] if self.ranks else None
 
-    def __enter__(self) -> "ComposeOnTwin":
+    @property
+    def services(self) -> list[Service]:
+        return [*self.ranks, *self.producers]
+
+    def __enter__(self):
         self.work.mkdir(parents=True, exist_ok=True)
         self.logs.mkdir(parents=True, exist_ok=True)
         self._stack.enter_context(self.twin)
         self._stack.callback(self._stop_services)
         try:
             self._start()
+            for s in (self.consumer, *self.producers):
+                s.wait_ready(timeout_s=self.start_timeout_s)
         except BaseException:
             self._stack.close()
             raise
@@ -111,29 +123,25 @@ class ComposeOnTwin:
     def __exit__(self, *exc) -> None:
         self._stack.close()
 
+    @abstractmethod
     def _start(self) -> None:
+        """Start the broker, the trainer's ranks and the producers (not waiting for them)."""
+
+    def _start_broker(self, argv: list[str], env: dict[str, str], port: int = 9092) -> None:
         from common.kafka.broker import kafka_ping
 
-        log = open(self.logs / "kafka.log", "wb")
+        log = open(self.logs / f"{self.broker_host}.log", "wb")
         self._stack.callback(log.close)
-        self.twin.popen("kafka", [sys.executable, "-m", "common.app.cli", "broker", "--set", "broker.host=kafka",
-                                  "--set", "broker.port=9092"], cwd=ROOT, env=service_env({}, {}),
+        self.twin.popen(self.broker_host, ["sh", "-c", 'cd "$0" && exec "$@"', str(self.work), *argv], env=env,
                         stdout=log, stderr=subprocess.STDOUT)
-        wait_until(lambda: kafka_ping(self.twin.address("kafka"), 9092, 0.5), 60, "the broker on host kafka")
-        init = self.shipped["init"]
-        r = self.twin.run("consumer", ["sh", "-c", 'cd "$0" && exec "$@"', str(self.work), *init.command],
-                          timeout=300, env=service_env(init.environment, {}))
+        wait_until(lambda: kafka_ping(self.twin.address(self.broker_host), port, 0.5), 60,
+                   f"the broker on host {self.broker_host}")
+
+    def _run_once(self, host: str, argv: list[str], env: dict[str, str]) -> None:
+        """A one-shot install step (build the tiny model) on `host`."""
+        r = self.twin.run(host, ["sh", "-c", 'cd "$0" && exec "$@"', str(self.work), *argv], timeout=300, env=env)
         if r.returncode != 0:
-            raise RuntimeError(f"compose service init failed ({r.returncode}): {r.stdout[-2000:]}{r.stderr[-2000:]}")
-        self.consumer = ShippedOnTwin(self.twin, self.shipped["consumer"], "consumer", self.logs, self.work,
-                                      self.consumer_env).start()
-        ncpu = os.cpu_count() or 1
-        for i in range(self.num_producers):
-            shipped = self.shipped.get(f"producer-{i}") or producer_copy(self.shipped["producer-1"], i)
-            extra = {**PRODUCER_SWAPS, "VLLM_CPU_OMP_THREADS_BIND": str(i % ncpu)}
-            self.producers.append(ShippedOnTwin(self.twin, shipped, "producer", self.logs, self.work, extra).start())
-        for s in self.services:
-            s.wait_ready(timeout_s=self.start_timeout_s)
+            raise RuntimeError(f"{' '.join(argv)} failed on {host} ({r.returncode}): {r.stdout[-2000:]}{r.stderr[-2000:]}")
 
     def _stop_services(self) -> None:
         for s in reversed(self.services):
@@ -146,3 +154,106 @@ class ComposeOnTwin:
     def versions_taken(self, producer: Service, transport: str | None = None) -> float:
         labels = {"transport": transport} if transport else {}
         return producer.try_metric("rlstream_producer_weight_versions_total", 0, **labels)
+
+
+class ComposeOnTwin(Rehearsal):
+    """kafka, consumer and `producers` producer hosts; NICs at `rate_mbit` (None: unshaped).
+
+        with ComposeOnTwin(tmp_path, producers=2) as run:
+            run.consumer.metric("rlstream_consumer_policy_version")
+    """
+
+    trainer_hosts = 1
+
+    def __init__(self, root: Path, producers: int = 2, rate_mbit: float | None = None,
+                 consumer_env: dict[str, str] | None = None, start_timeout_s: float = 300):
+        super().__init__(root, ["kafka", "consumer"] + [f"producer-{i}" for i in range(producers)], rate_mbit,
+                         start_timeout_s)
+        self.num_producers = producers
+        self.consumer_env = {**CONSUMER_SWAPS, **(consumer_env or {})}
+        self.token = "twin-" + os.urandom(8).hex()
+        self.shipped = compose_services(COMPOSE, {"RLSTREAM_CONFIG": str(ROOT / "configs" / "tiny-cpu.yaml"),
+                                                  "RLSTREAM_ADMIN_TOKEN": self.token})
+
+    def _start(self) -> None:
+        self._start_broker([sys.executable, "-m", "common.app.cli", "broker", "--set", "broker.host=kafka",
+                            "--set", "broker.port=9092"], service_env({}, {}))
+        init = self.shipped["init"]
+        self._run_once("consumer", init.command, service_env(init.environment, {}))
+        self.ranks = [ShippedOnTwin(self.twin, self.shipped["consumer"], "consumer", self.logs, self.work,
+                                    self.consumer_env).start()]
+        ncpu = os.cpu_count() or 1
+        for i in range(self.num_producers):
+            shipped = self.shipped.get(f"producer-{i}") or producer_copy(self.shipped["producer-1"], i)
+            extra = {**PRODUCER_SWAPS, "VLLM_CPU_OMP_THREADS_BIND": str(i % ncpu)}
+            self.producers.append(ShippedOnTwin(self.twin, shipped, "producer", self.logs, self.work, extra).start())
+
+
+class SystemdOnTwin(Rehearsal):
+    """broker, trainer-0..`trainers`-1 (one torchrun job, one rank per host, rendezvous at
+    trainer-0) and `producers` producer hosts, each running its ops/systemd/ unit.
+
+    The operator's files, which are not shipped, are written as the units' install
+    notes say: /etc/rlstream/rlstream.yaml is configs/tiny-cpu.yaml; rlstream.env
+    points at the broker, sets the world size and the tiny-model swaps;
+    torchrun.env is the shipped example with this layout's values. Swaps:
+    /opt/rlstream -> this checkout's venv, /etc/rlstream -> a directory of the
+    run, /var/lib/rlstream -> one directory all hosts share (the model and the
+    checkpoints on shared storage), the tiny model built once before the units
+    start (`rlstream build-model`, the install step).
+    """
+
+    broker_host = "broker"
+
+    def __init__(self, root: Path, trainers: int = 2, producers: int = 1, rate_mbit: float | None = None,
+                 start_timeout_s: float = 300):
+        names = ["broker"] + [f"trainer-{r}" for r in range(trainers)] + [f"producer-{i}" for i in range(producers)]
+        super().__init__(root, names, rate_mbit, start_timeout_s)
+        self.trainer_hosts, self.num_producers = trainers, producers
+        self.etc = root / "etc"
+
+    def _unit(self, unit: str, name: str, env_files: dict[str, str]) -> ShippedService:
+        def swap(text: str) -> str:
+            return text.replace("/opt/rlstream/.venv/bin/", f"{Path(sys.executable).parent}/") \
+                       .replace("/etc/rlstream/", f"{self.etc}/")
+        svc = systemd_service(UNITS / unit, env_files)
+        return replace(svc, name=name, command=[swap(a) for a in svc.command],
+                       environment={k: swap(v) for k, v in svc.environment.items()})
+
+    def torchrun_env(self, node_rank: int) -> str:
+        """The shipped example with this layout: only the values change."""
+        values = {"NNODES": str(self.trainer_hosts), "NPROC_PER_NODE": "1", "NODE_RANK": str(node_rank),
+                  "MASTER_ADDR": "trainer-0", "MASTER_PORT": "29500", "CUDA_VISIBLE_DEVICES": ""}
+        lines = []
+        for line in (UNITS / "torchrun.env").read_text().splitlines():
+            key = line.partition("=")[0].strip()
+            lines.append(f"{key}={values[key]}" if key in values and not line.lstrip().startswith("#") else line)
+        return "\n".join(lines) + "\n"
+
+    def rlstream_env(self) -> str:
+        return "\n".join([
+            "RLSTREAM_ADMIN_TOKEN=twin-" + os.urandom(8).hex(),
+            "RLSTREAM__KAFKA__BOOTSTRAP_SERVERS=broker:9092",
+            "RLSTREAM__BROKER__HOST=broker",             # the embedded broker on its own host (loopback by default)
+            "RLSTREAM__BROKER__PORT=9092",
+            f"RLSTREAM__CONSUMER__PARALLEL__WORLD_SIZE={self.trainer_hosts}",  # = NNODES x NPROC_PER_NODE
+            *(f"{k}={v}" for k, v in {**CONSUMER_SWAPS, **PRODUCER_SWAPS}.items()),
+        ]) + "\n"
+
+    def _start(self) -> None:
+        self.etc.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / "configs" / "tiny-cpu.yaml", self.etc / "rlstream.yaml")
+        files = {"/etc/rlstream/rlstream.env": self.rlstream_env()}
+        broker = self._unit("rlstream-broker.service", "broker", files)
+        self._run_once("trainer-0", [str(Path(sys.executable).parent / "rlstream"), "build-model", "-c",
+                                     str(self.etc / "rlstream.yaml")], service_env(broker.environment, {}))
+        self._start_broker(broker.command, service_env(broker.environment, {}))
+        for r in range(self.trainer_hosts):
+            unit = self._unit("rlstream-consumer.service", f"trainer-{r}",
+                              {**files, "/etc/rlstream/torchrun.env": self.torchrun_env(r)})
+            self.ranks.append(ShippedOnTwin(self.twin, unit, "consumer", self.logs, self.work, {}).start())
+        template = self._unit("rlstream-producer.service", "producer-0", files)
+        ncpu = os.cpu_count() or 1
+        for i in range(self.num_producers):
+            self.producers.append(ShippedOnTwin(self.twin, producer_copy_unit(template, i), "producer", self.logs,
+                                                self.work, {"VLLM_CPU_OMP_THREADS_BIND": str(i % ncpu)}).start())

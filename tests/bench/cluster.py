@@ -12,12 +12,13 @@ trains --versions more and reports:
   seconds_per_version       window seconds / versions_trained
   collective_share          versions producers took over the collective path / versions
                             they took in the window (goal 1.0; 'file' is the durable copy)
-  trainer_egress_over_model_bytes   bytes sent by the trainer host's NIC per version /
+  trainer_egress_over_model_bytes   bytes sent by the trainer hosts' NICs per version /
                             the model's bytes (safetensors): the weight fan-out's cost,
-                            plus Kafka fetch requests and metrics (small)
+                            plus Kafka fetch requests, metrics and, with several trainer
+                            hosts, the trainer's own gradient traffic
   nic_rate_mbit, hosts, trainer_hosts, producer_tp
 
---smoke: one producer, two versions (about a minute on 2 cores). Needs root
+--smoke: compose, one producer, two versions (about a minute on 2 cores). Needs root
 (network namespaces); otherwise it prints {"skipped": reason}. stdout carries
 only the JSON; logs go to stderr.
 """
@@ -44,18 +45,25 @@ def model_bytes(work: Path) -> int:
     return sum(p.stat().st_size for p in path.glob("*.safetensors"))
 
 
-def measure(producers: int, versions: int, rate_mbit: float, root: Path) -> dict:
-    from common.harness.rehearsal import SWAPS, ComposeOnTwin
+def measure(layout: str, trainers: int, producers: int, versions: int, rate_mbit: float, root: Path) -> dict:
+    from common.harness.rehearsal import SWAPS, ComposeOnTwin, SystemdOnTwin
     from common.harness.supervisor import wait_until
 
-    with ComposeOnTwin(root, producers=producers, rate_mbit=rate_mbit) as run:
+    deployment = ComposeOnTwin(root, producers=producers, rate_mbit=rate_mbit) if layout == "compose" else \
+        SystemdOnTwin(root, trainers=trainers, producers=producers, rate_mbit=rate_mbit)
+    with deployment as run:
+        trainer_hosts = [s.name for s in run.ranks]
+
+        def egress() -> int:
+            return sum(run.twin.nic_bytes(h)[1] for h in trainer_hosts)
+
         wait_until(lambda: run.version() >= 1, 600, "the first version", run.services, interval_s=1)
         v0 = run.version()
         taken0 = {p.name: (run.versions_taken(p), run.versions_taken(p, "collective")) for p in run.producers}
-        tx0, t0 = run.twin.nic_bytes("consumer")[1], time.monotonic()
+        tx0, t0 = egress(), time.monotonic()
         wait_until(lambda: run.version() >= v0 + versions, 60 + 120 * versions, f"{versions} more versions",
                    run.services, interval_s=0.5)
-        v1, t1, tx1 = run.version(), time.monotonic(), run.twin.nic_bytes("consumer")[1]
+        v1, t1, tx1 = run.version(), time.monotonic(), egress()
         wait_until(lambda: all(run.versions_taken(p) >= v1 for p in run.producers), 120,
                    "the producers to take the last version", run.services)
         took = sum(run.versions_taken(p) - taken0[p.name][0] for p in run.producers)
@@ -68,8 +76,9 @@ def measure(producers: int, versions: int, rate_mbit: float, root: Path) -> dict
             "trainer_egress_over_model_bytes": round((tx1 - tx0) / trained / model_bytes(run.work), 3),
             "model_bytes": model_bytes(run.work),
             "nic_rate_mbit": rate_mbit,
+            "layout": layout,
             "hosts": [h.name for h in run.twin.hosts],
-            "trainer_hosts": 1,
+            "trainer_hosts": len(trainer_hosts),
             "producer_tp": [1] * producers,
             "shaping_note": sorted({s.note for s in run.twin.shaping.values() if s.note}),
             "swaps": SWAPS,
@@ -78,6 +87,8 @@ def measure(producers: int, versions: int, rate_mbit: float, root: Path) -> dict
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layout", choices=["compose", "systemd"], default="compose")
+    ap.add_argument("--trainers", type=int, default=2, help="systemd layout: trainer hosts")
     ap.add_argument("--producers", type=int, default=2)
     ap.add_argument("--versions", type=int, default=8)
     ap.add_argument("--rate-mbit", type=float, default=1000.0)
@@ -85,7 +96,7 @@ def main() -> int:
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
     if args.smoke:
-        args.producers, args.versions = 1, 2
+        args.layout, args.producers, args.versions = "compose", 1, 2
     from common.cluster.twin import unavailable_reason
 
     why = unavailable_reason()
@@ -93,7 +104,7 @@ def main() -> int:
         print(json.dumps({"skipped": f"no cluster twin here: {why}"}))
         return 0
     with tempfile.TemporaryDirectory(prefix="rlstream-bench-cluster-") as d:
-        out = measure(args.producers, args.versions, args.rate_mbit, Path(d))
+        out = measure(args.layout, args.trainers, args.producers, args.versions, args.rate_mbit, Path(d))
     out["smoke"] = args.smoke
     print(json.dumps(out))
     return 0
