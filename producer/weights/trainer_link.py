@@ -48,6 +48,7 @@ class TrainerLink:
         self.swapped: tuple[int, str] | None = None
         """(version, digest) the reloader last swapped in from this link: a finish that
         arrives (or is answered) after the swap acknowledges it."""
+        self._started = False  # a background receive started since the reloader last asked
 
     @classmethod
     def connect(cls, engine, endpoint: str, producer_id: str, timeout_s: float) -> "TrainerLink":
@@ -88,6 +89,7 @@ class TrainerLink:
                 self.joined = True
             elif op == "start" and self.engine.weight_transfer == "rlstream_gloo":
                 self.engine.receive_weights()
+                self._started = True
             elif op == "update" and self.engine.weight_transfer == "nccl":
                 self._nccl_version = int(cmd["version"])
                 self.engine.run_weight_update(cmd["update_info"], self._nccl_version)
@@ -102,6 +104,12 @@ class TrainerLink:
                 raise
             return
         self.channel.ack(k)
+
+    def take_started(self) -> bool:
+        """A background receive started since the last call (the reloader then watches the
+        engine's status until that version is swapped in or dropped)."""
+        started, self._started = self._started, False
+        return started
 
     def _answer_finish(self) -> None:
         st = self.engine.weight_status()

@@ -87,3 +87,12 @@ def test_a_finish_with_nothing_received_is_refused_and_the_link_dies():
     engine.state = {"state": "idle"}
     link.poll()
     assert "error" in channel.acks[1] and link.dead
+
+
+def test_a_started_receive_is_reported_once_to_the_reloader():
+    link, channel, engine = linked()
+    link.poll()
+    assert not link.take_started()
+    channel.post("start", version=3)
+    link.poll()
+    assert link.take_started() and not link.take_started()
