@@ -18,7 +18,10 @@ the loop's thread, between two steps, and acknowledges it:
     close     the trainer dropped the link (a transfer failed): register a new one
 
 Registering connects to the endpoint's store, which blocks when the trainer is
-down, so `connect` does it on a thread; `poll` is a no-op until it is done.
+down, so `connect` does it on a thread; `poll` is a no-op until it is done. The
+registration reports the engine's receiving workers (`engine.weight_workers`,
+vLLM's TP x PP): the trainer sizes the link's group from it (1 + workers, every
+worker at rank_offset + its rank), so a TP=2 producer's second worker has a rank.
 Any failure marks the link dead (`dead` says why); the reloader drops it and
 registers a new one (a failed gloo group is not reusable).
 """
@@ -38,6 +41,8 @@ class TrainerLink:
     def __init__(self, engine, endpoint: str, producer_id: str, timeout_s: float):
         self.engine, self.endpoint, self.timeout_s = engine, endpoint, timeout_s
         self.producer_id = producer_id
+        self.workers = int(engine.weight_workers)
+        """Workers that join the link's group (read here: `connect` runs on the engine's thread)."""
         self.channel: Channel | None = None
         self.dead: str | None = None
         """Why the link is unusable (None while it is fine)."""
@@ -60,8 +65,9 @@ class TrainerLink:
         try:
             host, port = parse_endpoint(self.endpoint)
             store = open_store(host, port, min(self.timeout_s, 10.0))
-            self.channel = Channel(store, register(store, self.producer_id))
-            log.info("registered link %d at the trainer's weight endpoint %s", self.channel.link, self.endpoint)
+            self.channel = Channel(store, register(store, self.producer_id, self.workers))
+            log.info("registered link %d (%d workers) at the trainer's weight endpoint %s", self.channel.link,
+                     self.workers, self.endpoint)
         except (RlstreamError, RuntimeError, OSError) as e:
             self.dead = f"cannot register at {self.endpoint}: {e}"
 

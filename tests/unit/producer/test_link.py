@@ -35,6 +35,7 @@ class FakeEngine:
     """The rlstream_gloo engine as the link sees it: receives on `start`, reports a state."""
 
     weight_transfer = "rlstream_gloo"
+    weight_workers = 1
 
     def __init__(self):
         self.state = {"state": "idle"}
