@@ -145,9 +145,6 @@ def resolve_weight_transfer(s: EngineSettings, on_cpu: bool) -> str | None:
         mode = "rlstream_gloo" if on_cpu else "nccl"
     if mode == "nccl" and on_cpu:
         raise ConfigError("nccl needs a GPU; use rlstream_gloo (or auto) on CPU", key="producer.engine.weight_transfer")
-    if mode == "rlstream_gloo" and s.tensor_parallel_size != 1:
-        raise ConfigError("rlstream_gloo loads into one worker: use nccl with tensor_parallel_size > 1",
-                          key="producer.engine.weight_transfer")
     return None if mode == "off" else mode
 
 

@@ -104,10 +104,11 @@ class TrainerLink:
                 return self._answer_finish()
             elif op not in ("start", "update", "finish"):
                 raise WeightTransferError(f"unknown command {op!r} from the trainer")
-        except RlstreamError as e:
-            self.channel.ack(k, error=str(e))
-            if op == "init":
-                raise
+        # vLLM's multiprocess engine (any TP > 1) reports a worker's error as a bare Exception
+        except Exception as e:  # noqa: BLE001 - refused, acknowledged; the loop keeps serving
+            self.channel.ack(k, error=str(e)[:2000])
+            if op == "init":  # no group: this link is done, the reloader registers a new one
+                raise e if isinstance(e, RlstreamError) else WeightTransferError(f"joining the link failed: {e}") from e
             return
         self.channel.ack(k)
 

@@ -97,3 +97,16 @@ def test_a_started_receive_is_reported_once_to_the_reloader():
     channel.post("start", version=3)
     link.poll()
     assert link.take_started() and not link.take_started()
+
+
+def test_an_init_a_worker_refused_marks_the_link_dead_and_the_loop_keeps_going():
+    """vLLM's multiprocess engine (TP > 1) reports a worker's error as a bare Exception: it
+    used to escape poll() into the producer's loop."""
+    link, channel, engine = linked()
+
+    def refused(init_info):
+        raise Exception("Call to collective_rpc method failed: link 1: rank 2 is outside its group of 2")
+    engine.init_weight_link = refused
+    channel.post("init", init_info={})
+    link.poll()  # does not raise
+    assert "rank 2 is outside" in channel.acks[0]["error"] and "rank 2 is outside" in link.dead
