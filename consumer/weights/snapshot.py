@@ -18,8 +18,10 @@ Host memory: the groups are views into one slab (`HostSlab`), sized by
 version. A slab for GPU tensors is pinned by registering exactly its pages
 (cudaHostRegister), not through torch's caching host allocator, which rounds
 every block up to a power of two: one pinned buffer per group took ~105 GB
-for 61 GB of weights (a 1.25 GB group takes 2 GiB). No vLLM import: the trainer's export and pack run
-(and are benchmarked, tests/bench/weights_export.py) where vLLM is not installed.
+for 61 GB of weights (a 1.25 GB group takes 2 GiB).
+
+No vLLM import: the trainer's export and pack run (and are benchmarked,
+tests/bench/weights_export.py) where vLLM is not installed.
 """
 from __future__ import annotations
 

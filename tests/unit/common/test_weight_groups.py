@@ -31,7 +31,8 @@ def test_a_registration_carries_the_producers_worker_count(store):
     assert read_registration(store, n, 1.0) == link.Registration("p-tp2", 2)
 
 
-@pytest.mark.parametrize("raw, why", [("p-old", "upgrade the producer"), ('{"producer": "p", "workers": 0}', "0 workers"),
+@pytest.mark.parametrize("raw, why", [("p-old", "upgrade the producer"),
+                                      ('{"producer": "p", "workers": 0}', "0 workers"),
                                       ('{"producer": "p"}', "upgrade the producer")])
 def test_a_registration_without_a_usable_worker_count_is_refused(store, raw, why):
     n = int(store.add(link.ROOT + "joins", 1))

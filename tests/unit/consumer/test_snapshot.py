@@ -29,7 +29,7 @@ def test_a_qwen3_sized_version_plans_at_most_1_1x_its_bytes_in_host_memory():
 def tensors_of(n: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(n)
     # odd element counts and mixed dtypes: groups that are not page multiples
-    return {f"model.layers.{i}.w": torch.randn(1000 + 37 * i, generator=g).to(torch.bfloat16 if i % 2 else torch.float32)
+    return {f"model.layers.{i}.w": torch.randn(1000 + 37 * i, generator=g).to(torch.bfloat16 if i % 2 else torch.float)
             for i in range(n)}
 
 
