@@ -145,9 +145,6 @@ def resolve_weight_transfer(s: EngineSettings, on_cpu: bool) -> str | None:
         mode = "rlstream_gloo" if on_cpu else "nccl"
     if mode == "nccl" and on_cpu:
         raise ConfigError("nccl needs a GPU; use rlstream_gloo (or auto) on CPU", key="producer.engine.weight_transfer")
-    if mode == "rlstream_gloo" and s.tensor_parallel_size != 1:
-        raise ConfigError("rlstream_gloo loads into one worker: use nccl with tensor_parallel_size > 1",
-                          key="producer.engine.weight_transfer")
     return None if mode == "off" else mode
 
 
@@ -234,6 +231,8 @@ class RolloutEngine:
         args = engine_args(self.settings, self.model_dir, self.routing_mode, self._on_cpu, self.weight_transfer)
         self._engine = LLMEngine.from_engine_args(EngineArgs(**args))
         self.num_experts = int(self._engine.model_config.get_num_experts())
+        self.weight_workers = int(self._engine.vllm_config.parallel_config.world_size)
+        """Workers that receive each version over a weight link (TP x PP; reported when it registers)."""
         self._engine.set_weight_version(str(self.version))
         if self.routing_mode == "capture":
             from producer.routing_capture import RoutingCapture
@@ -427,8 +426,10 @@ class RolloutEngine:
 
     def weight_status(self) -> dict[str, Any]:
         """The background receive: {state: idle|receiving|ready|failed, version, digest, error, ...}."""
+        from producer.weights.gloo_engine import combine_worker_status
+
         self._check_thread()
-        return self._engine.collective_rpc("rlstream_weight_status")[0]
+        return combine_worker_status(self._engine.collective_rpc("rlstream_weight_status"))
 
     def swap_weights(self, version: int, digest: str) -> float:
         """Swap in the received version, between steps, if it is `version` with `digest`

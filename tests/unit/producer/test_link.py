@@ -35,6 +35,7 @@ class FakeEngine:
     """The rlstream_gloo engine as the link sees it: receives on `start`, reports a state."""
 
     weight_transfer = "rlstream_gloo"
+    weight_workers = 1
 
     def __init__(self):
         self.state = {"state": "idle"}
@@ -87,3 +88,25 @@ def test_a_finish_with_nothing_received_is_refused_and_the_link_dies():
     engine.state = {"state": "idle"}
     link.poll()
     assert "error" in channel.acks[1] and link.dead
+
+
+def test_a_started_receive_is_reported_once_to_the_reloader():
+    link, channel, engine = linked()
+    link.poll()
+    assert not link.take_started()
+    channel.post("start", version=3)
+    link.poll()
+    assert link.take_started() and not link.take_started()
+
+
+def test_an_init_a_worker_refused_marks_the_link_dead_and_the_loop_keeps_going():
+    """vLLM's multiprocess engine (TP > 1) reports a worker's error as a bare Exception: it
+    used to escape poll() into the producer's loop."""
+    link, channel, engine = linked()
+
+    def refused(init_info):
+        raise Exception("Call to collective_rpc method failed: link 1: rank 2 is outside its group of 2")
+    engine.init_weight_link = refused
+    channel.post("init", init_info={})
+    link.poll()  # does not raise
+    assert "rank 2 is outside" in channel.acks[0]["error"] and "rank 2 is outside" in link.dead

@@ -159,10 +159,11 @@ def test_weight_transfer_resolves_per_platform():
     assert resolve_weight_transfer(EngineSettings(), on_cpu=True) == "rlstream_gloo"
     assert resolve_weight_transfer(EngineSettings(tensor_parallel_size=2), on_cpu=False) == "nccl"
     assert resolve_weight_transfer(EngineSettings(weight_transfer="off"), on_cpu=True) is None
-    for settings in (EngineSettings(weight_transfer="nccl"), EngineSettings(tensor_parallel_size=2)):
-        with pytest.raises(ConfigError) as e:
-            resolve_weight_transfer(settings, on_cpu=True)
-        assert e.value.key == "producer.engine.weight_transfer"
+    # every worker of a TP engine joins the link's group (common/weights/link.py group_layout)
+    assert resolve_weight_transfer(EngineSettings(tensor_parallel_size=2), on_cpu=True) == "rlstream_gloo"
+    with pytest.raises(ConfigError) as e:
+        resolve_weight_transfer(EngineSettings(weight_transfer="nccl"), on_cpu=True)
+    assert e.value.key == "producer.engine.weight_transfer"
     args = engine_args(EngineSettings(block_size=16, enable_prefix_caching=True, routing="off"), "/m", "off",
                        on_cpu=True, weight_transfer="rlstream_gloo")
     assert args["weight_transfer_config"] == {"backend": "rlstream_gloo"} and args["block_size"] == 16

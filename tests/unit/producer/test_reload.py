@@ -123,17 +123,22 @@ class FakeLink:
 
     made: list = []
 
-    def __init__(self, endpoint):
+    def __init__(self, endpoint, engine=None):
         self.endpoint, self.dead, self.polls, self.swapped = endpoint, None, 0, None
+        self.engine = engine
 
     @classmethod
     def connect(cls, engine, endpoint, producer_id, timeout_s):
-        link = cls(endpoint)
+        link = cls(endpoint, engine)
         cls.made.append(link)
         return link
 
     def poll(self):
         self.polls += 1
+
+    def take_started(self):
+        """The trainer started a receive whenever the fake engine has one."""
+        return self.engine.status["state"] != "idle"
 
 
 class FakeTransferEngine(FakeEngine):
@@ -147,11 +152,13 @@ class FakeTransferEngine(FakeEngine):
         self.swaps: list[tuple[int, str]] = []
         self.discards = 0
         self.swap_error: Exception | None = None
+        self.status_calls = 0
 
     def received(self, version, digest):
         self.status = {"state": "ready", "version": version, "digest": digest}
 
     def weight_status(self):
+        self.status_calls += 1
         return dict(self.status)
 
     def swap_weights(self, version, digest):
@@ -297,3 +304,28 @@ def test_a_file_announcement_keeps_the_link(linked):
     reloader.tick()
     reloader.apply(collective(2, DIGEST_B))
     assert len(FakeLink.made) == 1 and reloader.link is link
+
+
+def test_the_engine_status_is_asked_only_while_a_background_receive_is_pending(linked):
+    """N10: `weight_status` is a collective_rpc to every worker: not once per loop on nccl
+    (it loads inside the trainer's update command), and on rlstream_gloo only from the
+    receive's start until its version is swapped in."""
+    engine, reloader, _ = linked
+    engine.weight_transfer = "nccl"
+    reloader.apply(collective(1, DIGEST_A))
+    for _ in range(5):
+        reloader.tick()
+    assert engine.status_calls == 0
+    engine.weight_transfer = "rlstream_gloo"
+    for _ in range(5):
+        reloader.tick()
+    assert engine.status_calls == 0  # idle: nothing started
+    engine.status = {"state": "receiving"}  # the link ran the trainer's start
+    reloader.tick()
+    reloader.tick()
+    assert engine.status_calls == 2
+    engine.received(1, DIGEST_A)
+    assert reloader.tick() and engine.version == 1 and engine.status_calls == 3
+    for _ in range(5):
+        reloader.tick()
+    assert engine.status_calls == 3  # swapped in: settled until the next start
