@@ -44,6 +44,9 @@ SWAPS = {
                   "(RLSTREAM__CONSUMER__*): the untrained tiny model scores 0 on almost every group, which the "
                   "zero-variance filter drops; a version then takes seconds on 2 cores, not minutes",
 }
+TP2_PRODUCER = {  # a producer at tensor_parallel_size 2 on CPU: routing capture is a TP-1 hook, one core per worker
+    "RLSTREAM__PRODUCER__ENGINE__TENSOR_PARALLEL_SIZE": "2", "RLSTREAM__PRODUCER__ENGINE__ROUTING": "off",
+    "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 CONSUMER_SWAPS = {"RLSTREAM__CONSUMER__GROUPS_PER_BATCH": "4", "RLSTREAM__CONSUMER__DYNAMIC_SAMPLING": "off"}
 PRODUCER_SWAPS = {"RLSTREAM__PRODUCER__ENGINE__ENFORCE_EAGER": "true"}
 
@@ -89,8 +92,11 @@ class Rehearsal(ABC):
 
     broker_host = "kafka"
 
-    def __init__(self, root: Path, host_names: list[str], rate_mbit: float | None, start_timeout_s: float):
+    def __init__(self, root: Path, host_names: list[str], rate_mbit: float | None, start_timeout_s: float,
+                 producer_env: dict[int, dict[str, str]] | None = None):
         self.work, self.logs = root / "volume", root / "logs"
+        self.producer_env = producer_env or {}
+        """Extra environment of producer i (e.g. TP2_PRODUCER): a scenario, not a swap."""
         self.start_timeout_s = start_timeout_s
         self.twin = ClusterTwin([Host(n, rate_mbit=rate_mbit) for n in host_names], observer=True)
         self.ranks: list[ShippedOnTwin] = []
@@ -166,9 +172,10 @@ class ComposeOnTwin(Rehearsal):
     trainer_hosts = 1
 
     def __init__(self, root: Path, producers: int = 2, rate_mbit: float | None = None,
-                 consumer_env: dict[str, str] | None = None, start_timeout_s: float = 300):
+                 consumer_env: dict[str, str] | None = None, start_timeout_s: float = 300,
+                 producer_env: dict[int, dict[str, str]] | None = None):
         super().__init__(root, ["kafka", "consumer"] + [f"producer-{i}" for i in range(producers)], rate_mbit,
-                         start_timeout_s)
+                         start_timeout_s, producer_env)
         self.num_producers = producers
         self.consumer_env = {**CONSUMER_SWAPS, **(consumer_env or {})}
         self.token = "twin-" + os.urandom(8).hex()
@@ -185,7 +192,7 @@ class ComposeOnTwin(Rehearsal):
         ncpu = os.cpu_count() or 1
         for i in range(self.num_producers):
             shipped = self.shipped.get(f"producer-{i}") or producer_copy(self.shipped["producer-1"], i)
-            extra = {**PRODUCER_SWAPS, "VLLM_CPU_OMP_THREADS_BIND": str(i % ncpu)}
+            extra = {**PRODUCER_SWAPS, "VLLM_CPU_OMP_THREADS_BIND": str(i % ncpu), **self.producer_env.get(i, {})}
             self.producers.append(ShippedOnTwin(self.twin, shipped, "producer", self.logs, self.work, extra).start())
 
 
@@ -206,9 +213,9 @@ class SystemdOnTwin(Rehearsal):
     broker_host = "broker"
 
     def __init__(self, root: Path, trainers: int = 2, producers: int = 1, rate_mbit: float | None = None,
-                 start_timeout_s: float = 300):
+                 start_timeout_s: float = 300, producer_env: dict[int, dict[str, str]] | None = None):
         names = ["broker"] + [f"trainer-{r}" for r in range(trainers)] + [f"producer-{i}" for i in range(producers)]
-        super().__init__(root, names, rate_mbit, start_timeout_s)
+        super().__init__(root, names, rate_mbit, start_timeout_s, producer_env)
         self.trainer_hosts, self.num_producers = trainers, producers
         self.etc = root / "etc"
 
@@ -256,4 +263,5 @@ class SystemdOnTwin(Rehearsal):
         ncpu = os.cpu_count() or 1
         for i in range(self.num_producers):
             self.producers.append(ShippedOnTwin(self.twin, producer_copy_unit(template, i), "producer", self.logs,
-                                                self.work, {"VLLM_CPU_OMP_THREADS_BIND": str(i % ncpu)}).start())
+                                                self.work, {"VLLM_CPU_OMP_THREADS_BIND": str(i % ncpu),
+                                                            **self.producer_env.get(i, {})}).start())

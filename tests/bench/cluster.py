@@ -45,12 +45,15 @@ def model_bytes(work: Path) -> int:
     return sum(p.stat().st_size for p in path.glob("*.safetensors"))
 
 
-def measure(layout: str, trainers: int, producers: int, versions: int, rate_mbit: float, root: Path) -> dict:
-    from common.harness.rehearsal import SWAPS, ComposeOnTwin, SystemdOnTwin
+def measure(layout: str, trainers: int, producers: int, versions: int, rate_mbit: float, tp2: bool,
+            root: Path) -> dict:
+    from common.harness.rehearsal import SWAPS, TP2_PRODUCER, ComposeOnTwin, SystemdOnTwin
     from common.harness.supervisor import wait_until
 
-    deployment = ComposeOnTwin(root, producers=producers, rate_mbit=rate_mbit) if layout == "compose" else \
-        SystemdOnTwin(root, trainers=trainers, producers=producers, rate_mbit=rate_mbit)
+    penv = {0: TP2_PRODUCER} if tp2 else {}
+    deployment = ComposeOnTwin(root, producers=producers, rate_mbit=rate_mbit, producer_env=penv) \
+        if layout == "compose" else \
+        SystemdOnTwin(root, trainers=trainers, producers=producers, rate_mbit=rate_mbit, producer_env=penv)
     with deployment as run:
         trainer_hosts = [s.name for s in run.ranks]
 
@@ -79,7 +82,7 @@ def measure(layout: str, trainers: int, producers: int, versions: int, rate_mbit
             "layout": layout,
             "hosts": [h.name for h in run.twin.hosts],
             "trainer_hosts": len(trainer_hosts),
-            "producer_tp": [1] * producers,
+            "producer_tp": [2 if tp2 and i == 0 else 1 for i in range(producers)],
             "shaping_note": sorted({s.note for s in run.twin.shaping.values() if s.note}),
             "swaps": SWAPS,
         }
@@ -91,6 +94,7 @@ def main() -> int:
     ap.add_argument("--trainers", type=int, default=2, help="systemd layout: trainer hosts")
     ap.add_argument("--producers", type=int, default=2)
     ap.add_argument("--versions", type=int, default=8)
+    ap.add_argument("--tp2", action="store_true", help="producer-0 at tensor_parallel_size 2 (routing off)")
     ap.add_argument("--rate-mbit", type=float, default=1000.0)
     ap.add_argument("--smoke", action="store_true", help="one producer, two versions")
     args = ap.parse_args()
@@ -104,7 +108,7 @@ def main() -> int:
         print(json.dumps({"skipped": f"no cluster twin here: {why}"}))
         return 0
     with tempfile.TemporaryDirectory(prefix="rlstream-bench-cluster-") as d:
-        out = measure(args.layout, args.trainers, args.producers, args.versions, args.rate_mbit, Path(d))
+        out = measure(args.layout, args.trainers, args.producers, args.versions, args.rate_mbit, args.tp2, Path(d))
     out["smoke"] = args.smoke
     print(json.dumps(out))
     return 0
