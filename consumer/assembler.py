@@ -27,6 +27,11 @@ So a group is never assembled from two copies, two groups under one id are
 never held at once (the trainer asserts that: consumer/batch.py), and an id
 is never trained twice. Two copies of one producer on disjoint slots cannot
 be told apart: they are one group of G samples of that producer under that id.
+Why the producer marks a copy: it is the one field every record of a
+legitimate group shares whatever the task (a multi-turn environment may give
+each sample its own first observation, so the prompt does not), and a
+producer's own ids never repeat (`{producer_id}-{incarnation}-{seq}`,
+producer/groups.py).
 
 Closed ids are remembered in a bounded window (`closed_window` ids once their
 group is done; ids of complete groups still held are kept until `retire`), and
