@@ -7,8 +7,8 @@ clock) and restarts (a new assembler and ledger from what the last checkpoint
 holds, the reader back at its offsets), playing the service's loop (read, gate,
 train, checkpoint). Checked: no exception; every record read ends in exactly
 one outcome; no group is assembled from two copies (a copy: the records of
-one producer under one group id); no group id is trained twice in the lineage
-of the final model; a batch never holds two groups under one id (what
+one producer under one group id); no group id completes (trained or dropped)
+twice in the lineage of the final model; a batch never holds two groups under one id (what
 consumer/batch.py asserts).
 """
 from __future__ import annotations
@@ -190,8 +190,8 @@ class Loop:
         self.ckpt: CheckpointState | None = None
         self.committed: dict[int, str] = {}   # offset -> outcome, as of the last checkpoint
         self.pending: dict[int, str] = {}     # since then (lost at a restart)
-        self.lineage: list[str] = []          # group ids trained into the checkpointed model
-        self.since: list[str] = []
+        self.lineage: list[str] = []          # ids of the groups completed (trained or dropped) as of
+        self.since: list[str] = []            # the last checkpoint, and since then (lost at a restart)
         self.new_incarnation(None)
 
     def new_incarnation(self, st: CheckpointState | None) -> None:
@@ -222,6 +222,7 @@ class Loop:
             self.outcome([h.offset for g in led.building for h in g.samples.values()], "trained")
             led.trained()
         elif action == "drop" and (g := led.take()) is not None:
+            self.since.append(g.group_id)
             self.outcome([h.offset for h in g.samples.values()], "dropped_stale")
             led.drop(g)
         elif action == "checkpoint":
@@ -244,7 +245,7 @@ class Loop:
         self.committed.update(self.pending)
         self.lineage += self.since
         self.pending, self.since = {}, []
-        assert len(self.lineage) == len(set(self.lineage)), f"a group id trained twice: {self.lineage}"
+        assert len(self.lineage) == len(set(self.lineage)), f"a group id completed twice: {self.lineage}"
 
     def balance(self) -> None:
         """Nothing counted twice (the exact balance needs the end: after a restart the
