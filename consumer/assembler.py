@@ -12,6 +12,34 @@ every record that was held but not yet trained. Duplicates (a publisher retry,
 or a re-read after a restart) are recognised by `rollout_id` and skipped.
 Records of another group size never get here: the reader refuses them
 (consumer/intake.py), and `add` raises InvalidSampleError if one does.
+
+A group id is used once. Its first record opens the group and makes that
+record's producer its owner; the group's *copy* is the set of records of that
+producer under that id. A record that is no duplicate is refused (`reused`,
+with the reason; the service puts it in the DLQ, field `group_id`) when it
+- comes from another producer while the group is open (another copy),
+- takes a slot (sample_idx) the group already holds under another rollout_id
+  (a second copy of the same producer), or
+- names a group id that has closed: completed (waiting for its batch, or done)
+  or timed out. A late sample of a timed-out group from its own producer is
+  counted `timed_out` instead (a slow producer, not a reuse).
+So a group is never assembled from two copies, two groups under one id are
+never held at once (the trainer asserts that: consumer/batch.py), and an id
+is never trained twice. Two copies of one producer on disjoint slots cannot
+be told apart: they are one group of G samples of that producer under that id.
+Why the producer marks a copy: it is the one field every record of a
+legitimate group shares whatever the task (a multi-turn environment may give
+each sample its own first observation, so the prompt does not), and a
+producer's own ids never repeat (`{producer_id}-{incarnation}-{seq}`,
+producer/groups.py).
+
+Closed ids are remembered in a bounded window (`closed_window` ids once their
+group is done; ids of complete groups still held are kept until `retire`), and
+a checkpoint carries the window (`closed_groups`, consumer/ledger.py), so a
+reuse arriving after a restart is refused too. After a restart a publisher
+retry of a record whose group closed before the checkpoint cannot be told
+from a reuse (the dedup window of rollout ids is not checkpointed): it is
+refused as one, never trained.
 """
 from __future__ import annotations
 
@@ -34,6 +62,8 @@ class Group:
     group_id: str
     group_size: int
     first_seen: float
+    producer_id: str = ""
+    """The owner: the producer of the group's first record (see the module docstring)."""
     samples: dict[int, Held] = field(default_factory=dict)  # sample_idx -> Held
 
     @property
@@ -51,21 +81,28 @@ class Group:
 class AddResult:
     """What `add` did with one record."""
 
-    outcome: str  # "held", "completed", "duplicate"
+    outcome: str  # "held", "completed", "duplicate", "reused", "timed_out" (a late sample of a timed-out group)
     group: Group | None = None
+    reason: str = ""
+    """Why a `reused` record is refused (the DLQ reason)."""
 
 
 class GroupAssembler:
     """Collects samples into complete groups of `group_size`."""
 
     def __init__(self, group_size: int, timeout_s: float, clock=time.monotonic,
-                 dedup_window: int = 200_000):
+                 dedup_window: int = 200_000, closed_window: int = 20_000):
         self.group_size, self.timeout_s, self.clock = group_size, timeout_s, clock
         self._open: dict[str, Group] = {}
         # rollout_ids already held/trained/dropped, oldest first; bounded so a
         # service running for weeks keeps flat memory (~100 B per id).
         self._seen: dict[str, None] = {}
         self.dedup_window = dedup_window
+        # group ids whose group is done -> (owner, outcome), oldest first; bounded, and
+        # checkpointed (~70 B of JSON per id: 1.4 MB at the default window)
+        self._closed: dict[str, tuple[str, str]] = {}
+        self.closed_window = closed_window
+        self._taken: dict[str, str] = {}  # ids of complete groups handed out, not yet retired -> owner
 
     def mark_seen(self, rollout_ids) -> None:
         """Rollout ids a checkpoint says were already processed (skip on re-read)."""
@@ -77,24 +114,67 @@ class GroupAssembler:
         while len(self._seen) > self.dedup_window:
             del self._seen[next(iter(self._seen))]
 
+    def mark_closed(self, closed) -> None:
+        """[group_id, owner, outcome] of done groups (a checkpoint's `closed_groups`)."""
+        for gid, owner, outcome in closed:
+            self._close(str(gid), str(owner), str(outcome))
+
+    def closed_groups(self) -> list[list[str]]:
+        """[group_id, owner, outcome] of the done groups in the window, oldest first."""
+        return [[gid, owner, outcome] for gid, (owner, outcome) in self._closed.items()]
+
+    def retire(self, g: Group, outcome: str) -> None:
+        """A complete group got its outcome (trained, dropped...): its id stays closed, in the window."""
+        self._taken.pop(g.group_id, None)
+        self._close(g.group_id, g.producer_id, outcome)
+
+    def _close(self, gid: str, owner: str, outcome: str) -> None:
+        self._closed.pop(gid, None)  # re-inserted: newest
+        self._closed[gid] = (owner, outcome)
+        while len(self._closed) > self.closed_window:
+            del self._closed[next(iter(self._closed))]
+
     def add(self, r: Rollout, partition: int, offset: int) -> AddResult:
         if r.group_size != self.group_size:  # a bug: the reader's limits refuse these (DLQ, field group_size)
             raise InvalidSampleError(f"record {r.rollout_id!r} has group_size {r.group_size}, this consumer "
                                      f"{self.group_size}; build the reader with consumer.intake.record_limits")
         if r.rollout_id in self._seen:
             return AddResult("duplicate")
-        g = self._open.get(r.group_id)
-        if g is None:
-            g = self._open[r.group_id] = Group(r.group_id, r.group_size, self.clock())
-        if r.sample_idx in g.samples:  # same slot, another rollout_id: keep the first
-            self._remember(r.rollout_id)
-            return AddResult("duplicate")
         self._remember(r.rollout_id)
+        g = self._open.get(r.group_id)
+        refusal = self._refusal(r, g)
+        if refusal is not None:
+            return refusal
+        if g is None:
+            g = self._open[r.group_id] = Group(r.group_id, r.group_size, self.clock(), r.producer_id)
         g.samples[r.sample_idx] = Held(r, partition, offset)
         if g.complete:
             del self._open[r.group_id]
+            self._taken[r.group_id] = g.producer_id
             return AddResult("completed", g)
         return AddResult("held", g)
+
+    def _refusal(self, r: Rollout, g: Group | None) -> AddResult | None:
+        """Why `r` (no duplicate) may not join group `g` (None: not open), or None if it may."""
+        gid, pid = r.group_id, r.producer_id
+        if g is not None:
+            if pid != g.producer_id:
+                return AddResult("reused", reason=f"group_id {gid!r} is held for a copy from producer "
+                                 f"{g.producer_id!r}; this record is from {pid!r} (a group id is used once)")
+            if r.sample_idx in g.samples:
+                held = g.samples[r.sample_idx].rollout.rollout_id
+                return AddResult("reused", reason=f"group_id {gid!r} already holds sample {r.sample_idx} "
+                                 f"(rollout {held!r}); this rollout {r.rollout_id!r} is a second copy")
+            return None
+        if gid in self._taken:
+            return AddResult("reused", reason=f"group_id {gid!r} is complete and waiting for its batch; "
+                             "a group id is used once")
+        if gid in self._closed:
+            owner, outcome = self._closed[gid]
+            if outcome == "timed_out" and owner == pid:
+                return AddResult("timed_out")  # a slow producer's late sample, not a reuse
+            return AddResult("reused", reason=f"group_id {gid!r} is closed ({outcome}); a group id is used once")
+        return None
 
     def expire(self) -> list[Group]:
         """Remove and return incomplete groups older than the timeout."""
@@ -102,6 +182,7 @@ class GroupAssembler:
         old = [g for g in self._open.values() if now - g.first_seen > self.timeout_s]
         for g in old:
             del self._open[g.group_id]
+            self._close(g.group_id, g.producer_id, "timed_out")
         return old
 
     def pending_min_offsets(self) -> dict[int, int]:

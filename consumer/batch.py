@@ -193,7 +193,7 @@ def group_advantages(samples: list[TrainSample], group_size: int,
         groups.setdefault(s.group_id, []).append(s)
     ordered, adv = [], []
     for gid, members in groups.items():
-        if len(members) != group_size:
+        if len(members) != group_size:  # a bug, not input: the assembler refuses a reused group id
             raise InvalidSampleError(f"group {gid!r} has {len(members)} samples, expected "
                                      f"{group_size}; the assembler must pass complete groups")
         r = np.array([m.reward for m in members], dtype=np.float64)

@@ -66,6 +66,9 @@ class CheckpointState:
     counters: dict[str, float] = field(default_factory=dict)
     # [run id, step it resumed at] of each incarnation in this model's lineage, oldest first
     runs: list[list] = field(default_factory=list)
+    # [group_id, owner, outcome] of the consumer's recently closed group ids: a reuse is
+    # refused after a restart too (consumer/assembler.py); absent in older checkpoints
+    closed_groups: list[list] = field(default_factory=list)
 
     @classmethod
     def from_json(cls, text: str) -> "CheckpointState":

@@ -10,16 +10,24 @@ in the DLQ) is at any moment in exactly one of two states:
 - done: counted once in one outcome of OUTCOMES: trained, dropped_stale,
   timed_out, duplicate (another record with a rollout_id already seen: a
   publisher retry), dlq (refused by the reader: undecodable, invalid, or
-  not for this consumer, e.g. another group size; consumer/intake.py) or
-  filtered (dynamic sampling: a complete group whose rewards are all equal,
-  consumer/staleness.py).
+  not for this consumer, e.g. another group size, consumer/intake.py; or
+  refused by the assembler: a group id reused by another copy or after its
+  group closed, consumer/assembler.py) or filtered (dynamic sampling: a
+  complete group whose rewards are all equal, consumer/staleness.py).
+
+A reused group id is refused here, when read, before any group reaches the
+trainer: the record is counted `dlq` and handed to the service
+(`take_refused`), which stores it in the DLQ with its reason (field
+`group_id`) before it reads on, so no checkpoint covers a refusal not stored.
 
 So, at any moment, records read = sum(counters) + held_records().
 
 A checkpoint (`to_checkpoint`) commits, per partition, the smallest offset of
 a held record (the reader's position where nothing is held), so it never
 passes a held record and a restart re-reads every one of them; and the
-(partition, offset, rollout_id) of the done records at or above those offsets.
+(partition, offset, rollout_id) of the done records at or above those offsets,
+and the assembler's window of closed group ids (a reuse after a restart is
+refused too; the ids of held groups are not in it: they are re-read).
 `from_checkpoint` restores the counters and that list: a re-read done record
 (same partition and offset) is skipped without being counted again. Its
 rollout_id is marked seen only then, when the reader passes it: a later copy
@@ -70,6 +78,7 @@ class Ledger:
         """Gated and kept, in the batch being built: held until `trained()`."""
         self._done: dict[tuple[int, int], str] = {}  # (partition, offset) -> rollout_id, since the checkpoint
         self._on_count = on_count or (lambda outcome, n: None)
+        self._refused: list[tuple[ReadRecord, str]] = []  # counted `dlq`, for the service to store in the DLQ
 
     # ------------------------------------------------------------ records in
 
@@ -84,10 +93,19 @@ class Ledger:
                 self.assembler.mark_seen([rid])  # re-read after a restart: it has its outcome
                 continue
             res = self.assembler.add(it.rollout, it.partition, it.offset)
-            if res.outcome == "duplicate":
+            if res.outcome in ("duplicate", "timed_out"):  # timed_out: a late sample of a timed-out group
                 self._finish([(it.partition, it.offset, it.rollout.rollout_id)], res.outcome)
+            elif res.outcome == "reused":
+                self._finish([(it.partition, it.offset, it.rollout.rollout_id)], "dlq")
+                self._refused.append((it, res.reason))
             elif res.outcome == "completed":
                 self.complete.append(res.group)
+
+    def take_refused(self) -> list[tuple[ReadRecord, str]]:
+        """(record, reason) of the records refused for a reused group id since the last
+        call: counted `dlq`, for the caller to store in the DLQ (field `group_id`)."""
+        out, self._refused = self._refused, []
+        return out
 
     def expire(self) -> list[Group]:
         """Partial groups past the assembler's timeout, counted `timed_out`."""
@@ -149,7 +167,7 @@ class Ledger:
         safe = self.safe_offsets(positions)
         self._done = {(p, o): rid for (p, o), rid in self._done.items() if o >= safe.get(p, 0)}
         return CheckpointState(step, version, safe, [[p, o, rid] for (p, o), rid in self._done.items()],
-                               dict(self.counters))
+                               dict(self.counters), closed_groups=self.assembler.closed_groups())
 
     @classmethod
     def from_checkpoint(cls, st: CheckpointState, assembler: GroupAssembler,
@@ -158,11 +176,13 @@ class Ledger:
         ledger = cls(assembler, on_count)
         ledger.counters.update(st.counters)
         ledger._done = {(int(p), int(o)): str(rid) for p, o, rid in st.processed}
+        assembler.mark_closed(st.closed_groups)
         return ledger
 
     # ------------------------------------------------------------ outcomes
 
     def _finish_group(self, g: Group, outcome: str) -> None:
+        self.assembler.retire(g, outcome)  # its id stays closed: a later copy is refused
         self._finish([(h.partition, h.offset, h.rollout.rollout_id) for h in g.samples.values()], outcome)
 
     def _finish(self, records: list[tuple[int, int, str]], outcome: str) -> None:

@@ -235,6 +235,10 @@ class ConsumerService:
     def _read(self, poll_s: float) -> None:
         items = self.reader.poll(max_records=512, timeout_s=poll_s)
         self.ledger.read(items, self.reader.take_dead())
+        refused = self.ledger.take_refused()  # a reused group id (consumer/assembler.py)
+        if refused:  # stored before anything is read on, so no checkpoint covers a refusal not stored
+            self.reader.refuse([(it, "group_id", why) for it, why in refused])
+            telemetry.count_reused(len(refused))
         for g in self.ledger.expire():
             log.warning("group %s timed out with %d/%d samples", g.group_id, len(g.samples), g.group_size)
         self.announce_progress()

@@ -29,6 +29,8 @@ _STEP = metrics.gauge("rlstream_trainer_step_metric", "Last global step's traine
 _OPEN = metrics.gauge("rlstream_consumer_open_groups", "Partial groups held by the assembler")
 _FILTERED = metrics.gauge("rlstream_consumer_filtered_share",
                           "Share of recent groups within the staleness bound filtered for equal rewards (dynamic sampling)")
+_REUSED = metrics.counter("rlstream_consumer_group_reuse_total",
+                          "Records refused (DLQ, field group_id) for a group id held by another copy or already closed")
 _HELD = metrics.gauge("rlstream_consumer_held_records",
                       "Records read but not yet given an outcome (partial groups + complete groups waiting for a batch)")
 WEIGHT_LINKS = metrics.gauge("rlstream_consumer_weight_links", "Producers linked to the weight endpoint now")
@@ -67,6 +69,11 @@ def stopped(run_file: str | None, step: int, version: int, counters: dict[str, f
 def count_outcome(outcome: str, n: int) -> None:
     """The ledger's `on_count`: `n` records got `outcome`."""
     _RECORDS.labels(outcome=outcome).inc(n)
+
+
+def count_reused(n: int) -> None:
+    """`n` records refused for a reused group id (also counted in outcome `dlq`)."""
+    _REUSED.inc(n)
 
 
 def observe_gate(staleness: int, filtered_share: float) -> None:

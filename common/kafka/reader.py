@@ -10,7 +10,8 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable
+from dataclasses import field as dataclass_field
+from typing import Any, Callable
 
 from common import metrics
 from common.config import KafkaSettings
@@ -39,6 +40,8 @@ class ReadItem:
     rollout: Rollout
     claim_check: bool = False
     """True if the record arrived as a claim-check pointer (resolved from the blob store)."""
+    message: Any = dataclass_field(default=None, repr=False, compare=False)
+    """The Kafka message it was read from (for `refuse`)."""
 
 
 class RolloutReader:
@@ -142,7 +145,7 @@ class RolloutReader:
                     nbytes += len(m.value or b"")
                     try:
                         rollout, claim = self._decode(m)
-                        items.append(ReadItem(tp.partition, m.offset, rollout, claim))
+                        items.append(ReadItem(tp.partition, m.offset, rollout, claim, m))
                     except InvalidRecordError as e:
                         self._dlq.send(m, e.field, e.reason)
                         dead.append((e.field, tp.partition, m.offset))
@@ -190,6 +193,19 @@ class RolloutReader:
         if self._check is not None:
             self._check(r)
         return r, claim
+
+    def refuse(self, refusals: list[tuple[ReadItem, str, str]]) -> None:
+        """Store records this reader returned that the caller refuses, as (item, field,
+        reason), in the DLQ like its own dead letters (original bytes, reason headers,
+        counted in `rlstream_dlq_records_total{field}`), confirmed before this returns;
+        BrokerError if they could not be stored. Not returned by `take_dead`: the
+        caller counts its own refusals."""
+        for it, fld, reason in refusals:
+            self._dlq.send(it.message, fld, reason)
+        self._dlq.confirm()
+        for _, fld, _ in refusals:
+            _DLQ.labels(fld).inc()
+        self.dlq_total += len(refusals)
 
     def take_dead(self) -> list[tuple[int, int]]:
         """(partition, offset) of records sent to the DLQ since the previous call.

@@ -7,9 +7,14 @@ lengths, NaN/inf or positive log-probs, expert ids >= num_experts, oversize
 (beyond the reader's record limits) or a pickle whose unpickling would leave
 a marker file; and with records that decode but must not be trained: a key
 given twice, another group size, a version from the future (trainer + 1000),
-a sequence longer than the model's positions (P = 600 > 512). Afterwards: training went on, each bad record is in the DLQ
-under the field its kind must be refused for, and the DLQ counters (reader and
-consumer) match the number of bad records exactly.
+a sequence longer than the model's positions (P = 600 > 512); and with
+group ids reused by a second copy (issue 24: another producer's copy
+interleaved with a valid group, or a copy under the id of a group already
+trained or waiting for its batch, or a second record for a held slot).
+Afterwards: training went on, each bad record is in the DLQ under the field
+its kind must be refused for (a reused id: `group_id`), and the DLQ counters
+(reader and consumer, and the consumer's reuse counter) match the number of
+bad records exactly; only the valid groups were trained.
 
 Security, on the same live consumer: the admin API refuses missing or wrong
 tokens and out-of-range values (and writes nothing then); out-of-range,
@@ -35,7 +40,7 @@ from hypothesis import strategies as st
 from common.harness.census import read_dlq, read_topic
 from common.harness.observe import http_request, metric_value
 from common.harness.supervisor import Service, wait_until
-from common.record import encode
+from common.record import Rollout, encode
 from tests.fixtures.kafka import make_kafka_settings
 from tests.support.audit import audit_steps
 from tests.support.configs import ADMIN_TOKEN, service_config, write_config
@@ -124,6 +129,18 @@ def bad_record(draw, kinds: tuple[str, ...] | None = None) -> tuple[str, str, by
     return kind, "<bytes>", PICKLE_BOMB
 
 
+REUSES = ["interleaved", "late", "same_slot"]
+"""How a group id is reused (`Live.publish_valid_group`); every record of the second copy is refused."""
+
+
+@st.composite
+def reuse(draw) -> tuple[str, list[int]] | None:
+    """None (most examples), or (how, the slots of the second copy)."""
+    if draw(st.integers(0, 3)):
+        return None
+    return draw(st.sampled_from(REUSES)), draw(st.lists(st.integers(0, G - 1), min_size=1, max_size=G, unique=True))
+
+
 DECODABLE = {"repeated_key", "group_size", "future_version", "long_sequence"}
 """Kinds whose record decodes up to the rule it breaks (its key must match its group_id)."""
 KINDS = ["truncated", "schema", "lengths", "nan_logprob", "positive_logprob", "expert_id", "oversize", "pickle",
@@ -142,16 +159,43 @@ class Live:
         self.expected: dict[str, tuple[str, str]] = {}  # DLQ source -> (kind, field)
         self.valid_groups = 0
         self._seq = 0
+        self.last_valid = ""  # the id of the last valid group published
 
     def version(self) -> int:
         return max(audit_steps(self.ckpt), default=0)
 
-    def publish_valid_group(self) -> None:
+    def publish_valid_group(self, reused: tuple[str, list[int]] | None = None) -> None:
+        """A valid group; with `reused` = (how, slots), also a second copy under a used id whose
+        records must all be refused: interleaved with this group after its first record
+        (another producer), under the id of an earlier valid group, or second records for
+        slots this group holds (same producer) before its last sample."""
         self._seq += 1
-        for f in [self.pub.publish(r, timeout=60) for r in
-                  synthetic_group(f"ok-{self._seq}", G, self.version(), self.rng)]:
-            f.result(timeout=60)
+        group = synthetic_group(f"ok-{self._seq}", G, self.version(), self.rng)
+        if reused is None:
+            self._publish_in_order([(r, False) for r in group])
+        else:
+            how, slots = reused
+            gid = self.last_valid if how == "late" and self.last_valid else group[0].group_id
+            second = synthetic_group(gid, G, self.version(), self.rng)
+            if how != "same_slot":  # a third party's copy
+                for r in second:
+                    r.producer_id = "reuser"
+            if how == "same_slot":  # slots this group holds when the copy comes: all but its last
+                held = sorted({min(i, G - 2) for i in slots})
+                self._publish_in_order([(r, False) for r in group[:-1]] + [(second[i], True) for i in held]
+                                       + [(group[-1], False)])
+            else:
+                copy = [(second[i], True) for i in slots]
+                self._publish_in_order([(group[0], False)] + copy + [(r, False) for r in group[1:]])
         self.valid_groups += 1
+        self.last_valid = group[0].group_id
+
+    def _publish_in_order(self, records: list[tuple[Rollout, bool]]) -> None:
+        """One at a time, so the partition holds them in this order; (record, refused)."""
+        for r, refused in records:
+            d = self.pub.publish(r, timeout=60).result(timeout=60)
+            if refused:
+                self.expected[f"{d.topic}/{d.partition}/{d.offset}"] = ("reused", "group_id")
 
     def publish_bad(self, kind: str, field: str, value: bytes) -> None:
         self._seq += 1
@@ -197,14 +241,23 @@ def test_one_bad_record_of_each_kind_while_training(live, kind, data):
     assert live.consumer.alive, live.consumer.log_tail()
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("how", REUSES)
+def test_one_reused_group_id_of_each_kind_while_training(live, how):
+    """Every kind of reuse at least once, whatever the fuzz below draws (the copy's slots 0 and G-1)."""
+    live.publish_valid_group((how, [0, G - 1]))
+    assert live.consumer.alive, live.consumer.log_tail()
+
+
 @pytest.mark.timeout(600)
 @FUZZ
-@given(bad=st.lists(bad_record(), min_size=1, max_size=3))
-def test_fuzz_rollouts_topic_while_training(live, bad):
-    """Each example: some bad records, then a valid group (a step every B examples)."""
+@given(bad=st.lists(bad_record(), min_size=1, max_size=3), reused=reuse())
+def test_fuzz_rollouts_topic_while_training(live, bad, reused):
+    """Each example: some bad records, then a valid group, sometimes with a reused copy
+    of a group id (a step every B examples)."""
     for kind, field, value in bad:
         live.publish_bad(kind, field, value)
-    live.publish_valid_group()
+    live.publish_valid_group(reused)
     assert live.consumer.alive, live.consumer.log_tail()
 
 
@@ -212,7 +265,7 @@ def test_fuzz_rollouts_topic_while_training(live, bad):
 def test_training_continued_and_every_bad_record_is_in_the_dlq_with_its_reason(live):
     c = live.consumer
     n_bad = len(live.expected)
-    assert n_bad >= 30 and {k for k, _ in live.expected.values()} >= set(KINDS)
+    assert n_bad >= 30 and {k for k, _ in live.expected.values()} >= set(KINDS) | {"reused"}
     want_steps = live.valid_groups // B
     wait_until(lambda: live.version() >= want_steps, 300, f"{want_steps} steps", [c])
     ours = {}
@@ -231,7 +284,9 @@ def test_training_continued_and_every_bad_record_is_in_the_dlq_with_its_reason(l
         assert metric_value(text, "rlstream_dlq_records_total", field=field) == n, field
     assert metric_value(text, "rlstream_dlq_records_total") == n_bad
     assert metric_value(text, "rlstream_consumer_records_total", outcome="dlq") == n_bad
-    assert metric_value(text, "rlstream_consumer_records_total", outcome="trained") == live.valid_groups * G
+    assert metric_value(text, "rlstream_consumer_group_reuse_total") == per_field["group_id"] > 0
+    # only the valid groups (a trained copy would make another step); an odd last group waits for its batch
+    assert metric_value(text, "rlstream_consumer_records_total", outcome="trained") == want_steps * B * G
     assert http_request(c.url + "/healthz")[0] == 200
     assert not MARKER.exists(), "a pickle from the rollouts topic was unpickled"
 

@@ -26,7 +26,7 @@ def test_group_completes_and_dedups():
     a = GroupAssembler(group_size=2, timeout_s=10)
     assert a.add(roll(idx=0), 0, 5).outcome == "held"
     assert a.add(roll(idx=0), 0, 6).outcome == "duplicate"  # same rollout_id
-    assert a.add(roll(idx=0, rid="other"), 0, 7).outcome == "duplicate"  # same slot
+    assert a.add(roll(idx=0, rid="other"), 0, 7).outcome == "reused"  # same slot, another record: a second copy
     res = a.add(roll(idx=1), 0, 8)
     assert res.outcome == "completed" and [r.sample_idx for r in res.group.rollouts()] == [0, 1]
     assert a.num_open == 0
@@ -127,7 +127,8 @@ def test_dedup_window_is_bounded():
     for i in range(5):
         assert a.add(roll(group=f"g{i}", G=1, rid=f"r{i}"), 0, i).outcome == "completed"
     assert a.add(roll(group="g4", G=1, rid="r4"), 0, 9).outcome == "duplicate"
-    assert a.add(roll(group="g0", G=1, rid="r0"), 0, 9).outcome == "completed"  # evicted
+    # evicted from the dedup window, yet its group id is still closed: refused, never completed twice
+    assert a.add(roll(group="g0", G=1, rid="r0"), 0, 9).outcome == "reused"
 
 
 def test_staleness_of_a_multi_turn_record_is_its_oldest_model_tokens():

@@ -136,6 +136,9 @@ class Outcomes:
                                                                     "timed_out": [], "filtered": []})
     trained_ids: list[str] = field(default_factory=list)
     pending_ids: list[str] = field(default_factory=list)
+    refused: list[Pos] = field(default_factory=list)
+    pending_refused: list[Pos] = field(default_factory=list)
+    """Records the assembler refused for a reused group id (counted dlq)."""
 
     def commit(self) -> None:
         for k, v in self.pending.items():
@@ -143,11 +146,14 @@ class Outcomes:
             v.clear()
         self.trained_ids += self.pending_ids
         self.pending_ids = []
+        self.refused += self.pending_refused
+        self.pending_refused = []
 
     def lose(self) -> None:
         for v in self.pending.values():
             v.clear()
         self.pending_ids = []
+        self.pending_refused = []
 
 
 class Loop:
@@ -164,6 +170,7 @@ class Loop:
     def read(self) -> None:
         items, dead = self.reader.poll(self.rng)
         self.ledger.read(items, dead)
+        self.out.pending_refused += [(it.partition, it.offset) for it, _ in self.ledger.take_refused()]
         self.out.pending["timed_out"] += positions_of(self.ledger.expire())
 
     def gate(self) -> None:
@@ -247,7 +254,9 @@ def check_final(loop: Loop, topic: Topic) -> None:
     grouped = [set(v) for v in out.values()]
     assert sum(map(len, grouped)) == len(set().union(*grouped)), "a record has two group outcomes"
     assert len(loop.out.trained_ids) == len(set(loop.out.trained_ids)), "a rollout was trained twice"
-    assert c["dlq"] == topic.dead and topic.dead == 2 * topic.wrong_size > 0 and "mismatch" not in c
+    refused = loop.out.refused
+    assert len(refused) == len(set(refused)) and not set(refused) & set().union(*grouped)
+    assert c["dlq"] == topic.dead + len(refused) and topic.dead == 2 * topic.wrong_size > 0 and "mismatch" not in c
 
 
 # ---------------------------------------------------------------- tests
@@ -263,7 +272,7 @@ def test_every_record_ends_in_exactly_one_outcome(seed):
     c = loop.ledger.counters
     assert c["trained"] + c["dropped_stale"] + c["filtered"] == G * topic.complete
     assert c["timed_out"] == (G - 1) * topic.partial
-    assert c["duplicate"] == topic.duplicates
+    assert c["duplicate"] == topic.duplicates and not loop.out.refused
 
 
 @pytest.mark.parametrize("seed", range(30))
@@ -274,9 +283,11 @@ def test_restarts_from_checkpoints_count_nothing_twice_and_lose_nothing(seed):
     loop.run(crash_p=0.15)
     check_final(loop, topic)
     # a retried record whose original is already below the committed offsets is
-    # not recognised after a restart: it waits alone in its group and times out
+    # not recognised after a restart: its group id is closed, so it is refused as
+    # a reuse (dlq), never trained
     c = loop.ledger.counters
-    assert c["duplicate"] + c["timed_out"] == topic.duplicates + (G - 1) * topic.partial
+    refused = len(loop.out.refused)
+    assert c["duplicate"] + c["timed_out"] + refused == topic.duplicates + (G - 1) * topic.partial
     assert c["trained"] + c["dropped_stale"] + c["filtered"] == G * topic.complete
 
 
