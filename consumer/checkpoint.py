@@ -38,7 +38,9 @@ steps above its start and up to the next run's start (the last run's: up to
 
 Redoing lost steps. The audit lines after the checkpoint's step are the steps
 a crash lost (`audit_since`): a restart judges the staleness of the records
-they trained at the step they were first gated at, and `versions.jsonl`
+they trained at the step they were first gated at (records still held at a
+checkpoint that a step lost before it had trained are listed in its
+`first_gated`: their audit lines lie before the checkpoint), and `versions.jsonl`
 (`note_version`) maps every version to the step whose model it was, so the
 versions a crash skips do not age any record (consumer/staleness.py, GateClock).
 """
@@ -77,6 +79,9 @@ class CheckpointState:
     counters: dict[str, float] = field(default_factory=dict)
     # [run id, step it resumed at] of each incarnation in this model's lineage, oldest first
     runs: list[list] = field(default_factory=list)
+    # rollout_id -> the step it was first gated at, for held records that a step lost at an
+    # earlier crash had trained: the gate judges them there (consumer/staleness.py, GateClock)
+    first_gated: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, text: str) -> "CheckpointState":

@@ -237,8 +237,9 @@ class ConsumerService:
         out = self.leader.train(samples)
         self.step += 1
         self.version += 1
-        self.leader.ckpt.audit({"step": self.step, "version": self.version, "trained": self.ledger.trained(),
-                                "run": self.run_id})
+        trained = self.ledger.trained()
+        self.leader.ckpt.audit({"step": self.step, "version": self.version, "trained": trained, "run": self.run_id})
+        self.clock.trained(trained)
         return out
 
     def checkpoint(self, final: bool = False) -> None:
@@ -248,6 +249,7 @@ class ConsumerService:
             return
         st = self.ledger.to_checkpoint(self.step, self.version, self.reader.positions())
         st.runs = [list(r) for r in self.lineage]
+        st.first_gated = dict(self.clock.first_gated)  # a crash before their redo must not age them
         self.leader.checkpoint(st)
         self.cadence.done(self.step)
 
@@ -266,8 +268,9 @@ def _gate_clock(ckpt, st) -> GateClock:
     checkpoint's own version at its step (a checkpoint directory older than the
     note file has only this), and the step each record of a lost step was first
     gated at: the step its audit line names, less one (the gate runs before the
-    step counts itself)."""
-    first: dict[str, int] = {}
+    step counts itself), or the checkpoint's `first_gated` for a record an
+    earlier crash had left to redo and that was still held at the checkpoint."""
+    first: dict[str, int] = dict(st.first_gated)
     for e in ckpt.audit_since(st.step):
         for rid in e.get("trained", ()):
             first[rid] = min(first.get(rid, e["step"] - 1), e["step"] - 1)

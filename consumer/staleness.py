@@ -109,6 +109,11 @@ class GateClock:
         v0 = versions[bisect.bisect_right(versions, version) - 1] if version >= 0 else 0
         return self._anchors[v0] + version - v0
 
+    def trained(self, rollout_ids: Iterable[str]) -> None:
+        """These records are trained in the lineage now: no redo judges them again."""
+        for rid in rollout_ids:
+            self.first_gated.pop(rid, None)
+
     def staleness(self, trainer_step: int) -> Callable[[Rollout], int]:
         """Per-sample staleness for a group gated at optimizer step `trainer_step`."""
         def of(r: Rollout) -> int:

@@ -362,7 +362,11 @@ def test_the_steps_lost_at_a_kill_are_trained_again_into_the_final_model(scenari
     lost = {rid for e in scenario.audit if lineage.get(e["step"]) != e for rid in e["trained"]}
     assert lost, "no kill lost a trained step: the scenario proves nothing"
     dropped = sorted(lost - set(in_lineage))
-    assert not dropped, f"{len(dropped)} of the {len(lost)} records of lost steps were not trained again"
+    where = {rid: [(e["step"], e["version"], e["run"]) for e in scenario.audit if rid in e["trained"]]
+             for rid in dropped}
+    assert not dropped, (f"{len(dropped)} of the {len(lost)} records of lost steps were not trained again: "
+                         f"{[(scenario.feeder.out.versions[r], where[r]) for r in dropped]}; incarnations "
+                         f"started at (step, version) {list(zip(scenario.start_steps, scenario.start_versions))}")
     assert set(in_lineage.values()) == {1}
     group_of = scenario.feeder.out.group_of
     assert set(Counter(group_of[rid] for rid in in_lineage).values()) == {G}  # whole groups, once

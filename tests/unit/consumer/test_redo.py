@@ -141,3 +141,21 @@ def test_audit_since_reads_only_the_lines_after_the_checkpoint_step(tmp_path, mo
     assert [e["step"] for e in ckpt.audit_since(3)] == [4, 5, 4, 5, 6, 7]  # a's 4 and 5 died too
     assert ckpt.audit_since(99) == []
     assert CheckpointManager(tmp_path / "empty").audit_since(0) == []
+
+
+def test_a_crash_during_the_redo_keeps_the_first_gating_of_what_is_still_held(tmp_path):
+    """Crash 1 lost step 4 (it trained x, gated at step 3); the redo put x into a later batch and
+    checkpointed step 5 before training it; crash 2. The audit lines after step 5 do not name x:
+    the checkpoint does, so the second redo judges x at step 3 too."""
+    from consumer.checkpoint import CheckpointState
+
+    ckpt = CheckpointManager(tmp_path)
+    ckpt.audit({"step": 4, "version": 4, "trained": ["x"], "run": "a"})  # lost at crash 1
+    redo_1 = Incarnation(ckpt, "b", 3, 5, clock=_gate_clock(ckpt, CheckpointState(3, 3, {0: 0})))
+    assert redo_1.clock.first_gated == {"x": 3}
+    redo_1.clock.trained(["y"])  # steps 4 and 5 of the redo trained others; x still held
+    st = CheckpointState(5, 7, {0: 0}, first_gated=dict(redo_1.clock.first_gated))
+    assert _gate_clock(ckpt, st).first_gated == {"x": 3}
+    assert _gate_clock(ckpt, CheckpointState(5, 7, {0: 0})).first_gated == {}  # what it would lose
+    redo_1.clock.trained(["x"])  # once trained in the lineage, it is no redo's business
+    assert redo_1.clock.first_gated == {}
