@@ -95,6 +95,7 @@ class GateClock:
 
     def __init__(self, anchors: Iterable[tuple[int, int]] = (), first_gated: dict[str, int] | None = None):
         self._anchors: dict[int, int] = {0: 0}
+        self._versions = [0]  # the anchors' versions, sorted
         for version, step in anchors:
             self.anchor(version, step)
         self.first_gated = dict(first_gated or {})
@@ -102,11 +103,11 @@ class GateClock:
     def anchor(self, version: int, step: int) -> None:
         """Version `version` is the model of step `step` (a later note for a version replaces an earlier one)."""
         self._anchors[int(version)] = int(step)
+        self._versions = sorted(self._anchors)
 
     def step_of(self, version: int) -> int:
         """The step whose model `version` was (in the lineage, or in a dead one at the same step number)."""
-        versions = sorted(self._anchors)
-        v0 = versions[bisect.bisect_right(versions, version) - 1] if version >= 0 else 0
+        v0 = self._versions[max(0, bisect.bisect_right(self._versions, version) - 1)]
         return self._anchors[v0] + version - v0
 
     def trained(self, rollout_ids: Iterable[str]) -> None:

@@ -31,6 +31,12 @@ truth comes from outside the consumer: what the feeder got acknowledged, the
 audit log read through the final checkpoint's lineage (tests/support/audit.py),
 the DLQ and policy topics. Each incarnation's run file also says the step and
 version it resumed at.
+
+Issue 24.2: the records a step lost at a kill had trained are trained again
+into the final lineage (a restart renumbers the restored model above the dead
+versions; the gate must not count that jump as staleness), and the staleness
+bound holds in steps of the lineage, a redone record judged at the step it was
+first gated at (the audit log says which).
 """
 from __future__ import annotations
 
