@@ -5,6 +5,8 @@
     <dir>/step-00000012/state.json    version, offsets, processed rollout ids, counters,
                                       lineage (`runs`)
     <dir>/trained.jsonl               audit log: one line per trained step
+    <dir>/versions.jsonl              one line per crash that renumbered versions:
+                                      {version, step}: that version is the model of that step
 
 When (a cadence) and how without blocking training (a snapshot written by a
 background thread) is consumer/cadence.py; this module is the files.
@@ -33,6 +35,14 @@ checkpointed model, and each audit line names its run. So the audit lines of
 the newest checkpoint's lineage are, for each listed run, its lines with
 steps above its start and up to the next run's start (the last run's: up to
 `step`); lines of steps redone after a crash belong to a run outside it.
+
+Redoing lost steps. The audit lines after the checkpoint's step are the steps
+a crash lost (`audit_since`): a restart judges the staleness of the records
+they trained at the step they were first gated at (records still held at a
+checkpoint that a step lost before it had trained are listed in its
+`first_gated`: their audit lines lie before the checkpoint), and `versions.jsonl`
+(`note_version`) maps every version to the step whose model it was, so the
+versions a crash skips do not age any record (consumer/staleness.py, GateClock).
 """
 from __future__ import annotations
 
@@ -50,6 +60,9 @@ from common.fsutil import commit_dir, fsync_path, staging_dir
 STATE = "state.json"
 TRAINER = "trainer.pt"
 AUDIT = "trained.jsonl"
+VERSIONS = "versions.jsonl"
+AUDIT_CHUNK = 1 << 20
+"""`audit_since` reads the audit log backwards this many bytes at a time."""
 SHARD_WAIT_S = 3600.0
 """How long rank 0's commit waits for the other ranks' shard files (a 30B shard
 takes minutes to write to shared storage)."""
@@ -69,6 +82,9 @@ class CheckpointState:
     # [group_id, owner, outcome] of the consumer's recently closed group ids: a reuse is
     # refused after a restart too (consumer/assembler.py); absent in older checkpoints
     closed_groups: list[list] = field(default_factory=list)
+    # rollout_id -> the step it was first gated at, for held records that a step lost at an
+    # earlier crash had trained: the gate judges them there (consumer/staleness.py, GateClock)
+    first_gated: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, text: str) -> "CheckpointState":
@@ -160,6 +176,39 @@ class CheckpointManager:
                                   "or move consumer.checkpoint_dir away")
         return torch.load(path / name, map_location="cpu", weights_only=True)
 
+    def note_version(self, version: int, step: int) -> None:
+        """Version `version` is the model of step `step`: appended to <root>/versions.jsonl
+        (before that version is announced) when a restart renumbers the restored model."""
+        _append_line(self.root / VERSIONS, {"version": int(version), "step": int(step)})
+
+    def version_anchors(self) -> list[tuple[int, int]]:
+        """Every (version, step) `note_version` wrote, oldest first (a torn last line is skipped)."""
+        return [(int(d["version"]), int(d["step"])) for d in _read_lines(self.root / VERSIONS)]
+
+    def audit_since(self, step: int) -> list[dict[str, Any]]:
+        """The audit lines written after the last line of a step <= `step` (the step of
+        the checkpoint resumed): the steps a crash lost, of every incarnation since.
+        Read backwards from the end: the log grows by one line per step for good."""
+        path = self.root / AUDIT
+        if not path.is_file():
+            return []
+        out: list[dict[str, Any]] = []
+        with open(path, "rb") as f:
+            pos, tail = f.seek(0, os.SEEK_END), b""
+            while pos > 0:
+                n = min(AUDIT_CHUNK, pos)
+                pos -= n
+                f.seek(pos)
+                lines = (f.read(n) + tail).split(b"\n")
+                tail = lines.pop(0) if pos > 0 else b""  # maybe the end of a line that starts further back
+                for raw in reversed(lines):
+                    if (e := _parse(raw)) is None:
+                        continue
+                    if e["step"] <= step:
+                        return out[::-1]
+                    out.append(e)
+        return out[::-1]
+
     def audit(self, entry: dict[str, Any]) -> None:
         """Append `entry` to <root>/trained.jsonl: one line per trained step,
         {step, version, trained: [rollout ids], run}, written when the step is
@@ -170,7 +219,26 @@ class CheckpointManager:
         (module docstring) says which line counts. Operators and tests use it to
         check exactly-once.
         """
-        with open(self.root / AUDIT, "a") as f:
-            f.write(json.dumps(entry) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        _append_line(self.root / AUDIT, entry)
+
+
+def _append_line(path: Path, entry: dict[str, Any]) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(entry) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _parse(raw: bytes) -> dict[str, Any] | None:
+    """One JSON line; None for a blank or torn one (a kill mid-write)."""
+    try:
+        e = json.loads(raw)
+    except ValueError:
+        return None
+    return e if isinstance(e, dict) and isinstance(e.get("step"), int) else None
+
+
+def _read_lines(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    return [e for raw in path.read_bytes().split(b"\n") if (e := _parse(raw)) is not None]

@@ -23,9 +23,13 @@ Under torchrun this service is rank 0 and the other ranks follow it
 Versions are never reused. A restart from a checkpoint older than the newest
 version announced (or written to the weight store) by the incarnation that
 died continues above it: the restored weights are announced under a new
-version, so producers reload them, and records of the dead versions keep
-their real version numbers for the staleness gate. `step` counts optimizer
-steps; `version` >= `step`.
+version, so producers reload them; records keep their real version numbers.
+`step` counts optimizer steps; `version` >= `step`. So that skipped versions
+age no record, the gate counts staleness in steps (`GateClock`,
+consumer/staleness.py): the renumbering is noted in the checkpoint directory
+(each version maps to the step whose model it was), and the records the lost
+steps trained are judged at the step they were first gated at (the audit log
+since the checkpoint): the redone steps train them again, not drop them as stale.
 """
 from __future__ import annotations
 
@@ -43,7 +47,7 @@ from consumer import telemetry
 from consumer.assembler import GroupAssembler
 from consumer.ledger import OUTCOMES, Ledger  # noqa: F401 - OUTCOMES: for importers of its old home
 from consumer.parallel import launch_rank, launch_world_size
-from consumer.staleness import FILTER_WINDOW_BATCHES, FilteredShare, ReadyGroup, gate_group
+from consumer.staleness import FILTER_WINDOW_BATCHES, FilteredShare, GateClock, ReadyGroup, gate_group
 
 log = logging.getLogger("rlstream.consumer")
 
@@ -56,6 +60,8 @@ class ConsumerService:
         self.step = self.version = 0
         self.ledger = Ledger(GroupAssembler(self.ccfg.group_size, self.ccfg.group_timeout_s), telemetry.count_outcome)
         self.filtered = FilteredShare(FILTER_WINDOW_BATCHES * self.ccfg.groups_per_batch)
+        self.clock = GateClock()
+        """Staleness in steps of the lineage, across crashes (`_restore`, `_continue_versions`)."""
         self.run_id = uuid.uuid4().hex[:12]
         self.lineage: list[list] = [[self.run_id, 0]]
         """[run id, step it started at] of every incarnation whose steps make the model (consumer/checkpoint.py)."""
@@ -106,6 +112,7 @@ class ConsumerService:
         self.step, self.version = st.step, st.version
         self.ledger = Ledger.from_checkpoint(st, self.ledger.assembler, telemetry.count_outcome)
         self.lineage = [list(r) for r in st.runs] + [[self.run_id, st.step]]
+        self.clock = _gate_clock(self.leader.ckpt, st)
         log.info("resumed from %s: step %d, version %d, offsets %s", path.name, st.step, st.version, st.offsets)
         return st.offsets
 
@@ -120,6 +127,8 @@ class ConsumerService:
             log.warning("versions up to %d were published after the checkpoint of version %d (a crash): "
                         "the restored weights continue as version %d", newest, self.version, newest + 1)
             self.version = newest + 1
+            self.leader.ckpt.note_version(self.version, self.step)  # before it is announced
+            self.clock.anchor(self.version, self.step)
 
     def _open_reader(self, offsets: dict[int, int] | None):
         from common.kafka.claimcheck import BlobStore
@@ -215,7 +224,8 @@ class ConsumerService:
                 time.sleep(poll_s)
                 self.apply_control(catch_up=False)
             elif (g := self.ledger.take()) is not None:
-                d = gate_group(g.rollouts(), self.version, self.control, self.ccfg.filters_zero_variance)
+                d = gate_group(g.rollouts(), self.version, self.control, self.ccfg.filters_zero_variance,
+                               self.clock.staleness(self.step))
                 self.filtered.note(d)
                 telemetry.observe_gate(d.staleness, self.filtered.value)
                 if d.keep:
@@ -252,8 +262,9 @@ class ConsumerService:
         self.liveness.beat("train_step")
         self.step += 1
         self.version += 1
-        self.leader.ckpt.audit({"step": self.step, "version": self.version, "trained": self.ledger.trained(),
-                                "run": self.run_id})
+        trained = self.ledger.trained()
+        self.leader.ckpt.audit({"step": self.step, "version": self.version, "trained": trained, "run": self.run_id})
+        self.clock.trained(trained)
         return out
 
     def checkpoint(self, final: bool = False) -> None:
@@ -263,6 +274,7 @@ class ConsumerService:
             return
         st = self.ledger.to_checkpoint(self.step, self.version, self.reader.positions())
         st.runs = [list(r) for r in self.lineage]
+        st.first_gated = dict(self.clock.first_gated)  # a crash before their redo must not age them
         self.leader.checkpoint(st)
         self.cadence.done(self.step)
 
@@ -274,6 +286,20 @@ class ConsumerService:
     def announce_progress(self, every_s: float = 1.0) -> None:
         self.announcer.progress(self.version, self.reader.positions(), self.ledger.held_records(),
                                 self.filtered.value, every_s)
+
+
+def _gate_clock(ckpt, st) -> GateClock:
+    """The gate's clock on a restart from `st`: every version renumbering noted, the
+    checkpoint's own version at its step (a checkpoint directory older than the
+    note file has only this), and the step each record of a lost step was first
+    gated at: the step its audit line names, less one (the gate runs before the
+    step counts itself), or the checkpoint's `first_gated` for a record an
+    earlier crash had left to redo and that was still held at the checkpoint."""
+    first: dict[str, int] = dict(st.first_gated)
+    for e in ckpt.audit_since(st.step):
+        for rid in e.get("trained", ()):
+            first[rid] = min(first.get(rid, e["step"] - 1), e["step"] - 1)
+    return GateClock([*ckpt.version_anchors(), (st.version, st.step)], first)
 
 
 def _weight_backend(backend: str) -> str:
