@@ -27,6 +27,7 @@ DECLARING_MODULES = {
     "common.control.plane": "both",
     "common.control.http": "both",
     "common.control.liveness": "both",
+    "common.http_server": "both",
     "producer.telemetry": "producer",
     "producer.prompts": "producer",
     "producer.mathjudge": "producer",
