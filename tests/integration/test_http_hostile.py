@@ -1,0 +1,302 @@
+"""Hostile clients against a real service endpoint (common/control/http.py on uvicorn), loopback only.
+
+Each attack of issue 24 runs while /healthz is probed every ~0.2 s over a fresh
+connection: every probe must answer 200 within 1 s. The server is built with its
+default limits only (the constructor arguments the thread-per-connection server of
+a0ae2f8 took too), so this file runs unchanged against it: there the slow-header,
+slow-body, flood and deep-JSON cases fail (a refused or unanswered probe, or no
+answer at all).
+"""
+from __future__ import annotations
+
+import json
+import selectors
+import socket
+import threading
+import time
+
+import pytest
+
+from common.control.http import ServiceHttp
+
+TOKEN = "tok"
+PROBE_S = 1.0
+
+
+@pytest.fixture
+def http():
+    calls = []
+    s = ServiceHttp("127.0.0.1", 0, lambda: (True, {"version": 1}), admin_token=TOKEN, get_control=dict,
+                    set_control=lambda k, v: calls.append((k, v)) or v).start()
+    yield s, calls
+    s.stop()
+
+
+# ---------------------------------------------------------------- clients
+
+def _exchange(port: int, data: bytes, timeout: float) -> tuple[bytes, float]:
+    """Send `data` on a fresh connection, read until the server closes: (answer, seconds)."""
+    t0 = time.monotonic()
+    out = b""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout) as c:
+            c.sendall(data)
+            while chunk := c.recv(65536):
+                out += chunk
+    except OSError:
+        pass  # a refused, reset or timed-out connection: whatever came is the answer
+    return out, time.monotonic() - t0
+
+
+def probe(port: int) -> tuple[bytes, float]:
+    return _exchange(port, b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", PROBE_S + 1)
+
+
+def probe_while(port: int, attack_done: threading.Event, at_least_s: float) -> list[tuple[bytes, float]]:
+    """Probe /healthz until the attack is over (and at least `at_least_s`)."""
+    probes, t0 = [], time.monotonic()
+    while not attack_done.is_set() or time.monotonic() - t0 < at_least_s:
+        probes.append(probe(port))
+        time.sleep(0.2)
+    return probes
+
+
+def assert_healthy_throughout(probes):
+    bad = [(out[:40], round(secs, 2)) for out, secs in probes
+           if not (out.startswith(b"HTTP/1.1 200") and secs < PROBE_S)]
+    assert not bad, f"{len(bad)} of {len(probes)} /healthz probes failed or took >= {PROBE_S} s: {bad[:5]}"
+
+
+class Trickler:
+    """`n` connections opened at once, each sent `head` and then one byte of `tail` a second."""
+
+    def __init__(self, port: int, n: int, head: bytes, tail: bytes, seconds: float):
+        self.port, self.n, self.head, self.tail, self.seconds = port, n, head, tail, seconds
+        self.socks: list[socket.socket] = []
+        self.done = threading.Event()
+
+    def _open(self) -> None:
+        try:  # connects in parallel: a connect stalled by a full backlog delays no other
+            s = socket.create_connection(("127.0.0.1", self.port), timeout=10)
+            self.socks.append(s)
+            s.sendall(self.head)
+        except OSError:
+            pass  # refused at accept: the probes will tell
+
+    def run(self) -> None:
+        openers = [threading.Thread(target=self._open, daemon=True) for _ in range(self.n)]
+        for t in openers:
+            t.start()
+        t0 = time.monotonic()
+        for i in range(int(self.seconds)):
+            time.sleep(max(0.0, t0 + i + 1 - time.monotonic()))
+            for s in list(self.socks):
+                try:
+                    s.sendall(self.tail[i % len(self.tail):][:1])
+                except OSError:
+                    pass
+        for t in openers:
+            t.join(10)
+        self.done.set()
+
+    def close(self) -> None:
+        for s in self.socks:
+            s.close()
+
+
+def trickle_and_probe(port: int, n: int, head: bytes, tail: bytes, seconds: float = 4.0):
+    t = Trickler(port, n, head, tail, seconds)
+    th = threading.Thread(target=t.run, daemon=True)
+    th.start()
+    time.sleep(0.5)  # the connections are open and have sent their heads
+    try:
+        return probe_while(port, t.done, seconds)
+    finally:
+        th.join(seconds + 5)
+        t.close()
+
+
+# ---------------------------------------------------------------- attacks
+
+def test_seventy_slow_header_clients_leave_healthz_answering(http):
+    """70 connections trickling their headers at 1 byte/s, no token needed (issue 24: /healthz
+    and /metrics unanswerable for ~50 s)."""
+    s, _ = http
+    probes = trickle_and_probe(s.port, 70, b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Slow: ", b"abcdefgh")
+    assert_healthy_throughout(probes)
+
+
+def test_seventy_slow_body_clients_leave_healthz_answering(http):
+    s, calls = http
+    head = (b"POST /admin/control HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + TOKEN.encode()
+            + b"\r\nContent-Length: 1000\r\n\r\n")
+    probes = trickle_and_probe(s.port, 70, head, b'{"key": "max_staleness", ')
+    assert_healthy_throughout(probes)
+    assert calls == []
+
+
+def test_three_hundred_concurrent_clients_are_all_answered(http):
+    """300 requests at once (issue 24: with a backlog of 5 some went unanswered for 40-90 s)."""
+    s, _ = http
+    done = threading.Event()
+    answers: list[bytes] = []
+
+    def flood():
+        answers.extend(_flood(s.port, 300, b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+                              timeout=10.0))
+        done.set()
+
+    th = threading.Thread(target=flood, daemon=True)
+    th.start()
+    probes = probe_while(s.port, done, 1.0)
+    th.join(15)
+    assert_healthy_throughout(probes)
+    statuses = [a[:12] for a in answers]
+    assert len(answers) == 300 and statuses.count(b"HTTP/1.1 200") == 300, \
+        {st: statuses.count(st) for st in set(statuses)}
+
+
+def _flood(port: int, n: int, request: bytes, timeout: float) -> list[bytes]:
+    """`n` connections opened at once (non-blocking), each sends `request` and reads to the close."""
+    sel = selectors.DefaultSelector()
+    out: dict[socket.socket, bytearray] = {}
+    for _ in range(n):
+        c = socket.socket()
+        c.setblocking(False)
+        c.connect_ex(("127.0.0.1", port))
+        out[c] = bytearray()
+        sel.register(c, selectors.EVENT_WRITE)
+    deadline, open_ = time.monotonic() + timeout, n
+    while open_ and time.monotonic() < deadline:
+        for key, ev in sel.select(0.1):
+            c = key.fileobj
+            try:
+                if ev & selectors.EVENT_WRITE:
+                    c.sendall(request)
+                    sel.modify(c, selectors.EVENT_READ)
+                    continue
+                chunk = c.recv(65536)
+            except OSError:
+                chunk = b""
+            if chunk:
+                out[c] += chunk
+            else:
+                sel.unregister(c)
+                open_ -= 1
+    for c in out:
+        c.close()
+    return [bytes(v) for v in out.values()]
+
+
+def test_json_nested_sixty_thousand_deep_gets_a_400(http):
+    """issue 24: no answer, RecursionError in the log. Refused from a bracket pre-scan, before
+    json.loads could recurse."""
+    s, calls = http
+    body = b"[" * 60_000  # 60 KB: under the admin API's 64 KiB body limit
+    head = (b"POST /admin/control HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + TOKEN.encode()
+            + b"\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(body))
+    out, secs = _exchange(s.port, head + body, timeout=5)
+    assert out.startswith(b"HTTP/1.1 400") and secs < 2, (out[:200], secs)
+    assert b"nests 60000 levels deep; at most 64" in out
+    assert_healthy_throughout([probe(s.port)])
+    assert calls == []
+
+
+def test_a_hundred_megabyte_body_is_refused_unread(http):
+    s, calls = http
+    head = (b"POST /admin/control HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + TOKEN.encode()
+            + b"\r\nContent-Length: %d\r\n\r\n" % (100 << 20))
+    done = threading.Event()
+    result = {}
+
+    def send_it():
+        t0 = time.monotonic()
+        with socket.create_connection(("127.0.0.1", s.port), timeout=5) as c:
+            c.sendall(head)
+            chunk, sent = b"x" * (1 << 20), 0
+            try:
+                while sent < 100 << 20:  # the server answers and closes: sending then fails
+                    c.sendall(chunk)
+                    sent += len(chunk)
+            except OSError:
+                pass
+            try:
+                result["answer"] = c.recv(65536)
+            except OSError:
+                result["answer"] = b""
+        result["secs"], result["sent"] = time.monotonic() - t0, sent
+        done.set()
+
+    th = threading.Thread(target=send_it, daemon=True)
+    th.start()
+    probes = probe_while(s.port, done, 1.0)
+    th.join(15)
+    assert_healthy_throughout(probes)
+    assert result["secs"] < 5 and result["sent"] < 100 << 20, result  # cut off, not read to the end
+    assert calls == []
+
+
+# ---------------------------------------------------------------- the bounds themselves
+
+def test_slow_heads_and_bodies_are_cut_at_their_timeouts():
+    """A head trickled at 1 byte/s is cut at head_timeout_s although no read is ever idle; a body
+    likewise at body_timeout_s (the connections of the attacks above are freed, not held)."""
+    s = ServiceHttp("127.0.0.1", 0, lambda: (True, {}), admin_token=TOKEN, get_control=dict,
+                    set_control=lambda k, v: v, head_timeout_s=1.5, body_timeout_s=1.5).start()
+    try:
+        head = (b"POST /admin/control HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + TOKEN.encode()
+                + b"\r\nContent-Length: 1000\r\n\r\n")
+        cases = {"head": (b"GET /metrics HTTP/1.1\r\nX-Slow: ", b"abcdefgh"), "body": (head, b'{"key": 1')}
+        for name, (first, tail) in cases.items():
+            t0 = time.monotonic()
+            with socket.create_connection(("127.0.0.1", s.port), timeout=5) as c:
+                c.sendall(first)
+                for b in tail:
+                    time.sleep(0.4)
+                    try:
+                        c.sendall(bytes([b]))
+                    except OSError:
+                        break
+                try:
+                    while c.recv(65536):
+                        pass
+                except OSError:
+                    pass
+            assert 1.2 < time.monotonic() - t0 < 3.2, (name, time.monotonic() - t0)
+    finally:
+        s.stop()
+
+
+def test_a_head_over_the_limit_gets_a_400_naming_the_limit(http):
+    s, _ = http
+    out, _ = _exchange(s.port, b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (20 << 10) + b"\r\n\r\n", 5)
+    assert out.startswith(b"HTTP/1.1 400") and b"headers over 16384 bytes" in out
+
+
+def test_json_depth_prescan_ignores_brackets_in_strings_and_stays_linear():
+    from common.http_server import json_depth
+
+    assert json_depth(b'{"a": [1, {"b": "]]]}}} [[[ \\" [[["}]}') == 3
+    assert json_depth(b"[" * 100 + b"]" * 100) == 100
+    assert json_depth(b'"unterminated [[[') == 0
+    t0 = time.monotonic()  # escaped quotes without an end: a naive pattern rescans from every quote
+    json_depth(b'"' + b'\\"' * 500_000)
+    json_depth(b'"' + b'\\"' * 500_000 + b"\\")
+    assert time.monotonic() - t0 < 1.0
+
+
+def test_admin_answers_after_the_attacks_with_a_keep_alive_connection(http):
+    """The bounds do not disturb ordinary clients: two requests on one connection."""
+    s, calls = http
+    body = json.dumps({"key": "max_staleness", "value": 3}).encode()
+    req = (b"POST /admin/control HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + TOKEN.encode()
+           + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    with socket.create_connection(("127.0.0.1", s.port), timeout=5) as c:
+        c.sendall(req)
+        first = c.recv(65536)
+        c.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        second = b""
+        while chunk := c.recv(65536):
+            second += chunk
+    assert first.startswith(b"HTTP/1.1 200") and second.startswith(b"HTTP/1.1 200")
+    assert calls == [("max_staleness", 3)]
