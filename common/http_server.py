@@ -195,6 +195,7 @@ class BackgroundServer:
     def __init__(self, app, host: str, port: int, limits: HttpLimits, name: str = "http"):
         self.limits = limits
         self.sock = socket.create_server((host, port), backlog=limits.backlog)
+        self.address: tuple[str, int] = self.sock.getsockname()[:2]  # kept after stop(), for logs
         protocol = type("GuardedProtocol", (_GuardedProtocol,), {"limits": limits})
         config = uvicorn.Config(app, http=protocol, ws="none", lifespan="off", loop="asyncio",
                                 log_config=None, access_log=False, server_header=False, backlog=limits.backlog,
@@ -202,10 +203,6 @@ class BackgroundServer:
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self.sock]},
                                         name=name, daemon=True)
-
-    @property
-    def address(self) -> tuple[str, int]:
-        return self.sock.getsockname()[:2]
 
     def start(self) -> None:
         self._thread.start()
