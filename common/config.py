@@ -384,8 +384,10 @@ class AgentEndpointSettings(_Section):
     """Seconds a chat-completions call waits for its turn (then 504; the turn is still recorded)."""
     max_body_bytes: int = Field(1 << 20, ge=1024, le=64 << 20)
     """Largest request body (413 beyond)."""
-    max_connections: int = Field(64, ge=1, le=4096)
-    """Connections served at once (more are closed at accept)."""
+    max_connections: int = Field(1024, ge=1, le=4096)
+    """Connections open at once (more are closed at accept), and calls waiting on the engine at
+    once (503 beyond). An idle or trickling connection costs a socket, not a thread, and is
+    cut after 10 s; 64 was low enough for 70 trickling clients to lock agents out."""
     max_open_episodes: int = Field(1024, ge=1)
     """Episodes open at once (opening a group beyond it: 429 reason `open_episodes`)."""
 

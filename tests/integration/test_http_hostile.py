@@ -48,15 +48,18 @@ def _exchange(port: int, data: bytes, timeout: float) -> tuple[bytes, float]:
     return out, time.monotonic() - t0
 
 
-def probe(port: int) -> tuple[bytes, float]:
-    return _exchange(port, b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", PROBE_S + 1)
+def probe(port: int, path: bytes = b"/healthz", token: str | None = None) -> tuple[bytes, float]:
+    auth = b"Authorization: Bearer %s\r\n" % token.encode() if token else b""
+    return _exchange(port, b"GET %s HTTP/1.1\r\nHost: x\r\n%sConnection: close\r\n\r\n" % (path, auth),
+                     PROBE_S + 1)
 
 
-def probe_while(port: int, attack_done: threading.Event, at_least_s: float) -> list[tuple[bytes, float]]:
-    """Probe /healthz until the attack is over (and at least `at_least_s`)."""
+def probe_while(port: int, attack_done: threading.Event, at_least_s: float,
+                paths=((b"/healthz", None),)) -> list[tuple[bytes, float]]:
+    """Probe `paths` (/healthz) until the attack is over (and at least `at_least_s`)."""
     probes, t0 = [], time.monotonic()
     while not attack_done.is_set() or time.monotonic() - t0 < at_least_s:
-        probes.append(probe(port))
+        probes.extend(probe(port, path, token) for path, token in paths)
         time.sleep(0.2)
     return probes
 
@@ -104,13 +107,13 @@ class Trickler:
             s.close()
 
 
-def trickle_and_probe(port: int, n: int, head: bytes, tail: bytes, seconds: float = 4.0):
+def trickle_and_probe(port: int, n: int, head: bytes, tail: bytes, seconds: float = 4.0, **probing):
     t = Trickler(port, n, head, tail, seconds)
     th = threading.Thread(target=t.run, daemon=True)
     th.start()
     time.sleep(0.5)  # the connections are open and have sent their heads
     try:
-        return probe_while(port, t.done, seconds)
+        return probe_while(port, t.done, seconds, **probing)
     finally:
         th.join(seconds + 5)
         t.close()
@@ -234,6 +237,26 @@ def test_a_hundred_megabyte_body_is_refused_unread(http):
     assert_healthy_throughout(probes)
     assert result["secs"] < 5 and result["sent"] < 100 << 20, result  # cut off, not read to the end
     assert calls == []
+
+
+def test_seventy_slow_clients_leave_the_agent_endpoint_serving_agents():
+    """The agent endpoint with its default settings (issue 24: one trickling connection held it for
+    330 s): /healthz and an authenticated /v1/models answer while 70 connections trickle."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from common.config import AgentEndpointSettings
+    from producer.agent_http import AgentHttp
+
+    agents = SimpleNamespace(engine=SimpleNamespace(model_dir=Path("tiny")), base_url="")  # only routes run
+    http = AgentHttp(AgentEndpointSettings(token=TOKEN), agents).start()
+    try:
+        probes = trickle_and_probe(http.port, 70, b"POST /v1/groups HTTP/1.1\r\nHost: x\r\nX-Slow: ", b"abcdefgh",
+                                   paths=((b"/healthz", None), (b"/v1/models", TOKEN)))
+    finally:
+        http.stop()
+    assert_healthy_throughout(probes)
+    assert agents.base_url == http.url
 
 
 # ---------------------------------------------------------------- the bounds themselves
