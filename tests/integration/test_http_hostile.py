@@ -76,7 +76,7 @@ class Trickler:
     def __init__(self, port: int, n: int, head: bytes, tail: bytes, seconds: float):
         self.port, self.n, self.head, self.tail, self.seconds = port, n, head, tail, seconds
         self.socks: list[socket.socket] = []
-        self.done = threading.Event()
+        self.opened, self.done = threading.Event(), threading.Event()
 
     def _open(self) -> None:
         try:  # connects in parallel: a connect stalled by a full backlog delays no other
@@ -90,6 +90,9 @@ class Trickler:
         openers = [threading.Thread(target=self._open, daemon=True) for _ in range(self.n)]
         for t in openers:
             t.start()
+        for t in openers:
+            t.join(10)
+        self.opened.set()
         t0 = time.monotonic()
         for i in range(int(self.seconds)):
             time.sleep(max(0.0, t0 + i + 1 - time.monotonic()))
@@ -98,8 +101,6 @@ class Trickler:
                     s.sendall(self.tail[i % len(self.tail):][:1])
                 except OSError:
                     pass
-        for t in openers:
-            t.join(10)
         self.done.set()
 
     def close(self) -> None:
@@ -111,7 +112,8 @@ def trickle_and_probe(port: int, n: int, head: bytes, tail: bytes, seconds: floa
     t = Trickler(port, n, head, tail, seconds)
     th = threading.Thread(target=t.run, daemon=True)
     th.start()
-    time.sleep(0.5)  # the connections are open and have sent their heads
+    t.opened.wait(15)  # every connection is open and has sent its head
+    time.sleep(0.2)
     try:
         return probe_while(port, t.done, seconds, **probing)
     finally:
@@ -308,18 +310,69 @@ def test_json_depth_prescan_ignores_brackets_in_strings_and_stays_linear():
     assert time.monotonic() - t0 < 1.0
 
 
-def test_admin_answers_after_the_attacks_with_a_keep_alive_connection(http):
+def test_ordinary_clients_keep_their_connection_alive(http):
     """The bounds do not disturb ordinary clients: two requests on one connection."""
+    from http.client import HTTPConnection
+
     s, calls = http
-    body = json.dumps({"key": "max_staleness", "value": 3}).encode()
-    req = (b"POST /admin/control HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + TOKEN.encode()
-           + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
-    with socket.create_connection(("127.0.0.1", s.port), timeout=5) as c:
-        c.sendall(req)
-        first = c.recv(65536)
-        c.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        second = b""
-        while chunk := c.recv(65536):
-            second += chunk
-    assert first.startswith(b"HTTP/1.1 200") and second.startswith(b"HTTP/1.1 200")
+    c = HTTPConnection("127.0.0.1", s.port, timeout=5)
+    c.request("POST", "/admin/control", body=json.dumps({"key": "max_staleness", "value": 3}),
+              headers={"Authorization": f"Bearer {TOKEN}"})
+    first = c.getresponse()
+    assert first.status == 200 and json.loads(first.read()) == {"key": "max_staleness", "value": 3}
+    sock = c.sock
+    c.request("GET", "/healthz")
+    second = c.getresponse()
+    assert second.status == 200 and json.loads(second.read())["status"] == "ok"
+    assert c.sock is sock  # the same connection
+    c.close()
     assert calls == [("max_staleness", 3)]
+
+
+def test_agent_fields_refused_with_value_error_get_a_400_naming_the_field():
+    """producer/agents.py refuses a bad field with ValueError (or its AgentRequestError answer):
+    the endpoint answers 400 with the message, never 500; a non-object body is a 400 too."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import httpx
+
+    from common.config import AgentEndpointSettings
+    from producer.agent_http import AgentHttp
+
+    def call(kind, eid, body, wait):
+        raise ValueError(f"temperature: {body.get('temperature')!r} is not a number")
+
+    agents = SimpleNamespace(engine=SimpleNamespace(model_dir=Path("tiny")), base_url="", call=call)
+    http = AgentHttp(AgentEndpointSettings(token=TOKEN), agents).start()
+    try:
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        r = httpx.post(f"{http.url}/v1/groups", json={"temperature": "hot"}, headers=auth, timeout=5)
+        assert r.status_code == 400 and r.json()["error"]["message"] == "temperature: 'hot' is not a number"
+        r = httpx.post(f"{http.url}/v1/groups", content=b"[1]", headers=auth, timeout=5)
+        assert r.status_code == 400 and "JSON object" in r.json()["error"]["message"]
+    finally:
+        http.stop()
+
+
+def test_stop_is_prompt_with_slow_clients_and_a_blocked_handler():
+    """The service's shutdown never waits on a client: trickling connections and a handler
+    blocked on the broker (set_control) do not hold stop() beyond a few seconds."""
+    release = threading.Event()
+    s = ServiceHttp("127.0.0.1", 0, lambda: (True, {}), admin_token=TOKEN, get_control=dict,
+                    set_control=lambda k, v: release.wait(30)).start()
+    slow = [socket.create_connection(("127.0.0.1", s.port), timeout=5) for _ in range(10)]
+    for c in slow:
+        c.sendall(b"GET /metrics HTTP/1.1\r\nX-Slow: a")
+    body = json.dumps({"key": "max_staleness", "value": 3}).encode()
+    blocked = socket.create_connection(("127.0.0.1", s.port), timeout=5)
+    blocked.sendall(b"POST /admin/control HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + TOKEN.encode()
+                    + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    s.stop()
+    took = time.monotonic() - t0
+    release.set()
+    for c in [*slow, blocked]:
+        c.close()
+    assert took < 5, took
