@@ -32,7 +32,6 @@ Each refusal is counted in rlstream_http_refused_total{reason}.
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import re
@@ -83,13 +82,17 @@ class _GuardedProtocol(HttpToolsProtocol):
     _timers: dict
     _head_bytes = 0
     _head_too_large = False
+    _warned_at = float("-inf")
 
     def connection_made(self, transport) -> None:
         self._timers = {}
         if len(self.connections) >= self.limits.max_connections:
             self.transport = transport  # for connection_lost
             REFUSED.labels(reason="connections").inc()
-            log.warning("http: %d connections open; closing a new one at accept", len(self.connections))
+            if self.loop.time() - type(self)._warned_at > 10.0:  # a flood logs a line per 10 s, not per connection
+                type(self)._warned_at = self.loop.time()
+                log.warning("http: %d connections open; closing new ones at accept (counted in "
+                            "rlstream_http_refused_total)", len(self.connections))
             # FIN now, close later: closing a socket whose request is still unread sends a reset,
             # which the client sees instead of a clean end
             transport.write_eof()
@@ -239,6 +242,8 @@ def closing(response: Response) -> Response:
 
 def json_response(status: int, obj: Any, *, close: bool = False) -> Response:
     response = JSONResponse(obj, status_code=status)
+    if status == 503:
+        response.headers["Retry-After"] = "1"
     return closing(response) if close else response
 
 
