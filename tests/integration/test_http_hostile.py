@@ -376,3 +376,32 @@ def test_stop_is_prompt_with_slow_clients_and_a_blocked_handler():
     for c in [*slow, blocked]:
         c.close()
     assert took < 5, took
+
+
+def test_handlers_beyond_max_requests_get_503_at_once_and_healthz_still_answers():
+    """Blocking handlers (here: a broker write that hangs) hold at most `max_requests` threads;
+    the next is refused at once with 503 + Retry-After instead of queueing behind them."""
+    from http.client import HTTPConnection
+
+    release = threading.Event()
+    s = ServiceHttp("127.0.0.1", 0, lambda: (True, {}), admin_token=TOKEN, get_control=dict,
+                    set_control=lambda k, v: release.wait(10) and v, max_requests=2).start()
+    body = json.dumps({"key": "max_staleness", "value": 3})
+    conns = []
+    try:
+        for _ in range(3):
+            c = HTTPConnection("127.0.0.1", s.port, timeout=5)
+            c.request("POST", "/admin/control", body=body, headers={"Authorization": f"Bearer {TOKEN}"})
+            conns.append(c)
+            time.sleep(0.2)  # in order: the first two take the threads
+        t0 = time.monotonic()
+        third = conns[2].getresponse()
+        assert third.status == 503 and third.getheader("Retry-After") == "1" and time.monotonic() - t0 < 1
+        assert_healthy_throughout([probe(s.port)])
+        release.set()
+        assert [c.getresponse().status for c in conns[:2]] == [200, 200]
+    finally:
+        release.set()
+        for c in conns:
+            c.close()
+        s.stop()
