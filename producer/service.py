@@ -5,10 +5,11 @@
 One thread drives everything, so a weight reload always falls between two
 engine steps. Each iteration of the loop:
 
-    follow_control -> admit -> engine step -> score_and_publish
+    follow_control -> evict_stale -> admit -> engine step -> score_and_publish
 
 follow_control applies runtime settings, the trainer's progress and new weights
-(producer/weights/reload.py: over the link to the trainer, or from the durable store); admit starts groups until producer/admission.py names a
+(producer/weights/reload.py: over the link to the trainer, or from the durable store); evict_stale aborts
+in-flight groups the trainer can no longer take (producer/eviction.py); admit starts groups until producer/admission.py names a
 reason to wait; score_and_publish scores each finished sample and hands its
 record (producer/sample.py) to the outbox (producer/outbox.py).
 
