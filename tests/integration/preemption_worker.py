@@ -1,10 +1,11 @@
 """test_routing_preemption.py's engine, in a process of its own.
 
 A KV cache of 32 blocks (32 tokens each: 1 MiB, the smallest the settings
-allow) for ten requests that grow to 7 blocks each forces vLLM to preempt running requests (free their KV, recompute it
-later) as soon as a few of them run at once. The session engine (tests/
-fixtures/producer.py, 64 MiB) never preempts, and a second in-process engine
-cannot share the test process (prefix_cache_worker.py says why).
+allow) for ten requests that grow to 7 blocks each forces vLLM to preempt
+running requests (free their KV, recompute it later) as soon as a few of them
+run at once. The session engine (tests/fixtures/producer.py, 64 MiB) never
+preempts, and a second in-process engine cannot share the test process
+(prefix_cache_worker.py says why).
 
 Two runs on the same engine, greedy: every prompt at once (preemption), then
 each prompt alone (none). The preemptions are counted by wrapping the
@@ -12,7 +13,11 @@ scheduler's `_preempt_request` (vLLM 0.32; the engine runs with
 disable_log_stats, so its own counters are off). The samples of both runs go
 to OUT (pickle) for the test to check.
 
-    python -m tests.integration.preemption_worker MODEL_DIR OUT
+    python -m tests.integration.preemption_worker MODEL_DIR OUT [capture|native]
+
+`native` (GPU: tests/gpu/test_producer_gpu.py) runs vLLM's own routed-experts
+output instead of CPU capture, with the engine core in this process so that
+its scheduler can be wrapped.
 """
 from __future__ import annotations
 
@@ -64,13 +69,24 @@ def preemptions_of(request_id: str, counts: dict[str, list[int]]) -> list[int]:
     return [n for iid, ns in counts.items() if iid == request_id or iid.startswith(request_id + "-") for n in ns]
 
 
-def main(model_dir: Path, out: Path) -> None:
+def engine_settings(model_dir: Path, routing: str):
     from common.config import EngineSettings
+
+    native = {"routing": "native", "enable_prefix_caching": True, "gpu_memory_utilization": 0.3} \
+        if routing == "native" else {}
+    return EngineSettings(dtype="float32", max_model_len=256, kv_cache_memory_bytes=kv_bytes(model_dir),
+                          block_size=BLOCK, max_num_seqs=len(PROMPTS), seed=0, enforce_eager=True, **native)
+
+
+def main(model_dir: Path, out: Path, routing: str = "capture") -> None:
+    import os
+
     from producer.engine import RolloutEngine
 
-    settings = EngineSettings(dtype="float32", max_model_len=256, kv_cache_memory_bytes=kv_bytes(model_dir),
-                              block_size=BLOCK, max_num_seqs=len(PROMPTS), seed=0, enforce_eager=True)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the scheduler in this process (capture sets it too)
+    settings = engine_settings(model_dir, routing)
     with RolloutEngine(settings, model_dir) as engine:
+        assert engine.routing_mode == routing
         counts = count_preemptions(engine)
         together = generate(engine, PROMPTS, "together")
         during = {iid: list(ns) for iid, ns in counts.items()}
@@ -83,4 +99,4 @@ def main(model_dir: Path, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), Path(sys.argv[2]))
+    main(Path(sys.argv[1]), Path(sys.argv[2]), *sys.argv[3:4])
