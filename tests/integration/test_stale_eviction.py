@@ -65,6 +65,7 @@ def _evicts_everything_in_flight(svc, change, applied) -> int:
     """Apply `change`, loop until the service sees it (`applied`), then a few passes more:
     every in-flight group is aborted (not generated to the end). Returns the steps it took."""
     before, steps0 = _evicted(), svc.engine.stats.steps
+    left = GROUPS * G * MAX_TOKENS - sum(len(st.tokens) for st in svc.engine._inflight.values())
     change()
     deadline = time.monotonic() + 30
     while not applied(svc):
@@ -77,7 +78,9 @@ def _evicts_everything_in_flight(svc, change, applied) -> int:
     assert not svc.engine.has_work()
     after = _evicted()
     assert (after[0] - before[0], after[1] - before[1]) == (GROUPS, GROUPS * G)
-    return svc.engine.stats.steps - steps0
+    steps = svc.engine.stats.steps - steps0
+    print(f"\nevicted {GROUPS} groups {steps} engine steps after the change; about {left} tokens not generated")
+    return steps
 
 
 @pytest.mark.timeout(300)
