@@ -45,7 +45,7 @@ from typing import Callable, Iterable
 
 from common.config import ControlSettings
 from common.record import Rollout
-from common.staleness import is_stale, staleness
+from common.staleness import is_stale, staleness_of
 from consumer.assembler import Group
 
 
@@ -73,7 +73,7 @@ class ReadyGroup:
 
 
 def sample_staleness(r: Rollout, trainer_version: int) -> int:
-    return staleness(trainer_version, r.oldest_version)
+    return staleness_of(trainer_version, r.oldest_version)
 
 
 def zero_variance(rollouts: list[Rollout]) -> bool:
@@ -120,7 +120,7 @@ class GateClock:
         """Per-sample staleness for a group gated at optimizer step `trainer_step`."""
         def of(r: Rollout) -> int:
             at = min(trainer_step, self.first_gated.get(r.rollout_id, trainer_step))
-            return max(0, at - self.step_of(r.oldest_version))
+            return staleness_of(at, self.step_of(r.oldest_version))
         return of
 
 
