@@ -373,9 +373,11 @@ class RolloutEngine:
             submitted_at=st.submitted_at, finished_at=time.time())
 
     def oldest_versions(self) -> dict[Any, int]:
-        """Tag -> the oldest version a record of the tag's in-flight samples can carry:
-        the version of the first sampled token, or (none sampled yet) the version now
-        (a sample's versions only grow)."""
+        """Tag -> the newest `oldest_version` a record of the tag's in-flight samples can end
+        up with: the first sampled token's version, or (none sampled yet) the version now
+        (a sample's versions only grow; a record without a reload mid-sample says its
+        dispatch version, which is older). Judging by it, stale eviction never aborts a
+        group the consumer's gate would keep."""
         out: dict[Any, int] = {}
         for st in self._inflight.values():
             v = st.versions[0][0] if st.versions else self.version
