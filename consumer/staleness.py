@@ -45,6 +45,7 @@ from typing import Callable, Iterable
 
 from common.config import ControlSettings
 from common.record import Rollout
+from common.staleness import is_stale, staleness_of
 from consumer.assembler import Group
 
 
@@ -72,7 +73,7 @@ class ReadyGroup:
 
 
 def sample_staleness(r: Rollout, trainer_version: int) -> int:
-    return max(0, trainer_version - r.oldest_version)
+    return staleness_of(trainer_version, r.oldest_version)
 
 
 def zero_variance(rollouts: list[Rollout]) -> bool:
@@ -119,7 +120,7 @@ class GateClock:
         """Per-sample staleness for a group gated at optimizer step `trainer_step`."""
         def of(r: Rollout) -> int:
             at = min(trainer_step, self.first_gated.get(r.rollout_id, trainer_step))
-            return max(0, at - self.step_of(r.oldest_version))
+            return staleness_of(at, self.step_of(r.oldest_version))
         return of
 
 
@@ -131,7 +132,7 @@ def gate_group(rollouts: list[Rollout], trainer_version: int, state: ControlSett
     at `trainer_version`."""
     per = [staleness(r) if staleness is not None else sample_staleness(r, trainer_version) for r in rollouts]
     s = max(per) if per else 0
-    if s > state.max_staleness:
+    if is_stale(s, state.max_staleness):
         return GateDecision(False, s, (), "dropped_stale")
     if filter_zero_variance and zero_variance(rollouts):
         return GateDecision(False, s, (), "filtered")

@@ -372,10 +372,28 @@ class RolloutEngine:
             logprobs_mode=self.settings.logprobs_mode,
             submitted_at=st.submitted_at, finished_at=time.time())
 
+    def oldest_versions(self) -> dict[Any, int]:
+        """Tag -> the newest `oldest_version` a record of the tag's in-flight samples can end
+        up with: the first sampled token's version, or (none sampled yet) the version now
+        (a sample's versions only grow; a record without a reload mid-sample says its
+        dispatch version, which is older). Judging by it, stale eviction never aborts a
+        group the consumer's gate would keep."""
+        out: dict[Any, int] = {}
+        for st in self._inflight.values():
+            v = st.versions[0][0] if st.versions else self.version
+            out[st.tag] = min(v, out.get(st.tag, v))
+        return out
+
+    def abort_tag(self, tag: Any) -> int:
+        """Abort the in-flight samples of one tag (nothing is returned for them). Returns how many."""
+        return self._abort([rid for rid, st in self._inflight.items() if st.tag == tag])
+
     def abort_all(self) -> int:
         """Abort every in-flight sample (nothing is returned for them). Returns how many."""
+        return self._abort(list(self._inflight))
+
+    def _abort(self, rids: list[str]) -> int:
         self._check_thread()
-        rids = list(self._inflight)
         if rids:
             self._engine.abort_request(rids)
         for rid in rids:

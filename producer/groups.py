@@ -45,5 +45,10 @@ class InFlightGroups:
             del self._groups[group_id]
         return info
 
+    def drop(self, group_id: str) -> None:
+        """Forget a group whose unfinished samples were aborted (stale eviction): its
+        slot is free for admission; samples it already published stay published."""
+        self._groups.pop(group_id, None)
+
     def __len__(self) -> int:
         return len(self._groups)

@@ -5,10 +5,11 @@
 One thread drives everything, so a weight reload always falls between two
 engine steps. Each iteration of the loop:
 
-    follow_control -> admit -> engine step -> score_and_publish
+    follow_control -> evict_stale -> admit -> engine step -> score_and_publish
 
 follow_control applies runtime settings, the trainer's progress and new weights
-(producer/weights/reload.py: over the link to the trainer, or from the durable store); admit starts groups until producer/admission.py names a
+(producer/weights/reload.py: over the link to the trainer, or from the durable store); evict_stale aborts
+in-flight groups the trainer can no longer take (producer/eviction.py); admit starts groups until producer/admission.py names a
 reason to wait; score_and_publish scores each finished sample and hands its
 record (producer/sample.py) to the outbox (producer/outbox.py).
 
@@ -41,6 +42,7 @@ from common.control.messages import TrainerProgress, WeightsReady
 from common.lifecycle import close_attrs
 from producer import telemetry
 from producer.admission import AdmissionView, TopicEnds, admission_block
+from producer.eviction import StaleEviction, stale_groups
 from producer.groups import GroupInfo, InFlightGroups
 from producer.outbox import Outbox
 from producer.sample import SamplingConfig
@@ -67,6 +69,7 @@ class ProducerService:
         # live while requests in the engine get engine steps and a weight update ends in time
         self.liveness = ProgressMonitor(self.pcfg.liveness.stall_after_s)
         self.readiness = Readiness(self.kafka.bootstrap_servers)
+        self.eviction = StaleEviction()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -174,8 +177,10 @@ class ProducerService:
         return 0
 
     def iterate(self) -> None:
-        """One pass of the loop: follow_control -> admit (or serve the agents) -> engine step -> publish."""
+        """One pass of the loop: follow_control -> evict_stale -> admit (or serve the agents) -> engine step
+        -> publish."""
         self.follow_control()
+        self.evict_stale()
         self.admit()
         self.serve_agents()
         self.liveness.has_work("engine_step", self.engine.has_work())
@@ -202,6 +207,23 @@ class ProducerService:
             self.progress = view.progress
             telemetry.TRAINER_VERSION.set(view.progress.trainer_version)
         self.control = view.state
+
+    def evict_stale(self) -> None:
+        """Abort the in-flight groups the trainer can no longer take within max_staleness
+        (producer/eviction.py) and free their slots. Single-turn groups only: episodes
+        and agents keep their own requests."""
+        if self.episodes is not None or self.agents is not None:
+            return
+        V, bound = self.progress.trainer_version, self.control.max_staleness
+        if not self.eviction.due(V, bound):
+            return
+        for gid in stale_groups(self.engine.oldest_versions(), V, bound):
+            aborted = self.engine.abort_tag(gid)
+            self.groups.drop(gid)
+            telemetry.EVICTED_GROUPS.inc()
+            telemetry.EVICTED_SAMPLES.inc(aborted)
+            log.info("evicted stale group %s (%d samples in flight): trainer %d, max_staleness %d",
+                     gid, aborted, V, bound)
 
     def admission_view(self) -> AdmissionView:
         return AdmissionView(

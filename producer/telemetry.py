@@ -33,6 +33,11 @@ TRANSFER_FAILURES = metrics.counter("rlstream_producer_weight_transfer_failures_
                                     "Links to the trainer that broke or timed out (the version is taken from "
                                     "the next transfer or the durable store)")
 HELD_BACK = metrics.counter("rlstream_producer_held_back_total", "Admission attempts refused, by reason", ["reason"])
+EVICTED_GROUPS = metrics.counter("rlstream_producer_evicted_groups_total",
+                                 "In-flight groups aborted in the engine because the trainer can no longer take "
+                                 "them within max_staleness (producer/eviction.py)")
+EVICTED_SAMPLES = metrics.counter("rlstream_producer_evicted_samples_total",
+                                  "In-flight samples aborted with those groups (their tokens are not generated)")
 EPISODES = metrics.counter("rlstream_producer_episodes_total",
                            "Multi-turn episodes finished, by how they ended", ["end"])
 AGENT_CALLS = metrics.counter("rlstream_producer_agent_calls_total",

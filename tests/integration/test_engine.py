@@ -133,6 +133,30 @@ def test_abort_all_drops_in_flight_samples(rollout_engine):
     assert not eng.has_work()
 
 
+@pytest.mark.timeout(300)
+def test_abort_tag_drops_one_group_and_oldest_versions_follow_first_tokens(rollout_engine, second_model_dir):
+    """Stale eviction's engine side: a group's oldest version is its first sampled token's
+    (the version now while none is sampled); aborting one tag leaves the others whole."""
+    from producer.sample import SamplingConfig
+
+    eng = rollout_engine
+    sampling = SamplingConfig(max_tokens=12, ignore_eos=True)
+    for tag in ("keep", "drop"):
+        eng.submit_group(eng.encode("1+1="), 3, sampling, tag=tag)
+    while not all(st.tokens for st in eng._inflight.values()):
+        eng.step()
+    eng.reload_weights(second_model_dir, 1)
+    eng.submit_group(eng.encode("2+2="), 2, sampling, tag="late")  # nothing sampled yet: version 1
+    assert eng.oldest_versions() == {"keep": 0, "drop": 0, "late": 1}
+    assert eng.abort_tag("drop") == 3 and eng.abort_tag("drop") == 0
+    assert eng._capture.num_tracked <= 5  # the aborted requests' rows are gone
+    done = run_until_done(eng)
+    assert sorted(s.tag for s in done) == ["keep"] * 3 + ["late"] * 2
+    for s in done:  # the other groups finished with every routing row
+        assert s.routed_experts.shape[0] == s.prompt_ids.size + s.response_ids.size - 1
+    assert not eng.has_work()
+
+
 @pytest.mark.timeout(120)
 def test_misuse_is_refused(rollout_engine):
     from common.errors import EngineError
