@@ -266,6 +266,9 @@ class Engine:
     def has_work(self):
         return True
 
+    def oldest_versions(self):  # stale eviction (producer/eviction.py): nothing in flight is stale here
+        return {}
+
     def step(self):
         if self.wedge.is_set():
             self.entered.set()
