@@ -32,9 +32,12 @@ Two answers to "does the trainer wait", because they differ by 20x:
   consumer_wait_share_pipeline  (2) per arm; `pipeline` has its source, seconds and phases.
   checkpoint_seconds   ConsumerService.checkpoint: what the loop waits for when a checkpoint is due
                        (consumer.checkpoint cadence; the snapshot, the write goes on in the background)
-  publish_seconds      ConsumerService.publish_weights (export, WeightStore.write,
-                       announcement), with `model_bytes`.
-  publish_breakdown    export / WeightStore.write / announcement, timed apart.
+  publish_seconds      ConsumerService.publish_weights on the configured weight path
+                       (`weights_transport`; collective, the default: export + pack + hash
+                       of the snapshot and the announcement; its durable copy is written in
+                       the background every `consumer.weights.durable_every` versions).
+  model_bytes          bytes of one durable copy of the tiny model (WeightStore.write).
+  publish_breakdown    export / WeightStore.write / announcement, timed apart (the file path).
   large.*              WeightStore.write + announcement of a ~215 MB Qwen3-MoE
                        state dict (TinyModelSpec: hidden 512, 4 layers, 32 experts,
                        built with build_tiny_model) and a checkpoint of it with
@@ -321,14 +324,15 @@ def measure(args, b: Bench) -> dict:
     steps = run_steps(b.svc, args.steps, b.read_pos, b.version)
     b.stop.set()
     svc = b.svc
-    tiny_bytes = json.loads((svc.announcer.store.path(svc.version) / "manifest.json").read_text())["bytes"]
     ann_producer = announcement_producer(svc.kafka)
     try:
         breakdown = publish_breakdown(svc, ann_producer, b.tmp, repeats=3)
         large = None if args.no_large else large_publish_and_checkpoint(svc, ann_producer, b.tmp, repeats=2)
     finally:
         ann_producer.close(timeout=10)
-    return {"steps": steps, "tiny_bytes": tiny_bytes, "breakdown": breakdown, "large": large,
+    # The model's bytes from the breakdown's own durable copy: the service's store holds
+    # only every `durable_every`-th version on the collective path, maybe none of these.
+    return {"steps": steps, "tiny_bytes": breakdown["model_bytes"], "breakdown": breakdown, "large": large,
             "outcomes": {k: int(v) for k, v in svc.ledger.counters.items()}}
 
 
@@ -354,6 +358,7 @@ def report(args, b: Bench, m: dict, t_start: float, load0: float) -> dict:
         "checkpoint_seconds": round(_med([s["checkpoint"] for s in steps]), 4),
         "publish_seconds": round(_med([s["publish"] for s in steps]), 4),
         "model_bytes": m["tiny_bytes"],
+        "weights_transport": b.cfg.consumer.weights.transport,
         "publish_breakdown": m["breakdown"],
         "large": m["large"],
         "samples_per_second": round(len(steps) * B * G / sum(s["total"] for s in steps), 1),
