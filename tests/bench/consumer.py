@@ -2,7 +2,9 @@
 publishing cost? Prints one JSON object.
 
     .venv/bin/python tests/bench/consumer.py [--steps 60] [--threads 1] [--pipeline-seconds 60 | --no-pipeline
-                                             | --pipeline-json FILE]
+                                             | --pipeline-json FILE] [--smoke]
+
+`--smoke`: 4 steps of 2 groups x 4, a ~38 MB "large" model (4 experts), no real pipeline (seconds).
 
 Two answers to "does the trainer wait", because they differ by 20x:
 
@@ -62,11 +64,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+from tests.bench._smoke import parse_args  # noqa: E402
+
 log = logging.getLogger("bench.consumer")
 
 LARGE_SPEC = dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=4,
                   num_attention_heads=8, num_key_value_heads=4, head_dim=64, num_experts=32,
                   num_experts_per_tok=4)
+SMOKE = dict(steps=4, repeats=2, warmup=1, group_size=4, groups_per_batch=2, large_experts=4, no_pipeline=True)
 PHASES = ("wait", "train", "checkpoint", "publish")
 
 
@@ -194,8 +199,8 @@ def announce(producer, topic: str, m: dict) -> None:
     producer.send(topic, key=ann.kind.encode(), value=ann.model_dump_json().encode()).get(timeout=30)
 
 
-def large_publish_and_checkpoint(svc, ann_producer, tmp: Path, repeats: int) -> dict:
-    """WeightStore.write + announcement, and a checkpoint, of a ~215 MB model."""
+def large_publish_and_checkpoint(svc, ann_producer, tmp: Path, repeats: int, experts: int) -> dict:
+    """WeightStore.write + announcement, and a checkpoint, of a ~215 MB model (32 experts)."""
     import torch
     from safetensors.torch import load_file
 
@@ -204,7 +209,8 @@ def large_publish_and_checkpoint(svc, ann_producer, tmp: Path, repeats: int) -> 
     from consumer.checkpoint import CheckpointManager, CheckpointState
 
     t0 = time.perf_counter()
-    d = build_tiny_model(tmp / "large-model", TinyModelSpec(**LARGE_SPEC))
+    spec = {**LARGE_SPEC, "num_experts": experts, "num_experts_per_tok": min(experts, LARGE_SPEC["num_experts_per_tok"])}
+    d = build_tiny_model(tmp / "large-model", TinyModelSpec(**spec))
     sd = load_file(str(d / "model.safetensors"))
     build_s = time.perf_counter() - t0
     nbytes = sum(t.numel() * t.element_size() for t in sd.values())
@@ -227,7 +233,7 @@ def large_publish_and_checkpoint(svc, ann_producer, tmp: Path, repeats: int) -> 
         ck_s.append(time.perf_counter() - t0)
     ck_bytes = sum(f.stat().st_size for f in ckpt._complete()[-1].iterdir())
     pub = _med(write_s) + _med(ann_s)
-    return {"spec": LARGE_SPEC, "model_bytes": m["bytes"], "tensor_bytes": nbytes,
+    return {"spec": spec, "model_bytes": m["bytes"], "tensor_bytes": nbytes,
             "publish_seconds": round(pub, 4), "store_write_seconds": round(_med(write_s), 4),
             "announce_seconds": round(_med(ann_s), 4), "publish_mb_per_s": round(m["bytes"] / 1e6 / pub, 1),
             "checkpoint_seconds": round(_med(ck_s), 4), "checkpoint_bytes": ck_bytes,
@@ -265,6 +271,8 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--ahead-batches", type=int, default=3, help="batches the producer keeps on the topic")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (consumer.num_threads)")
     ap.add_argument("--no-large", action="store_true")
+    ap.add_argument("--large-experts", type=int, default=LARGE_SPEC["num_experts"],
+                    help="experts of the large model (32: ~215 MB; 4: ~38 MB)")
     ap.add_argument("--pipeline-seconds", type=float, default=60.0,
                     help="RL seconds per arm of the real-pipeline measurement (rlstream experiment async, 1 rep)")
     ap.add_argument("--pipeline-json", help="take the real-pipeline figure from this `rlstream experiment "
@@ -272,7 +280,7 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--no-pipeline", action="store_true", help="synthetic feed only")
     ap.add_argument("-c", "--config", default=str(ROOT / "configs" / "tiny-cpu.yaml"),
                     help="config of the real-pipeline runs")
-    return ap.parse_args()
+    return parse_args(ap, SMOKE)
 
 
 def setup(args, b: Bench) -> None:
@@ -327,7 +335,8 @@ def measure(args, b: Bench) -> dict:
     ann_producer = announcement_producer(svc.kafka)
     try:
         breakdown = publish_breakdown(svc, ann_producer, b.tmp, repeats=3)
-        large = None if args.no_large else large_publish_and_checkpoint(svc, ann_producer, b.tmp, repeats=2)
+        large = None if args.no_large else large_publish_and_checkpoint(svc, ann_producer, b.tmp, repeats=2,
+                                                                         experts=args.large_experts)
     finally:
         ann_producer.close(timeout=10)
     # The model's bytes from the breakdown's own durable copy: the service's store holds
@@ -369,7 +378,7 @@ def report(args, b: Bench, m: dict, t_start: float, load0: float) -> dict:
         "workload": {"group_size": G, "groups_per_batch": B, "prompt_len": args.prompt_len,
                      "max_resp": args.max_resp, "ahead_batches": args.ahead_batches,
                      "steps": len(steps), "repeats": args.repeats, "warmup": args.warmup},
-        "threads": args.threads, "bench_seconds": round(time.perf_counter() - t_start, 1),
+        "threads": args.threads, "smoke": args.smoke, "bench_seconds": round(time.perf_counter() - t_start, 1),
         "loadavg_1min": [round(load0, 2), round(os.getloadavg()[0], 2)],  # start, end: 2 cores, shared
     }
 

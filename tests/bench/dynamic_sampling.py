@@ -1,6 +1,9 @@
 """Dynamic sampling on vs off on the demo's task (tiny model, CPU). Prints one JSON object last.
 
-    .venv/bin/python tests/bench/dynamic_sampling.py [--seconds 480] [--reps 1] [--set key=value ...]
+    .venv/bin/python tests/bench/dynamic_sampling.py [--seconds 480] [--reps 1] [--set key=value ...] [--smoke]
+
+`--smoke`: the arm "with" alone (one engine start) for 10 s after a one-step SFT (nearly every
+group is filtered), batches of 4 groups, in a temporary directory; no "without" arm, so no speedup.
 
 Runs `rlstream experiment dynamic_sampling` (common/harness/experiments.py): the same
 warm start, task and seeds with `consumer.dynamic_sampling` on (groups whose G
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,6 +30,9 @@ sys.path.insert(0, str(ROOT))
 
 from common.config import load_config  # noqa: E402
 from common.harness.experiments import run_experiment  # noqa: E402
+from tests.bench._smoke import experiment_overrides, parse_args  # noqa: E402
+
+SMOKE = dict(seconds=10.0, reps=1)
 
 
 def main() -> int:
@@ -34,9 +41,11 @@ def main() -> int:
     p.add_argument("--seconds", type=float, default=None, help="RL seconds per arm at most (default 480)")
     p.add_argument("--reps", type=int, default=None, help="repetitions per arm, interleaved ABBA (default 1)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    a = p.parse_args()
+    a = parse_args(p, SMOKE)
     logging.basicConfig(level="WARNING", stream=sys.stderr)
-    return run_experiment("dynamic_sampling", load_config(a.config, a.set), seconds=a.seconds, reps=a.reps)
+    with tempfile.TemporaryDirectory(prefix="rlstream-smoke-") as work:  # used by --smoke only
+        overrides = experiment_overrides(work, "with") + a.set if a.smoke else a.set  # the user's --set wins
+        return run_experiment("dynamic_sampling", load_config(a.config, overrides), seconds=a.seconds, reps=a.reps)
 
 
 if __name__ == "__main__":

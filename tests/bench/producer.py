@@ -1,6 +1,9 @@
 """Producer benchmark (issue #3): publishing overhead and weight-reload cost. Prints one JSON object.
 
-    .venv/bin/python tests/bench/producer.py [--reps 10] [--short-reps 6] [--threads 1] [--no-large]
+    .venv/bin/python tests/bench/producer.py [--reps 10] [--short-reps 6] [--threads 1] [--no-large] [--smoke]
+
+`--smoke`: one round of 4 groups of 8-token responses, one reload, no larger model
+(one engine start: ~1 min on 2 cores).
 
 Starts its own broker (tansu, free port) and vLLM CPU engine on the tiny
 model. One engine, one prompt list, three conditions run back to back in a
@@ -55,12 +58,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+from tests.bench._smoke import parse_args  # noqa: E402
+
 log = logging.getLogger("bench.producer")
 
 # Shape of the larger synthetic model: 53.6 M parameters, ~215 MB in fp32.
 LARGE_SPEC = dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=4,
                   num_attention_heads=8, num_key_value_heads=4, head_dim=64, num_experts=32,
                   num_experts_per_tok=4)
+SMOKE = dict(reps=1, groups_per_round=4, max_groups=2, lengths="8", short_reps=1, reload_repeats=1, no_large=True)
 
 
 def _stdout_to_stderr() -> int:
@@ -373,7 +379,7 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--no-large", action="store_true", help="skip the larger-model reload")
     ap.add_argument("--large-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--work-dir", help=argparse.SUPPRESS)
-    return ap.parse_args()
+    return parse_args(ap, SMOKE)
 
 
 def setup(args, b: Bench) -> None:
@@ -437,7 +443,7 @@ def report(args, m: dict, large: dict | None, t_start: float, load0: float) -> d
         "reload_seconds": m["tiny"]["reload_seconds"], "verify_seconds": m["tiny"]["verify_seconds"],
         "tiny": m["tiny"], "engine_start_seconds": round(m["engine_start"], 1),
         "large": large,
-        "threads": args.threads, "bench_seconds": round(time.perf_counter() - t_start, 1),
+        "threads": args.threads, "smoke": args.smoke, "bench_seconds": round(time.perf_counter() - t_start, 1),
         "loadavg_1min": [round(load0, 2), round(os.getloadavg()[0], 2)],  # start, end: 2 cores, shared
     }
 

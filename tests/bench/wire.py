@@ -1,6 +1,7 @@
 """Wire benchmark: record size per token, codec cost against a fair baseline, broker path vs raw kafka-python.
 
 Run: .venv/bin/python tests/bench/wire.py   (starts its own tansu broker; ~1-2 minutes on 2 cores)
+     [--records 48] [--rounds 5] [--reps 20] [--smoke]   (--smoke: 8 records, 1 round, 3 reps; seconds)
 Prints ONE JSON object. Shape: Qwen3-30B-A3B (48 MoE layers, top-8 of 128 experts),
 4,096 response tokens after a 256-token prompt, routing for every input token.
 
@@ -41,18 +42,22 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+import argparse  # noqa: E402
+
 from common.kafka.broker import EmbeddedBroker  # noqa: E402
 from common.config import BrokerSettings  # noqa: E402
 from common.kafka.client import FETCH_OVERHEAD_BYTES, client_kwargs  # noqa: E402
 from common.kafka.publisher import RolloutPublisher  # noqa: E402
 from common.kafka.reader import RolloutReader  # noqa: E402
 from common.record import _unique_map, decode, encode, routing_dtype_for, validate  # noqa: E402
+from tests.bench._smoke import parse_args  # noqa: E402
 from tests.fixtures.kafka import make_kafka_settings, realistic_rollout  # noqa: E402
 
 T, P, LAYERS, TOP_K, EXPERTS = 4096, 256, 48, 8, 128
-N_RECORDS = 48          # ~80 MB per pass
-ROUNDS = 5
-REPS = 20               # codec repetitions, every variant
+N_RECORDS = 48          # ~80 MB per pass (--records)
+ROUNDS = 5              # --rounds
+REPS = 20               # codec repetitions, every variant (--reps)
+SMOKE = dict(records=8, rounds=1, reps=3)
 MB = 1e6
 
 
@@ -119,7 +124,7 @@ def _per_call(fn, n: int = 100):
     return lambda: _timed(many) / n
 
 
-def codec(r) -> dict:
+def codec(r, reps: int = REPS) -> dict:
     buf, base_buf, naive_buf = encode(r), baseline_encode(r), naive_encode(r)
     decoded = decode(buf)
     # the repeated-key check costs per key, not per byte: time it on the record's map without its
@@ -135,7 +140,7 @@ def codec(r) -> dict:
         "validate": lambda: validate(decoded),
     }
     times: dict[str, list[float]] = {k: [] for k in (*cases, "unpack_plain", "unpack_key_check")}
-    for _ in range(REPS):  # interleaved: a load spike on the shared machine hits every variant alike
+    for _ in range(reps):  # interleaved: a load spike on the shared machine hits every variant alike
         for k, fn in cases.items():
             times[k].append(_timed(fn))
         times["unpack_plain"].append(plain())
@@ -155,7 +160,7 @@ def codec(r) -> dict:
         # ours minus its two validations: the codec itself (zero-copy encode) against the baseline
         "codec_without_validation_ratio_vs_baseline": base / max(ours - 2 * med["validate"], 1e-9),
         "duplicate_key_check_seconds": med["unpack_key_check"] - med["unpack_plain"],
-        "codec_repetitions": REPS,
+        "codec_repetitions": reps,
     })
     return out
 
@@ -203,7 +208,7 @@ def raw_pass(kafka, topic: str, records: list[tuple[bytes, bytes]]) -> tuple[flo
     return t1 - t0, t2 - t1, sum(len(v) for _, v in records)
 
 
-def broker_bench(rollouts) -> dict:
+def broker_bench(rollouts, rounds: int = ROUNDS) -> dict:
     logging.getLogger("kafka").setLevel(logging.ERROR)
     records = [(r.group_id.encode(), encode(r)) for r in rollouts]
     runs: dict[str, list[dict]] = {"ours": [], "raw": []}
@@ -212,7 +217,7 @@ def broker_bench(rollouts) -> dict:
         ours_pass(warm, rollouts[:4])
         warm_raw = make_kafka_settings(b.bootstrap, blobs)
         raw_pass(warm_raw, warm_raw.topics.rollouts, records[:4])
-        for _ in range(ROUNDS):  # alternate, fresh topics per pass; every round counts
+        for _ in range(rounds):  # alternate, fresh topics per pass; every round counts
             for name in ("raw", "ours"):
                 k = make_kafka_settings(b.bootstrap, blobs)
                 pub_s, read_s, nbytes = (ours_pass(k, rollouts) if name == "ours"
@@ -229,19 +234,28 @@ def broker_bench(rollouts) -> dict:
     return out
 
 
-def main() -> dict:
+def _args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--records", type=int, default=N_RECORDS, help="records per broker pass")
+    ap.add_argument("--rounds", type=int, default=ROUNDS, help="alternating broker rounds")
+    ap.add_argument("--reps", type=int, default=REPS, help="codec repetitions, every variant")
+    return parse_args(ap, SMOKE, argv)
+
+
+def main(argv=None) -> dict:
     import os
 
+    args = _args(argv)
     t0, load0 = time.perf_counter(), os.getloadavg()[0]
     r = realistic_rollout(response_tokens=T, prompt_tokens=P, layers=LAYERS, top_k=TOP_K, num_experts=EXPERTS)
     result = {"shape": f"Qwen3-30B-A3B: P={P} T={T} layers={LAYERS} top_k={TOP_K} experts={EXPERTS}"}
     result.update({k: round(v, 2) if isinstance(v, float) else v for k, v in wire_sizes(r).items()})
     result.update({k: v if isinstance(v, int) else round(v, 7 if "seconds" in k else 3)
-                   for k, v in codec(r).items()})
+                   for k, v in codec(r, args.reps).items()})
     rollouts = [realistic_rollout(response_tokens=T, prompt_tokens=P, layers=LAYERS, top_k=TOP_K,
                                   num_experts=EXPERTS, seed=i, group_id=f"g{i // 8}", sample_idx=i % 8)
-                for i in range(N_RECORDS)]
-    result.update(broker_bench(rollouts))
+                for i in range(args.records)]
+    result.update(broker_bench(rollouts, args.rounds))
     result["targets_met"] = {
         "routing_bytes_per_token<=384": result["routing_bytes_per_token"] <= 384,
         "ids_logprobs_bytes_per_token==8": result["ids_logprobs_bytes_per_token"] == 8,
@@ -251,6 +265,7 @@ def main() -> dict:
     result["bench_seconds"] = round(time.perf_counter() - t0, 1)
     result["loadavg_1min"] = [round(load0, 2), round(os.getloadavg()[0], 2)]  # start, end: 2 shared cores
     result["date"] = time.strftime("%Y-%m-%d")
+    result["smoke"] = args.smoke
     return result
 
 
