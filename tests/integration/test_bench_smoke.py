@@ -1,0 +1,116 @@
+"""Every benchmark runs at smoke size, so none rots unnoticed (issue 24, item 6).
+
+Each script in tests/bench/ runs as a subprocess, exactly as a person would
+run it (`python tests/bench/X.py --smoke`, OMP_NUM_THREADS=1, the repository
+on PYTHONPATH), with a timeout of its own; the test checks that it exits 0
+and that its last stdout line is one JSON object carrying the bench's main
+keys. The figures of a smoke run mean nothing and are not checked. A new
+script in tests/bench/ fails `test_every_bench_is_listed` until it is added
+to BENCHES below (modules starting with `_` are helpers, not benches).
+
+Wall time on a shared 2-core machine: docs/benchmarks.md ("Smoke runs").
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH_DIR = ROOT / "tests" / "bench"
+
+# name: (main keys of its JSON, timeout in seconds, marks). Timeouts are ~3x the
+# smoke's wall time on an idle 2-core machine: loaded CI machines are slower.
+BENCHES = {
+    "wire": (("routing_bytes_per_token", "encode_decode_ratio_vs_baseline", "broker_vs_raw_ratio",
+              "targets_met"), 180, ("broker",)),
+    "trainer": (("samples_per_second", "step_overhead_share", "step_seconds"), 180, ("megatron",)),
+    "consumer": (("consumer_wait_share", "checkpoint_seconds", "publish_seconds", "model_bytes",
+                  "publish_breakdown", "large", "consumer_wait_share_pipeline"), 240, ("megatron", "broker")),
+    "weights_export": (("sizes", "machine"), 240, ("megatron",)),
+    "weights": (("collective_vs_file_speedup", "collective_vs_raw_broadcast", "tamper_refused", "delta",
+                 "sizes"), 360, ("vllm", "megatron")),
+    "producer": (("publish_overhead", "publish_cpu_overhead", "reload_seconds", "verify_seconds",
+                  "short_responses", "large"), 360, ("vllm", "broker")),
+    "trainer_scale": (("memory_growth_exponent", "bf16_update_rel_error", "step_overhead_share",
+                       "rank_ingress_share", "checkpoint_blocking_share"), 420, ("megatron",)),
+    "trainer_scale_ranks": (("rank_ingress_share", "checkpoint_blocking_share"), 420, ("megatron",)),
+    "soak": (("records_per_s", "lost", "trained_twice", "stall_free", "memory_flat", "step_wait_s"), 480,
+             ("vllm", "megatron", "broker")),
+    "e2e_async": (("experiment", "arms", "warm_accuracy", "target_accuracy"), 600, ("vllm", "megatron", "broker")),
+    "dynamic_sampling": (("experiment", "arms", "warm_accuracy", "target_accuracy"), 600,
+                         ("vllm", "megatron", "broker")),
+}
+
+
+def test_every_bench_is_listed():
+    scripts = {p.stem for p in BENCH_DIR.glob("*.py") if not p.name.startswith("_")}
+    assert scripts == set(BENCHES), f"tests/bench/ and BENCHES differ: {scripts ^ set(BENCHES)}"
+
+
+@pytest.fixture(scope="module")
+def shared_warm(tmp_path_factory) -> list[str]:
+    """The experiment benches share one model, task and SFT warm start (the second reuses it)."""
+    d = tmp_path_factory.mktemp("bench-warm")
+    return ["--set", f"model.path={d}/tiny-model", "--set", f"producer.prompts.path={d}/data/train.jsonl",
+            "--set", f"demo.work_dir={d}/demo"]
+
+
+def extra_args(name: str, tmp_path: Path, shared_warm: list[str]) -> list[str]:
+    """Where each bench writes (the test's temporary directories, not runs/)."""
+    if name in ("weights", "weights_export"):
+        return ["--models-dir", str(tmp_path / "models")]
+    if name == "soak":
+        return ["--work-dir", str(tmp_path / "soak")]
+    if name in ("e2e_async", "dynamic_sampling"):
+        return shared_warm
+    return []
+
+
+def run_bench(cmd: list[str], timeout_s: float) -> tuple[int, str, str, float]:
+    """(exit code, stdout, stderr, seconds); on timeout the bench's whole process group is killed
+    (its broker, engines and workers too) and the test fails with its stderr's tail."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{cmd[1]} --smoke ran past {timeout_s} s:\n{err[-3000:]}")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc.returncode, out, err, time.monotonic() - t0
+
+
+def last_json_object(stdout: str) -> dict:
+    lines = stdout.strip().splitlines()
+    assert lines, "no output on stdout"
+    obj = json.loads(lines[-1])
+    assert isinstance(obj, dict), f"last line is not a JSON object: {lines[-1][:200]}"
+    return obj
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=[getattr(pytest.mark, m) for m in marks]) for name, (_, _, marks) in BENCHES.items()])
+def test_bench_smoke(name, tmp_path, shared_warm):
+    keys, timeout_s, _ = BENCHES[name]
+    cmd = [sys.executable, str(BENCH_DIR / f"{name}.py"), "--smoke", *extra_args(name, tmp_path, shared_warm)]
+    code, out, err, seconds = run_bench(cmd, timeout_s)
+    print(f"{name} --smoke: {seconds:.1f} s")  # shown with -s / -rP: the smoke budget in docs/benchmarks.md
+    assert code == 0, f"{name} --smoke exited {code}:\n{err[-3000:]}"
+    result = last_json_object(out)
+    missing = [k for k in keys if k not in result]
+    assert not missing, f"{name} --smoke JSON lacks {missing}: {sorted(result)}"
+    if "experiment" not in result:  # the experiment benches print the harness's JSON as it is
+        assert result.get("smoke") is True, f"{name} --smoke JSON does not say smoke: true"
