@@ -209,7 +209,8 @@ def large_publish_and_checkpoint(svc, ann_producer, tmp: Path, repeats: int, exp
     from consumer.checkpoint import CheckpointManager, CheckpointState
 
     t0 = time.perf_counter()
-    spec = {**LARGE_SPEC, "num_experts": experts, "num_experts_per_tok": min(experts, LARGE_SPEC["num_experts_per_tok"])}
+    spec = {**LARGE_SPEC, "num_experts": experts,
+            "num_experts_per_tok": min(experts, LARGE_SPEC["num_experts_per_tok"])}
     d = build_tiny_model(tmp / "large-model", TinyModelSpec(**spec))
     sd = load_file(str(d / "model.safetensors"))
     build_s = time.perf_counter() - t0

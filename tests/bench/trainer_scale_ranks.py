@@ -132,7 +132,8 @@ def checkpoint_blocking(args, tmp: Path) -> dict:
     torch.set_num_threads(args.threads)
     cadence_cfg = {} if args.checkpoint_every is None else {"checkpoint": {"every_steps": args.checkpoint_every}}
     cfg = ConsumerSettings(group_size=4, groups_per_batch=4, num_threads=args.threads, **cadence_cfg)
-    spec = {**MID_SPEC, "num_experts": args.experts, "num_experts_per_tok": min(args.experts, MID_SPEC["num_experts_per_tok"])}
+    spec = {**MID_SPEC, "num_experts": args.experts,
+            "num_experts_per_tok": min(args.experts, MID_SPEC["num_experts_per_tok"])}
     trainer = Trainer.from_hf(build_tiny_model(tmp / "mid", TinyModelSpec(**spec)), cfg)
     samples = long_samples(trainer.model.hf_dims, 4, 4, seed=0, resp=(96, 160), prompt_len=32)
     for s in samples:

@@ -517,7 +517,8 @@ def main() -> None:
                    "collective_vs_raw_broadcast": largest["collective_vs_raw_broadcast"],
                    "tamper_refused": largest.get("tamper_refused"),
                    "delta": measure_delta(args.delta_steps) if args.delta_steps else None,
-                   "reps": args.reps, "threads": args.threads, "smoke": args.smoke, "bench_seconds": round(time.perf_counter() - t_start, 1),
+                   "reps": args.reps, "threads": args.threads, "smoke": args.smoke,
+                   "bench_seconds": round(time.perf_counter() - t_start, 1),
                    "loadavg_1min": [round(load0, 2), round(os.getloadavg()[0], 2)]})
 
 
