@@ -46,12 +46,34 @@ BENCHES = {
     "e2e_async": (("experiment", "arms", "warm_accuracy", "target_accuracy"), 600, ("vllm", "megatron", "broker")),
     "dynamic_sampling": (("experiment", "arms", "warm_accuracy", "target_accuracy"), 600,
                          ("vllm", "megatron", "broker")),
+    "cluster": (("versions_trained", "seconds_per_version", "collective_share", "trainer_egress_over_model_bytes"),
+                480, ("vllm", "megatron", "broker")),
 }
 
 
 def test_every_bench_is_listed():
     scripts = {p.stem for p in BENCH_DIR.glob("*.py") if not p.name.startswith("_")}
     assert scripts == set(BENCHES), f"tests/bench/ and BENCHES differ: {scripts ^ set(BENCHES)}"
+
+
+def test_smoke_replaces_defaults_and_explicit_flags_win():
+    import argparse
+
+    from tests.bench._smoke import parse_args
+
+    def parser():
+        ap = argparse.ArgumentParser()
+        ap.add_argument("--reps", type=int, default=10)
+        ap.add_argument("--sizes", default="tiny,l1g")
+        return ap
+
+    smoke = {"reps": 1, "sizes": "tiny"}
+    full = parse_args(parser(), smoke, [])
+    assert (full.smoke, full.reps, full.sizes) == (False, 10, "tiny,l1g")
+    small = parse_args(parser(), smoke, ["--smoke"])
+    assert (small.smoke, small.reps, small.sizes) == (True, 1, "tiny")
+    mixed = parse_args(parser(), smoke, ["--reps", "3", "--smoke"])
+    assert (mixed.reps, mixed.sizes) == (3, "tiny")
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +132,8 @@ def test_bench_smoke(name, tmp_path, shared_warm):
     print(f"{name} --smoke: {seconds:.1f} s")  # shown with -s / -rP: the smoke budget in docs/benchmarks.md
     assert code == 0, f"{name} --smoke exited {code}:\n{err[-3000:]}"
     result = last_json_object(out)
+    if "skipped" in result:  # cluster.py without root or iproute2: it says why
+        pytest.skip(result["skipped"])
     missing = [k for k in keys if k not in result]
     assert not missing, f"{name} --smoke JSON lacks {missing}: {sorted(result)}"
     if "experiment" not in result:  # the experiment benches print the harness's JSON as it is
