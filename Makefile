@@ -48,7 +48,8 @@ demo: install
 	$(VENV)/bin/rlstream demo -c configs/tiny-cpu.yaml
 
 bench: install
-	@for b in tests/bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+	@# tests/bench/_*.py are helpers, not benches
+	@for b in tests/bench/[!_]*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
 broker: install
 	$(VENV)/bin/rlstream broker -c configs/tiny-cpu.yaml
