@@ -2,7 +2,7 @@
 
     .venv/bin/python tests/bench/trainer_scale.py [--points 2048,4096,8192,16384] [--smoke]
 
-`--smoke`: one point (512 tokens) per curve, so no exponent (null), and no part B
+`--smoke`: one point (512 tokens) per curve, so no exponent (null), a vocabulary of 4096, no part B
 (`trainer_scale_ranks.py --smoke` covers it).
 
 Issue #14's figures side by side in one run (docs/trainer-scale.md has the
@@ -48,7 +48,7 @@ MID = dict(vocab_size=32768, hidden_size=256, moe_intermediate_size=512, num_hid
            num_experts_per_tok=2, max_position_embeddings=32768)
 SCALED = {"attention": "sdpa", "logprob_chunk_tokens": 2048, "recompute": True}
 UNSCALED = {"attention": "local", "logprob_chunk_tokens": 0, "recompute": False}
-SMOKE = dict(points="512", no_ranks=True)
+SMOKE = dict(points="512", no_ranks=True, vocab=4096)
 UNSCALED_MB_PER_TOKEN2 = 4 * 4 * 2 * 2 / 2**20  # layers x heads x (scores, probs) x bf16, MB
 
 
@@ -95,10 +95,10 @@ def measure_point(model_dir: str, tokens: int, memory: dict) -> dict:
 # ---------------------------------------------------------------- phases (parent)
 
 
-def setup(work: Path) -> Path:
+def setup(work: Path, spec: dict) -> Path:
     from common.toy.tinymodel import TinyModelSpec, build_tiny_model
 
-    return build_tiny_model(work / "mid", TinyModelSpec(**MID))
+    return build_tiny_model(work / "mid", TinyModelSpec(**spec))
 
 
 def available_mb() -> float:
@@ -168,19 +168,21 @@ def main() -> None:
     ap.add_argument("--points", default="2048,4096,8192,16384")
     ap.add_argument("--point", nargs=3, metavar=("MODEL_DIR", "TOKENS", "MEMORY_JSON"))
     ap.add_argument("--no-ranks", action="store_true", help="skip part B's figures (about 5 minutes)")
+    ap.add_argument("--vocab", type=int, default=MID["vocab_size"], help="vocabulary of the memory curves' MoE")
     args = parse_args(ap, SMOKE)
     if args.point:  # child: one memory point
         print(json.dumps(measure_point(args.point[0], int(args.point[1]), json.loads(args.point[2]))))
         return
     work = Path(tempfile.mkdtemp(prefix="rlstream-scale-"))
     points = [int(p) for p in args.points.split(",")]
-    model_dir = setup(work)
+    model = {**MID, "vocab_size": args.vocab}
+    model_dir = setup(work, model)
     scaled = memory_curve(model_dir, points, SCALED, quadratic=False)
     unscaled = memory_curve(model_dir, points, UNSCALED, quadratic=True)
     prec, overhead = precision(work), step_overhead(work)
     ranks = None if args.no_ranks else rank_figures()
     print(json.dumps({
-        "bench": "trainer_scale", "smoke": args.smoke, "model": MID, "dtype": "bfloat16",
+        "bench": "trainer_scale", "smoke": args.smoke, "model": model, "dtype": "bfloat16",
         "threads": int(os.environ["OMP_NUM_THREADS"]),
         "memory_growth_exponent": scaled["exponent"], "memory_scaled": scaled,
         "memory_growth_exponent_unscaled": unscaled["exponent"], "memory_unscaled": unscaled,

@@ -123,8 +123,9 @@ def last_json_object(stdout: str) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [
-    pytest.param(name, marks=[getattr(pytest.mark, m) for m in marks]) for name, (_, _, marks) in BENCHES.items()])
+@pytest.mark.parametrize("name", [  # pytest's own timeout: the bench's, plus fixtures and teardown
+    pytest.param(name, marks=[pytest.mark.timeout(timeout_s + 120), *(getattr(pytest.mark, m) for m in marks)])
+    for name, (_, timeout_s, marks) in BENCHES.items()])
 def test_bench_smoke(name, tmp_path, shared_warm):
     keys, timeout_s, _ = BENCHES[name]
     cmd = [sys.executable, str(BENCH_DIR / f"{name}.py"), "--smoke", *extra_args(name, tmp_path, shared_warm)]
