@@ -176,6 +176,11 @@ def _worker_main(conn, rank: int, n: int) -> None:
     """One worker: the real RlstreamGlooEngine on a stub vLLM config (TP n, this rank)."""
     from types import SimpleNamespace
 
+    # A forked child must not enter the OpenMP team the parent started (libgomp is not
+    # fork-safe: the suite's earlier tests left one, and the first multi-threaded copy here
+    # segfaulted in gomp_team_start). One intra-op thread keeps ATen off OpenMP entirely.
+    torch.set_num_threads(1)
+
     from producer.weights.gloo_engine import RlstreamGlooEngine, RlstreamGlooUpdateInfo
 
     parallel = SimpleNamespace(world_size=n, rank=rank, data_parallel_index=0)
