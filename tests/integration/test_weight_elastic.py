@@ -91,6 +91,16 @@ def taken(p: Service, transport: str) -> float:
     return p.try_metric("rlstream_producer_weight_versions_total", 0, transport=transport)
 
 
+def wait_first_records(kafka, p: Service, services: list[Service]) -> set[int]:
+    """The versions of p's first G records, once it has made them. Reading the topic back
+    grows with it (both producers keep generating), so wait on the producer's own counter
+    first and read the topic only then."""
+    wait_until(lambda: p.try_metric("rlstream_producer_samples_total", 0) >= G, 400,
+               f"{p.name}'s first {G} samples", services, interval_s=0.5)
+    return wait_until(lambda: first_versions(kafka, p.name), 60, f"{p.name}'s first records on the topic",
+                      services, interval_s=1.0)
+
+
 def first_versions(kafka, producer_id: str, n: int = G) -> set[int]:
     recs = sorted((r for r in read_rollouts(kafka, quiet_s=1.0).values() if r.producer_id == producer_id),
                   key=lambda r: r.created_at)
@@ -104,8 +114,7 @@ def test_producers_join_late_and_die_mid_transfer_without_holding_anyone_up(worl
 
     # 1. a producer that starts after the announcement takes version 1 over its link first
     p1.start()
-    wait_until(lambda: first_versions(kafka, "p1"), 400, "p1's first records", [p1], interval_s=1.0)
-    assert first_versions(kafka, "p1") == {1}
+    assert wait_first_records(kafka, p1, [p1]) == {1}
     assert taken(p1, "collective") == 1 and taken(p1, "file") == 0
 
     # 2. the current version moves on, then a second producer joins late and gets it
@@ -113,8 +122,7 @@ def test_producers_join_late_and_die_mid_transfer_without_holding_anyone_up(worl
     wait_until(lambda: version(p1) == 2, 60, "p1 on version 2", [p1])
     samples_before = p1.metric("rlstream_producer_samples_total")
     p2.start()
-    wait_until(lambda: first_versions(kafka, "p2"), 400, "p2's first records", [p1, p2], interval_s=1.0)
-    assert first_versions(kafka, "p2") == {2} and taken(p2, "collective") == 1 and taken(p2, "file") == 0
+    assert wait_first_records(kafka, p2, [p1, p2]) == {2} and taken(p2, "collective") == 1 and taken(p2, "file") == 0
     assert p1.metric("rlstream_producer_samples_total") > samples_before  # p1 generated meanwhile
     assert version(p1) == 2 and len(trainer.sender.links) == 2
 
