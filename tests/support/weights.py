@@ -104,7 +104,7 @@ class WorkerProcesses:
     gloo group, the background receive and its digests), driven like vLLM's
     `collective_rpc` (every worker runs each call; the engine's status combines theirs).
 
-        with WorkerProcesses(2) as engine:      # fork before any other thread starts
+        with WorkerProcesses(2) as engine:
             link = TrainerLink(engine, endpoint, "p0", timeout_s)
     """
 
@@ -113,7 +113,10 @@ class WorkerProcesses:
     def __init__(self, n: int, timeout_s: float = 60.0):
         import multiprocessing as mp
 
-        ctx = mp.get_context("fork")  # the parent's imports (torch, vLLM's base classes) come along
+        # spawn, not fork: libgomp is not fork-safe. After earlier tests of the session started
+        # an OpenMP team (vLLM's CPU worker binds threads and then refuses torch.set_num_threads),
+        # a forked worker hung or segfaulted in gomp_team_start at its first parallel copy.
+        ctx = mp.get_context("spawn")
         self.weight_workers, self.timeout_s = n, timeout_s
         self._conns, self._procs = [], []
         for rank in range(n):
@@ -176,10 +179,7 @@ def _worker_main(conn, rank: int, n: int) -> None:
     """One worker: the real RlstreamGlooEngine on a stub vLLM config (TP n, this rank)."""
     from types import SimpleNamespace
 
-    # A forked child must not enter the OpenMP team the parent started (libgomp is not
-    # fork-safe: the suite's earlier tests left one, and the first multi-threaded copy here
-    # segfaulted in gomp_team_start). One intra-op thread keeps ATen off OpenMP entirely.
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # two workers and the trainer share the machine's cores
 
     from producer.weights.gloo_engine import RlstreamGlooEngine, RlstreamGlooUpdateInfo
 
