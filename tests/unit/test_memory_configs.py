@@ -23,6 +23,7 @@ QWEN3_30B = ROOT / "tests" / "fixtures" / "models" / "qwen3-30b-a3b"
 ONE_NODE = ROOT / "configs" / "qwen3-30b-a3b-onpolicy-bf16-1x8-80gb.yaml"
 TWO_NODES = ROOT / "configs" / "qwen3-30b-a3b-onpolicy-bf16-2x8-80gb.yaml"
 TWO_NODES_H200 = ROOT / "configs" / "qwen3-30b-a3b-onpolicy-bf16-2x8-h200.yaml"
+DOCS = ROOT / "docs" / "operations.md"
 
 
 def check(path: Path, *overrides: str):
@@ -96,13 +97,16 @@ def test_the_two_node_figures_by_hand():
     (TWO_NODES_H200, 8, 8, 96.4, 571),
 ], ids=lambda v: v.name if isinstance(v, Path) else None)
 def test_each_cluster_config_passes_the_check_with_these_figures(path, world, ep, gpu_gb, host_gb):
-    """The figures of docs/trainer-scale.md's cluster table and of the files' headers."""
+    """The figures of docs/operations.md's cluster table and of the files' headers."""
     c = check(path)
     assert c.skipped is None and c.fits, c.report()
     c.refuse()
     assert (c.plan.world_size, c.plan.ep) == (world, ep)
     assert round(c.result.total_gb, 1) == gpu_gb and round(c.host.total_gb) == host_gb
     assert "fits" in c.report().splitlines()[0] and len(c.report().splitlines()) == 2
+    (row,) = [ln for ln in DOCS.read_text().splitlines() if ln.startswith(f"| `{path.name}`")]
+    assert f"| {gpu_gb} GB (" in row and f"| {host_gb:,} GB (" in row
+    assert f"{gpu_gb} GB" in path.read_text()  # the header's figure
 
 
 @pytest.mark.parametrize("path,without_gb", [(ONE_NODE, 164.0), (TWO_NODES, 96.4)],
