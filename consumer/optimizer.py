@@ -167,14 +167,14 @@ def _megatron_config(cfg: OptimizerSettings, model_config, distributed: bool):
     """Megatron's OptimizerConfig for `consumer.optimizer` (lr fixed: no scheduler)."""
     from megatron.core.optimizer import OptimizerConfig
 
-    adam = cfg.name == "adamw"
-    with _no_te_is_no_te_version():
+    adam, offload = cfg.name == "adamw", _offload_options(cfg)
+    with _no_te_is_no_te_version() if offload else nullcontext():
         return OptimizerConfig(
             optimizer="adam" if adam else "sgd", lr=cfg.lr, min_lr=cfg.lr,
             weight_decay=cfg.weight_decay if adam else 0.0, decoupled_weight_decay=True,
             adam_beta1=cfg.betas[0], adam_beta2=cfg.betas[1], adam_eps=cfg.eps, sgd_momentum=0.0,
             clip_grad=cfg.grad_clip, bf16=model_config.bf16, params_dtype=model_config.params_dtype,
-            use_distributed_optimizer=distributed, **_offload_options(cfg))
+            use_distributed_optimizer=distributed, **offload)
 
 
 def _check_offload_device(cfg: OptimizerSettings) -> None:
