@@ -1,8 +1,9 @@
-"""Will the trainer's layout fit the GPU? The arithmetic of docs/trainer-scale.md
-("Static memory per GPU", "Activations per micro-batch"), as code.
+"""Will the trainer's layout fit the GPU, and node 0's host memory? The arithmetic of
+docs/trainer-scale.md ("Static memory per GPU", "Activations per micro-batch"), as code.
 
     est = estimate(dims, MemoryPlan(world_size=32, tp=1, ep=8, ...))
     est.total_gb, est.fits(80.0)                    # 59.4, True for Qwen3-30B-A3B
+    host = host_estimate(dims, plan)                 # node 0's host GB, the offload's step cost
     check = check_config(cfg, os.environ)            # from the settings and model.path
     print(check.report())                            # --dry-run; check.refuse() at start
 
