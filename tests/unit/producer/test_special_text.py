@@ -10,7 +10,8 @@ import pytest
 
 from common.config import EngineSettings
 from common.toy.tinymodel import build_tokenizer
-from producer.episodes import EpisodeRunner, ObservationEncoder, StepResult
+from producer.rollout.environment import StepResult
+from producer.rollout.episodes import EpisodeRunner, ObservationEncoder
 from producer.envs.calculator import CalculatorEnv
 from producer.sample import SamplingConfig
 from tests.unit.producer import test_agents, test_episodes
