@@ -425,12 +425,12 @@ class AgentEpisodes(RolloutDriver):
         else:
             prompt = st.prompt_ids
             added = _templated(lambda: self.encoder.messages(new_messages(ep.history, req.messages),
-                                                             st.response[-1]))
+                                                             st.last_token))
         room = min(self.limits.max_episode_tokens, self.engine.settings.max_model_len - len(prompt))
         budget = min(req.max_tokens or self.limits.max_turn_tokens, self.limits.max_turn_tokens,
-                     room - len(st.response) - len(added))
+                     room - st.num_tokens - len(added))
         if budget < 1:
-            raise AgentRequestError(400, f"no room for another turn ({len(st.response) + len(added)} of {room} "
+            raise AgentRequestError(400, f"no room for another turn ({st.num_tokens + len(added)} of {room} "
                                          "response tokens: producer.episodes.max_episode_tokens and the "
                                          "engine's max_model_len); report the reward", "max_tokens")
         st.prompt_ids = prompt
@@ -439,7 +439,7 @@ class AgentEpisodes(RolloutDriver):
         tag = AgentTag(ep.id, st.turns)
         sampling = dataclasses.replace(self.sampling, max_tokens=budget,
                                        stop_token_ids=tuple(self.sampling.stop_token_ids) + stops)
-        ids = np.concatenate([st.prompt_ids, np.asarray(st.response, dtype=np.int32)])
+        ids = np.concatenate([st.prompt_ids, st.response_ids])
         self.engine.submit_group(ids, n=1, sampling=sampling, tag=tag)
         self._turns[tag] = ep
         ep.logprobs_wanted = req.logprobs
@@ -503,7 +503,7 @@ class AgentEpisodes(RolloutDriver):
     def _describe(self, ep: AgentEpisode) -> dict:
         st = ep.state
         return {"episode_id": ep.id, "group_id": st.group_id, "sample_idx": st.sample_idx, "turns": st.turns,
-                "response_tokens": len(st.response), "generating": ep.waiting is not None,
+                "response_tokens": st.num_tokens, "generating": ep.waiting is not None,
                 "messages": ep.history}
 
     def _end_idle(self) -> None:
@@ -547,7 +547,7 @@ def completion(ep: AgentEpisode, s: FinishedSample, text: str, engine, logprobs:
                   "total_tokens": prompt_tokens + len(ids)},
         "rlstream": {"episode_id": ep.id, "turn": ep.state.turns, "token_ids": ids, "logprobs": lps,
                      "token_versions": [[int(v), int(n)] for v, n in s.token_versions],
-                     "response_offset": len(ep.state.response) - len(ids)},
+                     "response_offset": ep.state.num_tokens - len(ids)},
     }
 
 

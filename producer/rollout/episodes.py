@@ -222,11 +222,11 @@ class EpisodeRunner:
                 self._end(ep, "env_error", f"step returned a {type(r.observation).__name__} observation, not text")
                 return
             try:
-                ids = self.encode_observation(r.observation, ep.response[-1])
+                ids = self.encode_observation(r.observation, ep.last_token)
             except RewrittenSpecialText as e:
                 self._end(ep, "env_error", f"observation: {e}"[:200])
                 return
-            if len(ep.response) + len(ids) + 1 > self._room(ep):
+            if ep.num_tokens + len(ids) + 1 > self._room(ep):
                 self._end(ep, "max_tokens")
                 return
             ep.add_observation(ids, self.engine.version)
@@ -243,11 +243,11 @@ class EpisodeRunner:
                    self.engine.settings.max_model_len - len(ep.prompt_ids))
 
     def _submit(self, ep: Trajectory) -> None:
-        budget = min(self.settings.max_turn_tokens, self._room(ep) - len(ep.response))
+        budget = min(self.settings.max_turn_tokens, self._room(ep) - ep.num_tokens)
         if budget < 1:
             self._end(ep, "max_tokens")
             return
-        ids = np.concatenate([ep.prompt_ids, np.asarray(ep.response, dtype=np.int32)])
+        ids = np.concatenate([ep.prompt_ids, ep.response_ids])
         self.engine.submit_group(ids, n=1, sampling=dataclasses.replace(self.sampling, max_tokens=budget),
                                  tag=ep.tag)
         self._turns[ep.tag] = ep
@@ -257,7 +257,7 @@ class EpisodeRunner:
         self.active -= 1
         if error is not None:
             ep.info["error"] = error
-        if not ep.response:  # ended before its first model turn: no record can be made (its
+        if not ep.num_tokens:  # ended before its first model turn: no record can be made (its
             self._unrecorded.append(ep.group_id)  # group is timed out by the consumer, like an
             return                                # aborted sample; the producer releases its slot)
         ep.end = end

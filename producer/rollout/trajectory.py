@@ -53,10 +53,6 @@ class Trajectory:
     env: Any = None
     task: Task | None = None
     prompt_ids: np.ndarray | None = None
-    response: list[int] = field(default_factory=list)
-    mask: list[bool] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
     routing: np.ndarray | None = None
     num_experts: int = 0
     turns: int = 0
@@ -70,6 +66,14 @@ class Trajectory:
     policy_version: int | None = None
     """The record's policy_version: a single sample's dispatch version; None: the version of the
     first response token (an episode's)."""
+    num_tokens: int = 0
+    """Response tokens so far (model and environment)."""
+    # the response as appended, one array per turn or observation (a single sample: one of
+    # each, used as the engine returned it), and run-lengths: no per-token Python objects
+    _ids: list[np.ndarray] = field(default_factory=list, repr=False)
+    _logprobs: list[np.ndarray] = field(default_factory=list, repr=False)
+    _versions: list[list[int]] = field(default_factory=list, repr=False)  # [[version, count]], merged
+    _mask: list[list] = field(default_factory=list, repr=False)  # [[is_model, count]], merged
 
     @classmethod
     def of_sample(cls, s: FinishedSample) -> Trajectory:
@@ -85,17 +89,29 @@ class Trajectory:
 
     @property
     def response_ids(self) -> np.ndarray:
-        return np.asarray(self.response, dtype=np.int32)
+        return _joined(self._ids, np.int32)
+
+    @property
+    def logprobs(self) -> np.ndarray:
+        return _joined(self._logprobs, np.float32)
 
     @property
     def loss_mask(self) -> np.ndarray:
-        return np.asarray(self.mask, dtype=bool)
+        return np.repeat([m for m, _ in self._mask], [n for _, n in self._mask]).astype(bool)
+
+    @property
+    def version_runs(self) -> np.ndarray:
+        """Run-length [(version, count)] of the response tokens (int64 [R, 2])."""
+        return np.asarray(self._versions, dtype=np.int64).reshape(-1, 2)
+
+    @property
+    def last_token(self) -> int:
+        return int(self._ids[-1][-1])
 
     def add_model_turn(self, s: FinishedSample) -> None:
-        self.response += s.response_ids.tolist()
-        self.mask += [True] * s.response_ids.size
-        self.logprobs += np.minimum(s.logprobs, 0.0).tolist()
-        self.versions += [v for v, n in s.token_versions for _ in range(n)]
+        self._append(np.asarray(s.response_ids, dtype=np.int32), np.minimum(s.logprobs, 0.0), True)
+        for version, count in s.token_versions:
+            _add_run(self._versions, int(version), int(count))
         self.turns += 1
         self.finish_reason = str(s.finish_reason)
         if s.routed_experts is not None:  # rows 0 .. P+T-2 of this turn; keep the first computation
@@ -105,14 +121,20 @@ class Trajectory:
             self.num_experts = s.num_experts
 
     def add_observation(self, ids: list[int], version: int) -> None:
-        self.response += ids
-        self.mask += [False] * len(ids)
-        self.logprobs += [0.0] * len(ids)
-        self.versions += [version] * len(ids)
+        self._append(np.asarray(ids, dtype=np.int32), np.zeros(len(ids), np.float32), False)
+        _add_run(self._versions, int(version), len(ids))
+
+    def _append(self, ids: np.ndarray, logprobs: np.ndarray, model: bool) -> None:
+        if not ids.size:
+            return
+        self._ids.append(ids)
+        self._logprobs.append(logprobs)
+        _add_run(self._mask, model, int(ids.size))
+        self.num_tokens += int(ids.size)
 
     def to_rollout(self, producer_id: str, sampling: SamplingConfig, prompt_text: str | None = None) -> Rollout:
         """The record of this trajectory (schema 2 when an environment token is in it, else schema 1)."""
-        runs = _version_runs(np.asarray(self.versions, dtype=np.int64))
+        runs = self.version_runs
         version = self.policy_version if self.policy_version is not None else int(runs[0, 0])
         info = {k: v for k, v in self.info.items() if isinstance(v, (str, int, float, bool))}
         if self.end is not None:
@@ -120,23 +142,30 @@ class Trajectory:
             finish = FINISH[self.end]
         else:
             finish = self.finish_reason if self.finish_reason in FINISH_REASONS else "stop"
-        mask = self.loss_mask
+        all_model = all(model for model, _ in self._mask)
         return Rollout(
             rollout_id=Rollout.new_id(), group_id=self.group_id, sample_idx=self.sample_idx,
             group_size=self.group_size, prompt_ids=np.asarray(self.prompt_ids, dtype=np.int32),
-            response_ids=self.response_ids, logprobs=np.asarray(self.logprobs, dtype=np.float32),
+            response_ids=self.response_ids, logprobs=self.logprobs,
             policy_version=int(version), reward=float(self.reward), finish_reason=finish,
             producer_id=producer_id, prompt_text=prompt_text,
             token_versions=runs if len(runs) > 1 else None, routed_experts=self.routing,
             num_experts=self.num_experts if self.routing is not None else 0,
             reward_info=info, sampling_digest=sampling.digest, model_digest=f"v{int(version)}",
-            temperature=float(sampling.temperature), loss_mask=None if mask.all() else mask)
+            temperature=float(sampling.temperature), loss_mask=None if all_model else self.loss_mask)
 
 
-def _version_runs(versions: np.ndarray) -> np.ndarray:
-    """Per-token versions -> run-length [(version, count)] (int64 [R, 2]; R = 0 for no token)."""
-    if versions.size == 0:
-        return np.zeros((0, 2), dtype=np.int64)
-    starts = np.r_[0, np.flatnonzero(np.diff(versions)) + 1]
-    counts = np.diff(np.r_[starts, versions.size])
-    return np.stack([versions[starts], counts], 1).astype(np.int64)
+def _add_run(runs: list[list], value, count: int) -> None:
+    """Append `count` x `value` to run-lengths `runs`, merging with the last run."""
+    if count <= 0:
+        return
+    if runs and runs[-1][0] == value:
+        runs[-1][1] += count
+    else:
+        runs.append([value, count])
+
+
+def _joined(parts: list[np.ndarray], dtype) -> np.ndarray:
+    if len(parts) == 1:
+        return parts[0]  # a single sample's: the engine's array, as the record took it before
+    return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)

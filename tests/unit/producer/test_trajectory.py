@@ -94,9 +94,9 @@ def legacy_sample_record(s: FinishedSample, reward: float, info: dict, producer_
 def legacy_episode_record(t: Trajectory, end: str, producer_id: str, sampling: SamplingConfig,
                           prompt_text: str | None) -> Rollout:
     """producer/episodes.py `EpisodeState.to_finished(end).to_rollout(...)` before the rollout
-    driver (5fd07df), verbatim but for reading the trajectory's lists."""
-    versions = np.asarray(t.versions, dtype=np.int64)
-    loss_mask = np.asarray(t.mask, dtype=bool)
+    driver (5fd07df), verbatim but for reading the trajectory (its per-token versions from its runs)."""
+    versions = np.repeat(t.version_runs[:, 0], t.version_runs[:, 1])  # the runner's per-token list
+    loss_mask = t.loss_mask
     change = np.flatnonzero(np.diff(versions)) + 1
     starts = np.r_[0, change]
     counts = np.diff(np.r_[starts, versions.size])
@@ -106,8 +106,7 @@ def legacy_episode_record(t: Trajectory, end: str, producer_id: str, sampling: S
     return Rollout(
         rollout_id=Rollout.new_id(), group_id=t.group_id, sample_idx=t.sample_idx,
         group_size=t.group_size, prompt_ids=np.asarray(t.prompt_ids, dtype=np.int32),
-        response_ids=np.asarray(t.response, dtype=np.int32),
-        logprobs=np.asarray(t.logprobs, dtype=np.float32), policy_version=int(versions[0]),
+        response_ids=t.response_ids, logprobs=t.logprobs, policy_version=int(versions[0]),
         reward=float(t.reward), finish_reason=FINISH[end], producer_id=producer_id, prompt_text=prompt_text,
         token_versions=runs if len(runs) > 1 else None, routed_experts=t.routing,
         num_experts=t.num_experts if t.routing is not None else 0,
@@ -158,7 +157,7 @@ def episode(observation: bool) -> Trajectory:
                                          dispatch_version=2))
     if observation:
         t.add_observation([11, 12, 13], version=3)
-    n = len(t.response)
+    n = t.num_tokens
     t.add_model_turn(turn([14, 15, 1], [(3, 1), (4, 2)], rows=np.full((3 + n + 3 - 1, L, K), 2, np.uint8)))
     t.reward, t.info = 0.5, {"tool_calls": 1, "nested": [1]}
     return t
