@@ -93,3 +93,25 @@ def test_the_service_loop_is_short_and_names_no_mode():
     assert len(src.splitlines()) <= 200
     names = {n.attr for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Attribute)}
     assert not names & {"episodes", "agents", "agent_endpoint", "agent_http"}, names & {"episodes", "agents"}
+
+
+def test_agents_step_through_on_finished_as_the_service_loop_drives_them():
+    from tests.unit.producer.test_agents import chat, command, make
+
+    eng, groups, agents = make(["66"], group_size=1)
+    records = []
+
+    def answered(fut):  # the service loop: an engine step (if any), then driver.on_finished
+        for _ in range(10):
+            records.extend(agents.on_finished(eng.step() if eng.has_work() else []))
+            if fut.done():
+                return fut.result()
+        raise AssertionError("not answered")
+
+    st, opened = answered(command(agents, "open", None, {}))
+    assert st == 200 and len(groups) == 1 and not agents.admits_prompts
+    (eid,) = (e["episode_id"] for e in opened["episodes"])
+    assert answered(command(agents, "chat", eid, chat([{"role": "user", "content": "37+48-19="}])))[0] == 200
+    assert answered(command(agents, "reward", eid, {}))[1]["end"] == "verified"
+    (rec,) = records
+    assert rec.reward == 1.0 and rec.loss_mask is None and len(groups) == 0  # one model turn: schema 1
