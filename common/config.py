@@ -348,7 +348,7 @@ PromptSettings = Annotated[Union[JsonlPrompts, KafkaTopicPrompts, ReasoningGymPr
 
 
 class EpisodeSettings(_Section):
-    """Multi-turn episodes (docs/multi-turn.md, producer/episodes.py): each sample of a group
+    """Multi-turn episodes (docs/multi-turn.md, producer/rollout/episodes.py): each sample of a group
     is an episode of model turns and environment turns. Absent: single-turn samples."""
 
     env: Literal["calculator"] = "calculator"
@@ -367,7 +367,7 @@ class EpisodeSettings(_Section):
 
 class AgentEndpointSettings(_Section):
     """The OpenAI-compatible chat-completions endpoint for black-box agents
-    (docs/multi-turn.md "Black-box agents", producer/agents.py). Set: agents open
+    (docs/multi-turn.md "Black-box agents", producer/rollout/agents.py). Set: agents open
     groups and drive each episode over HTTP; the producer admits no group of its own.
     Episode limits (max_turns, max_turn_tokens, max_episode_tokens) are producer.episodes'."""
 
