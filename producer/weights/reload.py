@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -52,6 +53,16 @@ from producer.weights.trainer_link import TrainerLink
 log = logging.getLogger("rlstream.producer")
 
 _REJOIN_EVERY_S = 1.0
+
+
+def digest_refusal(version: int, received: str | None, expected: str | None, whose: str) -> str | None:
+    """The one comparison of a received version's digest before it is served, on every
+    transport (blake3 on rlstream_gloo, the device fold on nccl: common/weights/digest.py):
+    why it is refused, or None. A missing digest refuses: nothing unverified is served."""
+    if received is not None and expected is not None and received == expected:
+        return None
+    return (f"version {version}: received digest {str(received)[:12]} != {whose} {str(expected)[:12]}; "
+            "refused, the served weights stay")
 
 
 class ReloadableEngine(Protocol):
@@ -110,10 +121,13 @@ class Reloader:
         if self.newest is None or self.engine.weight_transfer is None:
             return False
         self._keep_link()
+        changed = False
         if self.link is not None:
             self.link.poll()
             self._receive_pending = self.link.take_started() or self._receive_pending
-        changed = self._take_received() if self._receive_pending else False
+            if (update := self.link.take_update()) is not None:
+                changed = self._take_update(update)
+        changed = (self._take_received() if self._receive_pending else False) or changed
         if self.engine.version >= self.newest.version:
             self._awaited_since = None
         elif self._awaited_since is not None and time.monotonic() - self._awaited_since > self.timeout_s:
@@ -176,10 +190,26 @@ class Reloader:
         announced = self._digests.get(version)
         if announced is None:
             return False  # its announcement is on its way: swap at a later tick (tick bounds the wait)
-        if announced != digest:
+        if (refusal := digest_refusal(version, digest, announced, "announced")) is not None:
             self.engine.discard_weights()
-            return self._refuse(version, f"received digest {digest[:12]} != announced {announced[:12]}")
+            return self._refuse(version, refusal)
         return self._swap(version, digest)
+
+    def _take_update(self, update: TrainerLink.Update) -> bool:
+        """A synchronous (nccl) update the link loaded: serve it if the digest the workers folded
+        equals the trainer's, else restore what was served (the load already replaced layers)."""
+        refusal = update.error or digest_refusal(update.version, update.received, update.expected, "sent")
+        if refusal is not None:
+            telemetry.RELOAD_FAILURES.inc()
+            log.error("refusing weight version %d from the link: %s; restoring", update.version, refusal)
+            self.link.answer_update(update, error=refusal)
+            self._restore()
+            return True  # the engine's weights were replaced: by the restored ones now
+        seconds = self.engine.commit_weights(update.version, update.t0)
+        self.loaded = None
+        self.link.answer_update(update)
+        self._served("collective", seconds)
+        return True
 
     def _swap(self, version: int, digest: str) -> bool:
         try:
@@ -244,9 +274,11 @@ class Reloader:
         return staged
 
     def _restore(self) -> None:
-        """A load failed halfway: reload what was serving (or the newest durable copy), or
-        raise (never serve half a model)."""
-        log.exception("loading a verified version failed; restoring a consistent model")
+        """A load failed halfway, or an nccl update loaded bytes that failed their digest:
+        reload what was serving (or the newest durable copy), or raise (never serve half a
+        model). The one restore path of every transport."""
+        log.error("a weight load failed or was refused after it touched the model; restoring a consistent "
+                  "model", exc_info=sys.exc_info()[0] is not None)
         try:
             if self.loaded is not None:
                 self.engine.reload_weights(self.loaded, self.engine.version)
@@ -257,6 +289,7 @@ class Reloader:
                 raise WeightReloadError("no durable copy to restore from")
             self.engine.reload_weights(staged, copy.version)
             self.loaded = staged
+            telemetry.VERSION.set(self.engine.version)
         except Exception as e:  # noqa: BLE001 - whatever failed, the weights are now inconsistent
             raise WeightReloadError(f"weights are inconsistent after a failed reload and restoring "
                                     f"failed too ({e}); exiting so a supervisor restarts us") from e
