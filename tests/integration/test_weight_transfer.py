@@ -205,6 +205,61 @@ def test_a_bucket_corrupted_in_flight_is_refused_and_the_durable_copy_serves(set
     np.testing.assert_array_equal(greedy(engine), want4)
 
 
+def _half_load(worker) -> None:
+    """In the engine's worker, what vLLM's nccl engine does on an update that fails while
+    loading: `start_weight_update` moves every layer to the meta device (layerwise reload),
+    then `load_weights` meets a name the model does not have and raises."""
+    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+    model = worker.model_runner.model
+    initialize_layerwise_reload(model)
+    model.load_weights([("model.layers.0.mlp.no_such.weight", torch.zeros(1))])
+
+
+class NcclStandIn:
+    """The session engine as the link drives vLLM's synchronous nccl engine (which needs a
+    GPU): the update loads in place, here failing halfway (`_half_load`)."""
+
+    weight_transfer = "nccl"
+
+    def __init__(self, engine):
+        self._engine_ = engine
+
+    def __getattr__(self, name):
+        return getattr(self._engine_, name)
+
+    def load_weight_update(self, update_info, version=None):
+        self._engine_._engine.collective_rpc(_half_load)
+
+    run_weight_update = load_weight_update  # the same call under the name it had before
+
+
+@pytest.mark.timeout(600)
+def test_an_nccl_update_failing_halfway_is_restored_before_the_next_step(rollout_engine, tiny_model_dir):
+    """N6: the producer never steps a half-loaded model; the Reloader restores what it served
+    (one restore path for every transport) and greedy outputs are those from before."""
+    from common.control.messages import WeightsReady
+    from producer.weights.reload import Reloader
+    from producer.weights.trainer_link import TrainerLink
+    from tests.unit.producer.test_link import FakeChannel
+
+    rollout_engine.reload_weights(tiny_model_dir, 0)
+    before, refused = greedy(rollout_engine), metrics.value("rlstream_producer_weight_reload_failures_total")
+    engine = NcclStandIn(rollout_engine)
+    reloader = Reloader(engine, tiny_model_dir, "p-test", timeout_s=5.0)
+    reloader.newest = WeightsReady(version=1, transport="collective", digest="b" * 64, endpoint="trainer:1")
+    link, channel = TrainerLink(engine, "trainer:1", "p-test", 5.0), FakeChannel()
+    link.channel, reloader.link = channel, link
+    channel.post("update", version=1, update_info={"names": ["model.layers.0.mlp.no_such.weight"]})
+    reloader.tick()  # the update runs, fails halfway, is restored: all before the next step
+    try:
+        assert "no_such" in channel.acks[0]["error"] and rollout_engine.version == 0
+        np.testing.assert_array_equal(greedy(rollout_engine), before)
+        assert metrics.value("rlstream_producer_weight_reload_failures_total") == refused + 1
+    finally:
+        reloader.close()
+
+
 @pytest.mark.timeout(900)
 def test_prefix_cache_hits_never_reuse_kv_of_older_weights(tiny_model_dir, tmp_path):
     """In its own process (tests/integration/prefix_cache_worker.py says why): a repeat within
