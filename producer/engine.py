@@ -464,14 +464,16 @@ class RolloutEngine:
         """Drop a received (or failed) version that will not be swapped in."""
         self._update_weights({"op": "discard"})
 
-    def load_weight_update(self, update_info: dict[str, Any]) -> str:
+    def load_weight_update(self, update_info: dict[str, Any], timeout_s: float) -> str:
         """A synchronous engine (vLLM's nccl): receive and load `update_info`'s tensors now,
         between steps, folding each into a digest as it arrives (common/weights/digest.py);
         returns that digest. Not served yet: the reloader compares it with the trainer's and
-        then calls `commit_weights` or restores (a failed load leaves layers half-loaded)."""
+        then calls `commit_weights` or restores (a failed load leaves layers half-loaded).
+        A transfer without progress for `timeout_s` is aborted (producer/weights/watchdog.py)."""
         self._check_thread()
         self._require_transfer()
-        digests = self._engine.collective_rpc("rlstream_update_weights_folded", kwargs={"update_info": update_info})
+        digests = self._engine.collective_rpc("rlstream_update_weights_folded",
+                                              kwargs={"update_info": update_info, "timeout_s": timeout_s})
         if len(set(digests)) != 1:  # every worker receives the whole version: they must agree
             raise WeightTransferError(f"the engine's workers received different bytes: {sorted(set(digests))}")
         return digests[0]

@@ -157,7 +157,7 @@ class TrainerLink:
                 self._started = True
             elif op == "update" and self.engine.weight_transfer == "nccl":
                 self.update = TrainerLink.Update(int(cmd["version"]), time.perf_counter())
-                self.update.received = self.engine.load_weight_update(cmd["update_info"])
+                self.update.received = self.engine.load_weight_update(cmd["update_info"], self.timeout_s)
             elif op == "finish" and self.engine.weight_transfer == "nccl":
                 if self.update is None or self.update.version != cmd.get("version"):
                     raise WeightTransferError(f"finish of version {cmd.get('version')} without its update")

@@ -228,7 +228,7 @@ class NcclStandIn:
     def __getattr__(self, name):
         return getattr(self._engine_, name)
 
-    def load_weight_update(self, update_info, version=None):
+    def load_weight_update(self, update_info, timeout_s=None):
         self._engine_._engine.collective_rpc(_half_load)
 
     run_weight_update = load_weight_update  # the same call under the name it had before

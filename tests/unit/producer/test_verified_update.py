@@ -6,16 +6,20 @@ a refused or failed update restores what was served. The real engine's restore i
 tests/integration/test_weight_transfer.py."""
 from __future__ import annotations
 
+import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from common import metrics
 from common.control.messages import WeightsReady
+from common.errors import WeightTransferError
 from common.weights.digest import fold_digest
 from producer.weights.reload import Reloader
 from producer.weights.trainer_link import TrainerLink
+from producer.weights.verified_update import update_weights_folded
 from tests.unit.producer.test_link import FakeChannel
 
 SENT = {"model.embed_tokens.weight": torch.arange(24, dtype=torch.float32).reshape(4, 6),
@@ -44,7 +48,7 @@ class FakeNcclEngine:
         self.model = "loaded"
         return got
 
-    def load_weight_update(self, update_info):  # this branch: loaded, not served
+    def load_weight_update(self, update_info, timeout_s):  # this branch: loaded, not served
         return fold_digest(self._receive())
 
     def commit_weights(self, version, t0):
@@ -113,3 +117,65 @@ def test_an_nccl_update_whose_finish_never_comes_is_restored_within_the_timeout(
     reloader.tick()
     assert time.monotonic() - t0 < 1.0
     assert engine.version == 0 and engine.model == "base" and link.dead
+
+
+# ---------------------------------------------------------------- in the worker
+
+
+class FakeCommunicator:
+    def __init__(self):
+        self.destroyed = threading.Event()
+
+    def destroy(self):
+        self.destroyed.set()
+
+
+class FakeModel:
+    def __init__(self):
+        self.loaded = {}
+
+    def load_weights(self, weights):
+        for name, t in weights:
+            self.loaded[name] = t
+
+
+class FakeWorker:
+    """vLLM's Worker and its nccl engine: `update_weights` receives `arrive` and loads each tensor;
+    with `die_after`, the trainer dies after that many tensors and the receive blocks until
+    the communicator is aborted (PyNccl has no timeout of its own)."""
+
+    def __init__(self, die_after: int | None = None):
+        self.weight_transfer_engine = SimpleNamespace(model=FakeModel(), model_update_group=FakeCommunicator())
+        self.die_after, self.calls = die_after, []
+
+    def start_weight_update(self):
+        self.calls.append("start")
+
+    def update_weights(self, update_info):
+        self.calls.append("update")
+        model, group = self.weight_transfer_engine.model, self.weight_transfer_engine.model_update_group
+        for i, item in enumerate(SENT.items()):
+            if i == self.die_after:
+                assert group.destroyed.wait(10), "never aborted"
+                raise RuntimeError("NCCL error: unhandled system error")
+            model.load_weights([item])
+
+    def finish_weight_update(self):
+        self.calls.append("finish")
+
+
+def test_the_worker_folds_exactly_what_it_loads():
+    worker = FakeWorker()
+    got = update_weights_folded(worker, {}, timeout_s=5.0)
+    assert got == fold_digest(SENT.items()) and worker.calls == ["start", "update", "finish"]
+    assert set(worker.weight_transfer_engine.model.loaded) == set(SENT)
+    assert "load_weights" not in vars(worker.weight_transfer_engine.model)  # the class's method is back
+
+
+def test_a_trainer_dying_mid_transfer_ends_the_workers_wait_within_the_bound():
+    worker = FakeWorker(die_after=1)
+    t0 = time.monotonic()
+    with pytest.raises(WeightTransferError, match="no progress"):
+        update_weights_folded(worker, {}, timeout_s=0.3)
+    assert time.monotonic() - t0 < 0.3 + 0.5
+    assert worker.weight_transfer_engine.model_update_group.destroyed.is_set()
