@@ -100,8 +100,10 @@ class ProducerService:
         return self.liveness.health(self._status())
 
     def _status(self) -> dict:
+        reloader = getattr(self, "reloader", None)  # the HTTP thread starts before the reloader
         return {"version": self.engine.version, "in_flight": self.engine.num_in_flight,
-                "pending": len(self.outbox.pending), "producer_id": self.producer_id}
+                "pending": len(self.outbox.pending), "producer_id": self.producer_id,
+                "weights": reloader.state() if reloader is not None else {"state": "starting"}}
 
     def stop(self, *_):
         self._stop = True

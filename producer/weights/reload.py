@@ -99,6 +99,9 @@ class Reloader:
         dropped yet: only then is the engine's status worth a `collective_rpc` to every
         worker. vLLM's nccl loads inside the trainer's update command, so it never is."""
         self._rejoin_at = 0.0
+        self._restoring = False
+        self._failure: dict[str, Any] | None = None
+        """The last version refused or failed since one was served: /healthz shows it."""
 
     # ------------------------------------------------------------ the three calls
 
@@ -132,8 +135,9 @@ class Reloader:
             self._awaited_since = None
         elif self._awaited_since is not None and time.monotonic() - self._awaited_since > self.timeout_s:
             self._awaited_since = time.monotonic()  # try the link again for as long, then again
-            changed = self._fall_back(f"version {self.newest.version} did not arrive over the link "
-                                      f"within {self.timeout_s:.0f} s") or changed
+            why = f"version {self.newest.version} did not arrive over the link within {self.timeout_s:.0f} s"
+            self._failed(self.newest.version, why)
+            changed = self._fall_back(why) or changed
         return changed
 
     def catch_up(self, msg: WeightsReady, timeout_s: float | None = None) -> bool:
@@ -149,6 +153,30 @@ class Reloader:
             self._fall_back(f"version {msg.version} did not arrive over the link at start")
         return self.engine.version >= msg.version
 
+    def state(self) -> dict[str, Any]:
+        """The weight state for /healthz and /readyz (read from the HTTP thread: plain reads).
+
+        state: `serving` (nothing pending), `receiving` (a version is arriving or loading),
+        `restoring` (a failed load is being undone), `failed` (the last version refused
+        or lost, `failure` says why; the served version stays until one arrives)."""
+        link = self.link
+        update = link.update if link is not None else None
+        if self._restoring:
+            state = "restoring"
+        elif self._receive_pending or (update is not None and update.error is None and update.finish is None):
+            state = "receiving"
+        else:
+            state = "failed" if self._failure is not None else "serving"
+        newest = self.newest
+        return {"state": state, "serving_version": self.engine.version,
+                "announced_version": newest.version if newest is not None else None,
+                "link": None if link is None else ("dead: " + link.dead if link.dead else
+                                                   "linked" if link.channel is not None else "registering"),
+                "failure": self._failure}
+
+    def _failed(self, version, reason: str) -> None:
+        self._failure = {"version": version, "reason": reason[:500], "at": time.time()}
+
     # ------------------------------------------------------------ collective
 
     def _keep_link(self) -> None:
@@ -158,6 +186,7 @@ class Reloader:
         if link is not None and link.dead:
             telemetry.TRANSFER_FAILURES.inc()
             log.warning("weight link dropped: %s (still serving version %d)", link.dead, self.engine.version)
+            self._failed(self.newest.version, f"weight link dropped: {link.dead}")
             self.link = link = None
         # the trainer restarted elsewhere: join at once. A message without an endpoint (transport
         # file) keeps the link: dropping it silently left the trainer's end waiting for acks up
@@ -204,6 +233,8 @@ class Reloader:
             log.error("refusing weight version %d from the link: %s; restoring", update.version, refusal)
             self.link.answer_update(update, error=refusal)
             self._restore()
+            self._failed(update.version, refusal)
+            self._fall_back("the link's version was refused")
             return True  # the engine's weights were replaced: by the restored ones now
         seconds = self.engine.commit_weights(update.version, update.t0)
         self.loaded = None
@@ -216,9 +247,10 @@ class Reloader:
             seconds = self.engine.swap_weights(version, digest)
         except DigestMismatchError as e:
             return self._refuse(version, str(e))
-        except Exception:  # noqa: BLE001 - a load that failed halfway is rolled back
+        except Exception as e:  # noqa: BLE001 - a load that failed halfway is rolled back
             telemetry.RELOAD_FAILURES.inc()
             self._restore()
+            self._failed(version, f"the swap failed while loading: {e}")
             return False
         self.loaded = None
         if self.link is not None:
@@ -228,6 +260,7 @@ class Reloader:
 
     def _refuse(self, version, reason: str) -> bool:
         telemetry.RELOAD_FAILURES.inc()
+        self._failed(version, reason)
         log.error("refusing weight version %s from the link: %s (still serving version %d)",
                   version, reason, self.engine.version)
         return self._fall_back("the link's version was refused")
@@ -250,9 +283,10 @@ class Reloader:
             return False
         try:
             self.engine.reload_weights(staged, copy.version)
-        except Exception:  # noqa: BLE001 - any load failure is rolled back
+        except Exception as e:  # noqa: BLE001 - any load failure is rolled back
             telemetry.RELOAD_FAILURES.inc()
             self._restore()
+            self._failed(copy.version, f"loading the durable copy failed: {e}")
             return False
         self.loaded = staged
         self._served("file", time.perf_counter() - t0)
@@ -268,6 +302,7 @@ class Reloader:
             verify(staged.as_uri(), copy.sha256, copy.bytes)
         except Exception as e:  # noqa: BLE001 - a bad version must never take the service down
             telemetry.RELOAD_FAILURES.inc()
+            self._failed(copy.version, f"the durable copy did not verify: {e}")
             log.error("refusing weight version %d: %s (still serving version %d)",
                       copy.version, e, self.engine.version)
             return None
@@ -279,6 +314,7 @@ class Reloader:
         model). The one restore path of every transport."""
         log.error("a weight load failed or was refused after it touched the model; restoring a consistent "
                   "model", exc_info=sys.exc_info()[0] is not None)
+        self._restoring = True
         try:
             if self.loaded is not None:
                 self.engine.reload_weights(self.loaded, self.engine.version)
@@ -293,8 +329,11 @@ class Reloader:
         except Exception as e:  # noqa: BLE001 - whatever failed, the weights are now inconsistent
             raise WeightReloadError(f"weights are inconsistent after a failed reload and restoring "
                                     f"failed too ({e}); exiting so a supervisor restarts us") from e
+        finally:
+            self._restoring = False
 
     def _served(self, transport: str, seconds: float) -> None:
+        self._failure = None
         telemetry.RELOAD_SECONDS.observe(seconds)
         telemetry.VERSIONS_TAKEN.labels(transport=transport).inc()
         telemetry.VERSION.set(self.engine.version)

@@ -84,8 +84,9 @@ def run_update(engine, tmp_path) -> tuple[Reloader, FakeChannel]:
 
 def test_an_nccl_update_with_the_senders_digest_is_served(tmp_path):
     engine = FakeNcclEngine()
-    _, channel = run_update(engine, tmp_path)
+    reloader, channel = run_update(engine, tmp_path)
     assert engine.version == 1 and engine.model == "loaded" and engine.reloads == []
+    assert reloader.state()["state"] == "serving" and reloader.state()["serving_version"] == 1
     assert channel.acks[1] == {"version": 1, "digest": fold_digest(SENT.items())}
 
 
@@ -93,10 +94,12 @@ def test_an_nccl_update_with_the_senders_digest_is_served(tmp_path):
 def test_an_nccl_update_with_one_flipped_byte_is_refused_and_the_served_weights_restored(tmp_path, byte):
     before = refused()
     engine = FakeNcclEngine(flip_byte=byte)
-    _, channel = run_update(engine, tmp_path)
+    reloader, channel = run_update(engine, tmp_path)
     assert engine.version == 0, "a version with a corrupted byte was served"
     assert engine.model == "base" and engine.reloads == [(str(tmp_path), 0)]
     assert "digest" in channel.acks[1]["error"] and refused() == before + 1
+    state = reloader.state()  # what /healthz shows
+    assert state["state"] == "failed" and state["serving_version"] == 0 and "digest" in state["failure"]["reason"]
 
 
 def test_an_nccl_update_failing_while_loading_restores_the_served_weights(tmp_path):
