@@ -209,6 +209,7 @@ class Reloader:
                 return self._refuse(st["version"], st["error"])
             if self.link is not None and not self.link.dead:
                 self.link.dead = st["error"]
+            self._failed(st.get("version") or self.newest.version, f"the receive failed: {st['error']}")
             return False
         if st["state"] != "ready":
             return False

@@ -260,6 +260,45 @@ def test_an_nccl_update_failing_halfway_is_restored_before_the_next_step(rollout
         reloader.close()
 
 
+@pytest.mark.timeout(300)
+def test_a_trainer_killed_mid_version_ends_the_producers_receive_within_the_bound(rollout_engine, tiny_model_dir,
+                                                                                 tmp_path):
+    """N6 on gloo: a trainer process SIGKILLed after the first group of a version. The producer's
+    receive ends within the link's timeout, the engine keeps serving (and computing) version 0,
+    and the weight state /healthz reports says why."""
+    import signal
+
+    from common.control.messages import WeightsReady
+    from producer.weights.reload import Reloader
+
+    timeout_s = 5.0
+    rollout_engine.reload_weights(tiny_model_dir, 0)
+    before = greedy(rollout_engine)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    cmd = [sys.executable, "-m", "tests.integration.dying_trainer_worker", str(tiny_model_dir),
+           str(tmp_path / "store"), str(timeout_s)]
+    trainer = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, text=True)
+    reloader = Reloader(rollout_engine, tiny_model_dir, "p-test", timeout_s=60.0)
+    try:
+        msg = WeightsReady.model_validate_json(trainer.stdout.readline())
+        reloader.apply(msg)
+        until(lambda: reloader.state()["state"] == "receiving", reloader, rollout_engine)
+        assert trainer.stdout.readline().strip() == "hanging"  # the header and group 0 are out
+        trainer.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        until(lambda: reloader.state()["state"] != "receiving", reloader, rollout_engine, timeout_s=timeout_s + 5)
+        waited = time.monotonic() - killed
+        state = reloader.state()
+    finally:
+        trainer.kill()
+        trainer.wait(10)
+        reloader.close()
+    assert waited < timeout_s + 1.0, waited
+    assert state["state"] == "failed" and state["serving_version"] == 0 and state["failure"]["version"] == 1, state
+    assert rollout_engine.version == 0
+    np.testing.assert_array_equal(greedy(rollout_engine), before)
+
+
 @pytest.mark.timeout(900)
 def test_prefix_cache_hits_never_reuse_kv_of_older_weights(tiny_model_dir, tmp_path):
     """In its own process (tests/integration/prefix_cache_worker.py says why): a repeat within
