@@ -100,7 +100,7 @@ class ProducerService:
         return self.liveness.health(self._status())
 
     def _status(self) -> dict:
-        reloader = getattr(self, "reloader", None)  # the HTTP thread starts before the reloader
+        reloader = self.following.reloader  # None until start_weights: the HTTP thread starts first
         return {"version": self.engine.version, "in_flight": self.engine.num_in_flight,
                 "pending": len(self.outbox.pending), "producer_id": self.producer_id,
                 "weights": reloader.state() if reloader is not None else {"state": "starting"}}

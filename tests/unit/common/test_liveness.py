@@ -290,7 +290,8 @@ def producer_service(liveness: dict):
     svc.driver = SingleTurn(svc.engine, svc.groups, svc.sampling, svc.producer_id)
     svc.following = Following(SimpleNamespace(catch_up=lambda: [], poll=lambda: [], view=SimpleNamespace(
         weights=None, progress=None, state=ControlSettings())), group_size=2)
-    svc.following.reloader = SimpleNamespace(tick=lambda: False, apply=lambda msg: False)
+    svc.following.reloader = SimpleNamespace(tick=lambda: False, apply=lambda msg: False,
+                                             state=lambda: {"state": "receiving", "serving_version": 0})
     svc.outbox = SimpleNamespace(pending=[], unacked_records=0, flush=lambda: None, add=lambda r: None)
     svc.topic_ends = SimpleNamespace(current=dict)
     svc.prompts = SimpleNamespace(take=lambda: None)
@@ -333,5 +334,6 @@ def test_producer_with_a_weight_transfer_that_does_not_end_turns_unhealthy():
         assert entered.wait(30)
         took, body = wait_for_503(http.url + "/healthz", STALL_S + 5)
         assert body["reasons"][0].startswith("weight_update has run")
+        assert body["weights"] == {"state": "receiving", "serving_version": 0}  # the reloader's weight state
     finally:
         http.stop()
