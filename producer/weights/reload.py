@@ -12,8 +12,12 @@ trainer's endpoint (producer/weights/trainer_link.py), the trainer streams each 
 it, vLLM's weight-transfer engine receives it in the background while the
 engine keeps stepping and checks every group's digest (producer/weights/gloo_engine.py);
 `tick` swaps it in once the announcement of that version arrived and its
-digest equals the received one. A late or restarted producer registers and
-the trainer sends it the current version at once.
+digest equals the received one. With vLLM's `nccl` engine the link's update
+loads the version at once, folding a device digest as it goes
+(producer/weights/verified_update.py); `tick` then serves it only if that
+digest equals the one the trainer sent with its finish, else restores.
+`digest_refusal` is the one comparison for both. A late or restarted
+producer registers and the trainer sends it the current version at once.
 
 Durable (`transport: file`, and the fallback): the version's directory in the
 weight store is staged (hard links, a copy across file systems) into one of
@@ -30,10 +34,15 @@ Failures, by kind:
   re-registered, and a version not received within
   `producer.engine.weight_transfer_timeout_s` of its announcement is taken
   from the durable store when a newer copy is there;
-- a load that fails halfway: counted and rolled back by reloading the
+- a load that fails halfway, or an nccl update refused after it loaded (its
+  digest, a failure while loading, no finish, a dead trainer the watchdog
+  aborted): counted and rolled back before the next step by reloading the
   previous durable version from its slot (or the base model directory, or
   the newest durable copy); if that fails too the weights are inconsistent
   and `WeightReloadError` tells the service to exit so a supervisor restarts it.
+
+`state()` is the weight state /healthz and /readyz show: serving, receiving,
+restoring, or failed with the last refused version and why.
 """
 from __future__ import annotations
 

@@ -9,8 +9,9 @@ The trainer drives each transfer through vLLM's four-call handshake
 the loop's thread, between two steps, and acknowledges it:
 
     command   rlstream_gloo (CPU)                       nccl (vLLM's, GPU)
-    init      join the link's gloo pair                 join the NCCL group
-    start     start receiving in the background         start_weight_update
+    init      close the old group, join the link's      destroy the old communicator, join the
+              gloo pair                                 NCCL group
+    start     start receiving in the background         (nothing: the update runs vLLM's three calls)
     update    (nothing: the bytes are already flowing)  receive + load now, folding a digest
                                                         (producer/weights/verified_update.py); then
                                                         wait for the finish (no step runs meanwhile)
