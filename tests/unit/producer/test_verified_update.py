@@ -182,3 +182,26 @@ def test_a_trainer_dying_mid_transfer_ends_the_workers_wait_within_the_bound():
         update_weights_folded(worker, {}, timeout_s=0.3)
     assert time.monotonic() - t0 < 0.3 + 0.5
     assert worker.weight_transfer_engine.model_update_group.destroyed.is_set()
+
+
+# ---------------------------------------------------------------- the trainer's half
+
+
+def test_the_trainers_finish_carries_the_digest_of_what_it_sent_in_the_order_the_producer_loads_it():
+    """consumer/weights/engines.py: SnapshotSource folds each tensor as it goes to the device
+    (here "cpu") and LinkClient's finish carries it; it equals what a worker folds from the same
+    tensors in the metadata order vLLM's nccl engine receives them in."""
+    from consumer.weights.engines import LinkClient, SnapshotSource
+    from consumer.weights.snapshot import Snapshot
+    from tests.support.weights import dict_source
+
+    snap = Snapshot(1, dict_source(dict(SENT)))
+    snap.fill()
+    source = SnapshotSource(snap, device="cpu")
+    sent = list(source)
+    client = object.__new__(LinkClient)
+    client.version, client.timeout_s, client.fold = 1, 1.0, source.fold_digest
+    client.channel = SimpleNamespace(call=lambda op, timeout_s, **args: {"op": op, **args})
+    finish = client.finish_weight_update()
+    assert [m.name for m in source.metadata()] == [n for n, _ in sent]
+    assert finish == {"op": "finish", "version": 1, "digest": fold_digest(SENT.items())}
