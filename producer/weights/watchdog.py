@@ -9,12 +9,17 @@
 A trainer that dies mid-transfer (any trainer rank failing restarts the whole
 job) leaves the producer's workers blocked in the transport. vLLM's PyNccl
 has no timeout: without an abort the worker waits forever while the engine's
-loop is wedged in `collective_rpc` (review gpu-path-2, N6). Gloo bounds every
-op by its group timeout already (common/weights/link.py `GlooPair`), and the
-same watchdog closes the pair after `timeout_s` without progress, so both
-transports end a dead trainer's transfer within `producer.engine.weight_transfer_timeout_s`
-(plus the abort itself: vLLM's `destroy` waits at most 5 s for ncclCommAbort).
-The failed update is then restored by the reloader (producer/weights/reload.py).
+loop is wedged in `collective_rpc` (review gpu-path-2, N6). The nccl update runs
+under this watchdog (producer/weights/verified_update.py), so a dead trainer's
+transfer ends within `producer.engine.weight_transfer_timeout_s` plus the abort
+(vLLM's `destroy` waits at most 5 s for ncclCommAbort), and the failed update
+is restored by the reloader (producer/weights/reload.py).
+
+Gloo does not need it and could not use it: every op of a link is bounded by
+its group timeout (common/weights/link.py `GlooPair`), and shutting a gloo
+group down from another thread does not end a receive blocked in it (tried on
+torch's ProcessGroupGloo: `shutdown()` returned at once, the blocked wait
+ended only at its own 30 s timeout, and the process aborted at exit).
 """
 from __future__ import annotations
 
