@@ -44,6 +44,10 @@ class Following:
         if self.follower.view.weights is not None:
             self.reloader.catch_up(self.follower.view.weights)
 
+    def weight_state(self) -> dict:
+        """The reloader's weight state for /healthz and /readyz (the HTTP thread starts first)."""
+        return self.reloader.state() if self.reloader is not None else {"state": "starting"}
+
     def follow(self, liveness: ProgressMonitor | None, update_limit_s: float, weights: bool = True) -> None:
         newest = None
         for event in self.follower.poll():

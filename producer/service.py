@@ -100,10 +100,8 @@ class ProducerService:
         return self.liveness.health(self._status())
 
     def _status(self) -> dict:
-        reloader = self.following.reloader  # None until start_weights: the HTTP thread starts first
-        return {"version": self.engine.version, "in_flight": self.engine.num_in_flight,
-                "pending": len(self.outbox.pending), "producer_id": self.producer_id,
-                "weights": reloader.state() if reloader is not None else {"state": "starting"}}
+        return {"version": self.engine.version, "in_flight": self.engine.num_in_flight, "producer_id": self.producer_id,
+                "pending": len(self.outbox.pending), "weights": self.following.weight_state()}
 
     def stop(self, *_):
         self._stop = True
