@@ -57,7 +57,9 @@ SWAPS = {
                   "zero-variance filter drops; a version then takes seconds on 2 cores, not minutes",
 }
 TP2_PRODUCER = {  # a producer at tensor_parallel_size 2 on CPU: routing capture is a TP-1 hook, one core per worker
-    "RLSTREAM__PRODUCER__ENGINE__TENSOR_PARALLEL_SIZE": "2", "RLSTREAM__PRODUCER__ENGINE__ROUTING": "off",
+    # quoted: environment values are YAML scalars, and a bare off is the boolean false, which
+    # producer.engine.routing refuses ("Input should be 'auto', 'capture', 'native' or 'off'")
+    "RLSTREAM__PRODUCER__ENGINE__TENSOR_PARALLEL_SIZE": "2", "RLSTREAM__PRODUCER__ENGINE__ROUTING": "'off'",
     "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 CONSUMER_SWAPS = {"RLSTREAM__CONSUMER__GROUPS_PER_BATCH": "4", "RLSTREAM__CONSUMER__DYNAMIC_SAMPLING": "off"}
 PRODUCER_SWAPS = {"RLSTREAM__PRODUCER__ENGINE__ENFORCE_EAGER": "true"}
@@ -145,6 +147,8 @@ class Rehearsal(ABC):
     """What both deployments share: the twin, the broker host, start and stop, readings."""
 
     broker_host = "kafka"
+    config_file = ROOT / "configs" / "tiny-cpu.yaml"
+    """The configuration the services read (its relative paths land in the working directory)."""
 
     def __init__(self, root: Path, host_names: list[str], rate_mbit: float | None, start_timeout_s: float,
                  producer_env: dict[int, dict[str, str]] | None = None,
@@ -221,6 +225,12 @@ class Rehearsal(ABC):
             if s.alive:
                 s.stop(timeout_s=60)
 
+    def model_dir(self) -> Path:
+        """The policy's directory (model.path of the services' configuration)."""
+        from common.config import load_config
+
+        return self.work / load_config(str(self.config_file), environ={}).model.path
+
     def version(self) -> float:
         return self.consumer.try_metric("rlstream_consumer_policy_version", 0)
 
@@ -285,6 +295,7 @@ class SystemdOnTwin(Rehearsal):
         super().__init__(root, names, rate_mbit, start_timeout_s, producer_env)
         self.trainer_hosts, self.num_producers = trainers, producers
         self.etc = root / "etc"
+        self.config_file = self.etc / "rlstream.yaml"
 
     def _unit(self, unit: str, name: str, env_files: dict[str, str]) -> ShippedService:
         def swap(text: str) -> str:
@@ -393,7 +404,7 @@ class K8sOnTwin(Rehearsal):
         self.volumes = {m["name"]: root / "mounts" / m["name"] for m in mounts}
         self.mounts = {m["mountPath"]: self.volumes[m["name"]] / m.get("subPath", "") for m in mounts}
         config = next(v["name"] for v in self.trainer.volumes if (v.get("configMap") or {}).get("name") == CONFIGMAP)
-        self.config = next(self.mounts[m["mountPath"]] for m in mounts if m["name"] == config)
+        self.config_file = next(self.mounts[m["mountPath"]] for m in mounts if m["name"] == config)
         """Where the pods read the ConfigMap's rlstream.yaml (its volume's mount, moved)."""
         self.secrets = {("rlstream-secrets", "admin-token"): "twin-" + os.urandom(8).hex(),
                         ("rlstream-secrets", "kafka-password"): "unused-no-sasl"}
@@ -417,13 +428,13 @@ class K8sOnTwin(Rehearsal):
             path.mkdir(parents=True, exist_ok=True)
         swaps = {**K8S_CONFIG_SWAPS,
                  "consumer.parallel.world_size": (self.trainer_hosts, "the JobSet's nodes x 1 process")}
-        self.config.write_text(swap_config(self.config_text, swaps, self.mount))
+        self.config_file.write_text(swap_config(self.config_text, swaps, self.mount))
         env = service_env({}, {})
         cli = [sys.executable, "-m", "common.app.cli"]
         self._start_broker([*cli, "broker", "--set", f"broker.host={self.bootstrap.rpartition(':')[0]}",
                             "--set", f"broker.port={self.broker_port}"], env, port=self.broker_port)
         # the install step: the models volume holds the (tiny) model before any pod starts
-        self._run_once(self.trainer.pods[0].name, [*cli, "build-model", "-c", str(self.config)], env)
+        self._run_once(self.trainer.pods[0].name, [*cli, "build-model", "-c", str(self.config_file)], env)
         self.ranks = [self._pod(self.trainer, p, CONSUMER_SWAPS) for p in self.trainer.pods]
         ncpu = os.cpu_count() or 1
         for i, p in enumerate(self.producer.pods):
