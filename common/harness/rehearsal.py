@@ -213,9 +213,10 @@ class Rehearsal(ABC):
     def _stop_services(self) -> None:
         """Every trainer rank at once, as the kubelets of a JobSet or the hosts' systemd
         would (a rank stopped alone left the others blocked in a collective until gloo's
-        timeout), then the producers. Measured: with the producers stopped first, rank 0
-        sat in its weight links' close (consumer.weights.timeout_s) until torchrun
-        killed it 30 s later."""
+        timeout), then the producers. Measured: with the producers stopped first, or
+        with everything signalled at once as `kubectl delete` would, rank 0 sat in its
+        weight links' close (consumer.weights.timeout_s) until torchrun killed it 30 s
+        later."""
         ranks = [r for r in self.ranks if r.alive]
         for r in ranks:
             r.terminate()
