@@ -217,14 +217,12 @@ class Rehearsal(ABC):
         with everything signalled at once as `kubectl delete` would, rank 0 sat in its
         weight links' close (consumer.weights.timeout_s) until torchrun killed it 30 s
         later."""
-        ranks = [r for r in self.ranks if r.alive]
-        for r in ranks:
-            r.terminate()
-        for r in ranks:
-            r.wait(timeout_s=60)
-        for s in reversed(self.producers):
-            if s.alive:
-                s.stop(timeout_s=60)
+        for group in (self.ranks, self.producers):  # each group signalled at once: they stop in parallel
+            live = [s for s in group if s.alive]
+            for s in live:
+                s.terminate()
+            for s in live:
+                s.wait(timeout_s=60)
 
     def model_dir(self) -> Path:
         """The policy's directory (model.path of the services' configuration)."""
