@@ -42,6 +42,16 @@ sys.path.insert(0, str(ROOT))
 log = logging.getLogger("bench.cluster")
 
 
+def versions_taken(producer) -> tuple[float, float]:
+    """(all, collective) versions a producer took, from one scrape: read apart, a version
+    taken between the two reads made collective_share exceed 1 (1.333 in a smoke run)."""
+    from common.harness.observe import metric_value
+
+    text = producer.scrape()
+    name = "rlstream_producer_weight_versions_total"
+    return metric_value(text, name), metric_value(text, name, transport="collective")
+
+
 def model_bytes(run) -> int:
     """The policy's bytes as the trainer loaded them (the deployment's model.path)."""
     return sum(p.stat().st_size for p in run.model_dir().glob("*.safetensors"))
@@ -67,15 +77,16 @@ def measure(layout: str, trainers: int, producers: int, versions: int, rate_mbit
 
         wait_until(lambda: run.version() >= 1, 600, "the first version", run.services, interval_s=1)
         v0 = run.version()
-        taken0 = {p.name: (run.versions_taken(p), run.versions_taken(p, "collective")) for p in run.producers}
+        taken0 = {p.name: versions_taken(p) for p in run.producers}
         tx0, t0 = egress(), time.monotonic()
         wait_until(lambda: run.version() >= v0 + versions, 60 + 120 * versions, f"{versions} more versions",
                    run.services, interval_s=0.5)
         v1, t1, tx1 = run.version(), time.monotonic(), egress()
         wait_until(lambda: all(run.versions_taken(p) >= v1 for p in run.producers), 120,
                    "the producers to take the last version", run.services)
-        took = sum(run.versions_taken(p) - taken0[p.name][0] for p in run.producers)
-        collective = sum(run.versions_taken(p, "collective") - taken0[p.name][1] for p in run.producers)
+        taken1 = {p.name: versions_taken(p) for p in run.producers}
+        took = sum(taken1[n][0] - taken0[n][0] for n in taken0)
+        collective = sum(taken1[n][1] - taken0[n][1] for n in taken0)
         trained, mb = v1 - v0, model_bytes(run)
         return {
             "versions_trained": int(trained),
