@@ -79,7 +79,7 @@ K8S_CONFIG_SWAPS = {
     "kafka.ssl_cafile": (None, "no TLS (above)"),
     "kafka.topics.replication_factor": (1, "3 -> 1: one broker"),
     "model.path": ("/models/tiny-model", "Qwen3-30B-A3B -> the tiny MoE (on the models volume)"),
-    "model.build_tiny": (True, "the tiny MoE is built once before the pods start (rlstream build-model)"),
+    "model.build_tiny": (True, "the tiny MoE, put on the models volume before the pods start"),
     "producer.prompts.path": ("/models/data/train.jsonl", "math-4096 -> the tiny model's arithmetic task"),
     "producer.verifier": ("exact_match", "math -> the tiny task's verifier"),
     "producer.max_tokens": (8, "32768 -> 8: the tiny model's context"),
@@ -100,7 +100,8 @@ K8S_SWAPS = {
     "image": "registry.example.com/rlstream -> this checkout's venv (PATH, PYTHONPATH=<checkout>); the image's "
              "ENTRYPOINT (ops/Dockerfile) for a container without `command`; its WORKDIR -> a directory of the run",
     "volumes": "each volumeMount -> a directory of the run named after the volume (the ConfigMap's "
-               "rlstream.yaml written there with K8S_CONFIG_SWAPS); /dev/shm stays the machine's",
+               "rlstream.yaml written there with K8S_CONFIG_SWAPS, the models volume filled with the tiny "
+               "model and its task data); /dev/shm stays the machine's",
     "Kafka": "the Strimzi cluster behind rlstream-kafka-bootstrap.kafka.svc -> `rlstream broker` (tansu) "
              "on host kafka with that Service's names, at the bootstrap's port",
     "--nproc_per_node": "8 (GPUS_PER_NODE) -> 1 in the JobSet's torchrun args",
@@ -403,7 +404,9 @@ class K8sOnTwin(Rehearsal):
 
     def __init__(self, root: Path, producers: int = 2, rate_mbit: float | None = None,
                  start_timeout_s: float = 300, producer_env: dict[int, dict[str, str]] | None = None,
-                 manifests: Path = K8S):
+                 manifests: Path = K8S, model_from: Path | None = None):
+        self.model_from = model_from
+        """A built tiny model to copy onto the models volume (a test session's), else built there."""
         docs = k8s_documents(manifests)
         self.config_text = k8s_config_text(docs, CONFIGMAP)
         self.trainer = k8s_jobset(docs, "rlstream-consumer")
@@ -433,6 +436,19 @@ class K8sOnTwin(Rehearsal):
             text = re.sub(rf"(?<![\w./-]){re.escape(path)}(?=/|$|\s)", str(self.mounts[path]), text)
         return text
 
+    def _populate_models_volume(self) -> None:
+        """storage.yaml's models volume is filled out of band before any pod starts: here
+        with the tiny model (copied from `model_from`, else built) and its task data.
+        In this process: `rlstream build-model` on a host took 44 s at load 22."""
+        from common.config import load_config
+        from common.toy.build import ensure_data, ensure_model
+
+        cfg = load_config(str(self.config_file), environ={})
+        if self.model_from is not None:
+            shutil.copytree(self.model_from, cfg.model.path)
+        ensure_model(cfg)
+        ensure_data(cfg)
+
     def _pod(self, workload, pod, extra: dict[str, str]) -> ShippedOnTwin:
         shipped = k8s_service(workload, pod, dockerfile_entrypoint(DOCKERFILE), self.secrets)
         argv = [re.sub(r"^--nproc_per_node=\d+$", "--nproc_per_node=1", self.mount(a)) for a in shipped.command]
@@ -451,8 +467,7 @@ class K8sOnTwin(Rehearsal):
         cli = [sys.executable, "-m", "common.app.cli"]
         self._start_broker([*cli, "broker", "--set", f"broker.host={self.bootstrap.rpartition(':')[0]}",
                             "--set", f"broker.port={self.broker_port}"], env, port=self.broker_port)
-        # the install step: the models volume holds the (tiny) model before any pod starts
-        self._run_once(self.trainer.pods[0].name, [*cli, "build-model", "-c", str(self.config_file)], env)
+        self._populate_models_volume()
         self.ranks = [self._pod(self.trainer, p, CONSUMER_SWAPS) for p in self.trainer.pods]
         ncpu = os.cpu_count() or 1
         for i, p in enumerate(self.producer.pods):

@@ -35,8 +35,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.megatron, pytest.m
 
 
 @pytest.mark.timeout(900)
-def test_k8s_manifests_train_across_hosts_over_the_collective_path(tmp_path):
-    with K8sOnTwin(tmp_path, producers=1) as run:
+def test_k8s_manifests_train_across_hosts_over_the_collective_path(tmp_path, tiny_model_dir):
+    with K8sOnTwin(tmp_path, producers=1, model_from=tiny_model_dir) as run:
         assert len(run.ranks) == 2, "the JobSet runs the trainer on two nodes"
         wait_until(lambda: run.version() >= 1, 600, "the first version", run.services, interval_s=1)
         try:  # fail fast with the reason when no version crosses hosts (N3: it took ~10 min to time out)
