@@ -439,7 +439,7 @@ class K8sOnTwin(Rehearsal):
     def _populate_models_volume(self) -> None:
         """storage.yaml's models volume is filled out of band before any pod starts: here
         with the tiny model (copied from `model_from`, else built) and its task data.
-        In this process: `rlstream build-model` on a host took 44 s at load 22."""
+        In this process: `rlstream build-model` as a process of its own took 44 s at load 22."""
         from common.config import load_config
         from common.toy.build import ensure_data, ensure_model
 
@@ -450,6 +450,8 @@ class K8sOnTwin(Rehearsal):
         ensure_data(cfg)
 
     def _pod(self, workload, pod, extra: dict[str, str]) -> ShippedOnTwin:
+        """Start `pod`'s container on its host: its command line and env with the paths of
+        the run's volumes, one process per trainer node (K8S_SWAPS["--nproc_per_node"])."""
         shipped = k8s_service(workload, pod, dockerfile_entrypoint(DOCKERFILE), self.secrets)
         argv = [re.sub(r"^--nproc_per_node=\d+$", "--nproc_per_node=1", self.mount(a)) for a in shipped.command]
         env = {k: self.mount(v) for k, v in shipped.environment.items()}
