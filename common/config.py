@@ -39,6 +39,10 @@ from common.errors import ConfigError
 ENV_PREFIX = "RLSTREAM__"
 
 
+def yaml_on_off(v: Any) -> Any:
+    """YAML 1.1 (and so a ConfigMap or `--set x=off`) reads a bare on/off as a boolean: map it back."""
+    return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
@@ -266,6 +270,11 @@ class EngineSettings(_Section):
     extra_engine_args: dict[str, Any] = {}
     """Passed to vllm.EngineArgs unchanged, last (escape hatch for arguments without a
     setting, e.g. {attention_backend: FLASHINFER}). Arguments that have a setting are refused."""
+
+    @field_validator("routing", mode="before")
+    @classmethod
+    def _yaml_off(cls, v: Any) -> Any:
+        return yaml_on_off(v)
 
     @field_validator("routing")
     @classmethod
@@ -789,7 +798,7 @@ class ConsumerSettings(_Section):
     @field_validator("dynamic_sampling", mode="before")
     @classmethod
     def _yaml_on_off(cls, v: Any) -> Any:
-        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v  # YAML reads on/off as booleans
+        return yaml_on_off(v)
 
     @field_validator("dynamic_sampling")
     @classmethod
