@@ -131,7 +131,8 @@ def chunked_vs_full(model_dir: str, layout: str) -> dict:
 def restore_is_exact(model_dir: str, layout: str, trainer) -> float:
     """Collective: every rank's trainer state through torch.save/load into a fresh
     trainer; 1.0 when, on every rank, the state read back equals the state saved
-    (the masters and moments each rank holds a shard of, gathered and scattered)."""
+    (the masters and moments each rank holds a shard of: its own, saved and loaded
+    by itself)."""
     import io
 
     import torch.distributed as dist
@@ -152,8 +153,9 @@ def restore_is_exact(model_dir: str, layout: str, trainer) -> float:
 
 
 def audit(model_dir: str, layout: str) -> dict:
-    """The step (and a checkpoint gather) with every collective recorded under a
-    meta default device, and the old metric reduction as a negative control."""
+    """The step with every collective recorded under a meta default device, the
+    checkpoint's state (`checkpoint_calls`: it gathers nothing, each rank saves its
+    own shard), and the old metric reduction as a negative control."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -164,6 +166,7 @@ def audit(model_dir: str, layout: str) -> dict:
     gb = trainer.build_batch(make_samples(model_dir), group_size=4)
     with recorded() as calls, torch.device("meta"):
         trainer.train_step(gb)
+    with recorded() as checkpoint_calls, torch.device("meta"):
         trainer.state_dict()
     with recorded() as old, torch.device("meta"):
         try:  # the trainer's metric reduction before issue #14
@@ -173,6 +176,7 @@ def audit(model_dir: str, layout: str) -> dict:
             pass
     names = sorted({c.name for c in calls})
     return {"calls": len(calls), "names": names, "device": str(trainer.device),
+            "checkpoint_calls": [c.name for c in checkpoint_calls],
             "misplaced": [(c.name, sorted(c.devices)) for c in misplaced(calls, trainer.device)],
             "old_misplaced": len(misplaced(old, trainer.device))}
 
