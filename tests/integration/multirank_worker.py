@@ -99,6 +99,7 @@ def run(model_dir: str, layout: str):
         metrics.update(chunked_vs_full(model_dir, layout))
     if trainer.optimizer_state_sharded:
         metrics["restore_exact"] = restore_is_exact(model_dir, layout, trainer)
+        metrics["legacy_restore_exact"] = restore_is_exact(model_dir, layout, trainer, gathered=True)
     return trainer.export_hf_state_dict(), metrics
 
 
@@ -128,11 +129,12 @@ def chunked_vs_full(model_dir: str, layout: str) -> dict:
             "chunked_grad_rel": (num / den) ** 0.5}
 
 
-def restore_is_exact(model_dir: str, layout: str, trainer) -> float:
+def restore_is_exact(model_dir: str, layout: str, trainer, gathered: bool = False) -> float:
     """Collective: every rank's trainer state through torch.save/load into a fresh
     trainer; 1.0 when, on every rank, the state read back equals the state saved
     (the masters and moments each rank holds a shard of: its own, saved and loaded
-    by itself)."""
+    by itself). `gathered`: the form checkpoints had before per-rank files, every
+    rank's shard gathered to data-parallel rank 0 and scattered back on load."""
     import io
 
     import torch.distributed as dist
@@ -141,6 +143,11 @@ def restore_is_exact(model_dir: str, layout: str, trainer) -> float:
 
     buf = io.BytesIO()
     saved = trainer.state_dict()
+    if gathered:  # what consumer/optimizer.py's state_dict() wrote then
+        for opt, part in zip(trainer.optimizer.parts, saved["optimizer"]["parts"]):
+            if "param_state" in part:
+                part["param_state"] = opt.get_parameter_state_dp_zero()
+                part["param_state_sharding_type"] = "dp_zero_gather_scatter"
     torch.save(saved, buf)
     buf.seek(0)
     fresh = Trainer.from_hf(model_dir, trainer_config(layout))

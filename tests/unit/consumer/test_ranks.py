@@ -224,3 +224,18 @@ def test_follower_refuses_a_command_it_does_not_expect(layout, monkeypatch, cmd)
     monkeypatch.setenv("RANK", "1")
     with pytest.raises(RankProtocolError, match="unexpected command"):
         Follower(FakeTrainer(), FakeCheckpoints(), FakeChannel([(cmd, "")])).run()
+
+
+def test_a_rank_that_does_not_write_its_pairs_shard_copies_and_writes_only_its_own(monkeypatch):
+    """N7b: a rank's checkpoint snapshot is what it writes; the model shard stays with the
+    pair's writer, and no rank copies another's optimizer state."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr(ranks, "checkpoint_shard", lambda: ranks.ShardPlan(SHARDS[0], False, OWN[1], SHARDS + OWN))
+    copied = []
+    monkeypatch.setattr(ranks, "host_copy", lambda obj: copied.append(obj) or obj)
+    ch = FakeChannel([("checkpoint", "/tmp/stage-1"), ("stop", "")])
+    trainer, ckpt = FakeTrainer(), FakeCheckpoints()
+    assert Follower(trainer, ckpt, ch).run() == 0
+    assert [c[:3] for c in ckpt.calls] == [("shard", "/tmp/stage-1", OWN[1])]
+    assert [list(c) for c in copied] == [[OWN[1]]]  # never the model
