@@ -205,11 +205,13 @@ class CheckpointManager:
         """This rank's trainer state: its pair's shard `name`, joined with its own
         optimizer shard `own` (`rank_shard_name`) when the checkpoint has per-rank files.
         A checkpoint from before them (the optimizer state gathered inside `name`) has
-        none and loads as it is."""
+        none and loads as it is. `own` None: the pair's shard alone (to inspect it)."""
         from consumer.optimizer import join_rank_state
 
         state = _load(path, name)
-        if own is None or not (path / own).is_file():
+        if own is None:
+            return state
+        if not (path / own).is_file():
             if any(path.glob("optim-rank*.pt")):  # per-rank files, but not this rank's
                 have = sorted(p.name for p in path.glob("optim-rank*.pt"))
                 raise CheckpointError(f"{path} has no {own} (it has {have}): the checkpoint was written "
