@@ -670,7 +670,7 @@ class TrainerMemorySettings(_Section):
     host_memory_gb: float | None = Field(None, gt=0, le=65536)
     """Host memory of one trainer node (or its pod's memory limit) in GB. The check
     prints node 0's host estimate either way (weight snapshots, offloaded optimizer
-    state, the checkpoint gather; consumer/memory_budget.py); set, the consumer
+    state, the per-rank checkpoint copies; consumer/memory_budget.py); set, the consumer
     refuses a layout whose estimate exceeds it. None: printed, not checked."""
     ranks_per_node: int = Field(8, ge=1, le=1024)
     """Trainer ranks on one node (torchrun --nproc_per_node): how many ranks' host

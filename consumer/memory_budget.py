@@ -60,10 +60,11 @@ Host memory of node 0 (the worst node: rank 0 and the first expert-parallel grou
 - the weight snapshots on rank 0: 2 x the bf16 weights (consumer/weights/snapshot.py
   reuses its slab only once idle, so a version being read and the next coexist);
 - the offloaded optimizer state of the node's ranks (above);
-- the checkpoint as consumer/optimizer.py takes it: each distributed optimizer's state
-  gathered to its data-parallel rank 0 (dense: the TP group of global ranks 0..tp-1,
-  all of D x 12 B; experts: the first ep x tp ranks, X / (ep tp) x 12 B each, those on
-  node 0) plus each rank's bf16 parameters.
+- the checkpoint as consumer/checkpoint.py takes it: each rank copies only its own
+  optimizer shard to host (nothing is gathered: D / (tp dp) + X / (ep tp edp) x 12 B
+  per rank, unsharded state without the distributed optimizer), and each (tp, ep)
+  pair's writer (expert-DP rank 0: the first ep x tp ranks, those on node 0) copies
+  its bf16 parameters for the model file.
 Checked against `consumer.memory.host_memory_gb` when set (a pod's limit, or the node).
 
 GB here is 1e9 bytes, as in the doc. Pure arithmetic: no torch import, so
@@ -264,7 +265,7 @@ class HostEstimate:
                    f"CPU AdamW {self.cpu_adam_seconds:.1f} s at an assumed {ASSUMED_HOST_MEMORY_GBPS:g} GB/s per node)"
                    if self.offloaded_parameters else "no optimizer offload")
         return (f"snapshots {self.snapshot_bytes / GB:.0f} + offloaded optimizer {self.offload_bytes / GB:.0f} + "
-                f"checkpoint gather {self.checkpoint_bytes / GB:.0f} = {self.total_gb:.0f} GB on node 0; {offload}")
+                f"checkpoint copies {self.checkpoint_bytes / GB:.0f} = {self.total_gb:.0f} GB on node 0; {offload}")
 
 
 def offloaded_parameters(d: ModelShape, plan: MemoryPlan) -> float:
@@ -275,15 +276,15 @@ def offloaded_parameters(d: ModelShape, plan: MemoryPlan) -> float:
     return plan.offload_fraction * shard
 
 
-def checkpoint_gather_bytes(d: ModelShape, plan: MemoryPlan) -> float:
-    """Node 0's host bytes of one checkpoint in the gather form (module docstring)."""
+def checkpoint_host_bytes(d: ModelShape, plan: MemoryPlan) -> float:
+    """Node 0's host bytes of one checkpoint in the per-rank form (module docstring)."""
     dense, experts = parameter_counts(d)
-    optim = _optimizer_state_bytes(plan)
-    dense_gatherers = min(plan.tp, plan.node_ranks)             # DP rank 0 of each TP slice
-    expert_gatherers = min(plan.ep * plan.tp, plan.node_ranks)  # expert-DP rank 0 of each EP x TP slice
-    gathered = (dense_gatherers * dense / plan.tp + expert_gatherers * experts / (plan.ep * plan.tp)) * optim
-    weights = plan.node_ranks * (dense / plan.tp + experts / (plan.ep * plan.tp)) * 2
-    return gathered + weights
+    sharded = plan.distributed and plan.optimizer == "adamw"
+    dense_dp, expert_dp = (plan.dp, plan.expert_dp) if sharded else (1, 1)
+    own_shard = (dense / plan.tp / dense_dp + experts / (plan.ep * plan.tp) / expert_dp) * _optimizer_state_bytes(plan)
+    model_writers = min(plan.ep * plan.tp, plan.node_ranks)  # expert-DP rank 0 of each (tp, ep) pair
+    weights = model_writers * (dense / plan.tp + experts / (plan.ep * plan.tp)) * 2
+    return plan.node_ranks * own_shard + weights
 
 
 def host_estimate(d: ModelShape, plan: MemoryPlan) -> HostEstimate:
@@ -293,7 +294,7 @@ def host_estimate(d: ModelShape, plan: MemoryPlan) -> HostEstimate:
     return HostEstimate(
         snapshot_bytes=SNAPSHOT_COPIES * (dense + experts) * 2,
         offload_bytes=plan.node_ranks * per_rank * OFFLOAD_HOST_BYTES,
-        checkpoint_bytes=checkpoint_gather_bytes(d, plan),
+        checkpoint_bytes=checkpoint_host_bytes(d, plan),
         offloaded_parameters=per_rank,
         pcie_seconds=per_rank * OFFLOAD_PCIE_BYTES / (ASSUMED_PCIE_GBPS * GB),
         cpu_adam_seconds=plan.node_ranks * per_rank * CPU_ADAM_TRAFFIC_BYTES / (ASSUMED_HOST_MEMORY_GBPS * GB))

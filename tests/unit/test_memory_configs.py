@@ -69,9 +69,9 @@ def test_offload_arithmetic_matches_a_hand_calculation(world, ep, fraction):
     assert host.pcie_seconds == pytest.approx(offloaded * 8 / 25e9)
     assert host.cpu_adam_seconds == pytest.approx(node_ranks * offloaded * 28 / 200e9)
     assert host.snapshot_bytes == pytest.approx(2 * (DENSE + EXPERTS) * 2)  # two bf16 versions on rank 0
-    # the checkpoint gathered to host on node 0: all dense state (DP rank 0), the experts' state of
-    # the first EP group (its ranks are expert-DP rank 0), and every local rank's bf16 weights
-    gather = DENSE * 12 + min(ep, 8) * EXPERTS / ep * 12 + node_ranks * (DENSE + EXPERTS / ep) * 2
+    # the checkpoint on node 0's host: each rank copies its own optimizer shard (nothing gathered), and
+    # the writer of each (tp, ep) pair, expert-DP rank 0 (the first ep ranks), its bf16 weights
+    gather = node_ranks * shard * 12 + min(ep, node_ranks) * (DENSE + EXPERTS / ep) * 2
     assert host.checkpoint_bytes == pytest.approx(gather)
     assert host_estimate(d, MemoryPlan(world_size=world, ep=ep)).offload_bytes == 0
 
@@ -201,7 +201,7 @@ def test_the_offload_is_refused_without_a_gpu(monkeypatch):
 
 def test_the_k8s_consumer_is_checked_against_its_pods_memory_limit(tmp_path):
     """The ConfigMap's host_memory_gb is the consumer pod's limits.memory, and its ranks per
-    node are the JobSet's torchrun --nproc_per_node: node 0's ~571 GB fit the 1024Gi limit."""
+    node are the JobSet's torchrun --nproc_per_node: node 0's ~388 GB fit the 1024Gi limit."""
     from test_ops import _container, _torchrun_world, find
 
     consumer = find("JobSet", "rlstream-consumer")
@@ -215,4 +215,4 @@ def test_the_k8s_consumer_is_checked_against_its_pods_memory_limit(tmp_path):
     assert host_gb is not None and limit_gb - 1 < host_gb <= limit_gb
     assert cfg.consumer.memory.ranks_per_node == _torchrun_world(consumer)[1]
     c = check_config(cfg, {})
-    assert c.fits and round(c.host.total_gb) == 571 and f"fits {host_gb:g} GB" in c.report().splitlines()[1]
+    assert c.fits and round(c.host.total_gb) == 388 and f"fits {host_gb:g} GB" in c.report().splitlines()[1]
