@@ -94,6 +94,8 @@ class StepResult:
 class Environment(Protocol):
     stop_texts: tuple[str, ...]
     """Texts that end a model turn (each one token of the model's vocabulary), besides EOS."""
+    # Optional `resumable = True`: reset(task) then step() with the episode's model turns, in
+    # order, rebuilds the environment's state (a journaled episode resumes: producer/journal/).
 
     def reset(self, task: EpisodeTask) -> str: ...
 
@@ -248,6 +250,8 @@ class EpisodeRunner:
         self._pending: dict[cf.Future, tuple[EpisodeState, float, str]] = {}  # env call -> (episode, deadline, kind)
         self._ended: list[FinishedEpisode] = []
         self._unrecorded: list[str] = []
+        self.journal = None
+        """producer/journal/ EpisodeJournal (the service sets it): every turn made durable."""
         self.active = 0
         """Episodes started and not ended."""
 
@@ -255,6 +259,11 @@ class EpisodeRunner:
         ep = EpisodeState(group_id, sample_idx, group_size, self._env_factory(), task)
         self.active += 1
         self._call(ep, "reset", ep.env.reset, task)
+
+    def resume(self, ep: EpisodeState) -> None:
+        """A journaled episode continues here from its last durable turn (producer/journal/resume.py)."""
+        self.active += 1
+        self._submit(ep)
 
     def has_work(self) -> bool:
         return self.active > 0
@@ -271,6 +280,8 @@ class EpisodeRunner:
             ep.add_model_turn(s)
             turn = ModelTurn(self.engine.decode(s.response_ids), tuple(s.response_ids.tolist()),
                              str(s.finish_reason))
+            if self.journal is not None:
+                self.journal.on_model_turn(ep, turn)
             self._call(ep, "step", ep.env.step, turn)
         if wait_s and self._pending:
             cf.wait(list(self._pending), timeout=wait_s, return_when=cf.FIRST_COMPLETED)
@@ -370,6 +381,8 @@ class EpisodeRunner:
         if budget < 1:
             self._end(ep, "max_tokens")
             return
+        if self.journal is not None:
+            self.journal.on_turn(ep)
         ids = np.concatenate([ep.prompt_ids, np.asarray(ep.response, dtype=np.int32)])
         self.engine.submit_group(ids, n=1, sampling=dataclasses.replace(self.sampling, max_tokens=budget),
                                  tag=ep.tag)
@@ -380,6 +393,8 @@ class EpisodeRunner:
         self.active -= 1
         if error is not None:
             ep.info["error"] = error
+        if self.journal is not None:
+            self.journal.on_end(ep, recorded=bool(ep.response))
         if not ep.response:  # ended before its first model turn: no record can be made (its
             self._unrecorded.append(ep.group_id)  # group is timed out by the consumer, like an
             return                                # aborted sample; the producer releases its slot)

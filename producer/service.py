@@ -64,6 +64,7 @@ class ProducerService:
         self.groups = InFlightGroups(self.producer_id)
         self.episodes = None  # producer/episodes.py EpisodeRunner when producer.episodes is set
         self.agents = None  # producer/agents.py AgentEpisodes when producer.agent_endpoint is set
+        self.journal = self.resumer = None  # producer/journal/ with episodes and producer.journal.enabled
         self._stop = False
         self.stats = telemetry.SampleStats()
         # live while requests in the engine get engine steps and a weight update ends in time
@@ -96,7 +97,8 @@ class ProducerService:
         self.episodes = self._episode_runner()
         self.publisher = RolloutPublisher(self.kafka, BlobStore(self.kafka.blob_dir))
         self.topic_ends = TopicEnds(self.kafka)
-        self.outbox = Outbox(self.publisher, on_delivered=self.topic_ends.on_delivered)
+        self.outbox = Outbox(self.publisher, on_delivered=self._on_delivered)
+        self._start_journal()
         self._start_http()
         agent_url = self._start_agents()
         runfile.write_run_file(self.pcfg.run_file, fresh=True, **runfile.started(
@@ -117,6 +119,23 @@ class ProducerService:
         from producer.episodes import EpisodeRunner
 
         return EpisodeRunner(self.engine, self.pcfg.episodes, self.sampling, env_factory(self.pcfg.episodes))
+
+    def _start_journal(self) -> None:
+        """Durable partial episodes (producer/journal/): journal every turn, resume orphans."""
+        if self.episodes is None or not self.pcfg.journal.enabled:
+            return
+        from producer.envs import env_factory
+        from producer.journal import EpisodeJournal, JournalTopic, Resumer
+
+        self.journal = EpisodeJournal(JournalTopic(self.kafka), self.producer_id, self.pcfg.journal)
+        self.journal.start()
+        self.episodes.journal = self.journal
+        self.resumer = Resumer(self.journal, self.episodes, self.groups, env_factory(self.pcfg.episodes), self.verify)
+
+    def _on_delivered(self, fut) -> None:  # the publisher's thread
+        self.topic_ends.on_delivered(fut)
+        if self.journal is not None:
+            self.journal.on_delivered(fut)
 
     def _start_agents(self) -> str | None:
         """The black-box agent endpoint (producer.agent_endpoint), or None; returns its URL."""
@@ -181,6 +200,7 @@ class ProducerService:
         -> publish."""
         self.follow_control()
         self.evict_stale()
+        self.resume_orphans()
         self.admit()
         self.serve_agents()
         self.liveness.has_work("engine_step", self.engine.has_work())
@@ -224,6 +244,13 @@ class ProducerService:
             telemetry.EVICTED_SAMPLES.inc(aborted)
             log.info("evicted stale group %s (%d samples in flight): trainer %d, max_staleness %d",
                      gid, aborted, V, bound)
+
+    def resume_orphans(self) -> None:
+        """Resume the journaled episodes of dead producers (or of this one's last run) that fall to us."""
+        if self.resumer is not None and not self._stop:
+            from producer.journal import StalenessView
+
+            self.resumer.tick(StalenessView(self.progress.trainer_version, self.control.max_staleness))
 
     def admission_view(self) -> AdmissionView:
         return AdmissionView(
@@ -292,6 +319,8 @@ class ProducerService:
         from producer.episodes import EpisodeTask
 
         answer, verify = prompt.answer, self.verify
+        if self.journal is not None:
+            self.journal.on_group(gid, own_score=prompt.score is not None)
         score = prompt.score or (lambda text: verify(text, answer))
         for i in range(self.pcfg.group_size):
             self.episodes.start(gid, i, self.pcfg.group_size, EpisodeTask(prompt.text, prompt.answer, score))
@@ -303,7 +332,8 @@ class ProducerService:
         finished = self.engine_step() if self.engine.has_work() else []
         for ep in self.episodes.advance(finished, wait_s=0.0 if finished else 0.02):
             info = self.groups.finish_sample(ep.group_id)
-            self.outbox.add(ep.to_rollout(self.producer_id, self.episodes.sampling, prompt_text=info.prompt_text))
+            record = ep.to_rollout(self.producer_id, self.episodes.sampling, prompt_text=info.prompt_text)
+            self.outbox.add(self.journal.stamp(record) if self.journal is not None else record)
             self.stats.note(int(ep.response_ids.size), float(ep.reward), self.engine.stats.tokens_per_second)
         for gid in self.episodes.take_unrecorded():  # ended before a model turn: nothing to publish
             self.groups.finish_sample(gid)
@@ -336,7 +366,7 @@ class ProducerService:
         runfile.write_run_file(self.pcfg.run_file, **runfile.stopped(published=int(acked)))
 
     def close(self) -> None:
-        close_attrs(self, ("agent_http", "episodes", "publisher", "follower", "engine", "prompts", "topic_ends", "_writer", "http", "reloader"), log)
+        close_attrs(self, ("agent_http", "episodes", "publisher", "journal", "follower", "engine", "prompts", "topic_ends", "_writer", "http", "reloader"), log)
 
 
 def main(cfg: RlstreamConfig) -> int:
