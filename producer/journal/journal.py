@@ -39,6 +39,9 @@ class EpisodeJournal:
         self._turns: dict[str, list[ModelTurnLog]] = {}
         self._own_score: set[str] = set()  # group ids whose prompt has its own scorer
         self._awaiting: dict[str, str] = {}  # rollout_id -> key, published and not yet acknowledged
+        # keys of episodes that ended here, until their tombstone is read back: the journal may
+        # still show an older entry of theirs (a dead peer's), which must not be claimed again
+        self._ended: set[str] = set()
         self._lock = threading.Lock()  # _awaiting: the publisher's thread acknowledges
         self._next_claim = 0.0
         self._stop = threading.Event()
@@ -95,6 +98,7 @@ class EpisodeJournal:
         key = episode_key(ep.group_id, ep.sample_idx)
         self._turns.pop(key, None)
         if not recorded and self._ids.pop(key, None) is not None:
+            self._ended.add(key)
             self.topic.tombstone(key)
 
     # ------------------------------------------------------ service's hooks
@@ -104,6 +108,7 @@ class EpisodeJournal:
         key = episode_key(record.group_id, record.sample_idx)
         ids = self._ids.pop(key, None)
         if ids is not None:
+            self._ended.add(key)
             record.producer_id, record.rollout_id = ids
             with self._lock:
                 self._awaiting[record.rollout_id] = key
@@ -122,14 +127,15 @@ class EpisodeJournal:
 
     def claim(self) -> list[Snapshot]:
         """Orphaned episodes this process now resumes (checked every lease_s / 4)."""
-        self.topic.poll()
         now = self.clock()
         if now < self._next_claim:
             return []
         self._next_claim = now + self.settings.lease_s / 4
+        self.topic.poll()
+        self._ended &= self.topic.entries.keys()  # tombstones read back: forgotten
         leases = dict(self.topic.leases)
         leases[self.producer_id] = claims.Lease(self.producer_id, self.incarnation, now)  # we are alive
-        entries = [e for e in self.topic.entries.values() if e.key not in self._ids]
+        entries = [e for e in self.topic.entries.values() if e.key not in self._ids and e.key not in self._ended]
         keys = claims.claims_for(self.producer_id, entries, leases, now, self.settings.lease_s)
         return [decode(self.topic.snapshots[k]) for k in keys]
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from common.config import JournalSettings
+from common.record import Rollout
 from producer.envs.calculator import CalculatorEnv
 from producer.episodes import EpisodeRunner
 from producer.groups import InFlightGroups
@@ -181,3 +182,40 @@ def test_unresumable_and_stale_episodes_are_dropped_and_tombstoned():
     assert not resumer.resume(snapshot(own_score=True), StalenessView(0, 1))
     assert (count("not_resumable") - n0, count("stale") - s0) == (2, 1) and runner.active == 0
     assert telemetry.RESUMED is not None
+
+
+class LaggingTopic(MemoryTopic):
+    """Own writes are read back only on `catch_up()` (a consumer behind its producer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.queue = []
+
+    def put(self, s):
+        self.writes.append(s)
+        self.queue.append((s.key, encode(s)))
+
+    def tombstone(self, key):
+        self.queue.append((key, None))
+
+    def catch_up(self):
+        for key, value in self.queue:
+            self._fold(key, value)
+        self.queue.clear()
+
+
+def test_an_episode_finished_here_is_not_claimed_again_from_an_entry_read_back_late():
+    topic, now = LaggingTopic(), [200.0]
+    topic._fold("ep:g#0", encode(snapshot(group_id="g", sample_idx=0, holder="a", incarnation="dead")))
+    journal = EpisodeJournal(topic, "b", JournalSettings(lease_s=10), clock=lambda: now[0])
+    (s,) = journal.claim()  # a's lease is absent and its entry old: b resumes it
+    journal.adopt(s)  # ... and the episode ends here before b reads its own writes back
+    r = Rollout(rollout_id="x", group_id="g", sample_idx=0, group_size=4, prompt_ids=s.prompt_ids,
+                response_ids=s.response, logprobs=s.logprobs, policy_version=0, reward=0.0)
+    assert journal.stamp(r).rollout_id == s.rollout_id
+    now[0] += 5
+    assert journal.claim() == []  # a's old entry is still what b sees: not a second resume
+    journal.on_delivered(Ack(s.rollout_id))
+    topic.catch_up()
+    now[0] += 5
+    assert journal.claim() == [] and journal._ended == set() and topic.entries == {}
