@@ -87,8 +87,10 @@ class JournalTopic:
 
     # -- reading (the service's thread)
 
-    def poll(self, timeout_ms: int = 0, until_end: bool = False) -> None:
-        """Fold new messages in; with `until_end`, read until the partition's end (start-up)."""
+    def poll(self, timeout_ms: int = 0, until_end: bool = False, deadline_s: float = 60.0) -> None:
+        """Fold new messages in; with `until_end`, read until the partition's end (start-up:
+        a producer that claimed from a partial view would resume episodes a peer already took)."""
+        deadline = time.monotonic() + deadline_s
         while True:
             batches = self._consumer.poll(timeout_ms=timeout_ms, max_records=2000)
             for messages in batches.values():
@@ -96,16 +98,19 @@ class JournalTopic:
                     self._fold(m.key.decode() if m.key else "", m.value)
             if not until_end or (not batches and self._at_end()):
                 return
+            if time.monotonic() > deadline:
+                log.warning("journal %s not read to its end within %.0f s; going on", self.topic, deadline_s)
+                return
             timeout_ms = 200
 
     def _at_end(self) -> bool:
+        """At the high watermark of a fetch response (ListOffsets under-counts on tansu:
+        common/kafka/client.py `end_offsets`)."""
         from kafka import TopicPartition
 
         tp = TopicPartition(self.topic, 0)
         hw = self._consumer.highwater(tp)
-        if hw is None:
-            hw = self._consumer.end_offsets([tp]).get(tp, 0)
-        return self._consumer.position(tp) >= hw
+        return hw is not None and self._consumer.position(tp) >= hw
 
     def _fold(self, key: str, value: bytes | None) -> None:
         if key.startswith("lease:"):
