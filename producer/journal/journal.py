@@ -133,10 +133,14 @@ class EpisodeJournal:
         self._next_claim = now + self.settings.lease_s / 4
         self.topic.poll()
         self._ended &= self.topic.entries.keys()  # tombstones read back: forgotten
+        # leases are judged at the journal's time as read so far, not the wall clock: a reader
+        # behind the topic sees old leases of live peers (the bench's first runs resumed live
+        # episodes that way), and every live producer renews within lease_s / 4 of what it read
+        seen = min(now, self.topic.newest_at)
         leases = dict(self.topic.leases)
-        leases[self.producer_id] = claims.Lease(self.producer_id, self.incarnation, now)  # we are alive
+        leases[self.producer_id] = claims.Lease(self.producer_id, self.incarnation, seen)  # we are alive
         entries = [e for e in self.topic.entries.values() if e.key not in self._ids and e.key not in self._ended]
-        keys = claims.claims_for(self.producer_id, entries, leases, now, self.settings.lease_s)
+        keys = claims.claims_for(self.producer_id, entries, leases, seen, self.settings.lease_s)
         return [decode(self.topic.snapshots[k]) for k in keys]
 
     def adopt(self, s: Snapshot) -> None:

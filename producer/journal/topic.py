@@ -66,6 +66,9 @@ class JournalTopic:
         self.snapshots: dict[str, bytes] = {}
         """key -> the newest entry's bytes (decoded only when claimed)."""
         self.leases: dict[str, Lease] = {}
+        self.newest_at = 0.0
+        """The newest time a lease or entry read so far carries: the journal's clock as this
+        reader has seen it (a reader behind the topic must not take live peers for dead)."""
 
     # -- writing (any thread: KafkaProducer.send is thread-safe)
 
@@ -91,12 +94,14 @@ class JournalTopic:
         """Fold new messages in; with `until_end`, read until the partition's end (start-up:
         a producer that claimed from a partial view would resume episodes a peer already took)."""
         deadline = time.monotonic() + deadline_s
-        while True:
+        for polls in range(1 << 30):
             batches = self._consumer.poll(timeout_ms=timeout_ms, max_records=2000)
             for messages in batches.values():
                 for m in messages:
                     self._fold(m.key.decode() if m.key else "", m.value)
-            if not until_end or (not batches and self._at_end()):
+            if not until_end and (not batches or polls >= 10):  # what is fetched, in bounded time
+                return
+            if until_end and not batches and self._at_end():
                 return
             if time.monotonic() > deadline:
                 log.warning("journal %s not read to its end within %.0f s; going on", self.topic, deadline_s)
@@ -118,6 +123,7 @@ class JournalTopic:
                 d = json.loads(value)
                 pid = key[len("lease:"):]
                 self.leases[pid] = Lease(pid, str(d["incarnation"]), float(d["at"]))
+                self.newest_at = max(self.newest_at, float(d["at"]))
             return
         if value is None:
             self.entries.pop(key, None)
@@ -130,6 +136,7 @@ class JournalTopic:
             log.warning("journal entry %s skipped: %s", key, e)
             return
         self.entries[key] = Held(key, s.holder, s.incarnation, s.written_at)
+        self.newest_at = max(self.newest_at, s.written_at)
         self.snapshots[key] = bytes(value)
 
     def close(self) -> None:

@@ -86,7 +86,7 @@ class MemoryTopic(JournalTopic):
     """The journal topic's fold without a broker: every write is read back at once."""
 
     def __init__(self):
-        self.entries, self.snapshots, self.leases, self.writes = {}, {}, {}, []
+        self.entries, self.snapshots, self.leases, self.writes, self.newest_at = {}, {}, {}, [], 0.0
 
     def put(self, s):
         self.writes.append(s)
@@ -119,6 +119,10 @@ class Ack:
         return None
 
 
+def lease(topic, pid, incarnation, at):
+    topic._fold(f"lease:{pid}", json.dumps({"incarnation": incarnation, "at": at}).encode())
+
+
 def producer(topic, pid, script, clock):
     eng = ScriptedEngine(script)
     runner = EpisodeRunner(eng, settings(), SamplingConfig(max_tokens=16), CalculatorEnv)
@@ -133,7 +137,7 @@ def test_a_crashed_producers_episode_is_resumed_by_a_peer_from_its_last_turn():
     topic, now = MemoryTopic(), [0.0]
     script = {0: ["c(37+48)", "c(85-19)", "66$"], 1: ["c(1+1)", "7$"]}
     eng, runner, journal, _, _ = producer(topic, "a", script, lambda: now[0])
-    topic.leases["a"] = Lease("a", journal.incarnation, 0.0)
+    lease(topic, "a", journal.incarnation, 0.0)
     for i in range(2):
         runner.start("g", i, 2, task())
     for _ in range(100):  # until turn 1 of both is done and their turn 2 submitted (journaled)
@@ -146,7 +150,7 @@ def test_a_crashed_producers_episode_is_resumed_by_a_peer_from_its_last_turn():
     # producer a dies here (nothing more of it runs); b starts 11 s later, after a's lease lapsed
     now[0] = 11.0
     eng_b, runner_b, journal_b, groups_b, resumer_b = producer(topic, "b", script, lambda: now[0])
-    topic.leases["b"] = Lease("b", journal_b.incarnation, 11.0)
+    lease(topic, "b", journal_b.incarnation, 11.0)  # b's first lease, read back
     assert resumer_b.tick(StalenessView(trainer_version=0, max_staleness=1)) == 2
     assert len(groups_b) == 1
     ended = run(eng_b, runner_b)
@@ -208,6 +212,7 @@ def test_an_episode_finished_here_is_not_claimed_again_from_an_entry_read_back_l
     topic, now = LaggingTopic(), [200.0]
     topic._fold("ep:g#0", encode(snapshot(group_id="g", sample_idx=0, holder="a", incarnation="dead")))
     journal = EpisodeJournal(topic, "b", JournalSettings(lease_s=10), clock=lambda: now[0])
+    lease(topic, "b", journal.incarnation, 200.0)
     (s,) = journal.claim()  # a's lease is absent and its entry old: b resumes it
     journal.adopt(s)  # ... and the episode ends here before b reads its own writes back
     r = Rollout(rollout_id="x", group_id="g", sample_idx=0, group_size=4, prompt_ids=s.prompt_ids,
@@ -219,3 +224,16 @@ def test_an_episode_finished_here_is_not_claimed_again_from_an_entry_read_back_l
     topic.catch_up()
     now[0] += 5
     assert journal.claim() == [] and journal._ended == set() and topic.entries == {}
+
+
+def test_a_reader_behind_the_journal_does_not_take_a_live_peer_for_dead():
+    topic, now = MemoryTopic(), [1000.0]  # the wall clock is far ahead of what b has read
+    lease(topic, "a", "inc-a", 10.0)
+    topic._fold("ep:g#0", encode(snapshot(group_id="g", sample_idx=0, holder="a", incarnation="inc-a",
+                                          written_at=10.5)))
+    journal = EpisodeJournal(topic, "b", JournalSettings(lease_s=10), clock=lambda: now[0])
+    lease(topic, "b", journal.incarnation, 11.0)
+    assert journal.claim() == []  # a renewed its lease within what b has read
+    lease(topic, "b", journal.incarnation, 25.0)  # b reads on: a's lease stopped at 10
+    now[0] += 5
+    assert [s.key for s in journal.claim()] == ["ep:g#0"]
