@@ -25,6 +25,7 @@ Prints ONE JSON object:
     lost_ratio_on_over_off              goal <= 0.2
     episodes_published_twice            (group_id, sample_idx) more than once in the rollouts topic; goal 0
     crashes                             per crash: arm, episodes in flight, lost seconds, resumed+published
+    published_twice_under_two_rollout_ids   of those, copies the consumer's rollout-id check cannot skip
     records, resumed_unpublished        records in the topic; on-arm orphans never published by the end
 """
 from __future__ import annotations
@@ -232,11 +233,15 @@ def report(args, crashes: list[dict], records) -> dict:
         rows.append({"arm": c["arm"], "in_flight": len(c["episodes"]), "lost_s": round(lost, 2),
                      "resumed_published": saved})
     mean = {arm: (sum(v) / len(v) if v else None) for arm, v in per_arm.items()}
+    ids: dict[tuple, set] = {}
+    for r in records:
+        ids.setdefault((r.group_id, r.sample_idx), set()).add(r.rollout_id)
     twice = sum(1 for n in Counter((r.group_id, r.sample_idx) for r in records).values() if n > 1)
+    other_ids = sum(1 for v in ids.values() if len(v) > 1)  # a copy the consumer could not dedup
     return {"lost_generation_seconds_per_crash": {a: round(v, 2) if v is not None else None for a, v in mean.items()},
             "lost_ratio_on_over_off": round(mean["on"] / mean["off"], 3) if mean["on"] is not None and mean["off"]
             else None,
-            "episodes_published_twice": twice, "crashes": rows, "records": len(records),
+            "episodes_published_twice": twice, "published_twice_under_two_rollout_ids": other_ids, "crashes": rows, "records": len(records),
             "resumed_unpublished": unpublished, "interval_s": args.interval_s, "lease_s": args.lease_s,
             "group_size": args.group_size, "turns": args.turns, "smoke": args.smoke}
 
