@@ -39,12 +39,12 @@ data-parallel rank 0 (over Megatron's gloo group, host tensors) and
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 
 from common.config import OptimizerSettings
-from common.errors import CheckpointError
+from common.errors import CheckpointError, ConfigError
 from consumer import megatron_shims
 from consumer.cadence import fresh
 
@@ -59,6 +59,7 @@ class TrainerOptimizer:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import get_megatron_optimizer
 
+        _check_offload_device(cfg)
         self.distributed = cfg.distributed and cfg.name == "adamw"
         model.config.calculate_per_token_loss = True  # sum over data-parallel ranks, no 1/dp
         self.ddp = DistributedDataParallel(
@@ -166,10 +167,55 @@ def _megatron_config(cfg: OptimizerSettings, model_config, distributed: bool):
     """Megatron's OptimizerConfig for `consumer.optimizer` (lr fixed: no scheduler)."""
     from megatron.core.optimizer import OptimizerConfig
 
-    adam = cfg.name == "adamw"
-    return OptimizerConfig(
-        optimizer="adam" if adam else "sgd", lr=cfg.lr, min_lr=cfg.lr,
-        weight_decay=cfg.weight_decay if adam else 0.0, decoupled_weight_decay=True,
-        adam_beta1=cfg.betas[0], adam_beta2=cfg.betas[1], adam_eps=cfg.eps, sgd_momentum=0.0,
-        clip_grad=cfg.grad_clip, bf16=model_config.bf16, params_dtype=model_config.params_dtype,
-        use_distributed_optimizer=distributed)
+    adam, offload = cfg.name == "adamw", _offload_options(cfg)
+    with _no_te_is_no_te_version() if offload else nullcontext():
+        return OptimizerConfig(
+            optimizer="adam" if adam else "sgd", lr=cfg.lr, min_lr=cfg.lr,
+            weight_decay=cfg.weight_decay if adam else 0.0, decoupled_weight_decay=True,
+            adam_beta1=cfg.betas[0], adam_beta2=cfg.betas[1], adam_eps=cfg.eps, sgd_momentum=0.0,
+            clip_grad=cfg.grad_clip, bf16=model_config.bf16, params_dtype=model_config.params_dtype,
+            use_distributed_optimizer=distributed, **offload)
+
+
+def _check_offload_device(cfg: OptimizerSettings) -> None:
+    """megatron-core's HybridDeviceOptimizer needs CUDA (it takes CUDA streams when built,
+    and offloads only CUDA tensors): refuse the offload without a GPU, before the model
+    is wrapped, instead of its AssertionError."""
+    if cfg.cpu_offload_fraction > 0 and not torch.cuda.is_available():
+        raise ConfigError(f"consumer.optimizer.cpu_offload_fraction is {cfg.cpu_offload_fraction:g} but no "
+                          "CUDA device is visible: the optimizer offload moves GPU state to the host; "
+                          "set it to 0 on CPU", key="consumer.optimizer.cpu_offload_fraction")
+
+
+def _offload_options(cfg: OptimizerSettings) -> dict:
+    """megatron-core's optimizer CPU offload (HybridDeviceOptimizer) for
+    `consumer.optimizer.cpu_offload_fraction` > 0, nothing otherwise. The offload runs
+    on the precision-aware path of the distributed optimizer (Megatron-LM's
+    megatron/training/arguments.py refuses the offload without `use_precision_aware_optimizer`:
+    "the hybrid device optimizer reuses the code path of this flag"): without it the distributed
+    optimizer would keep its fp32 master shards on the GPU and only the moments would
+    move. The dtypes stay fp32 (masters, moments, gradients), as without offload."""
+    if cfg.cpu_offload_fraction <= 0:
+        return {}
+    return dict(optimizer_cpu_offload=True, optimizer_offload_fraction=cfg.cpu_offload_fraction,
+                overlap_cpu_optimizer_d2h_h2d=cfg.cpu_offload_overlap, use_precision_aware_optimizer=True)
+
+
+@contextmanager
+def _no_te_is_no_te_version():
+    """megatron-core 0.16.1's OptimizerConfig, with `use_precision_aware_optimizer`, asks
+    `is_te_min_version("2.1.0")`, which compares None >= Version (TypeError) when
+    Transformer Engine is absent. Absent is no version: answer False (its only effect
+    there turns `store_param_remainders` off, which only TE's FusedAdam reads)."""
+    from megatron.core.optimizer import optimizer_config
+    from megatron.core.utils import get_te_version
+
+    if get_te_version() is not None:
+        yield
+        return
+    real = optimizer_config.is_te_min_version
+    optimizer_config.is_te_min_version = lambda *args, **kwargs: False
+    try:
+        yield
+    finally:
+        optimizer_config.is_te_min_version = real

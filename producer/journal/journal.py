@@ -1,4 +1,4 @@
-"""`EpisodeJournal`: what the runner and the service call, in one object.
+"""`EpisodeJournal`: what the episode runner and the Episodes driver call, in one object.
 
 Per episode this process runs:
 
@@ -32,12 +32,15 @@ log = logging.getLogger("rlstream.producer.journal")
 
 
 class EpisodeJournal:
-    def __init__(self, topic: JournalTopic, producer_id: str, settings: JournalSettings, clock=time.time):
+    def __init__(self, topic: JournalTopic, producer_id: str, settings: JournalSettings, clock=time.time,
+                 own_score: bool = False):
         self.topic, self.producer_id, self.settings, self.clock = topic, producer_id, settings, clock
+        self.own_score = own_score
+        """The prompts carry their own scorer (reasoning-gym `reward: dataset`), not serialisable:
+        their episodes are journaled (a peer sees them) but not resumed."""
         self.incarnation = uuid.uuid4().hex[:12]
         self._ids: dict[str, tuple[str, str]] = {}  # key -> (owner, rollout_id) of episodes run here
         self._turns: dict[str, list[ModelTurnLog]] = {}
-        self._own_score: set[str] = set()  # group ids whose prompt has its own scorer
         self._awaiting: dict[str, str] = {}  # rollout_id -> key, published and not yet acknowledged
         # keys of episodes that ended here, until their tombstone is read back: the journal may
         # still show an older entry of theirs (a dead peer's), which must not be claimed again
@@ -72,10 +75,6 @@ class EpisodeJournal:
 
     # ------------------------------------------------------- runner's hooks
 
-    def on_group(self, group_id: str, own_score: bool) -> None:
-        if own_score:
-            self._own_score.add(group_id)
-
     def on_model_turn(self, ep, turn) -> None:
         key = episode_key(ep.group_id, ep.sample_idx)
         self._turns.setdefault(key, []).append(ModelTurnLog(turn.text, list(turn.token_ids), turn.finish_reason))
@@ -85,14 +84,15 @@ class EpisodeJournal:
         if key not in self._ids:
             self._ids[key] = (self.producer_id, Rollout.new_id())
         owner, rid = self._ids[key]
+        runs = ep.version_runs
         self.topic.put(Snapshot(
             group_id=ep.group_id, sample_idx=ep.sample_idx, group_size=ep.group_size, owner=owner,
             holder=self.producer_id, incarnation=self.incarnation, rollout_id=rid, written_at=self.clock(),
-            prompt_text=ep.task.prompt_text, answer=ep.task.answer, own_score=ep.group_id in self._own_score,
-            prompt_ids=np.asarray(ep.prompt_ids, dtype=np.int32), response=np.asarray(ep.response, dtype=np.int32),
-            mask=np.asarray(ep.mask, dtype=bool), logprobs=np.asarray(ep.logprobs, dtype=np.float32),
-            versions=np.asarray(ep.versions, dtype=np.int64), routing=ep.routing, num_experts=ep.num_experts,
-            turns=ep.turns, reward=float(ep.reward), info=dict(ep.info), model_turns=self._turns.get(key, [])))
+            prompt_text=ep.task.prompt, answer=ep.task.reference, own_score=self.own_score,
+            prompt_ids=np.asarray(ep.prompt_ids, dtype=np.int32), response=ep.response_ids, mask=ep.loss_mask,
+            logprobs=ep.logprobs, versions=np.repeat(runs[:, 0], runs[:, 1]), routing=ep.routing,
+            num_experts=ep.num_experts, turns=ep.turns, reward=float(ep.reward), info=dict(ep.info),
+            model_turns=self._turns.get(key, [])))
 
     def on_end(self, ep, recorded: bool) -> None:
         key = episode_key(ep.group_id, ep.sample_idx)
@@ -147,8 +147,6 @@ class EpisodeJournal:
         """`s` is resumed here: its record keeps its owner and rollout id, its turns their log."""
         self._ids[s.key] = (s.owner, s.rollout_id)
         self._turns[s.key] = list(s.model_turns)
-        if s.own_score:
-            self._own_score.add(s.group_id)
 
     def drop(self, s: Snapshot) -> None:
         """`s` will not be resumed (counted by the caller): its entry goes."""

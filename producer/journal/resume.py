@@ -18,10 +18,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from common.staleness import is_stale, staleness_of
+import numpy as np
+
 from producer import telemetry
-from producer.episodes import EpisodeState, EpisodeTask, ModelTurn
 from producer.groups import GroupInfo
 from producer.journal.snapshot import Snapshot
+from producer.rollout.environment import ModelTurn
+from producer.rollout.task import Task
+from producer.rollout.trajectory import Trajectory, _add_run
 
 log = logging.getLogger("rlstream.producer.journal")
 
@@ -42,17 +46,20 @@ def refusal(s: Snapshot, env, view: StalenessView) -> str | None:
     return None
 
 
-def rebuild(s: Snapshot, env, score: Callable[[str], tuple[float, dict]]) -> EpisodeState:
+def rebuild(s: Snapshot, env, task: Task) -> Trajectory:
     """The episode as it was after its last durable turn, its environment replayed."""
-    task = EpisodeTask(s.prompt_text, s.answer, score)
     env.reset(task)
     for t in s.model_turns:
         env.step(ModelTurn(t.text, tuple(t.token_ids), t.finish_reason))
-    return EpisodeState(
-        group_id=s.group_id, sample_idx=s.sample_idx, group_size=s.group_size, env=env, task=task,
-        prompt_ids=s.prompt_ids, response=s.response.tolist(), mask=s.mask.tolist(),
-        logprobs=s.logprobs.tolist(), versions=s.versions.tolist(), routing=s.routing,
-        num_experts=s.num_experts, turns=s.turns, reward=s.reward, info=dict(s.info))
+    ep = Trajectory(s.group_id, s.sample_idx, s.group_size, env=env, task=task, prompt_ids=s.prompt_ids,
+                    routing=s.routing, num_experts=s.num_experts, turns=s.turns, reward=s.reward, info=dict(s.info))
+    cuts = np.flatnonzero(np.diff(s.mask.astype(np.int8))) + 1  # model turns and observations, as appended
+    for ids, logprobs, model in zip(np.split(s.response, cuts), np.split(s.logprobs, cuts), np.split(s.mask, cuts)):
+        if ids.size:
+            ep._append(ids, logprobs, bool(model[0]))
+    for version in s.versions.tolist():
+        _add_run(ep._versions, int(version), 1)
+    return ep
 
 
 class Resumer:
@@ -63,9 +70,9 @@ class Resumer:
         self.env_factory, self.verify = env_factory, verify
         self._groups: dict[str, GroupInfo] = {}  # resumed groups' infos (shared with `groups`)
 
-    def tick(self, view: StalenessView) -> int:
+    def tick(self, trainer_version: int, max_staleness: int) -> int:
         """Resume what this producer claims now; returns how many episodes it resumed."""
-        n = 0
+        n, view = 0, StalenessView(trainer_version, max_staleness)
         for s in self.journal.claim():
             n += self.resume(s, view)
         return n
@@ -74,9 +81,9 @@ class Resumer:
         env = self.env_factory()
         why = refusal(s, env, view)
         if why is None:
-            answer, verify = s.answer, self.verify
+            task = Task.checked_by(self.verify, s.prompt_text, s.answer)
             try:
-                ep = rebuild(s, env, lambda text: verify(text, answer))
+                ep = rebuild(s, env, task)
             except Exception as e:  # noqa: BLE001 - an environment that cannot replay is not resumable
                 log.warning("episode %s: replay failed (%s: %s)", s.key, type(e).__name__, e)
                 why = "not_resumable"
@@ -86,17 +93,17 @@ class Resumer:
             self.journal.drop(s)
             return False
         self.journal.adopt(s)
-        self._add_to_group(s)
+        self._add_to_group(s, ep.task)
         telemetry.RESUMED_TOKENS.inc(int(s.response.size))
         log.info("resuming episode %s of %s after %d turns (%d tokens)", s.key, s.holder, s.turns, s.response.size)
         self.runner.resume(ep)
         return True
 
-    def _add_to_group(self, s: Snapshot) -> None:
+    def _add_to_group(self, s: Snapshot, task: Task) -> None:
         """The group counts one more sample in flight here (it takes an admission slot)."""
         info = self._groups.get(s.group_id)
         if info is not None and info.remaining > 0:
             info.remaining += 1
             return
-        info = self._groups[s.group_id] = GroupInfo(s.prompt_text, s.answer, None, 1, None)
+        info = self._groups[s.group_id] = GroupInfo(task, 1)
         self.groups.add(s.group_id, info)

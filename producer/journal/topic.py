@@ -79,7 +79,10 @@ class JournalTopic:
         telemetry.JOURNAL_BYTES.inc(len(value))
 
     def tombstone(self, key: str) -> None:
-        self._producer.send(self.topic, key=key.encode(), value=None)
+        try:
+            self._producer.send(self.topic, key=key.encode(), value=None)
+        except Exception as e:  # noqa: BLE001 - e.g. an acknowledgement after close: the entry is
+            log.warning("journal tombstone of %s not sent (%s); a peer resumes it again", key, e)  # deduped by id
 
     def renew_lease(self, producer_id: str, incarnation: str) -> None:
         value = json.dumps({"incarnation": incarnation, "at": time.time()}).encode()

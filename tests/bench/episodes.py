@@ -53,7 +53,7 @@ SMOKE = dict(crashes=2, interval_s=10.0, group_size=2, turns=3, lease_s=2.0)
 def drill_calculator(turns: int):
     """The calculator for exactly `turns` model turns: its worked solution's observations in between."""
     from producer.envs.calculator import CalculatorEnv, reference_turns
-    from producer.episodes import StepResult
+    from producer.rollout.environment import StepResult
 
     class DrillCalculator(CalculatorEnv):
         def reset(self, task):

@@ -28,8 +28,8 @@ from tests.fixtures.kafka import make_kafka_settings
 pytestmark = [pytest.mark.broker, pytest.mark.vllm, pytest.mark.slow]
 
 G, TURNS = 4, 3
-CLIENTS = ("agent_http", "episodes", "publisher", "journal", "follower", "prompts", "topic_ends", "_writer",
-           "http", "reloader")  # ProducerService.close's, but the engine: the session's
+CLIENTS = ("driver", "publisher", "following", "prompts", "topic_ends", "_writer", "http")
+"""ProducerService.close's, but the engine: the session's."""
 
 
 class Turns:
@@ -43,7 +43,7 @@ class Turns:
         return task.prompt_text
 
     def step(self, turn):
-        from producer.episodes import StepResult
+        from producer.rollout.environment import StepResult
 
         self.n += 1
         return StepResult(None, 1.0, True) if self.n >= TURNS else StepResult(f"={self.n},")
@@ -75,8 +75,8 @@ def crash(svc, engine) -> None:
         if not engine.has_work():
             break
         engine.step()
-    if svc.journal is not None:
-        svc.journal._stop.set()  # the lease stops being renewed
+    if svc.driver.runner.journal is not None:
+        svc.driver.runner.journal._stop.set()  # the lease stops being renewed
     close_attrs(svc, CLIENTS, __import__("logging").getLogger("test"))
 
 
@@ -92,7 +92,7 @@ def journaled(kafka) -> dict:
     return out
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)  # with the session engine's start when run alone (8-10 s of its own)
 def test_a_crashed_producers_episodes_are_resumed_and_published_exactly_once(broker, rollout_engine, tiny_model_dir,
                                                                             tmp_path, monkeypatch):
     run_crash(broker, rollout_engine, tiny_model_dir, tmp_path, monkeypatch, journal=True)
@@ -113,10 +113,11 @@ def run_crash(broker, engine, model_dir, tmp_path, monkeypatch, journal: bool) -
 
     a = ProducerService(config(kafka, model_dir, data, "a", journal), broker.bootstrap)
     a.start(engine=engine)
-    mid = lambda: [ep for ep in a.episodes._turns.values() if ep.turns >= 1]  # noqa: E731 - between turns
+    runner = a.driver.runner
+    mid = lambda: [ep for ep in runner._turns.values() if ep.turns >= 1]  # noqa: E731 - between turns
     run_until(a, lambda: len(mid()) >= 2 and a.outbox.unacked_records == 0, 60, "episodes past their first turn")
-    alive = list(a.episodes._turns.values()) + [ep for ep, _, _ in a.episodes._pending.values()]
-    generated = {f"ep:{ep.group_id}#{ep.sample_idx}": list(ep.response) for ep in alive}
+    alive = list(runner._turns.values()) + [ep for ep, _, _ in runner._pending.values()]
+    generated = {f"ep:{ep.group_id}#{ep.sample_idx}": ep.response_ids.tolist() for ep in alive}
     between_turns = {f"ep:{ep.group_id}#{ep.sample_idx}" for ep in mid()}
     crash(a, engine)
     durable = journaled(kafka)

@@ -11,7 +11,7 @@ import pytest
 from common.config import JournalSettings
 from common.record import Rollout
 from producer.envs.calculator import CalculatorEnv
-from producer.episodes import EpisodeRunner
+from producer.rollout.episodes import EpisodeRunner
 from producer.groups import InFlightGroups
 from producer.journal import EpisodeJournal, Resumer, StalenessView
 from producer.journal.claims import Held, Lease, claimant, claims_for, is_orphan
@@ -151,7 +151,7 @@ def test_a_crashed_producers_episode_is_resumed_by_a_peer_from_its_last_turn():
     now[0] = 11.0
     eng_b, runner_b, journal_b, groups_b, resumer_b = producer(topic, "b", script, lambda: now[0])
     lease(topic, "b", journal_b.incarnation, 11.0)  # b's first lease, read back
-    assert resumer_b.tick(StalenessView(trainer_version=0, max_staleness=1)) == 2
+    assert resumer_b.tick(trainer_version=0, max_staleness=1) == 2
     assert len(groups_b) == 1
     ended = run(eng_b, runner_b)
     by = {e.sample_idx: e for e in ended}
