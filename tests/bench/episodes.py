@@ -58,7 +58,7 @@ def drill_calculator(turns: int):
     class DrillCalculator(CalculatorEnv):
         def reset(self, task):
             self.turn = 0
-            self.observations = [t for t, model in reference_turns(task.prompt_text) or [] if not model] or ["=err,"]
+            self.observations = [t for t, model in reference_turns(task.prompt) or [] if not model] or ["=err,"]
             return super().reset(task)
 
         def step(self, turn):

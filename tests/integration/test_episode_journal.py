@@ -40,7 +40,7 @@ class Turns:
 
     def reset(self, task):
         self.n = 0
-        return task.prompt_text
+        return task.prompt
 
     def step(self, turn):
         from producer.rollout.environment import StepResult
