@@ -76,11 +76,11 @@ def worker(config: str, flag: str, turns: int) -> int:
     """One producer process: the drill environment, resumption only while `flag` exists."""
     import producer.envs
     from common.app.cli import main
-    from producer.service import ProducerService
+    from producer.journal import Resumer
 
     producer.envs.ENVIRONMENTS["calculator"] = drill_calculator(turns)
-    resume = ProducerService.resume_orphans
-    ProducerService.resume_orphans = lambda self: resume(self) if os.path.exists(flag) else None
+    resume = Resumer.tick
+    Resumer.tick = lambda self, *view: resume(self, *view) if os.path.exists(flag) else 0
     return main(["producer", "-c", config])
 
 
