@@ -58,6 +58,9 @@ class TopicSettings(_Section):
     """Runtime control (compacted): max_staleness, mode, decay, pause."""
     dlq: str = "rlstream.dlq"
     """Dead letters: records that failed decoding or validation, with a reason header."""
+    journal: str | None = None
+    """Durable partial episodes (compacted, keyed by episode; producer/journal/). None:
+    `<rollouts>.journal`, so every rollouts topic has its own journal."""
     rollouts_partitions: int = Field(4, ge=1, le=1024)
     """Partitions of the rollouts topic (a group stays in one partition)."""
     replication_factor: int = Field(1, ge=1, le=16)
@@ -374,6 +377,19 @@ class EpisodeSettings(_Section):
     """Threads running environment steps (off the engine's thread)."""
 
 
+class JournalSettings(_Section):
+    """Durable partial episodes (docs/multi-turn.md "Durable episodes", producer/journal/):
+    with `producer.episodes`, each episode's state is journaled after every turn to a
+    compacted topic, and the episodes of a dead producer are resumed by a live one."""
+
+    enabled: bool = True
+    """On by default for multi-turn (`producer.episodes` set); single-turn samples are never journaled."""
+    lease_s: float = Field(10.0, gt=0.5, le=3600)
+    """A producer whose lease (renewed every lease_s / 4 in the journal) is older than this is
+    dead and its episodes are resumed by a live one. Producers' clocks must agree well
+    within it. A restarted producer with a fixed producer_id takes its own at once."""
+
+
 class AgentEndpointSettings(_Section):
     """The OpenAI-compatible chat-completions endpoint for black-box agents
     (docs/multi-turn.md "Black-box agents", producer/rollout/agents.py). Set: agents open
@@ -447,6 +463,8 @@ class ProducerSettings(_Section):
     and tests (common/runfile.py). None: none is written."""
     episodes: EpisodeSettings | None = None
     """Multi-turn episodes with an environment (docs/multi-turn.md); None: single-turn."""
+    journal: JournalSettings = JournalSettings()
+    """Durable partial episodes (with `episodes`): journaled per turn, resumed after a crash."""
     agent_endpoint: AgentEndpointSettings | None = None
     """OpenAI-compatible endpoint for black-box agents (docs/multi-turn.md); None: off."""
 

@@ -78,3 +78,14 @@ class SampleStats:
     def reward_mean(self) -> float:
         """Mean reward of the last 256 samples (nan before the first)."""
         return sum(self._rewards) / len(self._rewards) if self._rewards else float("nan")
+JOURNAL_WRITES = metrics.counter("rlstream_producer_journal_writes_total",
+                                 "Episode states written to the journal (one per completed turn, producer/journal/)")
+JOURNAL_BYTES = metrics.counter("rlstream_producer_journal_bytes_total", "Bytes of episode states journaled")
+JOURNAL_BAD_ENTRIES = metrics.counter("rlstream_producer_journal_bad_entries_total",
+                                      "Journal entries that could not be decoded (skipped, with a warning)")
+RESUMED = metrics.counter("rlstream_producer_resumed_episodes_total",
+                          "Orphaned episodes claimed from the journal, by outcome: resumed, not_resumable "
+                          "(the environment cannot replay, or the prompt had its own scorer), stale "
+                          "(too stale to finish within max_staleness)", ["outcome"])
+RESUMED_TOKENS = metrics.counter("rlstream_producer_resumed_tokens_total",
+                                 "Response tokens of resumed episodes taken from the journal, not generated again")

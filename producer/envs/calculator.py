@@ -55,6 +55,8 @@ class CalculatorEnv:
     """One episode of the arithmetic task with the c(expr) tool."""
 
     stop_texts = (")",)
+    resumable = True
+    """Its state is rebuilt by replaying the model turns (producer/journal/resume.py)."""
 
     @staticmethod
     def reference_turns(prompt: str) -> list[tuple[str, bool]] | None:

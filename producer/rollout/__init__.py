@@ -22,11 +22,12 @@ if TYPE_CHECKING:  # imported lazily: producer/groups.py imports task.py from th
 
 
 def build_driver(pcfg: ProducerSettings, engine, groups: InFlightGroups, sampling: SamplingConfig,
-                 producer_id: str, agent_tasks: tuple[Callable[[], str | None], object, Callable]):
+                 producer_id: str, agent_tasks: tuple[Callable[[], str | None], object, Callable], kafka=None):
     """The driver the settings name: agents with `producer.agent_endpoint` (`producer.episodes`
     then gives their limits only), episodes with `producer.episodes`, else single-turn.
     `agent_tasks`: (held_back, prompts, verify): the admission gate (a reason, or None), the
-    prompt source and `producer.verifier`, from which an agent's `open` takes its group's task."""
+    prompt source and `producer.verifier`, from which an agent's `open` takes its group's task.
+    `kafka`: with it, episodes are journaled and orphans resumed (producer.journal, producer/journal/)."""
     if pcfg.agent_endpoint is not None:
         from common.config import EpisodeSettings
         from producer.rollout.agents import AgentEpisodes, task_for
@@ -43,7 +44,12 @@ def build_driver(pcfg: ProducerSettings, engine, groups: InFlightGroups, samplin
         from producer.rollout.episodes import EpisodeRunner, Episodes
 
         runner = EpisodeRunner(engine, pcfg.episodes, sampling, env_factory(pcfg.episodes))
-        return Episodes(runner, groups, producer_id)
+        resumer = None
+        if kafka is not None and pcfg.journal.enabled:
+            from producer.journal import open_journal
+
+            resumer = open_journal(kafka, pcfg, runner, groups, agent_tasks[2], producer_id)
+        return Episodes(runner, groups, producer_id, resumer)
     from producer.rollout.single_turn import SingleTurn
 
     return SingleTurn(engine, groups, sampling, producer_id)

@@ -51,6 +51,9 @@ class RolloutDriver:
         """Abort the groups the trainer can no longer take (only single-turn groups do so today:
         episodes and agents keep their requests)."""
 
+    def on_delivered(self, fut) -> None:
+        """The broker acknowledged a record (the publisher's thread; `fut.rollout_id` names it)."""
+
     def drain(self, deadline: float) -> None:
         """Shutdown begins: take no new work; the service keeps stepping until `deadline`."""
 

@@ -38,6 +38,8 @@ class StepResult:
 class Environment(Protocol):
     stop_texts: tuple[str, ...]
     """Texts that end a model turn (each one token of the model's vocabulary), besides EOS."""
+    # Optional `resumable = True`: reset(task) then step() with the episode's model turns, in
+    # order, rebuilds the environment's state (a journaled episode resumes: producer/journal/).
 
     def reset(self, task: Task) -> str: ...
 

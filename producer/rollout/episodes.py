@@ -120,6 +120,8 @@ class EpisodeRunner:
         self._pending: dict[cf.Future, tuple[Trajectory, float, str]] = {}  # env call -> (episode, deadline, kind)
         self._ended: list[Trajectory] = []
         self._unrecorded: list[str] = []
+        self.journal = None
+        """producer/journal/ EpisodeJournal (build_driver sets it): every turn made durable."""
         self.active = 0
         """Episodes started and not ended."""
 
@@ -127,6 +129,11 @@ class EpisodeRunner:
         ep = Trajectory(group_id, sample_idx, group_size, self._env_factory(), task)
         self.active += 1
         self._call(ep, "reset", ep.env.reset, task)
+
+    def resume(self, ep: Trajectory) -> None:
+        """A journaled episode continues here from its last durable turn (producer/journal/resume.py)."""
+        self.active += 1
+        self._submit(ep)
 
     def has_work(self) -> bool:
         return self.active > 0
@@ -143,6 +150,8 @@ class EpisodeRunner:
             ep.add_model_turn(s)
             turn = ModelTurn(self.engine.decode(s.response_ids), tuple(s.response_ids.tolist()),
                              str(s.finish_reason))
+            if self.journal is not None:
+                self.journal.on_model_turn(ep, turn)
             self._call(ep, "step", ep.env.step, turn)
         if wait_s and self._pending:
             cf.wait(list(self._pending), timeout=wait_s, return_when=cf.FIRST_COMPLETED)
@@ -247,6 +256,8 @@ class EpisodeRunner:
         if budget < 1:
             self._end(ep, "max_tokens")
             return
+        if self.journal is not None:
+            self.journal.on_turn(ep)
         ids = np.concatenate([ep.prompt_ids, ep.response_ids])
         self.engine.submit_group(ids, n=1, sampling=dataclasses.replace(self.sampling, max_tokens=budget),
                                  tag=ep.tag)
@@ -257,6 +268,8 @@ class EpisodeRunner:
         self.active -= 1
         if error is not None:
             ep.info["error"] = error
+        if self.journal is not None:
+            self.journal.on_end(ep, recorded=bool(ep.num_tokens))
         if not ep.num_tokens:  # ended before its first model turn: no record can be made (its
             self._unrecorded.append(ep.group_id)  # group is timed out by the consumer, like an
             return                                # aborted sample; the producer releases its slot)
@@ -285,8 +298,11 @@ class Episodes(RolloutDriver):
     """The rollout driver of multi-turn episodes: G episodes per admitted task, their
     records published as they end (producer/rollout/driver.py)."""
 
-    def __init__(self, runner: EpisodeRunner, groups: InFlightGroups, producer_id: str):
+    def __init__(self, runner: EpisodeRunner, groups: InFlightGroups, producer_id: str, resumer=None):
         self.runner, self.groups, self.producer_id = runner, groups, producer_id
+        self.resumer = resumer
+        """producer/journal/ Resumer (with producer.journal): orphaned episodes continue here."""
+        self._staleness = (0, 0)  # (trainer version, max_staleness) of the service's last evict_stale
 
     def start(self, group_id: str, task: Task, G: int) -> None:
         for i in range(G):
@@ -294,10 +310,13 @@ class Episodes(RolloutDriver):
 
     def on_finished(self, samples: list[FinishedSample]) -> list[Rollout]:
         """Hand the finished turns to their episodes; without any, wait briefly for an environment."""
+        if self.resumer is not None:  # a dead producer's episodes (or this one's last run's) that fall to us
+            self.resumer.tick(*self._staleness)
         records = []
         for ep in self.runner.advance(samples, wait_s=0.0 if samples else 0.02):
             task = self.groups.finish_sample(ep.group_id).task
-            records.append(ep.to_rollout(self.producer_id, self.runner.sampling, prompt_text=task.prompt))
+            record = ep.to_rollout(self.producer_id, self.runner.sampling, prompt_text=task.prompt)
+            records.append(self.runner.journal.stamp(record) if self.runner.journal is not None else record)
         for gid in self.runner.take_unrecorded():  # ended before a model turn: nothing to publish
             self.groups.finish_sample(gid)
         return records
@@ -305,8 +324,18 @@ class Episodes(RolloutDriver):
     def has_work(self) -> bool:
         return self.runner.has_work()
 
+    def evict_stale(self, trainer_version: int, max_staleness: int) -> None:
+        """Episodes keep their requests; the bound decides which orphans are too stale to resume."""
+        self._staleness = (trainer_version, max_staleness)
+
+    def on_delivered(self, fut) -> None:
+        if self.runner.journal is not None:  # acknowledged: the episode's journal entry goes
+            self.runner.journal.on_delivered(fut)
+
     def abort(self) -> int:
-        return self.runner.abort_all()
+        return self.runner.abort_all()  # their journal entries stay: resumed by the next owner
 
     def close(self) -> None:
         self.runner.close()
+        if self.runner.journal is not None:
+            self.runner.journal.close()

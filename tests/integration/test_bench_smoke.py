@@ -48,6 +48,8 @@ BENCHES = {
                          ("vllm", "megatron", "broker")),
     "cluster": (("versions_trained", "seconds_per_version", "collective_share", "trainer_egress_over_model_bytes"),
                 480, ("vllm", "megatron", "broker")),
+    "episodes": (("lost_generation_seconds_per_crash", "lost_ratio_on_over_off", "episodes_published_twice"), 600,
+                 ("vllm", "broker")),
 }
 
 

@@ -1,0 +1,66 @@
+"""Who resumes an orphaned episode: pure logic over what the journal topic says.
+
+Liveness is a lease in the journal itself (key `lease:<producer_id>`, value the
+process's incarnation and wall time, renewed every lease_s / 4). Why a lease and not
+the consumer group membership: the producer is not in a Kafka consumer group (its
+clients assign partitions themselves), and the journal is the one topic every
+journaling producer already reads and writes, in one partition, so a lease is seen in
+order with the entries it covers.
+
+An entry held by (holder, incarnation) is orphaned when
+- the holder's newest lease names another incarnation (the producer id restarted:
+  its old process is gone; a restarted producer with a fixed id takes its own at once),
+- or the holder's lease is older than lease_s (or absent and the entry is).
+Each orphan goes to one live producer, the rendezvous-hash winner of the episode key
+over the live producers (leases fresher than lease_s): producers that see the same
+leases pick the same claimant without talking. Views that differ for a moment can
+make two producers resume one episode; both publish the episode's one rollout id, and
+the consumer keeps one (docs/multi-turn.md "Durable episodes", the guarantee).
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Lease:
+    producer_id: str
+    incarnation: str
+    at: float
+
+
+@dataclass(frozen=True)
+class Held:
+    """What the claim logic needs of one journal entry."""
+
+    key: str
+    holder: str
+    incarnation: str
+    written_at: float
+
+
+def is_orphan(entry: Held, leases: dict[str, Lease], now: float, lease_s: float) -> bool:
+    lease = leases.get(entry.holder)
+    if lease is None:
+        return now - entry.written_at > lease_s
+    if lease.incarnation != entry.incarnation:
+        return True
+    return now - lease.at > lease_s
+
+
+def live_producers(leases: dict[str, Lease], now: float, lease_s: float) -> list[str]:
+    return sorted(p for p, lease in leases.items() if now - lease.at <= lease_s)
+
+
+def claimant(key: str, live: list[str]) -> str | None:
+    """The live producer that resumes `key` (highest rendezvous hash), None if none is live."""
+    if not live:
+        return None
+    return max(live, key=lambda p: hashlib.blake2b(f"{key}|{p}".encode(), digest_size=8).digest())
+
+
+def claims_for(me: str, entries: list[Held], leases: dict[str, Lease], now: float, lease_s: float) -> list[str]:
+    """Keys of the orphaned entries `me` resumes (`me` must hold a fresh lease in `leases`)."""
+    live = live_producers(leases, now, lease_s)
+    return [e.key for e in entries if is_orphan(e, leases, now, lease_s) and claimant(e.key, live) == me]

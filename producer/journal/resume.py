@@ -1,0 +1,109 @@
+"""Resume a claimed episode from its last durable turn.
+
+    1. refuse what cannot finish: an environment that does not declare `resumable`, a
+       prompt with its own scorer (not journaled), an episode already too stale to be
+       trained (common/staleness.py): tombstoned, counted `rlstream_producer_resumed_episodes_total{outcome}`;
+    2. rebuild the environment: a fresh one, reset with the task, then stepped with the
+       journaled model turns in order (a resumable environment is deterministic in
+       them; the calculator is); the answers are discarded, the journaled tokens stand;
+    3. rebuild the episode's state (tokens, log-probs, mask, versions, routing rows) as
+       journaled and hand it to the runner, which submits its next turn with the whole
+       history as the prompt (prefilled, then sampling continues).
+The record is then built as for any episode; its first tokens are the journaled ones.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from common.staleness import is_stale, staleness_of
+import numpy as np
+
+from producer import telemetry
+from producer.groups import GroupInfo
+from producer.journal.snapshot import Snapshot
+from producer.rollout.environment import ModelTurn
+from producer.rollout.task import Task
+from producer.rollout.trajectory import Trajectory, _add_run
+
+log = logging.getLogger("rlstream.producer.journal")
+
+
+@dataclass(frozen=True)
+class StalenessView:
+    trainer_version: int
+    max_staleness: int
+
+
+def refusal(s: Snapshot, env, view: StalenessView) -> str | None:
+    """Why `s` is not resumed ("not_resumable", "stale"), or None."""
+    if s.own_score or not getattr(env, "resumable", False):
+        return "not_resumable"
+    oldest = s.oldest_version
+    if oldest is not None and is_stale(staleness_of(view.trainer_version, oldest), view.max_staleness):
+        return "stale"
+    return None
+
+
+def rebuild(s: Snapshot, env, task: Task) -> Trajectory:
+    """The episode as it was after its last durable turn, its environment replayed."""
+    env.reset(task)
+    for t in s.model_turns:
+        env.step(ModelTurn(t.text, tuple(t.token_ids), t.finish_reason))
+    ep = Trajectory(s.group_id, s.sample_idx, s.group_size, env=env, task=task, prompt_ids=s.prompt_ids,
+                    routing=s.routing, num_experts=s.num_experts, turns=s.turns, reward=s.reward, info=dict(s.info))
+    cuts = np.flatnonzero(np.diff(s.mask.astype(np.int8))) + 1  # model turns and observations, as appended
+    for ids, logprobs, model in zip(np.split(s.response, cuts), np.split(s.logprobs, cuts), np.split(s.mask, cuts)):
+        if ids.size:
+            ep._append(ids, logprobs, bool(model[0]))
+    for version in s.versions.tolist():
+        _add_run(ep._versions, int(version), 1)
+    return ep
+
+
+class Resumer:
+    """Claims orphaned episodes from the journal into this producer's runner and groups."""
+
+    def __init__(self, journal, runner, groups, env_factory: Callable[[], object], verify):
+        self.journal, self.runner, self.groups = journal, runner, groups
+        self.env_factory, self.verify = env_factory, verify
+        self._groups: dict[str, GroupInfo] = {}  # resumed groups' infos (shared with `groups`)
+
+    def tick(self, trainer_version: int, max_staleness: int) -> int:
+        """Resume what this producer claims now; returns how many episodes it resumed."""
+        n, view = 0, StalenessView(trainer_version, max_staleness)
+        for s in self.journal.claim():
+            n += self.resume(s, view)
+        return n
+
+    def resume(self, s: Snapshot, view: StalenessView) -> bool:
+        env = self.env_factory()
+        why = refusal(s, env, view)
+        if why is None:
+            task = Task.checked_by(self.verify, s.prompt_text, s.answer)
+            try:
+                ep = rebuild(s, env, task)
+            except Exception as e:  # noqa: BLE001 - an environment that cannot replay is not resumable
+                log.warning("episode %s: replay failed (%s: %s)", s.key, type(e).__name__, e)
+                why = "not_resumable"
+        telemetry.RESUMED.labels(outcome=why or "resumed").inc()
+        if why is not None:
+            log.info("episode %s (held by %s) not resumed: %s", s.key, s.holder, why)
+            self.journal.drop(s)
+            return False
+        self.journal.adopt(s)
+        self._add_to_group(s, ep.task)
+        telemetry.RESUMED_TOKENS.inc(int(s.response.size))
+        log.info("resuming episode %s of %s after %d turns (%d tokens)", s.key, s.holder, s.turns, s.response.size)
+        self.runner.resume(ep)
+        return True
+
+    def _add_to_group(self, s: Snapshot, task: Task) -> None:
+        """The group counts one more sample in flight here (it takes an admission slot)."""
+        info = self._groups.get(s.group_id)
+        if info is not None and info.remaining > 0:
+            info.remaining += 1
+            return
+        info = self._groups[s.group_id] = GroupInfo(task, 1)
+        self.groups.add(s.group_id, info)

@@ -1,0 +1,150 @@
+"""The journal topic: one compacted partition keyed by episode (and by producer, for leases).
+
+    ep:<group_id>#<sample_idx>   an unfinished episode's newest state (snapshot.py); None = ended
+    lease:<producer_id>          {"incarnation", "at"}: the producer is alive (claims.py)
+
+One partition, so every reader sees a lease before the entries its process wrote and
+an entry's tombstone after the entry. Writes go through one producer with one request
+in flight (acks=all): a retried older state can never land after a newer one.
+`JournalTopic.poll()` folds what was written since the last call into `entries` (the
+newest state per key; tombstones remove) and `leases`. Compaction keeps the topic at
+one value per live key on Apache Kafka; tansu 0.6 does not compact (docs/kafka.md), so
+there a reader's start-up scan grows with the journal's history.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from common.config import KafkaSettings
+from common.kafka.client import make_admin, make_consumer, make_producer
+from producer import telemetry
+from producer.journal.claims import Held, Lease
+from producer.journal.snapshot import JournalError, Snapshot, decode, encode
+
+log = logging.getLogger("rlstream.producer.journal")
+
+
+def journal_topic(kafka: KafkaSettings) -> str:
+    return kafka.topics.journal or f"{kafka.topics.rollouts}.journal"
+
+
+def ensure_journal_topic(kafka: KafkaSettings) -> str:
+    """Create the journal topic (compacted, one partition) if missing; returns its name."""
+    from kafka.admin import NewTopic
+    from kafka.errors import TopicAlreadyExistsError
+
+    name = journal_topic(kafka)
+    admin = make_admin(kafka)
+    try:
+        if name not in set(admin.list_topics()):
+            configs = {"cleanup.policy": "compact", "max.message.bytes": str(kafka.max_message_bytes)}
+            try:
+                admin.create_topics([NewTopic(name, 1, kafka.topics.replication_factor, topic_configs=configs)])
+            except TopicAlreadyExistsError:
+                pass
+    finally:
+        admin.close()
+    return name
+
+
+class JournalTopic:
+    """Writer and reader of the journal topic for one producer process."""
+
+    def __init__(self, kafka: KafkaSettings):
+        from kafka import TopicPartition
+
+        self.topic = ensure_journal_topic(kafka)
+        self._producer = make_producer(kafka, "control", max_in_flight_requests_per_connection=1,
+                                       max_request_size=kafka.max_message_bytes)
+        self._consumer = make_consumer(kafka, auto_offset_reset="earliest",
+                                       max_partition_fetch_bytes=kafka.max_message_bytes + (1 << 20))
+        self._consumer.assign([TopicPartition(self.topic, 0)])
+        self._consumer.seek_to_beginning()
+        self.entries: dict[str, Held] = {}
+        self.snapshots: dict[str, bytes] = {}
+        """key -> the newest entry's bytes (decoded only when claimed)."""
+        self.leases: dict[str, Lease] = {}
+        self.newest_at = 0.0
+        """The newest time a lease or entry read so far carries: the journal's clock as this
+        reader has seen it (a reader behind the topic must not take live peers for dead)."""
+
+    # -- writing (any thread: KafkaProducer.send is thread-safe)
+
+    def put(self, s: Snapshot) -> None:
+        value = encode(s)
+        self._producer.send(self.topic, key=s.key.encode(), value=value)
+        telemetry.JOURNAL_WRITES.inc()
+        telemetry.JOURNAL_BYTES.inc(len(value))
+
+    def tombstone(self, key: str) -> None:
+        try:
+            self._producer.send(self.topic, key=key.encode(), value=None)
+        except Exception as e:  # noqa: BLE001 - e.g. an acknowledgement after close: the entry is
+            log.warning("journal tombstone of %s not sent (%s); a peer resumes it again", key, e)  # deduped by id
+
+    def renew_lease(self, producer_id: str, incarnation: str) -> None:
+        value = json.dumps({"incarnation": incarnation, "at": time.time()}).encode()
+        self._producer.send(self.topic, key=f"lease:{producer_id}".encode(), value=value)
+
+    def flush(self, timeout_s: float = 10.0) -> None:
+        self._producer.flush(timeout=timeout_s)
+
+    # -- reading (the service's thread)
+
+    def poll(self, timeout_ms: int = 0, until_end: bool = False, deadline_s: float = 60.0) -> None:
+        """Fold new messages in; with `until_end`, read until the partition's end (start-up:
+        a producer that claimed from a partial view would resume episodes a peer already took)."""
+        deadline = time.monotonic() + deadline_s
+        for polls in range(1 << 30):
+            batches = self._consumer.poll(timeout_ms=timeout_ms, max_records=2000)
+            for messages in batches.values():
+                for m in messages:
+                    self._fold(m.key.decode() if m.key else "", m.value)
+            if not until_end and (not batches or polls >= 10):  # what is fetched, in bounded time
+                return
+            if until_end and not batches and self._at_end():
+                return
+            if time.monotonic() > deadline:
+                log.warning("journal %s not read to its end within %.0f s; going on", self.topic, deadline_s)
+                return
+            timeout_ms = 200
+
+    def _at_end(self) -> bool:
+        """At the high watermark of a fetch response (ListOffsets under-counts on tansu:
+        common/kafka/client.py `end_offsets`)."""
+        from kafka import TopicPartition
+
+        tp = TopicPartition(self.topic, 0)
+        hw = self._consumer.highwater(tp)
+        return hw is not None and self._consumer.position(tp) >= hw
+
+    def _fold(self, key: str, value: bytes | None) -> None:
+        if key.startswith("lease:"):
+            if value is not None:
+                d = json.loads(value)
+                pid = key[len("lease:"):]
+                self.leases[pid] = Lease(pid, str(d["incarnation"]), float(d["at"]))
+                self.newest_at = max(self.newest_at, float(d["at"]))
+            return
+        if value is None:
+            self.entries.pop(key, None)
+            self.snapshots.pop(key, None)
+            return
+        try:
+            s = decode(value)
+        except JournalError as e:
+            telemetry.JOURNAL_BAD_ENTRIES.inc()
+            log.warning("journal entry %s skipped: %s", key, e)
+            return
+        self.entries[key] = Held(key, s.holder, s.incarnation, s.written_at)
+        self.newest_at = max(self.newest_at, s.written_at)
+        self.snapshots[key] = bytes(value)
+
+    def close(self) -> None:
+        for c in (self._producer, self._consumer):
+            try:
+                c.close(timeout=5) if c is self._producer else c.close()
+            except Exception as e:  # noqa: BLE001 - closing is best effort
+                log.debug("journal client close: %s", e)

@@ -1,0 +1,160 @@
+"""Durable partial episodes (producer/journal/) on the real vLLM engine and broker.
+
+Producer `a` runs multi-turn episodes until some are between turns, then crashes:
+no drain, no SIGTERM path; its engine requests are aborted, its lease stops and its
+clients close (what the broker got stays, nothing more is written). Producer `b`
+starts on the same engine (the session's: a second engine start would cost ~40 s), sees
+a's lease lapse (lease_s = 1 s), claims a's unfinished episodes and finishes them. Then:
+every episode is published exactly once, a's groups are complete and assemble as one
+copy each (consumer/assembler.py), and each resumed record starts with exactly the
+tokens, log-probs, mask and versions a had generated up to its last completed turn.
+Without the journal a's in-flight episodes are never published and its groups stay
+incomplete. The environment answers every model turn for 3 turns (the random tiny
+model never calls the calculator's tool) and, like the calculator, replays.
+tests/bench/episodes.py does the same with SIGKILLed producer processes.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from common.config import RlstreamConfig
+from common.lifecycle import close_attrs
+from tests.fixtures.kafka import make_kafka_settings
+
+pytestmark = [pytest.mark.broker, pytest.mark.vllm, pytest.mark.slow]
+
+G, TURNS = 4, 3
+CLIENTS = ("driver", "publisher", "following", "prompts", "topic_ends", "_writer", "http")
+"""ProducerService.close's, but the engine: the session's."""
+
+
+class Turns:
+    """Every model turn gets an observation until the third; reward 1. Replays (resumable)."""
+
+    stop_texts = ()
+    resumable = True
+
+    def reset(self, task):
+        self.n = 0
+        return task.prompt
+
+    def step(self, turn):
+        from producer.rollout.environment import StepResult
+
+        self.n += 1
+        return StepResult(None, 1.0, True) if self.n >= TURNS else StepResult(f"={self.n},")
+
+
+def config(kafka, model_dir, data, pid: str, journal: bool) -> RlstreamConfig:
+    return RlstreamConfig.model_validate({
+        "kafka": kafka.model_dump(), "model": {"path": str(model_dir), "build_tiny": False},
+        "staleness": {"max_staleness": 8},
+        "producer": {"producer_id": pid, "group_size": G, "max_tokens": 6, "max_groups_in_flight": 2,
+                     "prompts": {"type": "jsonl", "path": str(data)},
+                     "episodes": {"env": "calculator", "max_turns": TURNS, "max_turn_tokens": 6,
+                                  "max_episode_tokens": 40},
+                     "journal": {"enabled": journal, "lease_s": 1.0}},
+        "consumer": {"group_size": G, "groups_per_batch": 2}})
+
+
+def run_until(svc, pred, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        svc.iterate()
+
+
+def crash(svc, engine) -> None:
+    """What a SIGKILL leaves: the engine's requests gone, no drain, no more writes."""
+    engine.abort_all()
+    for _ in range(100):
+        if not engine.has_work():
+            break
+        engine.step()
+    if svc.driver.runner.journal is not None:
+        svc.driver.runner.journal._stop.set()  # the lease stops being renewed
+    close_attrs(svc, CLIENTS, __import__("logging").getLogger("test"))
+
+
+def journaled(kafka) -> dict:
+    """The journal's live entries now: key -> Snapshot."""
+    from producer.journal.snapshot import decode
+    from producer.journal.topic import JournalTopic
+
+    t = JournalTopic(kafka)
+    t.poll(until_end=True)
+    out = {k: decode(v) for k, v in t.snapshots.items()}
+    t.close()
+    return out
+
+
+@pytest.mark.timeout(300)  # with the session engine's start when run alone (8-10 s of its own)
+def test_a_crashed_producers_episodes_are_resumed_and_published_exactly_once(broker, rollout_engine, tiny_model_dir,
+                                                                            tmp_path, monkeypatch):
+    run_crash(broker, rollout_engine, tiny_model_dir, tmp_path, monkeypatch, journal=True)
+
+
+def run_crash(broker, engine, model_dir, tmp_path, monkeypatch, journal: bool) -> None:
+    import producer.envs
+    from common.toy.build import ensure_data
+    from consumer.assembler import GroupAssembler
+    from producer.service import ProducerService
+    from tests.integration.test_producer_service import announce_trainer_start, read_all
+
+    monkeypatch.setitem(producer.envs.ENVIRONMENTS, "calculator", Turns)
+    kafka = make_kafka_settings(broker.bootstrap, tmp_path / "blobs", rollouts_partitions=2)
+    data = tmp_path / "data" / "train.jsonl"
+    ensure_data(config(kafka, model_dir, data, "a", journal), n_train=64, n_heldout=8)
+    announce_trainer_start(kafka)
+
+    a = ProducerService(config(kafka, model_dir, data, "a", journal), broker.bootstrap)
+    a.start(engine=engine)
+    runner = a.driver.runner
+    mid = lambda: [ep for ep in runner._turns.values() if ep.turns >= 1]  # noqa: E731 - between turns
+    run_until(a, lambda: len(mid()) >= 2 and a.outbox.unacked_records == 0, 60, "episodes past their first turn")
+    alive = list(runner._turns.values()) + [ep for ep, _, _ in runner._pending.values()]
+    generated = {f"ep:{ep.group_id}#{ep.sample_idx}": ep.response_ids.tolist() for ep in alive}
+    between_turns = {f"ep:{ep.group_id}#{ep.sample_idx}" for ep in mid()}
+    crash(a, engine)
+    durable = journaled(kafka)
+    assert not journal or {k for k, s in durable.items() if s.turns >= 1} >= between_turns
+    for key, s in durable.items():  # the journal holds what a generated, up to its last completed turn
+        assert s.holder == "a" and generated[key][:s.response.size] == s.response.tolist()
+
+    b = ProducerService(config(kafka, model_dir, data, "b", journal), broker.bootstrap)
+    b.start(engine=engine)
+    try:
+        from common import metrics
+        resumed0 = metrics.value("rlstream_producer_resumed_episodes_total", outcome="resumed") or 0
+        done = lambda: (metrics.value("rlstream_producer_resumed_episodes_total", outcome="resumed") or 0) \
+            - resumed0 >= len(durable) and not any(g.startswith("a-") for g in b.groups._groups)  # noqa: E731
+        t_off = time.monotonic() + 5  # without the journal: nothing to wait for
+        run_until(b, lambda: done() if journal else time.monotonic() > t_off, 60, "a's episodes resumed")
+        b.outbox.drain(timeout_s=30)
+    finally:
+        crash(b, engine)
+    records = read_all(kafka)
+
+    assert Counter((r.group_id, r.sample_idx) for r in records).most_common(1)[0][1] == 1  # each once
+    assert len({r.rollout_id for r in records}) == len(records)
+    of_a = [r for r in records if r.group_id.startswith("a-")]
+    assert all(r.producer_id == "a" for r in of_a)  # a's copy, whoever finished the episode
+    sizes = Counter(r.group_id for r in of_a)
+    assert set(sizes.values()) == {G}, f"a's groups incomplete: {sizes}"
+    assembler = GroupAssembler(G, timeout_s=600)
+    assert {assembler.add(r, 0, i).outcome for i, r in enumerate(of_a)} <= {"held", "completed"}
+    by_key = {f"ep:{r.group_id}#{r.sample_idx}": r for r in records}
+    resumed = [k for k, s in durable.items() if s.turns >= 1]
+    assert len(resumed) >= 2
+    for key in resumed:
+        s, r = durable[key], by_key[key]
+        n = s.response.size
+        assert r.rollout_id == s.rollout_id and r.response_ids[:n].tolist() == s.response.tolist()
+        assert np.array_equal(r.logprobs[:n], s.logprobs) and r.model_mask[:n].tolist() == s.mask.tolist()
+        versions = np.repeat(r.token_versions[:, 0], r.token_versions[:, 1]) if r.token_versions is not None \
+            else np.full(r.num_tokens, r.policy_version)
+        assert versions[:n].tolist() == s.versions.tolist() and r.reward == 1.0

@@ -1,0 +1,239 @@
+"""producer/journal/: the entry format, the claim rule, and a crash between two runners
+(scripted engine, calculator environment, the journal topic in memory);
+tests/integration/test_episode_journal.py runs the crash on the real engine and broker."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from common.config import JournalSettings
+from common.record import Rollout
+from producer.envs.calculator import CalculatorEnv
+from producer.rollout.episodes import EpisodeRunner
+from producer.groups import InFlightGroups
+from producer.journal import EpisodeJournal, Resumer, StalenessView
+from producer.journal.claims import Held, Lease, claimant, claims_for, is_orphan
+from producer.journal.snapshot import JournalError, ModelTurnLog, Snapshot, decode, encode
+from producer.journal.topic import JournalTopic
+from producer.sample import SamplingConfig
+from tests.unit.producer.test_episodes import ScriptedEngine, run, settings, task
+
+
+def snapshot(**kw) -> Snapshot:
+    rng = np.random.default_rng(0)
+    base = dict(group_id="p-1-7", sample_idx=2, group_size=4, owner="p", holder="p", incarnation="i1",
+                rollout_id="r" * 32, written_at=100.0, prompt_text="37+48-19=", answer="66", own_score=False,
+                prompt_ids=np.arange(9, dtype=np.int32), response=np.arange(12, dtype=np.int32),
+                mask=np.array([True] * 8 + [False] * 4), logprobs=-rng.random(12).astype(np.float32),
+                versions=np.array([3] * 8 + [4] * 4, dtype=np.int64),
+                routing=rng.integers(0, 8, (20, 2, 2)).astype(np.uint8), num_experts=8, turns=1, reward=0.0,
+                info={"tool_calls": 1, "nested": {"dropped": True}},
+                model_turns=[ModelTurnLog("c(37+48)", [5, 6, 7], "stop")])
+    return Snapshot(**{**base, **kw})
+
+
+# ---------------------------------------------------------------- format
+
+def test_an_entry_round_trips_every_array_and_field():
+    s = snapshot()
+    back = decode(encode(s))
+    for name in ("prompt_ids", "response", "mask", "logprobs", "versions", "routing"):
+        a, b = getattr(s, name), getattr(back, name)
+        assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b), name
+    assert back.model_turns == s.model_turns and back.key == "ep:p-1-7#2" and back.oldest_version == 3
+    assert back.info == {"tool_calls": 1}  # only what a record's reward_info can carry
+    assert decode(encode(snapshot(routing=None))).routing is None
+
+
+def test_a_malformed_entry_is_a_journal_error_not_a_crash():
+    good = encode(snapshot())
+    with pytest.raises(JournalError, match="magic"):
+        decode(b"junk")
+    with pytest.raises(JournalError, match="past the entry's end"):
+        decode(good[:-10])
+    with pytest.raises(JournalError, match="must agree"):
+        decode(encode(snapshot(mask=np.ones(11, dtype=bool))))
+    with pytest.raises(JournalError, match="malformed"):
+        decode(good[:3] + good[3:7] + b"{" * (len(good) - 7))
+
+
+# ----------------------------------------------------------------- claims
+
+def test_an_entry_is_orphaned_when_its_lease_lapses_or_its_producer_restarted():
+    e = Held("ep:g#0", "a", "inc1", written_at=0.0)
+    assert not is_orphan(e, {"a": Lease("a", "inc1", 95.0)}, now=100.0, lease_s=10)
+    assert is_orphan(e, {"a": Lease("a", "inc1", 85.0)}, now=100.0, lease_s=10)  # lapsed
+    assert is_orphan(e, {"a": Lease("a", "inc2", 99.0)}, now=100.0, lease_s=10)  # restarted: at once
+    assert is_orphan(e, {}, now=100.0, lease_s=10) and not is_orphan(e, {}, now=5.0, lease_s=10)
+
+
+def test_each_orphan_goes_to_exactly_one_live_producer():
+    leases = {"a": Lease("a", "x", 0.0), "b": Lease("b", "y", 99.0), "c": Lease("c", "z", 99.0)}
+    entries = [Held(f"ep:g#{i}", "a", "x", 0.0) for i in range(40)] + [Held("ep:h#0", "b", "y", 99.0)]
+    got_b = claims_for("b", entries, leases, now=100.0, lease_s=10)
+    got_c = claims_for("c", entries, leases, now=100.0, lease_s=10)
+    assert sorted(got_b + got_c) == sorted(e.key for e in entries[:40])  # all of a's; none of b's live one
+    assert got_b and got_c and not set(got_b) & set(got_c)  # spread over both, never twice
+    assert claims_for("a", entries, leases, now=100.0, lease_s=10) == []  # a dead producer claims nothing
+    assert claimant("ep:g#0", []) is None
+
+
+# ------------------------------------------------------- crash and resume
+
+class MemoryTopic(JournalTopic):
+    """The journal topic's fold without a broker: every write is read back at once."""
+
+    def __init__(self):
+        self.entries, self.snapshots, self.leases, self.writes, self.newest_at = {}, {}, {}, [], 0.0
+
+    def put(self, s):
+        self.writes.append(s)
+        self._fold(s.key, encode(s))
+
+    def tombstone(self, key):
+        self._fold(key, None)
+
+    def renew_lease(self, producer_id, incarnation):
+        self._fold(f"lease:{producer_id}", json.dumps({"incarnation": incarnation, "at": 0.0}).encode())
+
+    def flush(self, timeout_s=10.0):
+        pass
+
+    def poll(self, timeout_ms=0, until_end=False):
+        pass
+
+    def close(self):
+        pass
+
+
+class Ack:
+    def __init__(self, rollout_id):
+        self.rollout_id = rollout_id
+
+    def cancelled(self):
+        return False
+
+    def exception(self):
+        return None
+
+
+def lease(topic, pid, incarnation, at):
+    topic._fold(f"lease:{pid}", json.dumps({"incarnation": incarnation, "at": at}).encode())
+
+
+def producer(topic, pid, script, clock):
+    eng = ScriptedEngine(script)
+    runner = EpisodeRunner(eng, settings(), SamplingConfig(max_tokens=16), CalculatorEnv)
+    journal = EpisodeJournal(topic, pid, JournalSettings(lease_s=10), clock=clock)
+    runner.journal = journal
+    groups = InFlightGroups(pid)
+    resumer = Resumer(journal, runner, groups, CalculatorEnv, lambda text, answer: (float(text.strip() == answer), {}))
+    return eng, runner, journal, groups, resumer
+
+
+def test_a_crashed_producers_episode_is_resumed_by_a_peer_from_its_last_turn():
+    topic, now = MemoryTopic(), [0.0]
+    script = {0: ["c(37+48)", "c(85-19)", "66$"], 1: ["c(1+1)", "7$"]}
+    eng, runner, journal, _, _ = producer(topic, "a", script, lambda: now[0])
+    lease(topic, "a", journal.incarnation, 0.0)
+    for i in range(2):
+        runner.start("g", i, 2, task())
+    for _ in range(100):  # until turn 1 of both is done and their turn 2 submitted (journaled)
+        if sorted(eng.requests) == ["g#0#t1", "g#1#t1"]:
+            break
+        first = [t for t in eng.requests if t.endswith("#t0")]
+        runner.advance(eng.step() if len(first) == 2 else [], wait_s=0.05)
+    assert sorted(eng.requests) == ["g#0#t1", "g#1#t1"]
+    before = {s.sample_idx: s for s in topic.writes if s.turns == 1}
+    # producer a dies here (nothing more of it runs); b starts 11 s later, after a's lease lapsed
+    now[0] = 11.0
+    eng_b, runner_b, journal_b, groups_b, resumer_b = producer(topic, "b", script, lambda: now[0])
+    lease(topic, "b", journal_b.incarnation, 11.0)  # b's first lease, read back
+    assert resumer_b.tick(trainer_version=0, max_staleness=1) == 2
+    assert len(groups_b) == 1
+    ended = run(eng_b, runner_b)
+    by = {e.sample_idx: e for e in ended}
+    assert sorted(by) == [0, 1] and by[0].turns == 3 and by[0].reward == 1.0  # the calculator was replayed
+    for i, e in by.items():
+        n = before[i].response.size
+        assert e.response_ids[:n].tolist() == before[i].response.tolist()
+        assert e.logprobs[:n].tolist() == before[i].logprobs.tolist()
+        assert e.loss_mask[:n].tolist() == before[i].mask.tolist()
+        record = journal_b.stamp(e.to_rollout("b", runner_b.sampling, "37+48-19="))
+        assert (record.producer_id, record.rollout_id) == ("a", before[i].rollout_id)  # a's copy, one id
+        groups_b.finish_sample("g")
+        journal_b.on_delivered(Ack(record.rollout_id))
+    assert topic.entries == {} and len(groups_b) == 0  # tombstoned once acknowledged
+
+
+def test_unresumable_and_stale_episodes_are_dropped_and_tombstoned():
+    from producer import telemetry
+    from common import metrics
+
+    class Plain(CalculatorEnv):
+        resumable = False
+
+    topic = MemoryTopic()
+    _, runner, journal, _, resumer = producer(topic, "b", {}, lambda: 0.0)
+    resumer.env_factory = Plain
+    count = lambda o: metrics.value("rlstream_producer_resumed_episodes_total", outcome=o) or 0  # noqa: E731
+    n0, s0 = count("not_resumable"), count("stale")
+    assert not resumer.resume(snapshot(), StalenessView(0, 1))
+    resumer.env_factory = CalculatorEnv
+    assert not resumer.resume(snapshot(versions=np.zeros(12, np.int64)), StalenessView(5, 2))
+    assert not resumer.resume(snapshot(own_score=True), StalenessView(0, 1))
+    assert (count("not_resumable") - n0, count("stale") - s0) == (2, 1) and runner.active == 0
+    assert telemetry.RESUMED is not None
+
+
+class LaggingTopic(MemoryTopic):
+    """Own writes are read back only on `catch_up()` (a consumer behind its producer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.queue = []
+
+    def put(self, s):
+        self.writes.append(s)
+        self.queue.append((s.key, encode(s)))
+
+    def tombstone(self, key):
+        self.queue.append((key, None))
+
+    def catch_up(self):
+        for key, value in self.queue:
+            self._fold(key, value)
+        self.queue.clear()
+
+
+def test_an_episode_finished_here_is_not_claimed_again_from_an_entry_read_back_late():
+    topic, now = LaggingTopic(), [200.0]
+    topic._fold("ep:g#0", encode(snapshot(group_id="g", sample_idx=0, holder="a", incarnation="dead")))
+    journal = EpisodeJournal(topic, "b", JournalSettings(lease_s=10), clock=lambda: now[0])
+    lease(topic, "b", journal.incarnation, 200.0)
+    (s,) = journal.claim()  # a's lease is absent and its entry old: b resumes it
+    journal.adopt(s)  # ... and the episode ends here before b reads its own writes back
+    r = Rollout(rollout_id="x", group_id="g", sample_idx=0, group_size=4, prompt_ids=s.prompt_ids,
+                response_ids=s.response, logprobs=s.logprobs, policy_version=0, reward=0.0)
+    assert journal.stamp(r).rollout_id == s.rollout_id
+    now[0] += 5
+    assert journal.claim() == []  # a's old entry is still what b sees: not a second resume
+    journal.on_delivered(Ack(s.rollout_id))
+    topic.catch_up()
+    now[0] += 5
+    assert journal.claim() == [] and journal._ended == set() and topic.entries == {}
+
+
+def test_a_reader_behind_the_journal_does_not_take_a_live_peer_for_dead():
+    topic, now = MemoryTopic(), [1000.0]  # the wall clock is far ahead of what b has read
+    lease(topic, "a", "inc-a", 10.0)
+    topic._fold("ep:g#0", encode(snapshot(group_id="g", sample_idx=0, holder="a", incarnation="inc-a",
+                                          written_at=10.5)))
+    journal = EpisodeJournal(topic, "b", JournalSettings(lease_s=10), clock=lambda: now[0])
+    lease(topic, "b", journal.incarnation, 11.0)
+    assert journal.claim() == []  # a renewed its lease within what b has read
+    lease(topic, "b", journal.incarnation, 25.0)  # b reads on: a's lease stopped at 10
+    now[0] += 5
+    assert [s.key for s in journal.claim()] == ["ep:g#0"]
