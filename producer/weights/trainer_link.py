@@ -90,7 +90,10 @@ class TrainerLink:
         if op == "close":  # the trainer dropped this link (a failed transfer): register anew
             raise WeightTransferError(f"closed by the trainer: {cmd.get('reason', '')}")
         try:
-            if op == "init":
+            if op == "ping":  # the trainer checks who is alive before it forms a fan-out group
+                pass
+            elif op == "init":
+                self.joined = False
                 self.engine.init_weight_link(cmd["init_info"])
                 self.joined = True
             elif op == "start" and self.engine.weight_transfer == "rlstream_gloo":
@@ -107,7 +110,10 @@ class TrainerLink:
         # vLLM's multiprocess engine (any TP > 1) reports a worker's error as a bare Exception
         except Exception as e:  # noqa: BLE001 - refused, acknowledged; the loop keeps serving
             self.channel.ack(k, error=str(e)[:2000])
-            if op == "init":  # no group: this link is done, the reloader registers a new one
+            # a fan-out group that did not form (another member was missing): the trainer
+            # re-forms it without that member, on this same link
+            if op == "init" and not cmd["init_info"].get("group"):  # no group: this link is done,
+                # the reloader registers a new one
                 raise e if isinstance(e, RlstreamError) else WeightTransferError(f"joining the link failed: {e}") from e
             return
         self.channel.ack(k)
