@@ -86,6 +86,7 @@ class ChainLink(Framed):
         self.relay_error: str | None = None
         """Why this rank stopped forwarding (the next rank failed); it still receives."""
         self._tag = 0  # every rank sees the same chunk sequence, so tags agree
+        self._forwards: list = []  # forwards not yet confirmed, across messages (see `flush`)
 
     @classmethod
     def open(cls, store, prefix: str, rank: int, world_size: int, timeout_s: float) -> "ChainLink":
@@ -132,27 +133,33 @@ class ChainLink(Framed):
         chunks = _chunks(t, self.chunk_bytes)
         tags = [self._next_tag() for _ in chunks]
         recvs = {k: self.pg.recv([chunks[k]], self.prev, tags[k]) for k in range(min(WINDOW, len(chunks)))}
-        forwards: list = []
         for k, c in enumerate(chunks):
             self._wait(recvs.pop(k), f"receive from rank {self.prev}")
             if k + WINDOW < len(chunks):
                 recvs[k + WINDOW] = self.pg.recv([chunks[k + WINDOW]], self.prev, tags[k + WINDOW])
-            self._forward(forwards, c, tags[k])
-        while forwards:
-            self._settle(forwards.pop(0))
+            self._forward(c, tags[k])
+        # the last forwards stay in flight while the next message arrives: waiting for them here
+        # drained the pipeline at every message (header, each group, each digest), measured
+        # +0.25 s per hop for a 32 MiB version at 200 Mbit/s. `flush` confirms them.
         return t
 
-    def _forward(self, forwards: list, chunk: torch.Tensor, tag: int) -> None:
+    def flush(self) -> None:
+        """Confirm every forward still in flight: call once a whole version is received, before
+        its buffers can be reused (a pending forward still reads them)."""
+        while self._forwards:
+            self._settle(self._forwards.pop(0))
+
+    def _forward(self, chunk: torch.Tensor, tag: int) -> None:
         if self.next is None or self.relay_error is not None:
             return
         try:
-            forwards.append(self.pg.send([chunk], self.next, tag))
+            self._forwards.append(self.pg.send([chunk], self.next, tag))
         except (RuntimeError, OSError) as e:
             self.relay_error = str(e)
             return
         self.sent_bytes += chunk.numel()
-        if len(forwards) >= WINDOW:
-            self._settle(forwards.pop(0))
+        if len(self._forwards) >= WINDOW:
+            self._settle(self._forwards.pop(0))
 
     def _settle(self, work) -> None:
         """Wait for one forward; a failed one ends forwarding, not receiving (see the module doc)."""
@@ -164,6 +171,7 @@ class ChainLink(Framed):
             self.relay_error = f"forward to rank {self.next} failed: {e}"
 
     def close(self) -> None:
+        self._forwards.clear()
         try:
             self.pg.shutdown()
         except Exception:  # noqa: BLE001 - a broken group may refuse even this

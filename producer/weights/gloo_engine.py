@@ -171,7 +171,11 @@ class RlstreamGlooEngine(WeightTransferEngine[RlstreamGlooInitInfo, RlstreamGloo
             if experts:
                 experts.begin()
                 prepare = experts.prepare_group
-            self._staged = receive_version(self.pair, self._pool, prepare=prepare)
+            try:
+                self._staged = receive_version(self.pair, self._pool, prepare=prepare)
+            finally:
+                if hasattr(self.pair, "flush"):  # a fan-out relay: its last forwards read these buffers
+                    self.pair.flush()
             self._pool = []
             self.last = {"receive_s": self._staged.seconds, "bytes": self._staged.header.nbytes}
             relay_error = getattr(self.pair, "relay_error", None)
