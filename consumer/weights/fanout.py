@@ -179,6 +179,7 @@ class Fanout(threading.Thread):
         self.engine = open_fanout_engine(self.sender, client, snap, layout, group_prefix(self.epoch))
         self.formed = tuple(m.n for m in members)
         for m in members:
+            m.release_own()  # a joiner's own group, kept until now (the producer re-inits anyway)
             m.name, m.engine = self.name, self.engine
         log.info("weight fan-out epoch %d: %d producers, %d ranks (%s)", self.epoch, len(members),
                  layout.world_size, ", ".join(f"{m.producer}@{o}" for m, o in zip(members, layout.rank_offsets)))

@@ -91,6 +91,8 @@ class WeightSender:
                 lk.join(timeout=self.settings.timeout_s)
         if self.fanout.is_alive():
             self.fanout.join(timeout=self.settings.timeout_s)
+        for lk in list(self.links.values()):
+            lk.release_own()
 
     # ------------------------------------------------------------ links
 
@@ -145,6 +147,7 @@ class WeightSender:
     def _drop(self, lk: "_Link", error: BaseException) -> None:
         """A grouped producer failed: tell it to re-register (best effort) and drop it."""
         lk._close_remote(str(error))
+        lk.release_own()
         self._dropped(lk, error)
 
     def _dropped(self, lk: "_Link", error: BaseException | None) -> None:
@@ -196,10 +199,16 @@ class _Link(threading.Thread):
             error = e
             self._close_remote(str(e))
         finally:
-            if self._own is not None:  # handed over or dropped: this link's own group is done
-                self._own.shutdown()
             if error is not None or not self.grouped:
+                self.release_own()
                 self.sender._dropped(self, error)
+            # handed over: its own group stays open until the fan-out group forms with it
+
+    def release_own(self) -> None:
+        """Close this link's own group (handed over: the fan-out group sends from now on)."""
+        own, self._own = self._own, None
+        if own is not None:
+            own.shutdown()
 
     def _send(self, snap: Snapshot) -> None:
         t0 = time.perf_counter()
