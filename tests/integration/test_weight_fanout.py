@@ -103,7 +103,7 @@ def wait_for(what: str, cond, timeout_s: float) -> float:
     return time.monotonic() - t0
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(400)  # 110-300 s at load 12-17 on the shared 2-core machine: 5 processes import vLLM at once
 def test_every_producer_gets_each_version_once_from_the_trainer_and_a_dead_relay_costs_the_others_no_more_than_a_timeout(tmp_path):
     engines = {n: WorkerProcesses(1) for n in ("p1", "p2", "p3", "p4")}  # spawned at once; p4 joins later
     trainer = TrainerSide(tmp_path / "store", model_dir=None, timeout_s=TIMEOUT_S)
@@ -136,22 +136,24 @@ def test_every_producer_gets_each_version_once_from_the_trainer_and_a_dead_relay
             got = p.received()
             assert got.keys() == ts.keys() and all(torch.equal(got[k], v) for k, v in ts.items())
 
-        # (c) version 3 streams slowly; p2, the middle of the chain (p3 receives through it), dies
+        # (c) version 3 streams slowly; the middle of the chain (the last one receives through it) dies
+        first, middle, last = (trainer.sender.links[n].producer for n in trainer.sender.fanout.formed)
+        regs = {n: p.registrations for n, p in producers.items()}
         failures0, sent = trainer.sender.failures, []
         msg = trainer.publish(3, version_tensors(3), snapshot_cls=slow_snapshot(sent))
         wait_for("the group mid-version", lambda: ("rlstream-weights-fanout", 1) in sent, 20)
-        killed = producers.pop("p2")
+        killed = producers.pop(middle)
         killed.gone = True
         with killed.lock:
             killed.engine.kill()
         t_kill = time.monotonic()
-        wait_for("version 3 at p1 and p3", lambda: all(p.holds(3, msg.digest) for p in producers.values()),
+        wait_for("version 3 at the other two", lambda: all(p.holds(3, msg.digest) for p in producers.values()),
                  TIMEOUT_S)
-        assert producers["p1"].registrations == 1  # before the dead one in the chain: not disturbed
-        assert producers["p3"].registrations == 2  # after it: re-registered and took it over its own link
-        wait_for("p2 dropped", lambda: trainer.sender.failures >= failures0 + 1, TIMEOUT_S * 2)
+        assert producers[first].registrations == regs[first]  # before the dead one in the chain: undisturbed
+        assert producers[last].registrations == regs[last] + 1  # after it: re-registered, took it over its link
+        wait_for("the dead one dropped", lambda: trainer.sender.failures >= failures0 + 1, TIMEOUT_S * 2)
         dropped_after = time.monotonic() - t_kill
-        assert "p2" not in {lk.producer for lk in trainer.sender.links.values()}
+        assert middle not in {lk.producer for lk in trainer.sender.links.values()}
         assert dropped_after < TIMEOUT_S + GROUPS * GROUP_DELAY_S + 3, dropped_after
 
         # (d) a producer joins: it gets the current version at once over its own link
