@@ -9,7 +9,10 @@ The trainer drives each transfer through vLLM's four-call handshake
 the loop's thread, between two steps, and acknowledges it:
 
     command   rlstream_gloo (CPU)                       nccl (vLLM's, GPU)
-    init      join the link's gloo pair                 join the NCCL group
+    ping      (nothing: answered, so the trainer knows this producer is alive before a fan-out rendezvous)
+    init      join the link's gloo pair, or the         join the NCCL group (the link's or the
+              fan-out group's chain at this producer's  fan-out group's, at this producer's
+              rank offset (consumer/weights/fanout.py)  rank offset)
     start     start receiving in the background         start_weight_update
     update    (nothing: the bytes are already flowing)  update_weights: receive + load now
     finish    answered once the version is received     finish_weight_update; serve the version
@@ -23,7 +26,10 @@ registration reports the engine's receiving workers (`engine.weight_workers`,
 vLLM's TP x PP): the trainer sizes the link's group from it (1 + workers, every
 worker at rank_offset + its rank), so a TP=2 producer's second worker has a rank.
 Any failure marks the link dead (`dead` says why); the reloader drops it and
-registers a new one (a failed gloo group is not reusable).
+registers a new one (a failed gloo group is not reusable). One exception: a fan-out
+group's init that failed (another member never joined the rendezvous) is refused
+and the link kept: the trainer re-forms the group without the missing member, on
+this same link.
 """
 from __future__ import annotations
 
