@@ -39,6 +39,10 @@ from common.errors import ConfigError
 ENV_PREFIX = "RLSTREAM__"
 
 
+def yaml_on_off(v: Any) -> Any:
+    """YAML 1.1 (and so a ConfigMap or `--set x=off`) reads a bare on/off as a boolean: map it back."""
+    return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
@@ -267,6 +271,11 @@ class EngineSettings(_Section):
     """Passed to vllm.EngineArgs unchanged, last (escape hatch for arguments without a
     setting, e.g. {attention_backend: FLASHINFER}). Arguments that have a setting are refused."""
 
+    @field_validator("routing", mode="before")
+    @classmethod
+    def _yaml_off(cls, v: Any) -> Any:
+        return yaml_on_off(v)
+
     @field_validator("routing")
     @classmethod
     def _capture_runs_in_process(cls, routing: str, info: ValidationInfo) -> str:
@@ -348,7 +357,7 @@ PromptSettings = Annotated[Union[JsonlPrompts, KafkaTopicPrompts, ReasoningGymPr
 
 
 class EpisodeSettings(_Section):
-    """Multi-turn episodes (docs/multi-turn.md, producer/episodes.py): each sample of a group
+    """Multi-turn episodes (docs/multi-turn.md, producer/rollout/episodes.py): each sample of a group
     is an episode of model turns and environment turns. Absent: single-turn samples."""
 
     env: Literal["calculator"] = "calculator"
@@ -367,7 +376,7 @@ class EpisodeSettings(_Section):
 
 class AgentEndpointSettings(_Section):
     """The OpenAI-compatible chat-completions endpoint for black-box agents
-    (docs/multi-turn.md "Black-box agents", producer/agents.py). Set: agents open
+    (docs/multi-turn.md "Black-box agents", producer/rollout/agents.py). Set: agents open
     groups and drive each episode over HTTP; the producer admits no group of its own.
     Episode limits (max_turns, max_turn_tokens, max_episode_tokens) are producer.episodes'."""
 
@@ -534,6 +543,19 @@ class OptimizerSettings(_Section):
     (Megatron's DistributedOptimizer: 12 B/param divided by the data-parallel size,
     docs/trainer-scale.md). adamw only: sgd keeps a full copy per rank (Megatron
     shards Adam state only)."""
+    cpu_offload_fraction: float = Field(0.0, ge=0.0, le=1.0)
+    """Share of this rank's optimizer shard whose fp32 master, Adam moments and update
+    live on the host (megatron-core's HybridDeviceOptimizer: `optimizer_cpu_offload`,
+    `optimizer_offload_fraction`); 0: off. Each step copies the offloaded shard's fp32
+    gradients to the host and its bf16 parameters back, and AdamW runs on the CPU: it
+    frees GPU memory (12 B per offloaded parameter) for host memory and step time, both
+    in the memory check (consumer/memory_budget.py). adamw with `distributed` only (the
+    offload reuses Megatron's precision-aware distributed-optimizer path); GPU only:
+    megatron-core's offload needs CUDA streams."""
+    cpu_offload_overlap: bool = False
+    """Overlap the offloaded part's gradient copies with the CPU update, one CPU optimizer
+    per parameter (megatron-core's `overlap_cpu_optimizer_d2h_h2d`). Off: one CPU AdamW
+    after all copies, the step-time estimate's assumption."""
 
     @field_validator("betas")
     @classmethod
@@ -541,6 +563,14 @@ class OptimizerSettings(_Section):
         if not all(0.0 <= b < 1.0 for b in v):
             raise ValueError(f"each beta must be in [0, 1), got {list(v)}")
         return v
+
+    @model_validator(mode="after")
+    def _offload_needs_the_distributed_adam(self) -> "OptimizerSettings":
+        if self.cpu_offload_fraction > 0 and not (self.name == "adamw" and self.distributed):
+            raise ValueError(f"cpu_offload_fraction {self.cpu_offload_fraction:g} needs name: adamw with "
+                             "distributed: true (megatron-core offloads the distributed optimizer's Adam "
+                             "state); set it to 0 or use the distributed adamw")
+        return self
 
 
 class ParallelSettings(_Section):
@@ -637,6 +667,14 @@ class TrainerMemorySettings(_Section):
     consumer.parallel.world_size set, `--dry-run` prints the per-GPU estimate of
     docs/trainer-scale.md (static + activations, consumer/memory_budget.py) and the
     consumer refuses to start a layout that cannot fit. None: no check."""
+    host_memory_gb: float | None = Field(None, gt=0, le=65536)
+    """Host memory of one trainer node (or its pod's memory limit) in GB. The check
+    prints node 0's host estimate either way (weight snapshots, offloaded optimizer
+    state, the per-rank checkpoint copies; consumer/memory_budget.py); set, the consumer
+    refuses a layout whose estimate exceeds it. None: printed, not checked."""
+    ranks_per_node: int = Field(8, ge=1, le=1024)
+    """Trainer ranks on one node (torchrun --nproc_per_node): how many ranks' host
+    memory node 0 holds."""
     expert_imbalance: float = Field(1.5, ge=1.0, le=64.0)
     """Token rows the busiest expert-parallel rank receives, as a multiple of the balanced
     share (K x its tokens), in the activation estimate. The dispatcher is dropless with no
@@ -760,7 +798,7 @@ class ConsumerSettings(_Section):
     @field_validator("dynamic_sampling", mode="before")
     @classmethod
     def _yaml_on_off(cls, v: Any) -> Any:
-        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v  # YAML reads on/off as booleans
+        return yaml_on_off(v)
 
     @field_validator("dynamic_sampling")
     @classmethod

@@ -17,21 +17,22 @@ record is trained once in the lineage of the final model.
 
 The snapshot is a deep copy whose tensors live on the host and own their
 memory: training goes on changing the live parameters and optimizer state
-while the copy is written. Host tensors that were made for the checkpoint and
-that nothing else holds (the distributed optimizer's masters and moments,
-gathered by consumer/optimizer.py and marked with `fresh`) are taken as they
-are, not cloned: the clone doubled the host memory of every writing rank at a
-checkpoint (about 43 GB more per expert-rank-0 at 30B-A3B, all of them on node
-0: ../shared/reviews/gpu-path-2.md, N7b). On GPU the copies are device-to-host into pinned
-memory, issued non-blocking, with one synchronise at the end. The writer
-thread issues no collective (consumer/ranks.py commits once every rank's
-shard file is in place), and its error surfaces at the next `wait()`.
+while the copy is written. It holds only what this rank writes: its own shard
+of the distributed optimizer's masters and moments, and its (tp, ep) pair's
+model shard on the one rank per pair that writes it (consumer/ranks.py). No
+rank gathers another's state any more, so the copy is the whole of the
+blocking part, and a rank's host memory at a checkpoint is its own shards
+(before, the expert-rank-0 ranks, all on node 0, each held the gathered state
+of their expert-data-parallel group: ../shared/reviews/gpu-path-2.md, N7b).
+On GPU the copies are device-to-host into pinned memory, issued non-blocking,
+with one synchronise at the end. The writer thread issues no collective
+(consumer/ranks.py commits once every rank's shard file is in place), and its
+error surfaces at the next `wait()`.
 """
 from __future__ import annotations
 
 import threading
 import time
-import weakref
 from typing import Any, Callable
 
 from common.config import CheckpointSettings
@@ -60,46 +61,15 @@ class Cadence:
         self.last_step, self.last_at = step, self.clock()
 
 
-# id -> weak reference of each fresh tensor (a WeakSet would compare tensors with
-# their elementwise ==); an entry leaves when its tensor is freed.
-_FRESH: dict[int, weakref.ref] = {}
-
-
-def _is_fresh(x: Any) -> bool:
-    ref = _FRESH.get(id(x))
-    return ref is not None and ref() is x
-
-
-def fresh(obj: Any) -> Any:
-    """Mark the host tensors of `obj` as made for this checkpoint and held by
-    nothing else, so `host_copy` takes them without a copy; returns `obj`."""
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        if not obj.is_cuda:
-            key = id(obj)
-            _FRESH[key] = weakref.ref(obj, lambda _, key=key: _FRESH.pop(key, None))
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            fresh(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            fresh(v)
-    return obj
-
-
 def host_copy(obj: Any) -> Any:
     """`obj` (dicts, lists, tuples, tensors, plain values) with every tensor copied
-    to host memory that nothing else references; tensors marked `fresh` already
-    are such memory and are taken as they are."""
+    to host memory that nothing else references."""
     import torch
 
     cuda: list[bool] = []
 
     def copy(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
-            if _is_fresh(x):
-                return x
             x = x.detach()
             if x.is_cuda:
                 cuda.append(True)

@@ -1,7 +1,12 @@
 """Atomic checkpoints: model, optimizer, version and Kafka offsets together.
 
-    <dir>/step-00000012/trainer.pt    model + optimizer state (torch.save, loaded
-                                      with weights_only=True: tensors and plain data)
+    <dir>/step-00000012/trainer.pt    model + the optimizer state every rank holds alike
+                                      (torch.save, loaded with weights_only=True: tensors
+                                      and plain data); trainer-tp{t}-ep{e}.pt, one per
+                                      (tp rank, ep rank) pair, under tensor/expert parallelism
+    <dir>/step-00000012/optim-rank00003-of00004.pt
+                                      each rank's own optimizer state (its shard of the
+                                      distributed optimizer's masters and moments)
     <dir>/step-00000012/state.json    version, offsets, processed rollout ids, counters,
                                       lineage (`runs`)
     <dir>/trained.jsonl               audit log: one line per trained step
@@ -12,11 +17,34 @@ When (a cadence) and how without blocking training (a snapshot written by a
 background thread) is consumer/cadence.py; this module is the files.
 
 Under tensor or expert parallelism each (tp rank, ep rank) holds different
-weights and optimizer state, so the trainer state is one shard per pair,
-`trainer-tp{t}-ep{e}.pt` (`shard_name`), written by one rank of each pair into
-the staging directory rank 0 created; rank 0 commits once every shard is
-there (`begin` / `write_shard` / `wait_for_shards` / `commit`). A shard file
-appears under its name only once it is complete and fsynced.
+weights, so the model (and the optimizer state that is not per rank) is one
+shard per pair, `trainer-tp{t}-ep{e}.pt` (`shard_name`), written by one rank of
+each pair. The distributed optimizer spreads its fp32 masters and moments over
+the data-parallel ranks too: each rank writes its own part to its own file
+(`rank_shard_name`), so no rank gathers, holds or writes another's (the gather
+to data-parallel rank 0 it replaced blocked the step and put every expert
+shard's state on node 0: ../shared/reviews/gpu-path-2.md, N7b). Every rank
+writes into the staging directory rank 0 created; rank 0 commits once every
+file is there (`begin` / `write_shard` / `wait_for_shards` / `commit`). A shard
+file appears under its name only once it is complete and fsynced, so
+`state.json` (and with it the offsets) commits only when every rank's shards
+are durable. Checkpoints written before the per-rank files (the gathered
+optimizer state inside the pair's file) load as they are (`load_trainer_state`).
+
+Why not megatron-core's dist_checkpointing (`dist_checkpointing.save(...,
+async_sharded_save=True)`, the fully-parallel wrapper, `AsyncCallsQueue`)?
+Its save validates the sharding with collectives on the default group, and
+its async finalisation is another (an all-reduce in `maybe_finalize_async_calls`,
+then a barrier before metadata.json): every rank must run those on its main
+thread in the same order. Our followers run only what rank 0 sends them
+(consumer/ranks.py), and a checkpoint commits with the Kafka offsets of its
+step, by rename, only when every rank's files are durable; the finalisation
+would have to be a further command, and the commit would wait for the next
+one. What it would save per rank is what we write: Megatron's "dp_reshardable"
+form of the distributed optimizer's state (each rank's own buckets, no gather:
+consumer/optimizer.py), by every rank in parallel, from a host copy, in a
+background thread (consumer/cadence.py). Like the gathered form before it,
+the files resume the parallel layout that wrote them only.
 
 A checkpoint is written under a temporary name, every file fsynced, the
 directory renamed into place and its parent fsynced. A directory without
@@ -98,8 +126,15 @@ def shard_name(tp_rank: int = 0, tp: int = 1, ep_rank: int = 0, ep: int = 1) -> 
     return TRAINER if tp == ep == 1 else f"trainer-tp{tp_rank}-ep{ep_rank}.pt"
 
 
-def all_shard_names(tp: int = 1, ep: int = 1) -> list[str]:
-    return [shard_name(t, tp, e, ep) for t in range(tp) for e in range(ep)]
+def rank_shard_name(rank: int = 0, world: int = 1) -> str:
+    """File name of rank `rank`'s own part of the trainer state (its optimizer shard)."""
+    return f"optim-rank{rank:05d}-of{world:05d}.pt"
+
+
+def all_shard_names(tp: int = 1, ep: int = 1, world: int = 1) -> list[str]:
+    """Every file of a complete checkpoint's trainer state: one per pair, one per rank."""
+    return [shard_name(t, tp, e, ep) for t in range(tp) for e in range(ep)] + \
+        [rank_shard_name(r, world) for r in range(world)]
 
 
 class CheckpointManager:
@@ -166,15 +201,25 @@ class CheckpointManager:
         return CheckpointState.from_json((p / STATE).read_text()), p
 
     @staticmethod
-    def load_trainer_state(path: Path, name: str = TRAINER) -> dict[str, Any]:
-        import torch
+    def load_trainer_state(path: Path, name: str = TRAINER, own: str | None = None) -> dict[str, Any]:
+        """This rank's trainer state: its pair's shard `name`, joined with its own
+        optimizer shard `own` (`rank_shard_name`) when the checkpoint has per-rank files.
+        A checkpoint from before them (the optimizer state gathered inside `name`) has
+        none and loads as it is. `own` None: the pair's shard alone (to inspect it)."""
+        from consumer.optimizer import join_rank_state
 
-        if not (path / name).is_file():
-            have = sorted(p.name for p in path.glob("trainer*.pt"))
-            raise CheckpointError(f"{path} has no {name} (it has {have}): the checkpoint was written "
-                                  "with another consumer.parallel layout; resume with that layout "
-                                  "or move consumer.checkpoint_dir away")
-        return torch.load(path / name, map_location="cpu", weights_only=True)
+        state = _load(path, name)
+        if own is None:
+            return state
+        if not (path / own).is_file():
+            if any(path.glob("optim-rank*.pt")):  # per-rank files, but not this rank's
+                have = sorted(p.name for p in path.glob("optim-rank*.pt"))
+                raise CheckpointError(f"{path} has no {own} (it has {have}): the checkpoint was written "
+                                      "by another number of ranks; resume with the layout and world "
+                                      "size that wrote it or move consumer.checkpoint_dir away")
+            return state
+        state["optimizer"] = join_rank_state(state["optimizer"], _load(path, own))
+        return state
 
     def note_version(self, version: int, step: int) -> None:
         """Version `version` is the model of step `step`: appended to <root>/versions.jsonl
@@ -220,6 +265,17 @@ class CheckpointManager:
         check exactly-once.
         """
         _append_line(self.root / AUDIT, entry)
+
+
+def _load(path: Path, name: str) -> Any:
+    import torch
+
+    if not (path / name).is_file():
+        have = sorted(p.name for p in path.glob("*.pt"))
+        raise CheckpointError(f"{path} has no {name} (it has {have}): the checkpoint was written "
+                              "with another consumer.parallel layout; resume with that layout "
+                              "or move consumer.checkpoint_dir away")
+    return torch.load(path / name, map_location="cpu", weights_only=True)
 
 
 def _append_line(path: Path, entry: dict[str, Any]) -> None:

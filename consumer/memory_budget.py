@@ -1,8 +1,9 @@
-"""Will the trainer's layout fit the GPU? The arithmetic of docs/trainer-scale.md
-("Static memory per GPU", "Activations per micro-batch"), as code.
+"""Will the trainer's layout fit the GPU, and node 0's host memory? The arithmetic of
+docs/trainer-scale.md ("Static memory per GPU", "Activations per micro-batch"), as code.
 
     est = estimate(dims, MemoryPlan(world_size=32, tp=1, ep=8, ...))
     est.total_gb, est.fits(80.0)                    # 59.4, True for Qwen3-30B-A3B
+    host = host_estimate(dims, plan)                 # node 0's host GB, the offload's step cost
     check = check_config(cfg, os.environ)            # from the settings and model.path
     print(check.report())                            # --dry-run; check.refuse() at start
 
@@ -41,6 +42,31 @@ positions with recompute). f = 1 is the balanced arithmetic of the doc. These ar
 (CUDA context, allocator fragmentation, communication buffers) is why a layout
 within a few GB of the device's memory is "tight".
 
+Optimizer CPU offload (`consumer.optimizer.cpu_offload_fraction` f, megatron-core's
+HybridDeviceOptimizer on the precision-aware distributed-optimizer path): the
+offloaded share f of each rank's optimizer shard keeps its fp32 master and Adam
+moments on the host, so the GPU holds o (1 - f) / dp of the optimizer part. Per
+offloaded parameter the host holds 12 B (fp32 master, m, v) plus a pinned fp32
+gradient copy (4 B) and the pinned bf16 staging clone megatron makes at start (2 B,
+kept by torch's caching host allocator), the pinned bytes counted twice (that
+allocator rounds each block up to a power of two): 24 B. Each step moves the fp32
+gradient down and the parameter back up, 8 B over PCIe (the return counted as fp32:
+an upper bound), and runs AdamW on the host CPU, reading gradient, master, m, v and
+writing master, m, v: 28 B of host memory traffic. Step time = PCIe bytes /
+ASSUMED_PCIE_GBPS per GPU + the node's Adam traffic / ASSUMED_HOST_MEMORY_GBPS per
+node, serial (no overlap): ASSUMPTIONS, not measurements.
+
+Host memory of node 0 (the worst node: rank 0 and the first expert-parallel group):
+- the weight snapshots on rank 0: 2 x the bf16 weights (consumer/weights/snapshot.py
+  reuses its slab only once idle, so a version being read and the next coexist);
+- the offloaded optimizer state of the node's ranks (above);
+- the checkpoint as consumer/checkpoint.py takes it: each rank copies only its own
+  optimizer shard to host (nothing is gathered: D / (tp dp) + X / (ep tp edp) x 12 B
+  per rank, unsharded state without the distributed optimizer), and each (tp, ep)
+  pair's writer (expert-DP rank 0: the first ep x tp ranks, those on node 0) copies
+  its bf16 parameters for the model file.
+Checked against `consumer.memory.host_memory_gb` when set (a pod's limit, or the node).
+
 GB here is 1e9 bytes, as in the doc. Pure arithmetic: no torch import, so
 `--dry-run` stays fast; reading config.json goes through consumer/model.py only
 when the file exists.
@@ -60,6 +86,22 @@ if TYPE_CHECKING:
 GB = 1e9
 LOGIT_BYTES = 2 + 4 + 4
 """Per logit of a chunk: the bf16 output, its fp32 copy for the log-softmax, the fp32 gradient."""
+ADAM_STATE_BYTES = 4 + 4 + 4
+"""fp32 master, m and v of one parameter (bf16 training)."""
+OFFLOAD_HOST_BYTES = ADAM_STATE_BYTES + 2 * (4 + 2)
+"""Host bytes per offloaded parameter: the Adam state, and the pinned fp32 gradient copy and
+bf16 staging clone at twice their size (power-of-two rounding of the caching host allocator)."""
+OFFLOAD_PCIE_BYTES = 4 + 4
+"""Per offloaded parameter per step: the fp32 gradient to the host, the parameter back (as fp32)."""
+CPU_ADAM_TRAFFIC_BYTES = 4 * 4 + 3 * 4
+"""Host memory traffic of one AdamW update: read gradient, master, m, v; write master, m, v."""
+ASSUMED_PCIE_GBPS = 25.0
+"""ASSUMPTION: host<->GPU GB/s per GPU per direction under load (PCIe Gen5 x16 peaks near
+64; GPUs share switches and root ports). Not measured here."""
+ASSUMED_HOST_MEMORY_GBPS = 200.0
+"""ASSUMPTION: host memory GB/s one node's CPU AdamW processes reach together. Not measured."""
+SNAPSHOT_COPIES = 2
+"""Weight snapshots rank 0 may hold at once (the one links still read, and the next)."""
 
 
 class ModelShape(Protocol):
@@ -105,10 +147,22 @@ class MemoryPlan:
     recompute: bool = False
     expert_imbalance: float = 1.0
     """Rows the busiest expert-parallel rank receives / the balanced share (1: balanced)."""
+    offload_fraction: float = 0.0
+    """Share of each rank's optimizer shard (master, moments) held and updated on the host."""
+    ranks_per_node: int = 8
+    """Trainer ranks on one node (node 0's host memory holds theirs)."""
 
     @property
     def dp(self) -> int:
         return self.world_size // self.tp
+
+    @property
+    def expert_dp(self) -> int:
+        return max(self.dp // self.ep, 1)
+
+    @property
+    def node_ranks(self) -> int:
+        return min(self.world_size, self.ranks_per_node)
 
 
 @dataclass(frozen=True)
@@ -137,12 +191,16 @@ class MemoryEstimate:
 
 
 def _bytes_per_parameter(plan: MemoryPlan, group_dp: int) -> float:
-    """Parameter + gradient buffer + optimizer state (sharded over `group_dp` when distributed)."""
-    bf16 = plan.dtype == "bfloat16"
-    param, grad = (2 if bf16 else 4), 4
-    optim = (4 if bf16 else 0) + (8 if plan.optimizer == "adamw" else 0)  # master; m and v
+    """Parameter + gradient buffer + the optimizer state left on the GPU (sharded over
+    `group_dp` when distributed; the offloaded share lives on the host)."""
+    param, grad, optim = (2 if plan.dtype == "bfloat16" else 4), 4, _optimizer_state_bytes(plan)
     sharded = plan.distributed and plan.optimizer == "adamw"
-    return param + grad + (optim / group_dp if sharded else optim)
+    return param + grad + (optim / group_dp if sharded else optim) * (1 - plan.offload_fraction)
+
+
+def _optimizer_state_bytes(plan: MemoryPlan) -> int:
+    """Per parameter: the fp32 master (bf16 training) and Adam's m and v (adamw)."""
+    return (4 if plan.dtype == "bfloat16" else 0) + (8 if plan.optimizer == "adamw" else 0)
 
 
 def layer_working_elements(d: ModelShape, expert_imbalance: float = 1.0) -> float:
@@ -168,11 +226,78 @@ def activation_bytes(d: ModelShape, plan: MemoryPlan) -> float:
 def estimate(d: ModelShape, plan: MemoryPlan) -> MemoryEstimate:
     """Static and activation bytes per GPU of `plan` for model `d`."""
     dense, experts = parameter_counts(d)
-    expert_dp = max(plan.dp // plan.ep, 1)
     return MemoryEstimate(
         dense_bytes=dense / plan.tp * _bytes_per_parameter(plan, plan.dp),
-        expert_bytes=experts / (plan.ep * plan.tp) * _bytes_per_parameter(plan, expert_dp),
+        expert_bytes=experts / (plan.ep * plan.tp) * _bytes_per_parameter(plan, plan.expert_dp),
         activation_bytes=activation_bytes(d, plan))
+
+
+# ---------------------------------------------------------------- host memory and offload
+
+
+@dataclass(frozen=True)
+class HostEstimate:
+    """Node 0's host bytes by part, and the offload's step-time cost (module docstring)."""
+
+    snapshot_bytes: float
+    offload_bytes: float
+    checkpoint_bytes: float
+    offloaded_parameters: float
+    """Parameters one rank updates on the host."""
+    pcie_seconds: float
+    cpu_adam_seconds: float
+
+    @property
+    def total_gb(self) -> float:
+        return (self.snapshot_bytes + self.offload_bytes + self.checkpoint_bytes) / GB
+
+    @property
+    def step_seconds(self) -> float:
+        """What the offload adds to a step, copies and CPU update in series."""
+        return self.pcie_seconds + self.cpu_adam_seconds
+
+    def fits(self, host_gb: float | None) -> bool:
+        return host_gb is None or self.total_gb <= host_gb
+
+    def summary(self) -> str:
+        offload = (f"offload {self.offloaded_parameters / 1e9:.2f}e9 params per rank: +{self.step_seconds:.1f} s "
+                   f"per step (PCIe {self.pcie_seconds:.1f} s at an assumed {ASSUMED_PCIE_GBPS:g} GB/s per GPU, "
+                   f"CPU AdamW {self.cpu_adam_seconds:.1f} s at an assumed {ASSUMED_HOST_MEMORY_GBPS:g} GB/s per node)"
+                   if self.offloaded_parameters else "no optimizer offload")
+        return (f"snapshots {self.snapshot_bytes / GB:.0f} + offloaded optimizer {self.offload_bytes / GB:.0f} + "
+                f"checkpoint copies {self.checkpoint_bytes / GB:.0f} = {self.total_gb:.0f} GB on node 0; {offload}")
+
+
+def offloaded_parameters(d: ModelShape, plan: MemoryPlan) -> float:
+    """Parameters of one rank's optimizer shard that live on the host (dense shard over
+    dp, expert shard over expert-dp; the offload needs the distributed optimizer)."""
+    dense, experts = parameter_counts(d)
+    shard = dense / plan.tp / plan.dp + experts / (plan.ep * plan.tp) / plan.expert_dp
+    return plan.offload_fraction * shard
+
+
+def checkpoint_host_bytes(d: ModelShape, plan: MemoryPlan) -> float:
+    """Node 0's host bytes of one checkpoint in the per-rank form (module docstring)."""
+    dense, experts = parameter_counts(d)
+    sharded = plan.distributed and plan.optimizer == "adamw"
+    dense_dp, expert_dp = (plan.dp, plan.expert_dp) if sharded else (1, 1)
+    own_shard = (dense / plan.tp / dense_dp + experts / (plan.ep * plan.tp) / expert_dp) * _optimizer_state_bytes(plan)
+    model_writers = min(plan.ep * plan.tp, plan.node_ranks)  # expert-DP rank 0 of each (tp, ep) pair
+    weights = model_writers * (dense / plan.tp + experts / (plan.ep * plan.tp)) * 2
+    return plan.node_ranks * own_shard + weights
+
+
+def host_estimate(d: ModelShape, plan: MemoryPlan) -> HostEstimate:
+    """Node 0's host memory of `plan`, and what its optimizer offload adds to a step."""
+    dense, experts = parameter_counts(d)
+    per_rank = offloaded_parameters(d, plan)
+    return HostEstimate(
+        snapshot_bytes=SNAPSHOT_COPIES * (dense + experts) * 2,
+        offload_bytes=plan.node_ranks * per_rank * OFFLOAD_HOST_BYTES,
+        checkpoint_bytes=checkpoint_host_bytes(d, plan),
+        offloaded_parameters=per_rank,
+        pcie_seconds=per_rank * OFFLOAD_PCIE_BYTES / (ASSUMED_PCIE_GBPS * GB),
+        cpu_adam_seconds=plan.node_ranks * per_rank * CPU_ADAM_TRAFFIC_BYTES / (ASSUMED_HOST_MEMORY_GBPS * GB))
 
 
 # ---------------------------------------------------------------- from the settings
@@ -186,30 +311,52 @@ class MemoryCheck:
     plan: MemoryPlan | None = None
     result: MemoryEstimate | None = None
     skipped: str | None = None
+    host: HostEstimate | None = None
+    host_gb: float | None = None
+    """consumer.memory.host_memory_gb (None: the host estimate is printed, not checked)."""
+
+    @property
+    def gpu_fits(self) -> bool:
+        return self.result is None or self.result.fits(self.device_gb)
+
+    @property
+    def host_fits(self) -> bool:
+        return self.host is None or self.host.fits(self.host_gb)
 
     @property
     def fits(self) -> bool:
-        return self.result is None or self.result.fits(self.device_gb)
+        return self.gpu_fits and self.host_fits
 
     def report(self) -> str:
-        """One line for `--dry-run` (a YAML comment: the dry-run output stays YAML)."""
+        """Two lines for `--dry-run`, GPU then host (YAML comments: the output stays YAML)."""
         if self.result is None:
             return f"# memory check skipped: {self.skipped}"
-        p, verdict = self.plan, "fits" if self.fits else "DOES NOT FIT"
-        return (f"# memory check (docs/trainer-scale.md): {p.world_size} ranks, tp {p.tp}, ep {p.ep}, "
-                f"dp {p.dp}, expert imbalance {p.expert_imbalance:g}: {self.result.summary()}; "
-                f"{verdict} {self.device_gb:g} GB")
+        p, verdict = self.plan, "fits" if self.gpu_fits else "DOES NOT FIT"
+        offload = f", optimizer offload {p.offload_fraction:g}" if p.offload_fraction else ""
+        gpu = (f"# memory check (docs/trainer-scale.md): {p.world_size} ranks, tp {p.tp}, ep {p.ep}, "
+               f"dp {p.dp}, expert imbalance {p.expert_imbalance:g}{offload}: {self.result.summary()}; "
+               f"{verdict} {self.device_gb:g} GB")
+        host_verdict = ("not checked (consumer.memory.host_memory_gb unset)" if self.host_gb is None else
+                        f"{'fits' if self.host_fits else 'DOES NOT FIT'} {self.host_gb:g} GB")
+        return (f"{gpu}\n# host memory ({p.node_ranks} trainer ranks per node): {self.host.summary()}; "
+                f"{host_verdict}")
 
     def refuse(self) -> None:
         """Raise ConfigError with the numbers and what to change when the layout cannot fit."""
-        if self.fits:
-            return
-        raise ConfigError(
-            f"the trainer needs ~{self.result.total_gb:.1f} GB per GPU ({self.result.summary()}) "
-            f"but consumer.memory.device_memory_gb is {self.device_gb:g}: add ranks (world_size, so "
-            "the distributed optimizer shards more), raise consumer.parallel.expert or tensor, turn "
-            "on consumer.memory.recompute, or lower micro_batch_tokens / logprob_chunk_tokens "
-            "(docs/trainer-scale.md)", key="consumer.memory.device_memory_gb")
+        if not self.gpu_fits:
+            raise ConfigError(
+                f"the trainer needs ~{self.result.total_gb:.1f} GB per GPU ({self.result.summary()}) "
+                f"but consumer.memory.device_memory_gb is {self.device_gb:g}: add ranks (world_size, so "
+                "the distributed optimizer shards more), raise consumer.parallel.expert or tensor, turn "
+                "on consumer.memory.recompute, lower micro_batch_tokens / logprob_chunk_tokens, or "
+                "offload optimizer state (consumer.optimizer.cpu_offload_fraction; docs/trainer-scale.md)",
+                key="consumer.memory.device_memory_gb")
+        if not self.host_fits:
+            raise ConfigError(
+                f"trainer node 0 needs ~{self.host.total_gb:.0f} GB of host memory ({self.host.summary()}) "
+                f"but consumer.memory.host_memory_gb is {self.host_gb:g}: lower "
+                "consumer.optimizer.cpu_offload_fraction, or spread the ranks over more nodes "
+                "(consumer.memory.ranks_per_node; docs/trainer-scale.md)", key="consumer.memory.host_memory_gb")
 
 
 def plan_of(cfg: "RlstreamConfig", world_size: int) -> MemoryPlan:
@@ -221,7 +368,8 @@ def plan_of(cfg: "RlstreamConfig", world_size: int) -> MemoryPlan:
         optimizer=c.optimizer.name, distributed=c.optimizer.distributed,
         tokens=max(c.memory.micro_batch_tokens, cfg.producer.engine.max_model_len),
         logprob_chunk_tokens=c.memory.logprob_chunk_tokens, recompute=c.memory.recompute,
-        expert_imbalance=c.memory.expert_imbalance)
+        expert_imbalance=c.memory.expert_imbalance, offload_fraction=c.optimizer.cpu_offload_fraction,
+        ranks_per_node=c.memory.ranks_per_node)
 
 
 def check_config(cfg: "RlstreamConfig", environ: Mapping[str, str] | None = None) -> MemoryCheck | None:
@@ -241,5 +389,6 @@ def check_config(cfg: "RlstreamConfig", environ: Mapping[str, str] | None = None
                                            "come from it; run --dry-run where the model is mounted)")
     from consumer.model import read_hf_dims  # torch: only where the model is
 
-    plan = plan_of(cfg, world)
-    return MemoryCheck(device, plan, estimate(read_hf_dims(cfg.model.path), plan))
+    plan, dims = plan_of(cfg, world), read_hf_dims(cfg.model.path)
+    return MemoryCheck(device, plan, estimate(dims, plan), host=host_estimate(dims, plan),
+                       host_gb=cfg.consumer.memory.host_memory_gb)

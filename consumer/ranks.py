@@ -7,8 +7,9 @@ command and every follower does the same work, in the same order:
 
     command     what travels                every rank
     TRAIN       its own BatchShare          pad its mini-batches, train_step
-    CHECKPOINT  the staging dir             snapshot its state to host memory (collective);
-                                            the pair's writer writes its (tp, ep) shard in a thread
+    CHECKPOINT  the staging dir             copy its own state to host memory (no collective),
+                                            write it in a thread: its optimizer shard, and
+                                            its (tp, ep) pair's model shard if it writes it
     EXPORT      -                           iterate the weight source (layer groups gathered to rank 0)
     STOP        -                           wait for its checkpoint write, leave
     RESUME      checkpoint path ("": none)  (once, in start_rank) load its shard of it
@@ -23,10 +24,13 @@ expert parallel); CHECKPOINT always when there are several ranks (the
 distributed optimizer spreads its state over data-parallel ranks too).
 
 Checkpoints (when: consumer/cadence.py). Rank 0 waits until its previous
-checkpoint has committed, creates the staging directory and sends CHECKPOINT;
-every rank copies its trainer state to host memory (the loop's only wait) and
-one rank per (tp, ep) pair writes that copy in a background thread; rank 0's
-thread waits for every shard file, then commits (consumer/checkpoint.py). At
+checkpoint has committed, creates the staging directory and sends CHECKPOINT,
+so that every rank copies its state at the same step boundary. Each rank
+copies only what it writes to host memory (the loop's only wait: its own
+optimizer shard, plus the model shard of its (tp, ep) pair on the one rank per
+pair that writes it; nothing is gathered) and writes it in a background
+thread; rank 0's thread waits for every file, then commits
+(consumer/checkpoint.py). At
 STOP every rank waits for its write. Before the first command every rank calls
 `start_rank`: rank 0 picks the newest checkpoint and sends its path, and each
 rank loads its own shard of it. In a world of one the leader sends nothing.
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import signal
+from dataclasses import dataclass
 from enum import Enum
 from functools import partial
 from pathlib import Path
@@ -42,7 +47,7 @@ from pathlib import Path
 from common.config import RlstreamConfig
 from common.errors import RankProtocolError
 from consumer.cadence import BackgroundWrite, host_copy
-from consumer.checkpoint import CheckpointManager, CheckpointState, all_shard_names, shard_name
+from consumer.checkpoint import CheckpointManager, CheckpointState, all_shard_names, rank_shard_name, shard_name
 from consumer.parallel import launch_rank, launch_world_size, ranks, world
 
 log = logging.getLogger("rlstream.consumer")
@@ -87,7 +92,8 @@ def start_rank(cfg: RlstreamConfig):
         else:
             path = expect(channel, RankCommand.RESUME)
     if path:
-        trainer.load_state_dict(ckpt.load_trainer_state(Path(path), checkpoint_shard()[0]))
+        plan = checkpoint_shard()
+        trainer.load_state_dict(ckpt.load_trainer_state(Path(path), plan.pair, plan.own))
     return trainer, ckpt, channel, latest
 
 
@@ -99,30 +105,44 @@ def expect(channel, cmd: RankCommand) -> str:
     return text
 
 
-def checkpoint_shard() -> tuple[str, bool, list[str]]:
-    """(this rank's shard name, whether this rank writes it, every shard name).
-    One rank per (tp rank, ep rank) pair writes: the first of its
-    expert-data-parallel group (data-parallel copies are identical)."""
+@dataclass(frozen=True)
+class ShardPlan:
+    """The files of this rank's trainer state in a checkpoint (consumer/checkpoint.py)."""
+    pair: str            # its (tp, ep) pair's shard: model + the optimizer state ranks share
+    writes_pair: bool    # this rank writes `pair` (one rank per pair)
+    own: str             # its own file: its shard of the distributed optimizer's state
+    every: list[str]     # every file of a complete checkpoint (rank 0 commits on them)
+
+
+def checkpoint_shard() -> ShardPlan:
+    """This rank's files. One rank per (tp rank, ep rank) pair writes the pair's
+    shard: the first of its expert-data-parallel group (data-parallel copies of
+    the model are identical); every rank writes its own file."""
     from megatron.core import parallel_state as ps
 
     tp_rank, tp, ep_rank, ep = ranks()
     writes = world() == 1 or ps.get_expert_data_parallel_rank() == 0
-    return shard_name(tp_rank, tp, ep_rank, ep), writes, all_shard_names(tp, ep)
+    return ShardPlan(shard_name(tp_rank, tp, ep_rank, ep), writes, rank_shard_name(launch_rank(), world()),
+                     all_shard_names(tp, ep, world()))
 
 
 def snapshot_shard(trainer, ckpt: CheckpointManager, writes: BackgroundWrite, tmp: Path,
                    commit=None) -> None:
-    """Collective: wait for this rank's previous write, copy its trainer state to
-    host memory, and (if it writes its pair's shard) write the copy into `tmp` in
-    the background; then `commit()` in the same thread (rank 0)."""
+    """Wait for this rank's previous write, copy what this rank writes to host
+    memory (the only part that blocks; no collective), and write the copies into
+    `tmp` in the background; then `commit()` in the same thread (rank 0)."""
+    from consumer.optimizer import split_rank_state
+
     writes.wait()
-    name, writer, _ = checkpoint_shard()
-    state = trainer.state_dict()  # every rank: collective under the distributed optimizer
-    snap = host_copy(state) if writer else None
+    plan = checkpoint_shard()
+    state = trainer.state_dict()  # live references: copied below, before the next step
+    state["optimizer"], own = split_rank_state(state["optimizer"])
+    files = {plan.own: own, **({plan.pair: state} if plan.writes_pair else {})}
+    snap = host_copy(files)  # this rank's own shards only: never another rank's
 
     def write() -> None:
-        if snap is not None:
-            ckpt.write_shard(tmp, name, snap)
+        for name, part in snap.items():
+            ckpt.write_shard(tmp, name, part)
         if commit is not None:
             commit()
     writes.start(write)
@@ -161,7 +181,7 @@ class Leader:
         self.writes.wait()
         tmp = self.ckpt.begin(st.step)
         self.send(RankCommand.CHECKPOINT, str(tmp))
-        shards = checkpoint_shard()[2]
+        shards = checkpoint_shard().every
         snapshot_shard(self.trainer, self.ckpt, self.writes, tmp, commit=partial(self._commit, tmp, st, shards))
 
     def _commit(self, tmp: Path, st: CheckpointState, shards: list[str]) -> None:

@@ -279,20 +279,21 @@ class Trainer:
     @property
     def optimizer_state_sharded(self) -> bool:
         """The optimizer state is spread over data-parallel ranks (distributed
-        optimizer, dp > 1): `state_dict` and `load_state_dict` are collective."""
+        optimizer, dp > 1): each rank's `state_dict` holds its own shard of it."""
         return self.optimizer.distributed and dp_size() > 1
 
     def state_dict(self) -> dict:
         """Model + optimizer (fp32 masters and moments included) + step of this rank.
         Loadable with `torch.load(weights_only=True)`; model tensors are live
-        references, so serialise it right away. Collective under the distributed
-        optimizer: every rank calls it (consumer/optimizer.py)."""
+        references, so copy or serialise it right away. The distributed optimizer's
+        masters and moments are this rank's own shard; nothing is gathered
+        (consumer/optimizer.py)."""
         return {"model": convert.local_megatron_state_dict(self.model),
                 "optimizer": self.optimizer.state_dict(), "step": self.step,
                 "config": self.cfg.model_dump(include=TRAINING_KEYS)}
 
     def load_state_dict(self, state: dict) -> None:
-        """Inverse of `state_dict` (collective likewise)."""
+        """Inverse of `state_dict` (collective for checkpoints of the older gathered form)."""
         own = convert.local_megatron_state_dict(self.model)
         if set(own) != set(state["model"]):
             raise CheckpointError("the checkpoint's tensors do not match this model and parallel "

@@ -5,7 +5,7 @@ before a byte of the body is read, a declared Content-Length of at most
 `max_body_bytes`, JSON at most `max_json_depth` deep, head and body timeouts, a
 per-request deadline (the call timeout plus 30 s), at most `max_connections`
 connections and as many calls waiting on the engine at once (503 beyond). Requests
-run on producer/agents.py's `AgentEpisodes` (engine thread); this module only routes,
+run on producer/rollout/agents.py's `AgentEpisodes` (engine thread); this module only routes,
 reads and answers.
 
     POST /v1/groups                                 open a group of G episodes
@@ -28,7 +28,7 @@ from common.config import AgentEndpointSettings
 from common.control.http import ServiceHttp
 from common.http_server import Refused, json_response, parse_json_object, read_body
 from producer import telemetry
-from producer.agents import AgentEpisodes, error_body
+from producer.rollout.agents import AgentEpisodes, error_body
 
 log = logging.getLogger("rlstream.producer.agents")
 
@@ -68,7 +68,7 @@ class AgentHttp(ServiceHttp):
             kind = _ERROR_TYPE.get(e.status, "invalid_request_error")
             telemetry.AGENT_REFUSED.labels(kind=kind).inc()
             return json_response(e.status, error_body(str(e), kind), close=request.method != "GET")
-        except ValueError as e:  # a request field producer/agents.py refused
+        except ValueError as e:  # a request field producer/rollout/agents.py refused
             telemetry.AGENT_REFUSED.labels(kind="invalid_request_error").inc()
             return json_response(400, error_body(str(e)[:300], "invalid_request_error"))
         return json_response(status, body)

@@ -57,7 +57,7 @@ from typing import Any
 import numpy as np
 
 from common.config import EngineSettings
-from common.errors import ConfigError, EngineError
+from common.errors import ConfigError, EngineError, WeightTransferError
 from common.record import routing_dtype_for
 from producer.sample import FinishedSample, SamplingConfig
 from producer.text_tokens import encode_text
@@ -436,6 +436,7 @@ class RolloutEngine:
         """Join the trainer's link (vLLM's `init_weight_transfer_engine`; blocks for the rendezvous)."""
         self._check_thread()
         self._require_transfer()
+        self.close_weight_link()  # the old group first: one live group per link, whatever re-registers
         self._engine.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": init_info})
 
     def receive_weights(self) -> None:
@@ -463,12 +464,31 @@ class RolloutEngine:
         """Drop a received (or failed) version that will not be swapped in."""
         self._update_weights({"op": "discard"})
 
-    def run_weight_update(self, update_info: dict[str, Any], version: int) -> float:
-        """A synchronous engine (vLLM's nccl): receive and load `update_info`'s tensors
-        now, between steps; the engine serves `version` afterwards."""
-        t0 = time.perf_counter()
-        self._update_weights(update_info)
+    def load_weight_update(self, update_info: dict[str, Any], timeout_s: float) -> str:
+        """A synchronous engine (vLLM's nccl): receive and load `update_info`'s tensors now,
+        between steps, folding each into a digest as it arrives (common/weights/digest.py);
+        returns that digest. Not served yet: the reloader compares it with the trainer's and
+        then calls `commit_weights` or restores (a failed load leaves layers half-loaded).
+        A transfer without progress for `timeout_s` is aborted (producer/weights/watchdog.py)."""
+        self._check_thread()
+        self._require_transfer()
+        digests = self._engine.collective_rpc("rlstream_update_weights_folded",
+                                              kwargs={"update_info": update_info, "timeout_s": timeout_s})
+        if len(set(digests)) != 1:  # every worker receives the whole version: they must agree
+            raise WeightTransferError(f"the engine's workers received different bytes: {sorted(set(digests))}")
+        return digests[0]
+
+    def commit_weights(self, version: int, t0: float) -> float:
+        """The loaded update verified: the engine serves `version` from the next step on."""
         return self._weights_changed(version, t0)
+
+    def close_weight_link(self) -> None:
+        """Destroy the workers' link group or communicator (vLLM's `shutdown_weight_transfer_engine`):
+        vLLM's nccl `init_transfer_engine` replaces its communicator without destroying it, so
+        every re-registration leaked one (review gpu-path-2, N6)."""
+        self._check_thread()
+        self._require_transfer()
+        self._engine.collective_rpc("shutdown_weight_transfer_engine")
 
     def _update_weights(self, update_info: dict[str, Any]) -> None:
         self._check_thread()

@@ -8,17 +8,15 @@ reused id would mix two prompts in one group.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
+
+from producer.rollout.task import Task
 
 
 @dataclass
 class GroupInfo:
-    prompt_text: str
-    answer: str
-    prompt_ids: object
+    task: Task
     remaining: int  # samples of the group not finished yet
-    score: Callable[[str], tuple[float, dict]] | None = None  # the prompt's own reward (None: producer.verifier)
 
 
 class InFlightGroups:
@@ -36,6 +34,12 @@ class InFlightGroups:
 
     def add(self, group_id: str, info: GroupInfo) -> None:
         self._groups[group_id] = info
+
+    def open(self, task: Task, group_size: int) -> str:
+        """A new group of `group_size` samples of `task`; returns its id."""
+        group_id = self.new_id()
+        self.add(group_id, GroupInfo(task, group_size))
+        return group_id
 
     def finish_sample(self, group_id: str) -> GroupInfo:
         """One sample of the group finished; the group is forgotten after its last."""

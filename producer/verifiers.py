@@ -14,7 +14,7 @@ str/int/float/bool values that travels in the record's `reward_info`.
 
 Select by name with `get_verifier(name)`; add one with `register_verifier`.
 A reasoning-gym prompt source scores with the dataset's own function instead
-(producer/prompts.py, `Prompt.score`).
+(producer/prompts.py binds it as the prompt's `Task.score`).
 """
 from __future__ import annotations
 

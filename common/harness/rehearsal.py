@@ -3,9 +3,12 @@
     ComposeOnTwin   ops/compose/docker-compose.yml: kafka, consumer, producer-i hosts
     SystemdOnTwin   ops/systemd/ units: broker, trainer-0..N-1 (one torchrun job
                     across hosts), producer-i hosts
+    K8sOnTwin       ops/k8s/ manifests: the Kafka Service's host, the consumer JobSet's
+                    pods (one torchrun job across them), the producer Deployment's pods
 
-Shared by tests/integration/test_deployment_twin.py and test_systemd_twin.py (do
-they train across hosts?) and tests/bench/cluster.py (how fast, how many bytes).
+Shared by tests/integration/test_deployment_twin.py, test_systemd_twin.py and
+test_k8s_twin.py (do they train across hosts?) and tests/bench/cluster.py (how
+fast, how many bytes).
 Commands and environments come from the shipped files through
 common/cluster/shipped.py; the only changes are the swaps below, each one a
 device or packaging difference between GPU nodes and this CPU machine, never a
@@ -14,22 +17,35 @@ way it tells users to: copies with a new name and producer id.
 """
 from __future__ import annotations
 
+import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
+import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
 
-from common.cluster.shipped import ShippedService, compose_services, systemd_service
+import yaml
+
+from common.cluster.shipped import (ShippedService, cluster_dns, compose_services, dockerfile_entrypoint,
+                                    external_service_names, k8s_config_text, k8s_deployment, k8s_documents,
+                                    k8s_jobset, k8s_service, systemd_service)
+from common import process
 from common.cluster.twin import ClusterTwin, Host
 from common.harness.supervisor import Service, child_env, wait_until
 
+log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "ops" / "compose" / "docker-compose.yml"
 UNITS = ROOT / "ops" / "systemd"
+K8S = ROOT / "ops" / "k8s"
+CONFIGMAP = "rlstream-config"
+DOCKERFILE = ROOT / "ops" / "Dockerfile"
 
 SWAPS = {
     "kafka": "apache/kafka:3.9.0 -> `rlstream broker` (tansu) listening on kafka:9092",
@@ -45,10 +61,55 @@ SWAPS = {
                   "zero-variance filter drops; a version then takes seconds on 2 cores, not minutes",
 }
 TP2_PRODUCER = {  # a producer at tensor_parallel_size 2 on CPU: routing capture is a TP-1 hook, one core per worker
-    "RLSTREAM__PRODUCER__ENGINE__TENSOR_PARALLEL_SIZE": "2", "RLSTREAM__PRODUCER__ENGINE__ROUTING": "off",
+    # quoted: environment values are YAML scalars, and a bare off is the boolean false, which
+    # producer.engine.routing refuses ("Input should be 'auto', 'capture', 'native' or 'off'")
+    "RLSTREAM__PRODUCER__ENGINE__TENSOR_PARALLEL_SIZE": "2", "RLSTREAM__PRODUCER__ENGINE__ROUTING": "'off'",
     "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 CONSUMER_SWAPS = {"RLSTREAM__CONSUMER__GROUPS_PER_BATCH": "4", "RLSTREAM__CONSUMER__DYNAMIC_SAMPLING": "off"}
 PRODUCER_SWAPS = {"RLSTREAM__PRODUCER__ENGINE__ENFORCE_EAGER": "true"}
+
+# The ConfigMap's rlstream.yaml on the twin: key -> (value, why). Each is the model, the
+# device or the cluster's size; what decides whether the deployment works across hosts
+# (weights.host / advertise_host, http hosts, ports, staleness, the transport) stays as shipped.
+# With CONSUMER_SWAPS and PRODUCER_SWAPS (the environment, as in compose) and K8S_SWAPS.
+K8S_CONFIG_SWAPS = {
+    "kafka.security_protocol": ("PLAINTEXT", "SASL_SSL -> PLAINTEXT: tansu has no SASL/TLS listener"),
+    "kafka.sasl_mechanism": (None, "no SASL (above)"),
+    "kafka.sasl_plain_username": (None, "no SASL (above)"),
+    "kafka.ssl_cafile": (None, "no TLS (above)"),
+    "kafka.topics.replication_factor": (1, "3 -> 1: one broker"),
+    "model.path": ("/models/tiny-model", "Qwen3-30B-A3B -> the tiny MoE (on the models volume)"),
+    "model.build_tiny": (True, "the tiny MoE, put on the models volume before the pods start"),
+    "producer.prompts.path": ("/models/data/train.jsonl", "math-4096 -> the tiny model's arithmetic task"),
+    "producer.verifier": ("exact_match", "math -> the tiny task's verifier"),
+    "producer.max_tokens": (8, "32768 -> 8: the tiny model's context"),
+    "producer.engine.max_model_len": (128, "40960 -> 128: the tiny model's context"),
+    "producer.engine.kv_cache_memory_bytes": (134217728, "40 GiB of GPU memory -> 128 MiB of host memory"),
+    "producer.engine.dtype": ("float32", "bfloat16 -> float32: the CPU engine"),
+    "producer.engine.tensor_parallel_size": (1, "2 GPUs -> 1 CPU process per pod on 2 cores "
+                                                "(TP2_PRODUCER puts it back for one producer)"),
+    "producer.engine.routing": ("auto", "native (a GPU output) -> auto: capture on CPU"),
+    "producer.engine.weight_transfer": ("rlstream_gloo", "nccl -> rlstream_gloo: NCCL's CPU twin"),
+    "consumer.weights.backend": ("rlstream_gloo", "nccl -> rlstream_gloo: NCCL's CPU twin"),
+    "consumer.dtype": ("float32", "bfloat16 -> float32: as the CPU engine"),
+    "consumer.parallel": ({"tensor": 1, "expert": 1}, "16 GPUs (2 nodes x 8, expert 8) -> 2 nodes x 1 "
+                                                      "process (world_size: the JobSet's nodes, set at start)"),
+    "consumer.num_threads": (1, "8 -> 1 thread per process on 2 cores"),
+}
+K8S_SWAPS = {
+    "image": "registry.example.com/rlstream -> this checkout's venv (PATH, PYTHONPATH=<checkout>); the image's "
+             "ENTRYPOINT (ops/Dockerfile) for a container without `command`; its WORKDIR -> a directory of the run",
+    "volumes": "each volumeMount -> a directory of the run named after the volume (the ConfigMap's "
+               "rlstream.yaml written there with K8S_CONFIG_SWAPS, the models volume filled with the tiny "
+               "model and its task data); /dev/shm stays the machine's",
+    "Kafka": "the Strimzi cluster behind rlstream-kafka-bootstrap.kafka.svc -> `rlstream broker` (tansu) "
+             "on host kafka with that Service's names, at the bootstrap's port",
+    "--nproc_per_node": "8 (GPUS_PER_NODE) -> 1 in the JobSet's torchrun args",
+    "replicas": "the producer Deployment's 16 -> `producers`",
+    "Secret": "rlstream-secrets -> a random admin token and an unused Kafka password (no SASL)",
+    "GPUs": "nvidia.com/gpu and rdma/ requests -> CPU; OMP/MKL threads 1, producer i bound to core i",
+    "run_file": SWAPS["run_file"],
+}
 
 
 def service_env(shipped_env: dict[str, str], extra: dict[str, str]) -> dict[str, str]:
@@ -87,18 +148,38 @@ def producer_copy_unit(template: ShippedService, i: int) -> ShippedService:
     return replace(template, name=f"producer-{i}", environment=env)
 
 
+def _wait_stopped(service: Service, timeout_s: float = 60, after_record_s: float = 5) -> None:
+    """Until `service` exits, or `after_record_s` after it wrote its stop record (drained,
+    final counters), then SIGKILL what is left of its group. Why: a producer stopped after
+    the trainer wrote its record and then took 20 s more to exit (its weight link re-dials
+    the gone trainer until the dial times out, then aborts: "terminate called without an
+    active exception"), nothing a rehearsal checks, 20 s of every twin test."""
+    deadline = time.monotonic() + timeout_s
+    while service.alive and service.final() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    grace = after_record_s if service.final() is not None else max(0.0, deadline - time.monotonic())
+    _, killed = process.wait_or_kill(service.proc, grace)
+    if killed:
+        log.info("%s: still running %.0f s after its stop record: killed its process group", service.name, grace)
+
+
 class Rehearsal(ABC):
     """What both deployments share: the twin, the broker host, start and stop, readings."""
 
     broker_host = "kafka"
+    config_file = ROOT / "configs" / "tiny-cpu.yaml"
+    """The configuration the services read (its relative paths land in the working directory)."""
 
     def __init__(self, root: Path, host_names: list[str], rate_mbit: float | None, start_timeout_s: float,
-                 producer_env: dict[int, dict[str, str]] | None = None):
+                 producer_env: dict[int, dict[str, str]] | None = None,
+                 aliases: dict[str, list[str]] | None = None):
         self.work, self.logs = root / "volume", root / "logs"
         self.producer_env = producer_env or {}
         """Extra environment of producer i (e.g. TP2_PRODUCER): a scenario, not a swap."""
         self.start_timeout_s = start_timeout_s
-        self.twin = ClusterTwin([Host(n, rate_mbit=rate_mbit) for n in host_names], observer=True)
+        aliases = aliases or {}  # more DNS names of a host (k8s Services and pod FQDNs)
+        self.twin = ClusterTwin([Host(n, rate_mbit=rate_mbit, aliases=tuple(aliases.get(n, ()))) for n in host_names],
+                                observer=True)
         self.ranks: list[ShippedOnTwin] = []
         self.producers: list[ShippedOnTwin] = []
         self._stack = ExitStack()
@@ -150,9 +231,24 @@ class Rehearsal(ABC):
             raise RuntimeError(f"{' '.join(argv)} failed on {host} ({r.returncode}): {r.stdout[-2000:]}{r.stderr[-2000:]}")
 
     def _stop_services(self) -> None:
-        for s in reversed(self.services):
-            if s.alive:
-                s.stop(timeout_s=60)
+        """Every trainer rank at once, as the kubelets of a JobSet or the hosts' systemd
+        would (a rank stopped alone left the others blocked in a collective until gloo's
+        timeout), then the producers. Measured: with the producers stopped first, or
+        with everything signalled at once as `kubectl delete` would, rank 0 sat in its
+        weight links' close (consumer.weights.timeout_s) until torchrun killed it 30 s
+        later."""
+        for group in (self.ranks, self.producers):  # each group signalled at once: they stop in parallel
+            live = [s for s in group if s.alive]
+            for s in live:
+                s.terminate()
+            for s in live:
+                _wait_stopped(s)
+
+    def model_dir(self) -> Path:
+        """The policy's directory (model.path of the services' configuration)."""
+        from common.config import load_config
+
+        return self.work / load_config(str(self.config_file), environ={}).model.path
 
     def version(self) -> float:
         return self.consumer.try_metric("rlstream_consumer_policy_version", 0)
@@ -218,6 +314,7 @@ class SystemdOnTwin(Rehearsal):
         super().__init__(root, names, rate_mbit, start_timeout_s, producer_env)
         self.trainer_hosts, self.num_producers = trainers, producers
         self.etc = root / "etc"
+        self.config_file = self.etc / "rlstream.yaml"
 
     def _unit(self, unit: str, name: str, env_files: dict[str, str]) -> ShippedService:
         def swap(text: str) -> str:
@@ -265,3 +362,116 @@ class SystemdOnTwin(Rehearsal):
             self.producers.append(ShippedOnTwin(self.twin, producer_copy_unit(template, i), "producer", self.logs,
                                                 self.work, {"VLLM_CPU_OMP_THREADS_BIND": str(i % ncpu),
                                                             **self.producer_env.get(i, {})}).start())
+
+
+def swap_config(text: str, swaps: dict[str, tuple[object, str]], mount: Callable[[str], str]) -> str:
+    """The ConfigMap's YAML with `swaps` set (dotted keys; a dict value merges) and every
+    path under a volume mount moved to the run's directory for that volume."""
+    doc = yaml.safe_load(text)
+    for key, (value, _why) in swaps.items():
+        *parents, leaf = key.split(".")
+        node = doc
+        for k in parents:
+            node = node.setdefault(k, {})
+        if isinstance(value, dict) and isinstance(node.get(leaf), dict):
+            node[leaf] = {**node[leaf], **value}
+        else:
+            node[leaf] = value
+
+    def paths(node):
+        if isinstance(node, dict):
+            return {k: paths(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [paths(v) for v in node]
+        return mount(node) if isinstance(node, str) else node
+    return yaml.safe_dump(paths(doc), sort_keys=False)
+
+
+class K8sOnTwin(Rehearsal):
+    """The manifests of `manifests` (ops/k8s/ by default) on a twin: host `kafka` for the
+    ConfigMap's bootstrap Service, one host per pod of the consumer JobSet (the JobSet's
+    torchrun across them: rendezvous at pod 0 by its subdomain name, gloo) and one per
+    producer pod (`producers` replicas of the Deployment).
+
+    Every host resolves the names cluster DNS would give (common/cluster/shipped.py):
+    each Service as <svc> and <svc>.<ns>.svc.cluster.local to the pod it selects, each
+    JobSet pod as <pod>.<subdomain>[.<ns>.svc.cluster.local]. The containers run the
+    manifests' command/args/env; the swaps are K8S_CONFIG_SWAPS (the config),
+    CONSUMER_SWAPS and PRODUCER_SWAPS (the environment, as compose) and K8S_SWAPS.
+    """
+
+    broker_host = "kafka"
+
+    def __init__(self, root: Path, producers: int = 2, rate_mbit: float | None = None,
+                 start_timeout_s: float = 300, producer_env: dict[int, dict[str, str]] | None = None,
+                 manifests: Path = K8S, model_from: Path | None = None):
+        self.model_from = model_from
+        """A built tiny model to copy onto the models volume (a test session's), else built there."""
+        docs = k8s_documents(manifests)
+        self.config_text = k8s_config_text(docs, CONFIGMAP)
+        self.trainer = k8s_jobset(docs, "rlstream-consumer")
+        self.producer = k8s_deployment(docs, "rlstream-producer", replicas=producers)
+        self.bootstrap = yaml.safe_load(self.config_text)["kafka"]["bootstrap_servers"].split(",")[0]
+        host, _, port = self.bootstrap.rpartition(":")
+        self.broker_port = int(port)
+        pods = self.trainer.pods + self.producer.pods
+        aliases = cluster_dns(docs, pods, self.trainer.namespace)
+        aliases["kafka"] = external_service_names(host, self.trainer.namespace)
+        super().__init__(root, ["kafka"] + [p.name for p in pods], rate_mbit, start_timeout_s, producer_env,
+                         aliases)
+        self.trainer_hosts, self.num_producers = len(self.trainer.pods), producers
+        mounts = [m for w in (self.trainer, self.producer) for m in w.container.get("volumeMounts") or []
+                  if m["mountPath"] != "/dev/shm"]  # the machine's own /dev/shm serves
+        self.volumes = {m["name"]: root / "mounts" / m["name"] for m in mounts}
+        self.mounts = {m["mountPath"]: self.volumes[m["name"]] / m.get("subPath", "") for m in mounts}
+        config = next(v["name"] for v in self.trainer.volumes if (v.get("configMap") or {}).get("name") == CONFIGMAP)
+        self.config_file = next(self.mounts[m["mountPath"]] for m in mounts if m["name"] == config)
+        """Where the pods read the ConfigMap's rlstream.yaml (its volume's mount, moved)."""
+        self.secrets = {("rlstream-secrets", "admin-token"): "twin-" + os.urandom(8).hex(),
+                        ("rlstream-secrets", "kafka-password"): "unused-no-sasl"}
+
+    def mount(self, text: str) -> str:
+        """A path under a volume mount -> the run's directory for that volume (longest mount first)."""
+        for path in sorted(self.mounts, key=len, reverse=True):
+            text = re.sub(rf"(?<![\w./-]){re.escape(path)}(?=/|$|\s)", str(self.mounts[path]), text)
+        return text
+
+    def _populate_models_volume(self) -> None:
+        """storage.yaml's models volume is filled out of band before any pod starts: here
+        with the tiny model (copied from `model_from`, else built) and its task data.
+        In this process: `rlstream build-model` as a process of its own took 44 s at load 22."""
+        from common.config import load_config
+        from common.toy.build import ensure_data, ensure_model
+
+        cfg = load_config(str(self.config_file), environ={})
+        if self.model_from is not None:
+            shutil.copytree(self.model_from, cfg.model.path)
+        ensure_model(cfg)
+        ensure_data(cfg)
+
+    def _pod(self, workload, pod, extra: dict[str, str]) -> ShippedOnTwin:
+        """Start `pod`'s container on its host: its command line and env with the paths of
+        the run's volumes, one process per trainer node (K8S_SWAPS["--nproc_per_node"])."""
+        shipped = k8s_service(workload, pod, dockerfile_entrypoint(DOCKERFILE), self.secrets)
+        argv = [re.sub(r"^--nproc_per_node=\d+$", "--nproc_per_node=1", self.mount(a)) for a in shipped.command]
+        env = {k: self.mount(v) for k, v in shipped.environment.items()}
+        role = "consumer" if workload is self.trainer else "producer"
+        return ShippedOnTwin(self.twin, replace(shipped, command=argv, environment=env), role, self.logs,
+                             self.work, extra).start()
+
+    def _start(self) -> None:
+        for path in self.volumes.values():
+            path.mkdir(parents=True, exist_ok=True)
+        swaps = {**K8S_CONFIG_SWAPS,
+                 "consumer.parallel.world_size": (self.trainer_hosts, "the JobSet's nodes x 1 process")}
+        self.config_file.write_text(swap_config(self.config_text, swaps, self.mount))
+        env = service_env({}, {})
+        cli = [sys.executable, "-m", "common.app.cli"]
+        self._start_broker([*cli, "broker", "--set", f"broker.host={self.bootstrap.rpartition(':')[0]}",
+                            "--set", f"broker.port={self.broker_port}"], env, port=self.broker_port)
+        self._populate_models_volume()
+        self.ranks = [self._pod(self.trainer, p, CONSUMER_SWAPS) for p in self.trainer.pods]
+        ncpu = os.cpu_count() or 1
+        for i, p in enumerate(self.producer.pods):
+            extra = {**PRODUCER_SWAPS, "VLLM_CPU_OMP_THREADS_BIND": str(i % ncpu), **self.producer_env.get(i, {})}
+            self.producers.append(self._pod(self.producer, p, extra))

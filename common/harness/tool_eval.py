@@ -66,11 +66,10 @@ def _stop_ids(tok, env_cls) -> frozenset[int]:
 
 
 def _start(env_cls, tok, problem: Problem) -> _Live:
-    from producer.episodes import EpisodeTask
+    from producer.rollout.task import Task
 
     env = env_cls()
-    task = EpisodeTask(problem.prompt, problem.answer,
-                       lambda text, a=problem.answer: (float(is_correct(text, a)), {}))
+    task = Task(problem.prompt, problem.answer, lambda text, a=problem.answer: (float(is_correct(text, a)), {}))
     prompt = env.reset(task)
     return _Live(env, list(tok.encode(prompt, add_special_tokens=False)), prompt)
 
@@ -82,7 +81,7 @@ def _end(ep: _Live, reward: float, end: str) -> None:
 def _take_turn(ep: _Live, out: list[int], tok, settings: EpisodeSettings, stops: frozenset[int]) -> None:
     """Append one model turn (`out` as decoded: an ending EOS was dropped and is put back), step the
     environment, append its observation or end the episode."""
-    from producer.episodes import ModelTurn
+    from producer.rollout.environment import ModelTurn
 
     if len(out) < settings.max_turn_tokens and not (out and out[-1] in stops):
         out = out + [tok.eos_token_id]  # ended by EOS, which the producer's turn includes

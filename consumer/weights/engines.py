@@ -28,6 +28,7 @@ from vllm.distributed.weight_transfer.base import (ParamMeta, TrainerInitInfo, T
 
 from common.errors import WeightTransferError
 from common.weights.chain import ChainLink
+from common.weights.digest import Fold
 from common.weights.link import Channel, GlooPair, GroupLayout, open_store, send_version
 from consumer.weights.snapshot import Snapshot
 from consumer.weights.export import MegatronSource
@@ -59,8 +60,16 @@ class SnapshotSource(WeightSource):
                 for n, d, s in zip(g.names, g.dtypes, g.shapes)]
 
     def __iter__(self):
+        # restore branch hook (issue 23, N5): fold each tensor on the device as it is sent; the
+        # finish command carries the digest, the producer compares it with what it folded
+        self.fold = Fold()
         for name, t in self.snapshot.tensors().items():
-            yield name, t.to(self.device, non_blocking=True)
+            t = t.to(self.device, non_blocking=True)
+            self.fold.add(name, t)
+            yield name, t
+
+    def fold_digest(self) -> str:
+        return self.fold.hexdigest()
 
 
 # ---------------------------------------------------------------- the control channel
@@ -76,6 +85,8 @@ class LinkClient:
         self.channel = Channel(store, link)
         self.version: int | None = None
         """The version being sent (the producer serves it after an nccl update)."""
+        self.fold = None
+        """nccl: the digest of what was sent (`SnapshotSource.fold_digest`), carried by finish."""
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.channel.call("init", self.timeout_s, init_info=init_info)
@@ -87,7 +98,8 @@ class LinkClient:
         self.channel.call("update", self.timeout_s, update_info=update_info, version=self.version)
 
     def finish_weight_update(self, weight_version: str | None = None) -> dict:
-        return self.channel.call("finish", self.timeout_s, version=self.version)
+        digest = {"digest": self.fold()} if self.fold is not None else {}
+        return self.channel.call("finish", self.timeout_s, version=self.version, **digest)
 
 
 # ---------------------------------------------------------------- the gloo engine
@@ -188,6 +200,7 @@ def open_nccl_link(client, host: str, source: SnapshotSource, layout: GroupLayou
         s.bind((host, 0))
         port = s.getsockname()[1]
     info = NCCLTrainerInitInfo(master_address=host, master_port=port, world_size=layout.world_size, rank=0)
+    client.fold = getattr(source, "fold_digest", None)  # restore branch hook (N5): finish carries the sent digest
     return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
 
 

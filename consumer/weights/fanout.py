@@ -67,6 +67,8 @@ class FanoutClient:
     def __init__(self, members: list["_Link"], layout: wlink.GroupLayout):
         self.members, self.layout = members, layout
         self.version: int | None = None
+        self.fold = None
+        """nccl: the sent version's digest getter (`SnapshotSource.fold_digest`), carried by every finish."""
 
     def _each(self, op: str, call: Callable[[int, "_Link"], Any]) -> dict[int, Any]:
         results, failed, silent = {}, {}, set()
@@ -84,7 +86,7 @@ class FanoutClient:
         return results
 
     def _versioned(self, m: "_Link"):
-        m.client.version = self.version
+        m.client.version, m.client.fold = self.version, self.fold
         return m.client
 
     def ping(self) -> None:
@@ -189,7 +191,8 @@ class Fanout(threading.Thread):
 
         if self.sender.backend == "nccl":
             snap.wait()
-            self.engine.source = SnapshotSource(snap)  # one upload to the GPU per version
+            source = self.engine.source = SnapshotSource(snap)  # one upload to the GPU per version
+            self.engine.client.fold = source.fold_digest  # this version's fold, not the first one's
         else:
             self.engine.source = snap
         self.engine.client.version = snap.version

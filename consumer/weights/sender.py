@@ -218,7 +218,8 @@ class _Link(threading.Thread):
             log.info("weight link %d: producer %s joined (%d workers)", self.n, self.producer, self.workers)
         if self.sender.backend == "nccl":
             snap.wait()
-            self._own.source = SnapshotSource(snap)
+            source = self._own.source = SnapshotSource(snap)
+            self.client.fold = source.fold_digest  # the finish carries this version's fold
         else:
             self._own.source = snap
         self.client.version = snap.version

@@ -1,5 +1,5 @@
 """Built-in environments for multi-turn episodes (`producer.episodes.env`; protocol in
-producer/episodes.py)."""
+producer/rollout/environment.py)."""
 from __future__ import annotations
 
 from collections.abc import Callable

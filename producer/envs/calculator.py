@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import re
 
-from producer.episodes import EpisodeTask, ModelTurn, StepResult
+from producer.rollout.environment import ModelTurn, StepResult
+from producer.rollout.task import Task
 
 CALL = re.compile(r"c\(([0-9+\-*/ ]{1,32})\)$")
 
@@ -60,9 +61,9 @@ class CalculatorEnv:
         """A worked solution with the tool (module function `reference_turns`), for SFT."""
         return reference_turns(prompt)
 
-    def reset(self, task: EpisodeTask) -> str:
+    def reset(self, task: Task) -> str:
         self.task, self.calls = task, 0
-        return task.prompt_text
+        return task.prompt
 
     def step(self, turn: ModelTurn) -> StepResult:
         text = turn.text.strip()

@@ -308,6 +308,12 @@ class RlstreamWorkerExtension:
                     "digest_mismatch": False, "last": {}}
         return engine.status()
 
+    # restore branch hook (issue 23, N5): the nccl update, folded into a digest as it loads
+    def rlstream_update_weights_folded(self, update_info: dict[str, Any], timeout_s: float) -> str:
+        from producer.weights.verified_update import update_weights_folded
+
+        return update_weights_folded(self, update_info, timeout_s)
+
     def rlstream_repack_cpu_moe(self) -> int:
         """After vLLM's `reload_weights` of a whole checkpoint (the file path)."""
         from producer.weights.cpu_moe import repack_cpu_moe

@@ -12,8 +12,12 @@ trainer's endpoint (producer/weights/trainer_link.py), the trainer streams each 
 it, vLLM's weight-transfer engine receives it in the background while the
 engine keeps stepping and checks every group's digest (producer/weights/gloo_engine.py);
 `tick` swaps it in once the announcement of that version arrived and its
-digest equals the received one. A late or restarted producer registers and
-the trainer sends it the current version at once.
+digest equals the received one. With vLLM's `nccl` engine the link's update
+loads the version at once, folding a device digest as it goes
+(producer/weights/verified_update.py); `tick` then serves it only if that
+digest equals the one the trainer sent with its finish, else restores.
+`digest_refusal` is the one comparison for both. A late or restarted
+producer registers and the trainer sends it the current version at once.
 
 Durable (`transport: file`, and the fallback): the version's directory in the
 weight store is staged (hard links, a copy across file systems) into one of
@@ -30,15 +34,21 @@ Failures, by kind:
   re-registered, and a version not received within
   `producer.engine.weight_transfer_timeout_s` of its announcement is taken
   from the durable store when a newer copy is there;
-- a load that fails halfway: counted and rolled back by reloading the
+- a load that fails halfway, or an nccl update refused after it loaded (its
+  digest, a failure while loading, no finish, a dead trainer the watchdog
+  aborted): counted and rolled back before the next step by reloading the
   previous durable version from its slot (or the base model directory, or
   the newest durable copy); if that fails too the weights are inconsistent
   and `WeightReloadError` tells the service to exit so a supervisor restarts it.
+
+`state()` is the weight state /healthz and /readyz show: serving, receiving,
+restoring, or failed with the last refused version and why.
 """
 from __future__ import annotations
 
 import logging
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -52,6 +62,16 @@ from producer.weights.trainer_link import TrainerLink
 log = logging.getLogger("rlstream.producer")
 
 _REJOIN_EVERY_S = 1.0
+
+
+def digest_refusal(version: int, received: str | None, expected: str | None, whose: str) -> str | None:
+    """The one comparison of a received version's digest before it is served, on every
+    transport (blake3 on rlstream_gloo, the device fold on nccl: common/weights/digest.py):
+    why it is refused, or None. A missing digest refuses: nothing unverified is served."""
+    if received is not None and expected is not None and received == expected:
+        return None
+    return (f"version {version}: received digest {str(received)[:12]} != {whose} {str(expected)[:12]}; "
+            "refused, the served weights stay")
 
 
 class ReloadableEngine(Protocol):
@@ -88,6 +108,9 @@ class Reloader:
         dropped yet: only then is the engine's status worth a `collective_rpc` to every
         worker. vLLM's nccl loads inside the trainer's update command, so it never is."""
         self._rejoin_at = 0.0
+        self._restoring = False
+        self._failure: dict[str, Any] | None = None
+        """The last version refused or failed since one was served: /healthz shows it."""
 
     # ------------------------------------------------------------ the three calls
 
@@ -110,16 +133,20 @@ class Reloader:
         if self.newest is None or self.engine.weight_transfer is None:
             return False
         self._keep_link()
+        changed = False
         if self.link is not None:
             self.link.poll()
             self._receive_pending = self.link.take_started() or self._receive_pending
-        changed = self._take_received() if self._receive_pending else False
+            if (update := self.link.take_update()) is not None:
+                changed = self._take_update(update)
+        changed = (self._take_received() if self._receive_pending else False) or changed
         if self.engine.version >= self.newest.version:
             self._awaited_since = None
         elif self._awaited_since is not None and time.monotonic() - self._awaited_since > self.timeout_s:
             self._awaited_since = time.monotonic()  # try the link again for as long, then again
-            changed = self._fall_back(f"version {self.newest.version} did not arrive over the link "
-                                      f"within {self.timeout_s:.0f} s") or changed
+            why = f"version {self.newest.version} did not arrive over the link within {self.timeout_s:.0f} s"
+            self._failed(self.newest.version, why)
+            changed = self._fall_back(why) or changed
         return changed
 
     def catch_up(self, msg: WeightsReady, timeout_s: float | None = None) -> bool:
@@ -135,6 +162,30 @@ class Reloader:
             self._fall_back(f"version {msg.version} did not arrive over the link at start")
         return self.engine.version >= msg.version
 
+    def state(self) -> dict[str, Any]:
+        """The weight state for /healthz and /readyz (read from the HTTP thread: plain reads).
+
+        state: `serving` (nothing pending), `receiving` (a version is arriving or loading),
+        `restoring` (a failed load is being undone), `failed` (the last version refused
+        or lost, `failure` says why; the served version stays until one arrives)."""
+        link = self.link
+        update = link.update if link is not None else None
+        if self._restoring:
+            state = "restoring"
+        elif self._receive_pending or (update is not None and update.error is None and update.finish is None):
+            state = "receiving"
+        else:
+            state = "failed" if self._failure is not None else "serving"
+        newest = self.newest
+        return {"state": state, "serving_version": self.engine.version,
+                "announced_version": newest.version if newest is not None else None,
+                "link": None if link is None else ("dead: " + link.dead if link.dead else
+                                                   "linked" if link.channel is not None else "registering"),
+                "failure": self._failure}
+
+    def _failed(self, version, reason: str) -> None:
+        self._failure = {"version": version, "reason": reason[:500], "at": time.time()}
+
     # ------------------------------------------------------------ collective
 
     def _keep_link(self) -> None:
@@ -144,6 +195,7 @@ class Reloader:
         if link is not None and link.dead:
             telemetry.TRANSFER_FAILURES.inc()
             log.warning("weight link dropped: %s (still serving version %d)", link.dead, self.engine.version)
+            self._failed(self.newest.version, f"weight link dropped: {link.dead}")
             self.link = link = None
         # the trainer restarted elsewhere: join at once. A message without an endpoint (transport
         # file) keeps the link: dropping it silently left the trainer's end waiting for acks up
@@ -166,6 +218,7 @@ class Reloader:
                 return self._refuse(st["version"], st["error"])
             if self.link is not None and not self.link.dead:
                 self.link.dead = st["error"]
+            self._failed(st.get("version") or self.newest.version, f"the receive failed: {st['error']}")
             return False
         if st["state"] != "ready":
             return False
@@ -176,19 +229,38 @@ class Reloader:
         announced = self._digests.get(version)
         if announced is None:
             return False  # its announcement is on its way: swap at a later tick (tick bounds the wait)
-        if announced != digest:
+        if (refusal := digest_refusal(version, digest, announced, "announced")) is not None:
             self.engine.discard_weights()
-            return self._refuse(version, f"received digest {digest[:12]} != announced {announced[:12]}")
+            return self._refuse(version, refusal)
         return self._swap(version, digest)
+
+    def _take_update(self, update: TrainerLink.Update) -> bool:
+        """A synchronous (nccl) update the link loaded: serve it if the digest the workers folded
+        equals the trainer's, else restore what was served (the load already replaced layers)."""
+        refusal = update.error or digest_refusal(update.version, update.received, update.expected, "sent")
+        if refusal is not None:
+            telemetry.RELOAD_FAILURES.inc()
+            log.error("refusing weight version %d from the link: %s; restoring", update.version, refusal)
+            self.link.answer_update(update, error=refusal)
+            self._restore()
+            self._failed(update.version, refusal)
+            self._fall_back("the link's version was refused")
+            return True  # the engine's weights were replaced: by the restored ones now
+        seconds = self.engine.commit_weights(update.version, update.t0)
+        self.loaded = None
+        self.link.answer_update(update)
+        self._served("collective", seconds)
+        return True
 
     def _swap(self, version: int, digest: str) -> bool:
         try:
             seconds = self.engine.swap_weights(version, digest)
         except DigestMismatchError as e:
             return self._refuse(version, str(e))
-        except Exception:  # noqa: BLE001 - a load that failed halfway is rolled back
+        except Exception as e:  # noqa: BLE001 - a load that failed halfway is rolled back
             telemetry.RELOAD_FAILURES.inc()
             self._restore()
+            self._failed(version, f"the swap failed while loading: {e}")
             return False
         self.loaded = None
         if self.link is not None:
@@ -198,6 +270,7 @@ class Reloader:
 
     def _refuse(self, version, reason: str) -> bool:
         telemetry.RELOAD_FAILURES.inc()
+        self._failed(version, reason)
         log.error("refusing weight version %s from the link: %s (still serving version %d)",
                   version, reason, self.engine.version)
         return self._fall_back("the link's version was refused")
@@ -220,9 +293,10 @@ class Reloader:
             return False
         try:
             self.engine.reload_weights(staged, copy.version)
-        except Exception:  # noqa: BLE001 - any load failure is rolled back
+        except Exception as e:  # noqa: BLE001 - any load failure is rolled back
             telemetry.RELOAD_FAILURES.inc()
             self._restore()
+            self._failed(copy.version, f"loading the durable copy failed: {e}")
             return False
         self.loaded = staged
         self._served("file", time.perf_counter() - t0)
@@ -238,15 +312,19 @@ class Reloader:
             verify(staged.as_uri(), copy.sha256, copy.bytes)
         except Exception as e:  # noqa: BLE001 - a bad version must never take the service down
             telemetry.RELOAD_FAILURES.inc()
+            self._failed(copy.version, f"the durable copy did not verify: {e}")
             log.error("refusing weight version %d: %s (still serving version %d)",
                       copy.version, e, self.engine.version)
             return None
         return staged
 
     def _restore(self) -> None:
-        """A load failed halfway: reload what was serving (or the newest durable copy), or
-        raise (never serve half a model)."""
-        log.exception("loading a verified version failed; restoring a consistent model")
+        """A load failed halfway, or an nccl update loaded bytes that failed their digest:
+        reload what was serving (or the newest durable copy), or raise (never serve half a
+        model). The one restore path of every transport."""
+        log.error("a weight load failed or was refused after it touched the model; restoring a consistent "
+                  "model", exc_info=sys.exc_info()[0] is not None)
+        self._restoring = True
         try:
             if self.loaded is not None:
                 self.engine.reload_weights(self.loaded, self.engine.version)
@@ -257,11 +335,15 @@ class Reloader:
                 raise WeightReloadError("no durable copy to restore from")
             self.engine.reload_weights(staged, copy.version)
             self.loaded = staged
+            telemetry.VERSION.set(self.engine.version)
         except Exception as e:  # noqa: BLE001 - whatever failed, the weights are now inconsistent
             raise WeightReloadError(f"weights are inconsistent after a failed reload and restoring "
                                     f"failed too ({e}); exiting so a supervisor restarts us") from e
+        finally:
+            self._restoring = False
 
     def _served(self, transport: str, seconds: float) -> None:
+        self._failure = None
         telemetry.RELOAD_SECONDS.observe(seconds)
         telemetry.VERSIONS_TAKEN.labels(transport=transport).inc()
         telemetry.VERSION.set(self.engine.version)

@@ -10,13 +10,16 @@ the loop's thread, between two steps, and acknowledges it:
 
     command   rlstream_gloo (CPU)                       nccl (vLLM's, GPU)
     ping      (nothing: answered, so the trainer knows this producer is alive before a fan-out rendezvous)
-    init      join the link's gloo pair, or the         join the NCCL group (the link's or the
-              fan-out group's chain at this producer's  fan-out group's, at this producer's
-              rank offset (consumer/weights/fanout.py)  rank offset)
-    start     start receiving in the background         start_weight_update
-    update    (nothing: the bytes are already flowing)  update_weights: receive + load now
-    finish    answered once the version is received     finish_weight_update; serve the version
-              and verified (the reloader swaps it in
+    init      close the old group, join the link's      destroy the old communicator, join the
+              gloo pair, or the fan-out group's chain   NCCL group (the link's or the fan-out
+              at this producer's rank offset            group's, at this producer's rank offset)
+              (consumer/weights/fanout.py)
+    start     start receiving in the background         (nothing: the update runs vLLM's three calls)
+    update    (nothing: the bytes are already flowing)  receive + load now, folding a digest
+                                                        (producer/weights/verified_update.py); then
+                                                        wait for the finish (no step runs meanwhile)
+    finish    answered once the version is received     carries the trainer's digest: the reloader
+              and verified (the reloader swaps it in    compares, serves or restores, then answers
               when the announcement's digest matches)
     close     the trainer dropped the link (a transfer failed): register a new one
 
@@ -35,6 +38,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from dataclasses import dataclass
 from typing import Any
 
 from common.errors import RlstreamError, WeightTransferError
@@ -44,6 +49,20 @@ log = logging.getLogger("rlstream.producer")
 
 
 class TrainerLink:
+    @dataclass
+    class Update:
+        """An nccl update loaded into the engine but not served yet: the reloader compares
+        `received` with `expected` (the trainer's, from its finish) and serves or restores."""
+
+        version: int
+        t0: float
+        received: str | None = None
+        """The digest the workers folded while loading (None: the load failed, see `error`)."""
+        expected: str | None = None
+        error: str | None = None
+        finish: int | None = None
+        """The trainer's finish command, answered once the reloader decided."""
+
     def __init__(self, engine, endpoint: str, producer_id: str, timeout_s: float):
         self.engine, self.endpoint, self.timeout_s = engine, endpoint, timeout_s
         self.producer_id = producer_id
@@ -60,6 +79,8 @@ class TrainerLink:
         """(version, digest) the reloader last swapped in from this link: a finish that
         arrives (or is answered) after the swap acknowledges it."""
         self._started = False  # a background receive started since the reloader last asked
+        self.update: TrainerLink.Update | None = None
+        """An nccl update loaded and not yet verified (the reloader takes it right after `poll`)."""
 
     @classmethod
     def connect(cls, engine, endpoint: str, producer_id: str, timeout_s: float) -> "TrainerLink":
@@ -88,7 +109,46 @@ class TrainerLink:
                 self._run(*cmd)
             if self._finish is not None:
                 self._answer_finish()
+            if self.update is not None and self.update.received and self.update.finish is None:
+                self._await_nccl_finish()
         except (RlstreamError, RuntimeError, OSError) as e:  # the store or the pair broke
+            self.dead = f"link {self.channel.link}: {e}"
+            if self.update is not None and self.update.error is None and self.update.finish is None:
+                self.update.error = self.dead  # loaded, never verified: the reloader restores
+
+    def _await_nccl_finish(self) -> None:
+        """An nccl update is loaded but unverified: no engine step may run on it, so wait here
+        (at most `timeout_s`) for the trainer's finish, which carries its digest. The trainer
+        posts it as soon as its broadcast ends, which is when the update returned."""
+        deadline = time.monotonic() + self.timeout_s
+        while self.update.finish is None:
+            cmd = self.channel.next_command()
+            if cmd is not None:
+                self._run(*cmd)
+            elif time.monotonic() > deadline:
+                self.update.error = f"no finish from the trainer within {self.timeout_s:.0f} s of the update"
+                raise WeightTransferError(self.update.error)
+            else:
+                time.sleep(0.001)
+
+    def take_update(self) -> "TrainerLink.Update | None":
+        """The nccl update to verify or restore, once it is settled (finished or failed)."""
+        u = self.update
+        if u is None or (u.error is None and u.finish is None):
+            return None
+        self.update = None
+        return u
+
+    def answer_update(self, update: "TrainerLink.Update", error: str | None = None) -> None:
+        """Answer the trainer's finish with the reloader's decision (served, or refused)."""
+        if update.finish is None or self.channel is None or self.dead:
+            return
+        try:
+            if error is None:
+                self.channel.ack(update.finish, version=update.version, digest=update.received)
+            else:
+                self.channel.ack(update.finish, error=error[:2000])
+        except (RlstreamError, RuntimeError, OSError) as e:
             self.dead = f"link {self.channel.link}: {e}"
 
     def _run(self, k: int, cmd: dict[str, Any]) -> None:
@@ -106,8 +166,13 @@ class TrainerLink:
                 self.engine.receive_weights()
                 self._started = True
             elif op == "update" and self.engine.weight_transfer == "nccl":
-                self._nccl_version = int(cmd["version"])
-                self.engine.run_weight_update(cmd["update_info"], self._nccl_version)
+                self.update = TrainerLink.Update(int(cmd["version"]), time.perf_counter())
+                self.update.received = self.engine.load_weight_update(cmd["update_info"], self.timeout_s)
+            elif op == "finish" and self.engine.weight_transfer == "nccl":
+                if self.update is None or self.update.version != cmd.get("version"):
+                    raise WeightTransferError(f"finish of version {cmd.get('version')} without its update")
+                self.update.expected, self.update.finish = cmd.get("digest"), k
+                return  # answered by the reloader once it compared the digests (answer_update)
             elif op == "finish" and self.engine.weight_transfer == "rlstream_gloo":
                 self._finish, self._finish_version = k, cmd.get("version")  # answered once received
                 return self._answer_finish()
@@ -115,6 +180,8 @@ class TrainerLink:
                 raise WeightTransferError(f"unknown command {op!r} from the trainer")
         # vLLM's multiprocess engine (any TP > 1) reports a worker's error as a bare Exception
         except Exception as e:  # noqa: BLE001 - refused, acknowledged; the loop keeps serving
+            if op == "update" and self.update is not None:
+                self.update.error = f"the update failed while loading: {e}"  # half-loaded: restore
             self.channel.ack(k, error=str(e)[:2000])
             # a fan-out group that did not form (another member was missing): the trainer
             # re-forms it without that member, on this same link

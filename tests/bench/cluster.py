@@ -1,12 +1,14 @@
-"""The compose deployment on a cluster twin with shaped NICs: versions, seconds, bytes. One JSON object.
+"""A shipped deployment on a cluster twin with shaped NICs: versions, seconds, bytes. One JSON object.
 
-    .venv/bin/python tests/bench/cluster.py [--producers 2] [--versions 8] [--rate-mbit 1000] [--smoke]
+    .venv/bin/python tests/bench/cluster.py [--layout compose|systemd|k8s] [--trainers 2] [--producers 2]
+        [--tp2] [--versions 8] [--rate-mbit 1000] [--smoke]
 
 Hosts are network namespaces (common/cluster/twin.py), every NIC shaped to
---rate-mbit each way with tc tbf; the services are ops/compose/docker-compose.yml
-as shipped, with the CPU swaps of common/harness/rehearsal.py (listed in the
-output's `swaps`). After the first version (engine warm-up, first links), it
-trains --versions more and reports:
+--rate-mbit each way with tc tbf; the services are ops/compose/docker-compose.yml,
+the ops/systemd/ units (--trainers hosts) or the ops/k8s/ manifests (the JobSet's
+trainer nodes) as shipped, with the CPU swaps of common/harness/rehearsal.py
+(listed in the output's `swaps`). After the first version (engine warm-up, first
+links), it trains --versions more and reports:
 
   versions_trained          versions in the measured window
   seconds_per_version       window seconds / versions_trained
@@ -16,6 +18,9 @@ trains --versions more and reports:
                             the model's bytes (safetensors): the weight fan-out's cost,
                             plus Kafka fetch requests, metrics and, with several trainer
                             hosts, the trainer's own gradient traffic
+  trainer_egress_by_host_over_model_bytes   the same per trainer host (rank 0's host sends
+                            the versions; another's is its share of the gradient and
+                            parameter collectives and its Kafka traffic)
   nic_rate_mbit, hosts, trainer_hosts, producer_tp
 
 --smoke: compose, one producer, two versions (about a minute on 2 cores). Needs root
@@ -37,61 +42,74 @@ sys.path.insert(0, str(ROOT))
 log = logging.getLogger("bench.cluster")
 
 
-def model_bytes(work: Path) -> int:
-    """The policy's bytes as the trainer loaded them (model.path of tiny-cpu.yaml, relative to the volume)."""
-    from common.config import load_config
+def versions_taken(producer) -> tuple[float, float]:
+    """(all, collective) versions a producer took, from one scrape: read apart, a version
+    taken between the two reads made collective_share exceed 1 (1.333 in a smoke run)."""
+    from common.harness.observe import metric_value
 
-    path = work / load_config(str(ROOT / "configs" / "tiny-cpu.yaml")).model.path
-    return sum(p.stat().st_size for p in path.glob("*.safetensors"))
+    text = producer.scrape()
+    name = "rlstream_producer_weight_versions_total"
+    return metric_value(text, name), metric_value(text, name, transport="collective")
+
+
+def model_bytes(run) -> int:
+    """The policy's bytes as the trainer loaded them (the deployment's model.path)."""
+    return sum(p.stat().st_size for p in run.model_dir().glob("*.safetensors"))
 
 
 def measure(layout: str, trainers: int, producers: int, versions: int, rate_mbit: float, tp2: bool,
             root: Path) -> dict:
-    from common.harness.rehearsal import SWAPS, TP2_PRODUCER, ComposeOnTwin, SystemdOnTwin
+    from common.harness.rehearsal import (K8S_CONFIG_SWAPS, K8S_SWAPS, SWAPS, TP2_PRODUCER, ComposeOnTwin,
+                                          K8sOnTwin, SystemdOnTwin)
     from common.harness.supervisor import wait_until
 
     penv = {0: TP2_PRODUCER} if tp2 else {}
-    deployment = ComposeOnTwin(root, producers=producers, rate_mbit=rate_mbit, producer_env=penv) \
-        if layout == "compose" else \
-        SystemdOnTwin(root, trainers=trainers, producers=producers, rate_mbit=rate_mbit, producer_env=penv)
+    kw = {"producers": producers, "rate_mbit": rate_mbit, "producer_env": penv}
+    deployment = {"compose": lambda: ComposeOnTwin(root, **kw),
+                  "systemd": lambda: SystemdOnTwin(root, trainers=trainers, **kw),
+                  "k8s": lambda: K8sOnTwin(root, **kw)}[layout]()
+    swaps = {"k8s": {"config": {k: v for k, (v, _) in K8S_CONFIG_SWAPS.items()}, **K8S_SWAPS}}.get(layout, SWAPS)
     with deployment as run:
         trainer_hosts = [s.name for s in run.ranks]
 
-        def egress() -> int:
-            return sum(run.twin.nic_bytes(h)[1] for h in trainer_hosts)
+        def egress() -> dict[str, int]:
+            return {h: run.twin.nic_bytes(h)[1] for h in trainer_hosts}
 
         wait_until(lambda: run.version() >= 1, 600, "the first version", run.services, interval_s=1)
         v0 = run.version()
-        taken0 = {p.name: (run.versions_taken(p), run.versions_taken(p, "collective")) for p in run.producers}
+        taken0 = {p.name: versions_taken(p) for p in run.producers}
         tx0, t0 = egress(), time.monotonic()
         wait_until(lambda: run.version() >= v0 + versions, 60 + 120 * versions, f"{versions} more versions",
                    run.services, interval_s=0.5)
         v1, t1, tx1 = run.version(), time.monotonic(), egress()
         wait_until(lambda: all(run.versions_taken(p) >= v1 for p in run.producers), 120,
                    "the producers to take the last version", run.services)
-        took = sum(run.versions_taken(p) - taken0[p.name][0] for p in run.producers)
-        collective = sum(run.versions_taken(p, "collective") - taken0[p.name][1] for p in run.producers)
-        trained = v1 - v0
+        taken1 = {p.name: versions_taken(p) for p in run.producers}
+        took = sum(taken1[n][0] - taken0[n][0] for n in taken0)
+        collective = sum(taken1[n][1] - taken0[n][1] for n in taken0)
+        trained, mb = v1 - v0, model_bytes(run)
         return {
             "versions_trained": int(trained),
             "seconds_per_version": round((t1 - t0) / trained, 3),
             "collective_share": round(collective / took, 3) if took else None,
-            "trainer_egress_over_model_bytes": round((tx1 - tx0) / trained / model_bytes(run.work), 3),
-            "model_bytes": model_bytes(run.work),
+            "trainer_egress_over_model_bytes": round((sum(tx1.values()) - sum(tx0.values())) / trained / mb, 3),
+            "trainer_egress_by_host_over_model_bytes": {h: round((tx1[h] - tx0[h]) / trained / mb, 3)
+                                                        for h in trainer_hosts},
+            "model_bytes": mb,
             "nic_rate_mbit": rate_mbit,
             "layout": layout,
             "hosts": [h.name for h in run.twin.hosts],
             "trainer_hosts": len(trainer_hosts),
             "producer_tp": [2 if tp2 and i == 0 else 1 for i in range(producers)],
             "shaping_note": sorted({s.note for s in run.twin.shaping.values() if s.note}),
-            "swaps": SWAPS,
+            "swaps": swaps,
         }
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layout", choices=["compose", "systemd"], default="compose")
-    ap.add_argument("--trainers", type=int, default=2, help="systemd layout: trainer hosts")
+    ap.add_argument("--layout", choices=["compose", "systemd", "k8s"], default="compose")
+    ap.add_argument("--trainers", type=int, default=2, help="systemd layout: trainer hosts (k8s: the JobSet's)")
     ap.add_argument("--producers", type=int, default=2)
     ap.add_argument("--versions", type=int, default=8)
     ap.add_argument("--tp2", action="store_true", help="producer-0 at tensor_parallel_size 2 (routing off)")

@@ -12,7 +12,7 @@ taken per repetition, between rounds seconds apart, then the median):
 
   without   the engine loop alone: submit groups (keeping `--max-groups` in
             flight, as the service's admission does), step, collect samples.
-  encode    + `FinishedSample.to_rollout` and `common.record.encode` of every
+  encode    + `Trajectory.to_rollout` and `common.record.encode` of every
             finished sample on the engine thread (no Kafka).
   with      + exactly the service's per-sample path: `to_rollout` and
             `Outbox.flush` (encode + `try_publish` on the engine thread; the
@@ -189,16 +189,17 @@ def run_round(engine, workload, G: int, max_groups: int, tag: str, svc, mode: st
     """Generate every group of `workload`, keeping `max_groups` groups in flight.
 
     mode "with": every finished sample goes through the service's own
-    `to_rollout` and `Outbox.flush` (`svc` is a ProducerService that was not
+    record builder (`Trajectory.to_rollout`) and `Outbox.flush` (`svc` is a ProducerService that was not
     started, given our engine and outbox), then the round drains and waits
     for every acknowledgement. "encode": `to_rollout` + `common.record.encode`
     only (the engine thread's share of the work, no Kafka). "without": nothing.
     """
     from common.record import encode
+    from producer.rollout.trajectory import Trajectory
     from producer.sample import SamplingConfig
 
     def to_record(s):
-        return s.to_rollout(0.0, {}, svc.producer_id, svc.sampling, prompt_text="")
+        return Trajectory.of_sample(s).to_rollout(svc.producer_id, svc.sampling, prompt_text="")
 
     todo = list(enumerate(workload))
     left: dict[str, int] = {}

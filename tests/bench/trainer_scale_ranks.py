@@ -1,9 +1,9 @@
 """Trainer at scale, part B (issue #14): the rank protocol and checkpoint figures. Prints one JSON object.
 
-    .venv/bin/python tests/bench/trainer_scale_ranks.py [--steps 30] [--threads 1] [--smoke]
+    .venv/bin/python tests/bench/trainer_scale_ranks.py [--steps 30] [--threads 1] [--no-ingress] [--smoke]
 
 `--smoke`: one ingress step; one step of the mid-size MoE with 2 experts instead of 32 and a
-checkpoint after it, one synchronous step.
+checkpoint after it, one synchronous step. `--no-ingress`: the checkpoint figure alone.
 
 rank_ingress_share         bytes a follower receives per step on the control channel (commands and its
                            batch share) / bytes of its own share's samples (record arrays, plus an
@@ -189,7 +189,8 @@ def figures(args) -> dict:
     """Both figures (tests/bench/trainer_scale.py calls this)."""
     tmp = Path(tempfile.mkdtemp(prefix="rlstream-bench-ranks-"))
     load0 = os.getloadavg()[0]
-    out = {"rank_ingress": rank_ingress(args, tmp), "checkpoint": checkpoint_blocking(args, tmp)}
+    out = {"rank_ingress": None if args.no_ingress else rank_ingress(args, tmp),
+           "checkpoint": checkpoint_blocking(args, tmp)}
     out["load_average"] = [round(load0, 1), round(os.getloadavg()[0], 1)]
     return out
 
@@ -200,6 +201,7 @@ def _args(argv=None) -> argparse.Namespace:
     ap.add_argument("--before-steps", type=int, default=4, help="steps with a synchronous checkpoint each")
     ap.add_argument("--ingress-steps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--no-ingress", action="store_true", help="skip rank_ingress_share (the torchrun run)")
     ap.add_argument("--experts", type=int, default=MID_SPEC["num_experts"],
                     help="experts of the checkpoint figure's MoE (32: ~215 MB of weights)")
     ap.add_argument("--checkpoint-every", type=int, default=None,
@@ -217,7 +219,7 @@ def main() -> None:
     args = _args()
     f = figures(args)
     print(json.dumps({"bench": "trainer_scale_ranks", "date": time.strftime("%Y-%m-%d"), "smoke": args.smoke,
-                      "rank_ingress_share": f["rank_ingress"]["rank_ingress_share"],
+                      "rank_ingress_share": f["rank_ingress"] and f["rank_ingress"]["rank_ingress_share"],
                       "checkpoint_blocking_share": f["checkpoint"]["checkpoint_blocking_share"], **f}))
 
 

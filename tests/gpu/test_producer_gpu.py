@@ -24,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from producer.rollout.trajectory import Trajectory
 from tests.support.engine import run_until_done
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -84,7 +85,7 @@ def test_native_routing_with_prefix_caching_and_cuda_graphs(gpu_engine, tiny_mod
         assert int(s.routed_experts.max()) < E
         assert (np.sort(s.routed_experts, -1)[..., 1:] != np.sort(s.routed_experts, -1)[..., :-1]).all()
         assert np.isfinite(s.logprobs).all() and (s.logprobs <= 1e-6).all()
-        r = decode(encode(s.to_rollout(0.0, {}, "gpu-test", sampling)))
+        r = decode(encode(Trajectory.of_sample(s).to_rollout("gpu-test", sampling)))
         assert r.routed_experts.shape == s.routed_experts.shape
         assert r.routed_experts.dtype == s.routed_experts.dtype
         # the prompt's routing does not depend on the sample, nor on a prefix-cache hit

@@ -99,6 +99,7 @@ def run(model_dir: str, layout: str):
         metrics.update(chunked_vs_full(model_dir, layout))
     if trainer.optimizer_state_sharded:
         metrics["restore_exact"] = restore_is_exact(model_dir, layout, trainer)
+        metrics["legacy_restore_exact"] = restore_is_exact(model_dir, layout, trainer, gathered=True)
     return trainer.export_hf_state_dict(), metrics
 
 
@@ -128,10 +129,12 @@ def chunked_vs_full(model_dir: str, layout: str) -> dict:
             "chunked_grad_rel": (num / den) ** 0.5}
 
 
-def restore_is_exact(model_dir: str, layout: str, trainer) -> float:
+def restore_is_exact(model_dir: str, layout: str, trainer, gathered: bool = False) -> float:
     """Collective: every rank's trainer state through torch.save/load into a fresh
     trainer; 1.0 when, on every rank, the state read back equals the state saved
-    (the masters and moments each rank holds a shard of, gathered and scattered)."""
+    (the masters and moments each rank holds a shard of: its own, saved and loaded
+    by itself). `gathered`: the form checkpoints had before per-rank files, every
+    rank's shard gathered to data-parallel rank 0 and scattered back on load."""
     import io
 
     import torch.distributed as dist
@@ -140,6 +143,11 @@ def restore_is_exact(model_dir: str, layout: str, trainer) -> float:
 
     buf = io.BytesIO()
     saved = trainer.state_dict()
+    if gathered:  # what consumer/optimizer.py's state_dict() wrote then
+        for opt, part in zip(trainer.optimizer.parts, saved["optimizer"]["parts"]):
+            if "param_state" in part:
+                part["param_state"] = opt.get_parameter_state_dp_zero()
+                part["param_state_sharding_type"] = "dp_zero_gather_scatter"
     torch.save(saved, buf)
     buf.seek(0)
     fresh = Trainer.from_hf(model_dir, trainer_config(layout))
@@ -152,8 +160,9 @@ def restore_is_exact(model_dir: str, layout: str, trainer) -> float:
 
 
 def audit(model_dir: str, layout: str) -> dict:
-    """The step (and a checkpoint gather) with every collective recorded under a
-    meta default device, and the old metric reduction as a negative control."""
+    """The step with every collective recorded under a meta default device, the
+    checkpoint's state (`checkpoint_calls`: it gathers nothing, each rank saves its
+    own shard), and the old metric reduction as a negative control."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -164,6 +173,7 @@ def audit(model_dir: str, layout: str) -> dict:
     gb = trainer.build_batch(make_samples(model_dir), group_size=4)
     with recorded() as calls, torch.device("meta"):
         trainer.train_step(gb)
+    with recorded() as checkpoint_calls, torch.device("meta"):
         trainer.state_dict()
     with recorded() as old, torch.device("meta"):
         try:  # the trainer's metric reduction before issue #14
@@ -173,6 +183,7 @@ def audit(model_dir: str, layout: str) -> dict:
             pass
     names = sorted({c.name for c in calls})
     return {"calls": len(calls), "names": names, "device": str(trainer.device),
+            "checkpoint_calls": [c.name for c in checkpoint_calls],
             "misplaced": [(c.name, sorted(c.devices)) for c in misplaced(calls, trainer.device)],
             "old_misplaced": len(misplaced(old, trainer.device))}
 

@@ -8,8 +8,9 @@ timeout (10 minutes on GPU). Per layout (dp2, tp2): rank 0 idles IDLE_S >
 WATCHDOG_S (a wait on Kafka) before the first command, then trains one step
 through the control channel (each rank receives only its share), checkpoints
 it (snapshot, background write on both ranks, commit) and stops the
-follower. Then, as the control experiment, a broadcast on the default group
-after the same idle. OUT_DIR/<layout>.json (rank 0: exported weights and
+follower. Each rank counts the host bytes its checkpoint snapshot holds
+(`held_bytes`, against `own_bytes`: what it owns). Then, as the control
+experiment, a broadcast on the default group after the same idle. OUT_DIR/<layout>.json (rank 0: exported weights and
 metrics in <layout>.pt) records what each rank saw.
 """
 from __future__ import annotations
@@ -30,6 +31,41 @@ WATCHDOG_S, IDLE_S = 3, 8
 LAYOUTS = ("dp2", "tp2")
 
 
+def tensor_bytes(obj) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
+
+
+def count_snapshot_bytes(held: list[int]) -> None:
+    """Every host copy consumer/ranks.py takes for a checkpoint adds its bytes to `held`."""
+    from consumer import ranks
+
+    copy = ranks.host_copy
+
+    def counted(obj):
+        out = copy(obj)
+        held.append(tensor_bytes(out))
+        return out
+    ranks.host_copy = counted
+
+
+def own_bytes(trainer) -> int:
+    """What this rank owns: its shard of the fp32 masters and two Adam moments, and the
+    model shard of its (tp, ep) pair if it is the pair's writer (expert-data-parallel rank 0)."""
+    from megatron.core import parallel_state as ps
+
+    from consumer.convert import local_megatron_state_dict
+
+    optimizer = 3 * 4 * sum(m.numel() for m in trainer.optimizer.fp32_masters().values())
+    writer = ps.get_expert_data_parallel_rank() == 0
+    return optimizer + (tensor_bytes(local_megatron_state_dict(trainer.model)) if writer else 0)
+
+
 def one_layout(model_dir: str, out: Path, layout: str) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -47,7 +83,9 @@ def one_layout(model_dir: str, out: Path, layout: str) -> None:
     ckpt = CheckpointManager(out / f"ckpt-{layout}")
     channel = RankChannel(ps.get_data_parallel_rank())
     rank = dist.get_rank()
-    seen = {"backend": dist.get_backend(channel.group), "rank": rank}
+    seen = {"backend": dist.get_backend(channel.group), "rank": rank, "own_bytes": own_bytes(trainer)}
+    held: list[int] = []
+    count_snapshot_bytes(held)
     samples = make_samples(model_dir)
     if rank == 0:
         time.sleep(IDLE_S)  # rank 0 waits on Kafka; the follower waits in the channel
@@ -63,6 +101,7 @@ def one_layout(model_dir: str, out: Path, layout: str) -> None:
         whole = sum(sample_bytes(s) for s in trainer.split_batch(samples, 4))
         seen.update(share_wire_bytes=channel.last_share_bytes, own_share_bytes=sample_bytes(mine),
                     batch_bytes=whole, received_bytes=channel.received_bytes)
+    seen["held_bytes"] = sum(held)
     (out / f"{layout}-rank{rank}.json").write_text(json.dumps(seen))
     dist.barrier(group=channel.group)
 

@@ -53,12 +53,12 @@ def test_agent_drives_episodes_over_http_and_they_are_published(broker, rollout_
     ends0 = {e: metrics.value("rlstream_producer_episodes_total", end=e) or 0 for e in ("abandoned", "verified")}
     out = tmp_path / "calls.jsonl"
     agent = subprocess.Popen(
-        [sys.executable, "-m", "tests.support.calc_agent", "--url", svc.agent_http.url, "--token", TOKEN,
+        [sys.executable, "-m", "tests.support.calc_agent", "--url", svc.driver.url, "--token", TOKEN,
          "--groups", "3", "--abandon", "1", "--check-refusals", "--out", str(out)],
         env={**os.environ, "OMP_NUM_THREADS": "1"}, stderr=open(tmp_path / "agent.log", "w"))
     try:
         deadline = time.monotonic() + 180
-        while agent.poll() is None or svc.agents.episodes:  # the abandoned one ends after idle_timeout_s
+        while agent.poll() is None or svc.driver.episodes:  # the abandoned one ends after idle_timeout_s
             assert time.monotonic() < deadline, "the agent or its episodes did not finish"
             svc.iterate()
         assert agent.returncode == 0, (tmp_path / "agent.log").read_text()[-3000:]

@@ -6,6 +6,7 @@ import threading
 import numpy as np
 import pytest
 
+from producer.rollout.trajectory import Trajectory
 from tests.support.engine import run_until_done
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -109,7 +110,7 @@ def test_tokens_after_a_mid_sample_reload_carry_the_new_version(rollout_engine, 
         assert s.dispatch_version == 0
         assert s.token_versions == [(0, 5), (7, 15)]
         # the record carries the runs; staleness is measured from its oldest version
-        record = s.to_rollout(0.0, {}, "test", greedy)
+        record = Trajectory.of_sample(s).to_rollout("test", greedy)
         assert s.weights_changed and record.oldest_version == 0
         np.testing.assert_array_equal(record.token_versions, [[0, 5], [7, 15]])
         np.testing.assert_array_equal(s.response_ids[:5], pure.response_ids[:5])

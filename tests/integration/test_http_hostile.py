@@ -329,7 +329,7 @@ def test_ordinary_clients_keep_their_connection_alive(http):
 
 
 def test_agent_fields_refused_with_value_error_get_a_400_naming_the_field():
-    """producer/agents.py refuses a bad field with ValueError (or its AgentRequestError answer):
+    """producer/rollout/agents.py refuses a bad field with ValueError (or its AgentRequestError answer):
     the endpoint answers 400 with the message, never 500; a non-object body is a 400 too."""
     from types import SimpleNamespace
 

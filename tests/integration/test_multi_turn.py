@@ -1,7 +1,7 @@
 """Multi-turn episodes end to end on the real vLLM engine and the real Megatron trainer.
 
 The session's vLLM CPU engine (fp32, routing capture) runs 8 episodes at once
-through `producer.episodes.EpisodeRunner`. `Turns` is an environment that
+through `producer.rollout.episodes.EpisodeRunner`. `Turns` is an environment that
 answers every model turn with an observation ("=<turn>,") and ends the episode
 after 3 model turns: the random tiny model does not know the calculator's call
 format, so with the calculator every episode would end after one turn (that is
@@ -33,10 +33,10 @@ class Turns:
 
     def reset(self, task):
         self.n = 0
-        return task.prompt_text
+        return task.prompt
 
     def step(self, turn):
-        from producer.episodes import StepResult
+        from producer.rollout.environment import StepResult
 
         self.n += 1
         if self.n >= TURNS:
@@ -49,14 +49,15 @@ def run_episodes(engine, env, reload_dir=None, prompts=("12+7=", "40+45=")):
     turns finished (so turns of different episodes share engine steps); optionally a weight
     update at that moment too. Returns (ended episodes, runner, whether turns mixed)."""
     from common.config import EpisodeSettings
-    from producer.episodes import EpisodeRunner, EpisodeTask
+    from producer.rollout.episodes import EpisodeRunner
+    from producer.rollout.task import Task
     from producer.sample import SamplingConfig
 
     settings = EpisodeSettings(max_turns=TURNS, max_turn_tokens=6, max_episode_tokens=48, step_timeout_s=30)
     runner = EpisodeRunner(engine, settings, SamplingConfig(max_tokens=6), env)
     def start(i):
         for j in range(G):
-            runner.start(f"ep-{i}", j, G, EpisodeTask(prompts[i], "0", lambda t: (0.0, {})))
+            runner.start(f"ep-{i}", j, G, Task(prompts[i], "0", lambda t: (0.0, {})))
 
     start(0)
     ended, mixed, later = [], False, list(range(1, len(prompts)))
@@ -160,7 +161,7 @@ def test_trainer_log_probs_match_vllm_on_model_tokens_of_every_turn(rollout_engi
 @pytest.mark.timeout(600)
 def test_the_real_engines_tokenizer_keeps_a_special_tokens_text_as_text(rollout_engine):
     """vLLM's tokenizer wrapper passes split_special_tokens through (producer/text_tokens.py)."""
-    from producer.episodes import ObservationEncoder
+    from producer.rollout.episodes import ObservationEncoder
 
     eos = rollout_engine.tokenizer().eos_token_id
     assert eos in rollout_engine.tokenizer().encode("1+<eos>2=", add_special_tokens=False)  # parsed by default

@@ -31,7 +31,7 @@ def test_kafka_prompt_source_serves_prompts_and_dead_letters_bad_ones(kafka_sett
         if pr is not None:
             got.append(pr)
     src.close()
-    assert [(g.text, g.answer) for g in got] == [("1+2=", "3"), ("4+4=", "8"), ("9-3=", "6")]
+    assert [(g.task.prompt, g.task.reference) for g in got] == [("1+2=", "3"), ("4+4=", "8"), ("9-3=", "6")]
     assert got[1].prompt_id == "q2"
     c = KafkaConsumer(**client_kwargs(kafka_settings), group_id=None, auto_offset_reset="earliest")
     c.assign([TopicPartition(kafka_settings.topics.dlq, 0)])

@@ -10,7 +10,8 @@ consumer/channel.py, with the real Trainer.
   the step through the channel gives the weights and metrics of one process
   on the whole batch.
 - The checkpoint of that step (snapshot, background writes on both ranks,
-  commit by rank 0) has every shard.
+  commit by rank 0) has every shard, and no rank's snapshot holds more host
+  memory than its own shards (N7b).
 """
 from __future__ import annotations
 
@@ -99,3 +100,16 @@ def test_the_step_was_checkpointed_with_every_shard(run, layout, shards):
     st, path = CheckpointManager(run / f"ckpt-{layout}").latest()
     assert (st.step, st.runs) == (1, [["w", 0]])
     assert sorted(p.name for p in path.glob("trainer*")) == shards
+    assert sorted(p.name for p in path.glob("optim-*")) == [f"optim-rank0000{r}-of00002.pt" for r in (0, 1)]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("layout", worker.LAYOUTS)
+def test_a_rank_holds_only_its_own_shards_at_a_checkpoint(run, layout):
+    """N7b: the host bytes of a rank's checkpoint snapshot are at most its own optimizer shard
+    (masters and moments) plus its pair's model shard if it writes it, plus a few kB (step
+    counters, bucket sizes). Under dp2 the gather to data-parallel rank 0 made rank 0 hold
+    both ranks' optimizer state (at 30B-A3B: every expert shard's, on node 0)."""
+    for rank in (0, 1):
+        s = seen(run, layout, rank)
+        assert 0 < s["held_bytes"] <= s["own_bytes"] + 64 * 1024, (rank, s)

@@ -91,7 +91,7 @@ def test_in_flight_groups_beyond_the_bound_are_aborted_and_counted(broker, rollo
         # an operator lowers the bound: 2 - 0 > 1, every group in flight is stale
         steps = _evicts_everything_in_flight(
             svc, lambda: writer.set_control("max_staleness", 1, by="test"),
-            lambda s: s.control.max_staleness == 1)
+            lambda s: s.following.control.max_staleness == 1)
         assert steps < MAX_TOKENS // 2
         held = metrics.value("rlstream_producer_held_back_total", reason="staleness") or 0
         svc.iterate()  # and admission does not start new groups under the lower bound
@@ -101,7 +101,7 @@ def test_in_flight_groups_beyond_the_bound_are_aborted_and_counted(broker, rollo
         # the trainer runs ahead: 5 - 0 > 4
         steps = _evicts_everything_in_flight(
             svc, lambda: writer.announce(TrainerProgress(trainer_version=5, groups_per_batch=B, group_size=G)),
-            lambda s: s.progress.trainer_version == 5)
+            lambda s: s.following.progress.trainer_version == 5)
         assert steps < MAX_TOKENS // 2
         svc.outbox.drain(timeout_s=30)
     finally:

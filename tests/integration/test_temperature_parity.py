@@ -31,6 +31,7 @@ G = 4
 def sample_records(engine, temperature: float) -> list:
     """3 groups of G from vLLM at `temperature`, as decoded wire records."""
     from common.record import decode, encode
+    from producer.rollout.trajectory import Trajectory
     from producer.sample import SamplingConfig
 
     sampling = SamplingConfig(max_tokens=16, temperature=temperature)
@@ -42,7 +43,12 @@ def sample_records(engine, temperature: float) -> list:
         if not engine.num_in_flight:
             break
     assert len(finished) == 3 * G and all(s.routed_experts is not None for s in finished)
-    return [decode(encode(s.to_rollout(float(s.sample_idx % 2), {}, "parity", sampling))) for s in finished]
+    records = []
+    for s in finished:
+        t = Trajectory.of_sample(s)
+        t.reward = float(s.sample_idx % 2)
+        records.append(decode(encode(t.to_rollout("parity", sampling))))
+    return records
 
 
 @pytest.fixture

@@ -28,8 +28,11 @@ def test_every_collective_is_on_its_groups_device(audits, name):
     a = audits[name]
     assert a["calls"] > 10 and "all_reduce" in a["names"], a  # metrics, gradients, norms
     # the distributed optimizer: gradient reduce-scatter and parameter all-gather
-    # (Megatron's aliases), and its checkpoint gather (over a gloo group, host tensors)
-    assert {"dist_reduce_scatter_func", "dist_all_gather_func", "gather"} <= set(a["names"]), a
+    # (Megatron's aliases)
+    assert {"dist_reduce_scatter_func", "dist_all_gather_func"} <= set(a["names"]), a
+    # a checkpoint's state gathers nothing: each rank saves its own shard (N7b; it was a
+    # gather of every rank's masters and moments to data-parallel rank 0, over gloo)
+    assert a["checkpoint_calls"] == [], a
     assert a["misplaced"] == [], a
     # negative control: the old metric reduction (a device-less float64 tensor) is caught
     assert a["old_misplaced"] == 1

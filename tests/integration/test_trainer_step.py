@@ -117,7 +117,7 @@ def test_checkpoint_round_trip_continues_identically(sharp_model_dir, bf16_rollo
     b.load_state_dict(torch.load(tmp_path / "ckpt.pt", weights_only=True))  # as consumer/checkpoint.py
     assert b.step == 1
     # fp32 masters and Adam moments survive bit-exactly (the distributed optimizer's
-    # own state_dict() holds none of them: consumer/optimizer.py gathers them)
+    # own state_dict() holds none of them: consumer/optimizer.py adds this rank's shard)
     want, got = tensors_of(saved["optimizer"]), tensors_of(b.state_dict()["optimizer"])
     assert any(t.dtype == torch.float32 and t.numel() > 1000 for t in want.values())
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
@@ -127,25 +127,62 @@ def test_checkpoint_round_trip_continues_identically(sharp_model_dir, bf16_rollo
     assert all(torch.equal(pa[n], pb[n]) for n in pa)
 
 
-def test_checkpoint_snapshot_takes_the_gathered_optimizer_state_without_a_copy(sharp_model_dir, bf16_rollouts):
-    """N7b: the masters and moments the distributed optimizer gathers for a checkpoint are
-    new host tensors; the snapshot (consumer/cadence.host_copy) takes them as they are,
-    and copies only the live model tensors. The clone doubled each writing rank's host
-    memory at a checkpoint."""
-    from consumer.cadence import host_copy
-
-    cfg = settings(lr=1e-3, dtype="bfloat16")
+def trained_distributed(model_dir, rollouts, dtype: str = "bfloat16"):
+    cfg = settings(lr=1e-3, dtype=dtype)
     cfg.optimizer.distributed = True
-    t = Trainer.from_hf(sharp_model_dir, cfg)
-    t.train_step(t.build_batch(bf16_rollouts, 4))
-    state = t.state_dict()
-    gathered = tensors_of(state["optimizer"])
-    assert sum(v.numel() for v in gathered.values()) > 1000
-    snap = host_copy(state)
-    kept = tensors_of(snap["optimizer"])
-    assert all(kept[k] is gathered[k] for k in gathered), "a gathered optimizer tensor was cloned"
-    live = state["model"]
-    assert all(snap["model"][k].data_ptr() != live[k].data_ptr() for k in live)
+    t = Trainer.from_hf(model_dir, cfg)
+    t.train_step(t.build_batch(rollouts, 4))
+    return t, cfg
+
+
+def test_a_checkpoint_is_each_ranks_own_files_taken_without_a_collective(sharp_model_dir, bf16_rollouts,
+                                                                         tmp_path):
+    """N7b: the snapshot copies this rank's own optimizer shard (no gather to data-parallel
+    rank 0: no collective at all) and the model into the pair's file and the rank's own;
+    a fresh trainer resumed from those files holds the same state."""
+    from consumer.checkpoint import CheckpointManager, CheckpointState
+    from consumer.ranks import Leader, checkpoint_shard
+    from tests.support.collectives import recorded
+
+    a, cfg = trained_distributed(sharp_model_dir, bf16_rollouts)
+    ckpt = CheckpointManager(tmp_path / "ckpt")
+    leader = Leader(a, ckpt, 4)
+    with recorded() as calls:
+        leader.checkpoint(CheckpointState(1, 1, {0: 0}))
+    leader.stop()
+    assert calls == [], [c.name for c in calls]
+    st, path = ckpt.latest()
+    plan = checkpoint_shard()
+    assert sorted(p.name for p in path.glob("*.pt")) == sorted(plan.every) == ["optim-rank00000-of00001.pt",
+                                                                                "trainer.pt"]
+    b = Trainer.from_hf(sharp_model_dir, cfg)
+    b.load_state_dict(ckpt.load_trainer_state(path, plan.pair, plan.own))
+    want, got = tensors_of(a.state_dict()), tensors_of(b.state_dict())
+    assert any(k.startswith("/optimizer") and t.numel() > 1000 for k, t in want.items())
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_checkpoint_from_before_per_rank_files_still_resumes(sharp_model_dir, bf16_rollouts, tmp_path):
+    """The gathered form (optimizer state in the pair's file, "dp_zero_gather_scatter", as
+    consumer/optimizer.py wrote it up to the per-rank files) loads and trains on identically."""
+    from consumer.checkpoint import TRAINER, CheckpointManager, CheckpointState, rank_shard_name
+
+    a, cfg = trained_distributed(sharp_model_dir, bf16_rollouts, dtype="float32")
+    old = a.state_dict()
+    for opt, part in zip(a.optimizer.parts, old["optimizer"]["parts"]):
+        if "param_state" in part:  # what the old state_dict() put there
+            part["param_state"] = opt.get_parameter_state_dp_zero()
+            part["param_state_sharding_type"] = "dp_zero_gather_scatter"
+    ckpt = CheckpointManager(tmp_path / "ckpt")
+    path = ckpt.save(CheckpointState(1, 1, {0: 0}), old)  # trainer.pt only, as before
+    b = Trainer.from_hf(sharp_model_dir, cfg)
+    b.load_state_dict(ckpt.load_trainer_state(path, TRAINER, rank_shard_name(0, 1)))
+    want, got = tensors_of(a.state_dict()), tensors_of(b.state_dict())
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    gb = a.build_batch(bf16_rollouts, 4)
+    assert a.train_step(gb)["loss"] == b.train_step(gb)["loss"]
+    pa, pb = params(a), params(b)
+    assert all(torch.equal(pa[n], pb[n]) for n in pa)
 
 
 def test_export_after_step_is_the_trained_model(sharp_model_dir, bf16_rollouts, tmp_path):

@@ -211,6 +211,100 @@ def test_a_bucket_corrupted_in_flight_is_refused_and_the_durable_copy_serves(set
     np.testing.assert_array_equal(greedy(engine), want4)
 
 
+def _half_load(worker) -> None:
+    """In the engine's worker, what vLLM's nccl engine does on an update that fails while
+    loading: `start_weight_update` moves every layer to the meta device (layerwise reload),
+    then `load_weights` meets a name the model does not have and raises."""
+    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+    model = worker.model_runner.model
+    initialize_layerwise_reload(model)
+    model.load_weights([("model.layers.0.mlp.no_such.weight", torch.zeros(1))])
+
+
+class NcclStandIn:
+    """The session engine as the link drives vLLM's synchronous nccl engine (which needs a
+    GPU): the update loads in place, here failing halfway (`_half_load`)."""
+
+    weight_transfer = "nccl"
+
+    def __init__(self, engine):
+        self._engine_ = engine
+
+    def __getattr__(self, name):
+        return getattr(self._engine_, name)
+
+    def load_weight_update(self, update_info, timeout_s=None):
+        self._engine_._engine.collective_rpc(_half_load)
+
+    run_weight_update = load_weight_update  # the same call under the name it had before
+
+
+@pytest.mark.timeout(600)
+def test_an_nccl_update_failing_halfway_is_restored_before_the_next_step(rollout_engine, tiny_model_dir):
+    """N6: the producer never steps a half-loaded model; the Reloader restores what it served
+    (one restore path for every transport) and greedy outputs are those from before."""
+    from common.control.messages import WeightsReady
+    from producer.weights.reload import Reloader
+    from producer.weights.trainer_link import TrainerLink
+    from tests.unit.producer.test_link import FakeChannel
+
+    rollout_engine.reload_weights(tiny_model_dir, 0)
+    before, refused = greedy(rollout_engine), metrics.value("rlstream_producer_weight_reload_failures_total")
+    engine = NcclStandIn(rollout_engine)
+    reloader = Reloader(engine, tiny_model_dir, "p-test", timeout_s=5.0)
+    reloader.newest = WeightsReady(version=1, transport="collective", digest="b" * 64, endpoint="trainer:1")
+    link, channel = TrainerLink(engine, "trainer:1", "p-test", 5.0), FakeChannel()
+    link.channel, reloader.link = channel, link
+    channel.post("update", version=1, update_info={"names": ["model.layers.0.mlp.no_such.weight"]})
+    reloader.tick()  # the update runs, fails halfway, is restored: all before the next step
+    try:
+        assert "no_such" in channel.acks[0]["error"] and rollout_engine.version == 0
+        np.testing.assert_array_equal(greedy(rollout_engine), before)
+        assert metrics.value("rlstream_producer_weight_reload_failures_total") == refused + 1
+    finally:
+        reloader.close()
+
+
+@pytest.mark.timeout(300)
+def test_a_trainer_killed_mid_version_ends_the_producers_receive_within_the_bound(rollout_engine, tiny_model_dir,
+                                                                                 tmp_path):
+    """N6 on gloo: a trainer process SIGKILLed after the first group of a version. The producer's
+    receive ends within the link's timeout, the engine keeps serving (and computing) version 0,
+    and the weight state /healthz reports says why."""
+    import signal
+
+    from common.control.messages import WeightsReady
+    from producer.weights.reload import Reloader
+
+    timeout_s = 5.0
+    rollout_engine.reload_weights(tiny_model_dir, 0)
+    before = greedy(rollout_engine)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    cmd = [sys.executable, "-m", "tests.integration.dying_trainer_worker", str(tiny_model_dir),
+           str(tmp_path / "store"), str(timeout_s)]
+    trainer = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, text=True)
+    reloader = Reloader(rollout_engine, tiny_model_dir, "p-test", timeout_s=60.0)
+    try:
+        msg = WeightsReady.model_validate_json(trainer.stdout.readline())
+        reloader.apply(msg)
+        until(lambda: reloader.state()["state"] == "receiving", reloader, rollout_engine)
+        assert trainer.stdout.readline().strip() == "hanging"  # the header and group 0 are out
+        trainer.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        until(lambda: reloader.state()["state"] != "receiving", reloader, rollout_engine, timeout_s=timeout_s + 5)
+        waited = time.monotonic() - killed
+        state = reloader.state()
+    finally:
+        trainer.kill()
+        trainer.wait(10)
+        reloader.close()
+    assert waited < timeout_s + 1.0, waited
+    assert state["state"] == "failed" and state["serving_version"] == 0 and state["failure"]["version"] == 1, state
+    assert rollout_engine.version == 0
+    np.testing.assert_array_equal(greedy(rollout_engine), before)
+
+
 @pytest.mark.timeout(900)
 def test_prefix_cache_hits_never_reuse_kv_of_older_weights(tiny_model_dir, tmp_path):
     """In its own process (tests/integration/prefix_cache_worker.py says why): a repeat within

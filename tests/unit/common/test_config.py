@@ -202,3 +202,11 @@ def test_dynamic_sampling_resolves_auto_and_refuses_groups_of_one():
     with pytest.raises(ConfigError) as e:
         load_config(None, ["consumer.dynamic_sampling=sometimes"], environ={})
     assert e.value.key == "consumer.dynamic_sampling"
+
+
+def test_a_bare_off_for_routing_is_off_not_a_boolean_error(tmp_path):
+    # YAML 1.1 reads `routing: off` (a ConfigMap, --set, an env value) as false; found on the k8s twin
+    path = tmp_path / "c.yaml"
+    path.write_text("producer:\n  engine:\n    routing: off\n")
+    assert load_config(str(path), environ={}).producer.engine.routing == "off"
+    assert load_config(None, ["producer.engine.routing=off"], environ={}).producer.engine.routing == "off"

@@ -283,10 +283,15 @@ def producer_service(liveness: dict):
 
     cfg = RlstreamConfig.model_validate({"producer": {"liveness": liveness}})
     svc = ProducerService(cfg, "127.0.0.1:1")
-    svc.engine, svc.agents = Engine(), None
-    svc.follower = SimpleNamespace(poll=lambda: [], view=SimpleNamespace(weights=None, progress=None,
-                                                                         state=ControlSettings()))
-    svc.reloader = SimpleNamespace(tick=lambda: False, apply=lambda msg: False)
+    from producer.following import Following
+    from producer.rollout.single_turn import SingleTurn
+
+    svc.engine = Engine()
+    svc.driver = SingleTurn(svc.engine, svc.groups, svc.sampling, svc.producer_id)
+    svc.following = Following(SimpleNamespace(catch_up=lambda: [], poll=lambda: [], view=SimpleNamespace(
+        weights=None, progress=None, state=ControlSettings())), group_size=2)
+    svc.following.reloader = SimpleNamespace(tick=lambda: False, apply=lambda msg: False,
+                                             state=lambda: {"state": "receiving", "serving_version": 0})
     svc.outbox = SimpleNamespace(pending=[], unacked_records=0, flush=lambda: None, add=lambda r: None)
     svc.topic_ends = SimpleNamespace(current=dict)
     svc.prompts = SimpleNamespace(take=lambda: None)
@@ -322,12 +327,13 @@ def test_producer_with_a_weight_transfer_that_does_not_end_turns_unhealthy():
         entered.set()
         time.sleep(60)
 
-    svc.reloader.tick = hung_tick
+    svc.following.reloader.tick = hung_tick
     http = ServiceHttp("127.0.0.1", 0, svc._health).start()
     try:
         threading.Thread(target=svc.iterate, daemon=True).start()
         assert entered.wait(30)
         took, body = wait_for_503(http.url + "/healthz", STALL_S + 5)
         assert body["reasons"][0].startswith("weight_update has run")
+        assert body["weights"] == {"state": "receiving", "serving_version": 0}  # the reloader's weight state
     finally:
         http.stop()

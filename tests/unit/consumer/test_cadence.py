@@ -76,29 +76,3 @@ def test_one_write_in_flight_and_its_error_surfaces_at_wait():
     with pytest.raises(CheckpointError, match="no space left"):
         writes.wait()
     writes.wait()  # reported once
-
-
-def test_host_copy_takes_fresh_host_tensors_without_a_copy():
-    """N7b: the distributed optimizer's gathered masters and moments are new host tensors
-    nothing else holds; cloning them doubled every writing rank's host memory at a checkpoint."""
-    from consumer.cadence import fresh
-
-    live, gathered = torch.ones(4), {"param": torch.zeros(1000), "exp_avg": [torch.zeros(10)]}
-    state = {"model": {"w": live}, "optimizer": {"param_state": fresh(gathered)}}
-    snap = host_copy(state)
-    assert snap["optimizer"]["param_state"]["param"] is gathered["param"]
-    assert snap["optimizer"]["param_state"]["exp_avg"][0] is gathered["exp_avg"][0]
-    assert snap["model"]["w"].data_ptr() != live.data_ptr()  # live tensors are still copied
-
-
-def test_fresh_marks_end_with_their_tensor():
-    import gc
-
-    from consumer import cadence
-
-    t = cadence.fresh(torch.zeros(3))
-    key = id(t)
-    del t
-    gc.collect()
-    assert key not in cadence._FRESH
-    assert not cadence._is_fresh(torch.zeros(3))  # not even one at the same address

@@ -85,10 +85,12 @@ def test_dry_run_prints_every_knob_the_trainer_reads():
     assert proc.returncode == 0, proc.stderr
     c = yaml.safe_load(proc.stdout)["consumer"]
     assert c["optimizer"] == {"name": "adamw", "lr": 0.0002, "weight_decay": 0.0, "betas": [0.9, 0.999],
-                              "eps": 1e-8, "grad_clip": 0.0, "distributed": True}
+                              "eps": 1e-8, "grad_clip": 0.0, "distributed": True, "cpu_offload_fraction": 0.0,
+                              "cpu_offload_overlap": False}
     assert c["memory"] == {"micro_batch_tokens": 16384, "logprob_chunk_tokens": 2048,
                            "recompute": False, "attention": "auto", "experts": "auto",
-                           "device_memory_gb": None, "expert_imbalance": 1.5}
+                           "device_memory_gb": None, "host_memory_gb": None, "ranks_per_node": 8,
+                           "expert_imbalance": 1.5}
     assert c["loss"] == {"name": "minirl", "eps_low": 0.2, "eps_high": 0.27, "is_cap": 5.0, "advantage": "auto"}
     assert c["parallel"] == {"tensor": 1, "expert": 1, "world_size": None}
 

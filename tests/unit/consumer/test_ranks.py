@@ -14,6 +14,7 @@ from consumer.checkpoint import CheckpointState
 from consumer.ranks import WIRE_CODES, Follower, Leader, RankCommand
 
 SHARDS = ["trainer-tp0-ep0.pt", "trainer-tp1-ep0.pt"]
+OWN = ["optim-rank00000-of00002.pt", "optim-rank00001-of00002.pt"]
 
 
 class FakeTrainer:
@@ -42,7 +43,7 @@ class FakeTrainer:
 
     def state_dict(self):
         self.calls.append(("state_dict",))
-        return {"model": {"w": self.weight}}
+        return {"model": {"w": self.weight}, "optimizer": {"distributed": False, "parts": []}}
 
 
 class FakeSource:
@@ -117,8 +118,9 @@ class FakeChannel:
 
 @pytest.fixture
 def layout(monkeypatch):
-    """checkpoint_shard without Megatron: rank 0 writes tp0's shard of a tp2 layout."""
-    monkeypatch.setattr(ranks, "checkpoint_shard", lambda: (SHARDS[0], True, SHARDS))
+    """checkpoint_shard without Megatron: rank 0 writes tp0's shard of a tp2 layout, and its own."""
+    plan = ranks.ShardPlan(SHARDS[0], True, OWN[0], SHARDS + OWN)
+    monkeypatch.setattr(ranks, "checkpoint_shard", lambda: plan)
 
 
 def test_commands_have_fixed_wire_codes():
@@ -137,7 +139,7 @@ def test_alone_the_leader_sends_nothing_and_checkpoints_itself(layout, monkeypat
     assert not leader.sharded and leader.channel is None
     assert trainer.calls[:3] == [("split", ["s"], 4), ("batch_from_share", "share0:['s']"),
                                  ("train_step", "share0:['s']")]
-    assert [c[0] for c in ckpt.calls] == ["begin", "shard", "wait_for_shards", "commit"]
+    assert [c[0] for c in ckpt.calls] == ["begin", "shard", "shard", "wait_for_shards", "commit"]
 
 
 def test_sharded_leader_announces_every_collective_and_sends_each_rank_its_share(layout, monkeypatch):
@@ -153,9 +155,11 @@ def test_sharded_leader_announces_every_collective_and_sends_each_rank_its_share
                        ("checkpoint", "/tmp/stage-3"), ("export", ""), ("stop", "")]
     # rank 0 trains on data-parallel share 0 only
     assert ("batch_from_share", "share0:['s1', 's2']") in trainer.calls
-    # stage -> snapshot (every rank) -> this rank's shard -> every shard present -> commit
-    assert [c[0] for c in ckpt.calls] == ["begin", "shard", "wait_for_shards", "commit"]
-    assert ckpt.calls[-1] == ("commit", "/tmp/stage-3", 3, SHARDS)
+    # stage -> snapshot (every rank) -> this rank's files -> every file present -> commit
+    assert [c[:3] for c in ckpt.calls[1:3]] == [("shard", "/tmp/stage-3", OWN[0]),
+                                                ("shard", "/tmp/stage-3", SHARDS[0])]
+    assert [c[0] for c in ckpt.calls] == ["begin", "shard", "shard", "wait_for_shards", "commit"]
+    assert ckpt.calls[-1] == ("commit", "/tmp/stage-3", 3, SHARDS + OWN)
 
 
 def test_data_parallel_only_leader_exports_alone_but_checkpoints_collectively(layout, monkeypatch):
@@ -184,9 +188,9 @@ def test_the_snapshot_is_taken_at_the_boundary_and_written_while_training_goes_o
     ckpt.gate.set()
     leader.checkpoint(CheckpointState(2, 2, {}))  # waits for the first to commit
     leader.stop()
-    shards = [c for c in ckpt.calls if c[0] == "shard"]
+    shards = [c for c in ckpt.calls if c[0] == "shard" and c[2] == SHARDS[0]]
     assert [s[3]["model"]["w"] for s in shards] == [[1.0], [2.0]]
-    assert [c[0] for c in ckpt.calls] == ["begin", "shard", "wait_for_shards", "commit"] * 2
+    assert [c[0] for c in ckpt.calls] == ["begin", "shard", "shard", "wait_for_shards", "commit"] * 2
 
 
 def test_a_failed_background_write_surfaces_at_the_next_checkpoint(layout, monkeypatch):
@@ -211,7 +215,7 @@ def test_follower_does_what_rank_0_sends_in_order_until_stop(layout, monkeypatch
     assert Follower(trainer, ckpt, ch).run() == 0
     assert trainer.calls == [("batch_from_share", "share-a"), ("train_step", "share-a"), ("state_dict",),
                              ("export",), ("gather",), ("batch_from_share", "share-b"), ("train_step", "share-b")]
-    assert [c[:3] for c in ckpt.calls] == [("shard", "/tmp/stage-1", SHARDS[0])]
+    assert [c[:3] for c in ckpt.calls] == [("shard", "/tmp/stage-1", OWN[0]), ("shard", "/tmp/stage-1", SHARDS[0])]
     assert ch.script == []
 
 
@@ -220,3 +224,18 @@ def test_follower_refuses_a_command_it_does_not_expect(layout, monkeypatch, cmd)
     monkeypatch.setenv("RANK", "1")
     with pytest.raises(RankProtocolError, match="unexpected command"):
         Follower(FakeTrainer(), FakeCheckpoints(), FakeChannel([(cmd, "")])).run()
+
+
+def test_a_rank_that_does_not_write_its_pairs_shard_copies_and_writes_only_its_own(monkeypatch):
+    """N7b: a rank's checkpoint snapshot is what it writes; the model shard stays with the
+    pair's writer, and no rank copies another's optimizer state."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr(ranks, "checkpoint_shard", lambda: ranks.ShardPlan(SHARDS[0], False, OWN[1], SHARDS + OWN))
+    copied = []
+    monkeypatch.setattr(ranks, "host_copy", lambda obj: copied.append(obj) or obj)
+    ch = FakeChannel([("checkpoint", "/tmp/stage-1"), ("stop", "")])
+    trainer, ckpt = FakeTrainer(), FakeCheckpoints()
+    assert Follower(trainer, ckpt, ch).run() == 0
+    assert [c[:3] for c in ckpt.calls] == [("shard", "/tmp/stage-1", OWN[1])]
+    assert [list(c) for c in copied] == [[OWN[1]]]  # never the model

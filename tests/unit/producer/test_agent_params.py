@@ -1,4 +1,4 @@
-"""producer/agents.py: every field of an agent's request is type- and range-checked,
+"""producer/rollout/agents.py: every field of an agent's request is type- and range-checked,
 so a wrong one is a 400 naming it (the error body's `param`), never a 500, and the
 episode stays as it was."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 from common.errors import AgentRequestError
-from producer.agents import BadParameter, parse_chat
+from producer.rollout.agents import BadParameter, parse_chat
 from producer.sample import SamplingConfig
 from tests.unit.producer.test_agents import chat, command, endpoint, make, serve  # noqa: F401 (fixture)
 
@@ -103,7 +103,7 @@ def test_a_wrong_reward_or_info_is_a_400_and_the_episode_stays_open():
                                         ({"prompt": "1+2=", "answer": [3]}, "answer"),
                                         ({"prompt": "1+2=", "answer": True}, "answer")])
 def test_a_wrong_task_is_a_400_naming_it(body, param):
-    from producer.agents import task_for
+    from producer.rollout.agents import task_for
     from producer.verifiers import get_verifier
 
     with pytest.raises(AgentRequestError) as e:

@@ -1,4 +1,4 @@
-"""producer/agents.py and producer/agent_http.py: the black-box agent endpoint's logic
+"""producer/rollout/agents.py and producer/agent_http.py: the black-box agent endpoint's logic
 (request validation, token-in/token-out history, limits, ends, the record) over a
 scripted stand-in engine, and its HTTP hardening over a real socket;
 tests/integration/test_agent_endpoint.py runs a real agent against the real engine."""
@@ -19,7 +19,8 @@ from common.config import AgentEndpointSettings, EpisodeSettings, ProducerSettin
 from common.errors import AgentRequestError
 from common.record import decode, encode
 from common.toy.tinymodel import build_tokenizer
-from producer.agents import AgentEpisodes, AgentTag, AgentTask, new_messages, parse_chat
+from producer.rollout.agents import AgentEpisodes, AgentTag, new_messages, parse_chat
+from producer.rollout.task import Task
 from producer.groups import InFlightGroups
 from producer.sample import FinishedSample, SamplingConfig
 
@@ -69,7 +70,7 @@ class ScriptedEngine:
 
 
 def task(prompt="37+48-19=", answer="66"):
-    return AgentTask(prompt, answer, lambda text: (float(text.strip() == answer), {"correct": text.strip() == answer}))
+    return Task(prompt, answer, lambda text: (float(text.strip() == answer), {"correct": text.strip() == answer}))
 
 
 def make(replies, group_size=2, take=None, **limits):
@@ -310,12 +311,12 @@ def test_http_routes_auth_first_and_bounded_bodies(endpoint):
 
 
 def test_a_group_task_is_the_agents_own_prompt_or_the_next_of_the_prompt_source():
-    from producer.agents import task_for
+    from producer.rollout.agents import task_for
     from producer.verifiers import get_verifier
 
     verify, dry = get_verifier("exact_match"), type("Dry", (), {"take": lambda self: None})()
     own = task_for({"prompt": "1+2=", "answer": 3}, dry, verify)
-    assert (own.prompt_text, own.answer, own.score("3")[0], own.score("4")[0]) == ("1+2=", "3", 1.0, 0.0)
+    assert (own.prompt, own.reference, own.score("3")[0], own.score("4")[0]) == ("1+2=", "3", 1.0, 0.0)
     assert task_for({"prompt": "1+2="}, dry, verify).score is None
     assert task_for({}, dry, verify) == "no_prompts"
     eng, groups, agents = make(["3"], group_size=1, take=lambda body: task_for(body, dry, verify))

@@ -1,4 +1,4 @@
-"""producer/episodes.py and producer/envs/calculator.py: the episode protocol's logic
+"""producer/rollout/episodes.py and producer/envs/calculator.py: the episode protocol's logic
 (limits, failures, versions, routing, the record) over a scripted stand-in engine;
 tests/integration/test_episodes.py runs the same with the real vLLM engine."""
 from __future__ import annotations
@@ -14,7 +14,9 @@ from common.errors import ConfigError
 from common.record import decode, encode
 from common.toy.tinymodel import build_tokenizer
 from producer.envs.calculator import CalculatorEnv, calculate
-from producer.episodes import EpisodeRunner, EpisodeTask, ModelTurn, ObservationEncoder, StepResult
+from producer.rollout.environment import ModelTurn, StepResult
+from producer.rollout.episodes import EpisodeRunner, ObservationEncoder
+from producer.rollout.task import Task
 from producer.sample import FinishedSample, SamplingConfig
 
 TOK = build_tokenizer()
@@ -71,7 +73,7 @@ class ScriptedEngine:
 
 
 def task(prompt="37+48-19=", answer="66"):
-    return EpisodeTask(prompt, answer, lambda text: (float(text.strip() == answer), {"correct": text.strip() == answer}))
+    return Task(prompt, answer, lambda text: (float(text.strip() == answer), {"correct": text.strip() == answer}))
 
 
 def run(engine, runner, n_steps=50):

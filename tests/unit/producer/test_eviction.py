@@ -12,6 +12,7 @@ from common.record import Rollout
 from consumer.staleness import gate_group
 from producer.eviction import StaleEviction, stale_groups
 from producer.groups import GroupInfo, InFlightGroups
+from producer.rollout.task import Task
 
 
 def sample(idx: int, token_versions: list[tuple[int, int]]) -> Rollout:
@@ -51,8 +52,8 @@ def test_due_only_when_the_bound_moves_towards_eviction():
 def test_dropping_a_group_frees_its_slot():
     groups = InFlightGroups("p")
     a, b = groups.new_id(), groups.new_id()
-    groups.add(a, GroupInfo("x", "1", None, 2))
-    groups.add(b, GroupInfo("y", "2", None, 2))
+    groups.add(a, GroupInfo(Task("x", "1", None), 2))
+    groups.add(b, GroupInfo(Task("y", "2", None), 2))
     groups.finish_sample(a)  # one sample of `a` was published before the eviction
     groups.drop(a)
     groups.drop(a)  # already gone: nothing happens

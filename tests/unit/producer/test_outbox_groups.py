@@ -6,6 +6,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 
 from producer.groups import GroupInfo, InFlightGroups
+from producer.rollout.task import Task
 from producer.outbox import Outbox
 
 
@@ -60,9 +61,9 @@ def test_groups_get_unique_ids_and_are_forgotten_after_their_last_sample():
     a, b = InFlightGroups("p0"), InFlightGroups("p0")  # two incarnations of one producer id
     ids = [a.new_id(), a.new_id()]
     assert len(set(ids + [b.new_id()])) == 3 and all(i.startswith("p0-") for i in ids)
-    a.add(ids[0], GroupInfo("1+1=", "2", [1, 2], remaining=2))
-    a.add(ids[1], GroupInfo("2+2=", "4", [3, 4], remaining=1))
+    a.add(ids[0], GroupInfo(Task("1+1=", "2", None), remaining=2))
+    a.add(ids[1], GroupInfo(Task("2+2=", "4", None), remaining=1))
     assert len(a) == 2
-    assert a.finish_sample(ids[1]).answer == "4" and len(a) == 1
+    assert a.finish_sample(ids[1]).task.reference == "4" and len(a) == 1
     assert a.finish_sample(ids[0]).remaining == 1 and len(a) == 1
     assert a.finish_sample(ids[0]).remaining == 0 and len(a) == 0

@@ -27,7 +27,7 @@ def test_prompt_source_cycles_and_reshuffles_each_epoch(tmp_path):
     resumed = list(JsonlPromptSource(path, seed=5, epochs=1, start_epoch=1))
     assert resumed == e1
     rows = {json.loads(x)["prompt"]: json.loads(x)["answer"] for x in path.read_text().splitlines()}
-    assert all(rows[p.text] == p.answer for p in e0)
+    assert all(rows[p.task.prompt] == p.task.reference for p in e0)
 
 
 def test_prompt_source_errors_name_the_line(tmp_path):
@@ -52,7 +52,7 @@ def test_prompt_source_errors_name_the_line(tmp_path):
     ok = tmp_path / "ok.jsonl"
     ok.write_text('{"prompt": "2+2=", "answer": 4, "id": "q7"}\n')
     (p,) = list(JsonlPromptSource(ok, epochs=1))
-    assert (p.prompt_id, p.text, p.answer, p.epoch) == ("q7", "2+2=", "4", 0)
+    assert (p.prompt_id, p.task.prompt, p.task.reference, p.epoch) == ("q7", "2+2=", "4", 0)
 
 
 def test_open_prompt_source_builds_the_configured_jsonl_source(tmp_path):
@@ -82,7 +82,7 @@ def test_gym_source_cycles_reshuffles_and_never_serves_a_heldout_prompt():
     # 1-digit sums: few distinct prompts, so the held-out ones recur in the training range and are skipped
     skipped = [i for i in src.epoch_order(0) if src.task.item(i).prompt in heldout]
     assert skipped and len(e0) == 40 - len(skipped) == len(e1)
-    assert not {p.text for p in e0 + e1} & heldout
+    assert not {p.task.prompt for p in e0 + e1} & heldout
     assert sorted(p.prompt_id for p in e0) == sorted(p.prompt_id for p in e1)
     assert [p.prompt_id for p in e0] != [p.prompt_id for p in e1]  # reshuffled
     other = [p.prompt_id for p in GymPromptSource(gym_settings(seed=6), epochs=1)]
@@ -90,24 +90,24 @@ def test_gym_source_cycles_reshuffles_and_never_serves_a_heldout_prompt():
     p = e0[0]
     _, seed, index = p.prompt_id.split(":")
     assert p.prompt_id.startswith("chain_sum:0:") and int(index) >= src.split.train_start
-    assert eval(p.text[:-1]) == int(p.answer)  # noqa: S307
+    assert eval(p.task.prompt[:-1]) == int(p.task.reference)  # noqa: S307
 
 
 def test_gym_source_takes_in_the_order_it_iterates():
     a = GymPromptSource(gym_settings(seed=3))
     b = list(GymPromptSource(gym_settings(seed=3), epochs=1))
-    assert [(x.prompt_id, x.text, x.answer) for x in (a.take() for _ in b)] == \
-        [(x.prompt_id, x.text, x.answer) for x in b]
+    assert [(x.prompt_id, x.task.prompt, x.task.reference) for x in (a.take() for _ in b)] == \
+        [(x.prompt_id, x.task.prompt, x.task.reference) for x in b]
 
 
 def test_gym_prompts_score_with_the_dataset_or_the_verifier():
     p = next(iter(GymPromptSource(gym_settings())))
-    reward, info = p.score(p.answer)
+    reward, info = p.task.score(p.task.reference)
     assert reward == 1.0 and info["dataset"] == "chain_sum" and info["verifier"] == "reasoning_gym"
-    assert p.score("zz")[0] == 0.0
+    assert p.task.score("zz")[0] == 0.0
     exact = get_verifier("exact_match")
     q = next(iter(GymPromptSource(gym_settings(reward="verifier"), exact)))
-    assert q.score(q.answer) == exact(q.answer, q.answer) and q.score(q.answer + "0")[0] == 0.0
+    assert q.task.score(q.task.reference) == exact(q.task.reference, q.task.reference) and q.task.score(q.task.reference + "0")[0] == 0.0
     with pytest.raises(ConfigError) as e:
         GymPromptSource(gym_settings(reward="verifier"))
     assert e.value.key == "producer.prompts.reward"
@@ -116,7 +116,7 @@ def test_gym_prompts_score_with_the_dataset_or_the_verifier():
         GymPromptSource(no_answers, exact)
     assert e.value.key == "producer.prompts.reward"
     r = next(iter(GymPromptSource(no_answers.model_copy(update={"reward": "dataset"}))))
-    assert r.answer == "" and 0.0 <= r.score("x")[0] <= 1.0  # only its scorer judges it
+    assert r.task.reference == "" and 0.0 <= r.task.score("x")[0] <= 1.0  # only its scorer judges it
 
 
 def test_gym_source_with_every_training_prompt_held_out_is_refused():

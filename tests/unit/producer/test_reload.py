@@ -140,6 +140,9 @@ class FakeLink:
         """The trainer started a receive whenever the fake engine has one."""
         return self.engine.status["state"] != "idle"
 
+    def take_update(self):  # nccl updates: tests/unit/producer/test_verified_update.py
+        return None
+
 
 class FakeTransferEngine(FakeEngine):
     """A FakeEngine whose weight-transfer engine received (or failed) what `status` says."""

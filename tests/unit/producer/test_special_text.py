@@ -10,7 +10,8 @@ import pytest
 
 from common.config import EngineSettings
 from common.toy.tinymodel import build_tokenizer
-from producer.episodes import EpisodeRunner, ObservationEncoder, StepResult
+from producer.rollout.environment import StepResult
+from producer.rollout.episodes import EpisodeRunner, ObservationEncoder
 from producer.envs.calculator import CalculatorEnv
 from producer.sample import SamplingConfig
 from tests.unit.producer import test_agents, test_episodes
@@ -136,7 +137,7 @@ def test_with_a_chat_template_an_agents_messages_hold_no_special_token_and_a_rew
     assert EOS not in prompt and tok.decode(prompt) == "1+<unk>eos<unk>2=a:"
     msgs += [{"role": "assistant", "content": "c(1+2)"}, {"role": "tool", "content": "=<eos>,"}]
     assert serve(eng, agents, command(agents, "chat", eid, chat(msgs)))[0] == 200
-    resp = agents.episodes[eid].state.response
+    resp = agents.episodes[eid].state.response_ids.tolist()
     # c(1+2) <eos>: (the template closes the turn: special) =<eos>, (the tool's: text) a: 3
     assert [i for i, t in enumerate(resp) if t == EOS] == [6]
 

@@ -68,7 +68,8 @@ LIMITS = EpisodeSettings(max_turns=3, max_turn_tokens=12, max_episode_tokens=48)
 
 def test_reference_turns_are_calls_observations_and_the_answer_the_environment_accepts():
     from producer.envs.calculator import CalculatorEnv, reference_turns
-    from producer.episodes import EpisodeTask, ModelTurn
+    from producer.rollout.environment import ModelTurn
+    from producer.rollout.task import Task
 
     assert reference_turns("37+48-19=") == [("c(37+48)", True), ("=85,", False), ("c(85-19)", True),
                                             ("=66,", False), ("66", True)]
@@ -76,7 +77,7 @@ def test_reference_turns_are_calls_observations_and_the_answer_the_environment_a
     assert reference_turns("what is 3+4?") is None and reference_turns("12=") is None
     for p in PROBLEMS:  # replayed through the environment: same observations, reward 1
         env = CalculatorEnv()
-        env.reset(EpisodeTask(p.prompt, p.answer, lambda t, a=p.answer: (float(t == a), {})))
+        env.reset(Task(p.prompt, p.answer, lambda t, a=p.answer: (float(t == a), {})))
         turns = reference_turns(p.prompt)
         for (text, is_model), nxt in zip(turns, turns[1:] + [None]):
             if is_model:

@@ -1,12 +1,12 @@
-"""Multi-turn episodes: the environment protocol and the runner that interleaves
-many episodes in one engine (docs/multi-turn.md).
+"""Multi-turn episodes: the runner that interleaves many episodes in one engine,
+and the `Episodes` rollout driver over it (docs/multi-turn.md).
 
-An environment (producer/envs/) follows `Environment`:
+An environment (producer/envs/) follows `Environment` (producer/rollout/environment.py):
 
     observation = env.reset(task)                            # text: the prompt
     result = env.step(ModelTurn(text, token_ids, finish))    # StepResult(observation, reward, done, info)
 
-`EpisodeRunner` drives one episode per sample. Every reset and step runs on a
+`EpisodeRunner` drives one episode (a `Trajectory`) per sample. Every reset and step runs on a
 thread pool (never on the engine's thread) with a deadline
 (`producer.episodes.step_timeout_s`); a step that raises or misses its deadline
 ends the episode with a reason, counted in `rlstream_producer_episodes_total{end}`
@@ -22,13 +22,11 @@ and appended with loss mask 0, log-prob 0 and the engine's
 version at that moment. The next model turn is submitted as soon as the step
 returns, with the whole token sequence as its prompt, so episodes at different
 turns share the engine's continuous batching; nothing is ever decoded and
-re-encoded.
+re-encoded. `EpisodeRunner._completed_turn` is the one place where an episode
+has just completed a turn (model turn, environment step, observation appended)
+and its next turn is about to be submitted.
 
-Routing: each turn's request computes rows for its whole prompt again (no
-prefix cache). Row i of the record is taken from the first request that
-computed it (the turn that sampled the token, or for environment positions the
-next turn's prefill), so a model token's routing is the one it was sampled
-with, also across a weight update between turns.
+Routing: rows are kept per trajectory (producer/rollout/trajectory.py).
 
 Limits: `max_turns` model turns, `max_turn_tokens` per turn, and
 `max_episode_tokens` response tokens (model and environment) per episode; the
@@ -44,8 +42,7 @@ import math
 import numbers
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -53,51 +50,15 @@ from common.config import EpisodeSettings
 from common.errors import ConfigError
 from common.record import DEFAULT_LIMITS, Rollout
 from producer import telemetry
+from producer.groups import InFlightGroups
+from producer.rollout.driver import RolloutDriver
+from producer.rollout.environment import Environment, ModelTurn, StepResult
+from producer.rollout.task import Task
+from producer.rollout.trajectory import Trajectory
 from producer.sample import FinishedSample, SamplingConfig
 from producer.text_tokens import RewrittenSpecialText, encode_rendered, encode_text
 
 END_REASONS = ("done", "max_turns", "max_tokens", "step_timeout", "env_error")
-_FINISH = {"done": "stop", "max_turns": "length", "max_tokens": "length",
-           "step_timeout": "abort", "env_error": "abort",
-           "reported": "stop", "verified": "stop"}  # the last two: black-box agents (producer/agents.py)
-"""Episode end -> the record's finish_reason."""
-
-
-@dataclass(frozen=True)
-class EpisodeTask:
-    """What an environment is reset with."""
-
-    prompt_text: str
-    answer: str
-    score: Callable[[str], tuple[float, dict]]
-    """The task's reward of a final answer text."""
-
-
-@dataclass(frozen=True)
-class ModelTurn:
-    text: str
-    """The turn's tokens decoded (special tokens skipped): what the environment parses."""
-    token_ids: tuple[int, ...]
-    finish_reason: str
-    """The engine's: "stop" (a stop token or EOS, included in token_ids) or "length"."""
-
-
-@dataclass(frozen=True)
-class StepResult:
-    observation: str | None
-    """Text appended before the next model turn; None (or done) ends the episode."""
-    reward: float = 0.0
-    done: bool = False
-    info: dict = field(default_factory=dict)
-
-
-class Environment(Protocol):
-    stop_texts: tuple[str, ...]
-    """Texts that end a model turn (each one token of the model's vocabulary), besides EOS."""
-
-    def reset(self, task: EpisodeTask) -> str: ...
-
-    def step(self, turn: ModelTurn) -> StepResult: ...
 
 
 class ObservationEncoder:
@@ -117,7 +78,7 @@ class ObservationEncoder:
 
     def messages(self, messages: list[dict], last_model_token: int | None = None) -> list[int]:
         """Messages that follow a model turn (tool, user or system), as token ids; without
-        a chat template their contents concatenated (producer/agents.py uses this too)."""
+        a chat template their contents concatenated (producer/rollout/agents.py uses this too)."""
         if not self.template:
             return encode_text(self.tok, "".join(m["content"] for m in messages), self.parse_special)
         def render(texts: list[str]) -> str:
@@ -141,95 +102,6 @@ class ObservationEncoder:
         return closing + full[len(head):]
 
 
-@dataclass
-class EpisodeState:
-    group_id: str
-    sample_idx: int
-    group_size: int
-    env: Any
-    task: EpisodeTask
-    prompt_ids: np.ndarray | None = None
-    response: list[int] = field(default_factory=list)
-    mask: list[bool] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    routing: np.ndarray | None = None
-    num_experts: int = 0
-    turns: int = 0
-    reward: float = 0.0
-    info: dict = field(default_factory=dict)
-
-    @property
-    def tag(self) -> str:
-        return f"{self.group_id}#{self.sample_idx}#t{self.turns}"
-
-    def add_model_turn(self, s: FinishedSample) -> None:
-        self.response += s.response_ids.tolist()
-        self.mask += [True] * s.response_ids.size
-        self.logprobs += np.minimum(s.logprobs, 0.0).tolist()
-        self.versions += [v for v, n in s.token_versions for _ in range(n)]
-        self.turns += 1
-        if s.routed_experts is not None:  # rows 0 .. P+T-2 of this turn; keep the first computation
-            have = 0 if self.routing is None else self.routing.shape[0]
-            new = s.routed_experts[have:]
-            self.routing = new if self.routing is None else np.concatenate([self.routing, new])
-            self.num_experts = s.num_experts
-
-    def add_observation(self, ids: list[int], version: int) -> None:
-        self.response += ids
-        self.mask += [False] * len(ids)
-        self.logprobs += [0.0] * len(ids)
-        self.versions += [version] * len(ids)
-
-    def to_finished(self, end: str) -> FinishedEpisode:
-        return FinishedEpisode(
-            group_id=self.group_id, sample_idx=self.sample_idx, group_size=self.group_size,
-            prompt_ids=np.asarray(self.prompt_ids, dtype=np.int32),
-            response_ids=np.asarray(self.response, dtype=np.int32), loss_mask=np.asarray(self.mask, dtype=bool),
-            logprobs=np.asarray(self.logprobs, dtype=np.float32),
-            versions=np.asarray(self.versions, dtype=np.int64), routed_experts=self.routing,
-            num_experts=self.num_experts, reward=self.reward, end=end, turns=self.turns, info=self.info)
-
-
-@dataclass
-class FinishedEpisode:
-    """One ended episode, as the runner hands it to the service."""
-
-    group_id: str
-    sample_idx: int
-    group_size: int
-    prompt_ids: np.ndarray
-    response_ids: np.ndarray
-    loss_mask: np.ndarray
-    logprobs: np.ndarray
-    versions: np.ndarray  # int64[T], per token
-    routed_experts: np.ndarray | None
-    num_experts: int
-    reward: float
-    end: str
-    turns: int
-    info: dict
-
-    def to_rollout(self, producer_id: str, sampling: SamplingConfig, prompt_text: str | None) -> Rollout:
-        """The schema-2 record (schema 1 when no environment token was appended)."""
-        change = np.flatnonzero(np.diff(self.versions)) + 1
-        starts = np.r_[0, change]
-        counts = np.diff(np.r_[starts, self.versions.size])
-        runs = np.stack([self.versions[starts], counts], 1).astype(np.int64)
-        info = {k: v for k, v in self.info.items() if isinstance(v, (str, int, float, bool))}
-        info.update(end=self.end, turns=self.turns)
-        return Rollout(
-            rollout_id=Rollout.new_id(), group_id=self.group_id, sample_idx=self.sample_idx,
-            group_size=self.group_size, prompt_ids=self.prompt_ids, response_ids=self.response_ids,
-            logprobs=self.logprobs, policy_version=int(self.versions[0]), reward=float(self.reward),
-            finish_reason=_FINISH[self.end], producer_id=producer_id, prompt_text=prompt_text,
-            token_versions=runs if len(runs) > 1 else None, routed_experts=self.routed_experts,
-            num_experts=self.num_experts if self.routed_experts is not None else 0,
-            reward_info=info, sampling_digest=sampling.digest, model_digest=f"v{int(self.versions[0])}",
-            temperature=float(sampling.temperature),
-            loss_mask=None if self.loss_mask.all() else self.loss_mask)
-
-
 class EpisodeRunner:
     """Many episodes in one `RolloutEngine`: the service's loop feeds it the engine's
     finished turns (`advance`), it submits each episode's next turn as soon as the
@@ -244,15 +116,15 @@ class EpisodeRunner:
         self.encode_observation = encoder or ObservationEncoder(
             engine.tokenizer(), parse_special=engine.settings.parse_special_tokens)
         self._pool = cf.ThreadPoolExecutor(settings.env_workers, thread_name_prefix="rlstream-env")
-        self._turns: dict[str, EpisodeState] = {}  # request tag -> episode whose model turn is generating
-        self._pending: dict[cf.Future, tuple[EpisodeState, float, str]] = {}  # env call -> (episode, deadline, kind)
-        self._ended: list[FinishedEpisode] = []
+        self._turns: dict[str, Trajectory] = {}  # request tag -> episode whose model turn is generating
+        self._pending: dict[cf.Future, tuple[Trajectory, float, str]] = {}  # env call -> (episode, deadline, kind)
+        self._ended: list[Trajectory] = []
         self._unrecorded: list[str] = []
         self.active = 0
         """Episodes started and not ended."""
 
-    def start(self, group_id: str, sample_idx: int, group_size: int, task: EpisodeTask) -> None:
-        ep = EpisodeState(group_id, sample_idx, group_size, self._env_factory(), task)
+    def start(self, group_id: str, sample_idx: int, group_size: int, task: Task) -> None:
+        ep = Trajectory(group_id, sample_idx, group_size, self._env_factory(), task)
         self.active += 1
         self._call(ep, "reset", ep.env.reset, task)
 
@@ -262,10 +134,10 @@ class EpisodeRunner:
     def owns(self, tag: Any) -> bool:
         return tag in self._turns
 
-    def advance(self, finished: list[FinishedSample], wait_s: float = 0.0) -> list[FinishedEpisode]:
+    def advance(self, finished: list[FinishedSample], wait_s: float = 0.0) -> list[Trajectory]:
         """Take the engine's finished turns, hand them to their environments, act on every
         environment answer (or deadline) so far, waiting up to `wait_s` for one; returns
-        the episodes that ended."""
+        the episodes that ended (each with its `end`)."""
         for s in finished:
             ep = self._turns.pop(s.tag)
             ep.add_model_turn(s)
@@ -301,7 +173,7 @@ class EpisodeRunner:
 
     # -- internals
 
-    def _call(self, ep: EpisodeState, kind: str, fn: Callable, arg: Any) -> None:
+    def _call(self, ep: Trajectory, kind: str, fn: Callable, arg: Any) -> None:
         self._pending[self._pool.submit(fn, arg)] = (ep, time.monotonic() + self.settings.step_timeout_s, kind)
 
     def _collect(self) -> None:
@@ -322,14 +194,14 @@ class EpisodeRunner:
             else:
                 self._after_step(ep, result)
 
-    def _begin(self, ep: EpisodeState, observation: Any) -> None:
+    def _begin(self, ep: Trajectory, observation: Any) -> None:
         if not isinstance(observation, str) or not observation:
             self._end(ep, "env_error", f"reset returned {type(observation).__name__}, not a non-empty text")
             return
         ep.prompt_ids = self.engine.encode(observation)
         self._submit(ep)
 
-    def _after_step(self, ep: EpisodeState, r: Any) -> None:
+    def _after_step(self, ep: Trajectory, r: Any) -> None:
         if not isinstance(r, StepResult):
             self._end(ep, "env_error", f"step returned {type(r).__name__}, not a StepResult")
             return
@@ -350,40 +222,46 @@ class EpisodeRunner:
                 self._end(ep, "env_error", f"step returned a {type(r.observation).__name__} observation, not text")
                 return
             try:
-                ids = self.encode_observation(r.observation, ep.response[-1])
+                ids = self.encode_observation(r.observation, ep.last_token)
             except RewrittenSpecialText as e:
                 self._end(ep, "env_error", f"observation: {e}"[:200])
                 return
-            if len(ep.response) + len(ids) + 1 > self._room(ep):
+            if ep.num_tokens + len(ids) + 1 > self._room(ep):
                 self._end(ep, "max_tokens")
                 return
             ep.add_observation(ids, self.engine.version)
+            self._completed_turn(ep)
             self._submit(ep)
 
-    def _room(self, ep: EpisodeState) -> int:
+    def _completed_turn(self, ep: Trajectory) -> None:
+        """After each completed turn (the model's turn, the environment's step and its
+        observation are in the trajectory; the next turn is not yet submitted)."""
+
+    def _room(self, ep: Trajectory) -> int:
         """Response tokens the episode may hold in all (its limit and the engine's context)."""
         return min(self.settings.max_episode_tokens,
                    self.engine.settings.max_model_len - len(ep.prompt_ids))
 
-    def _submit(self, ep: EpisodeState) -> None:
-        budget = min(self.settings.max_turn_tokens, self._room(ep) - len(ep.response))
+    def _submit(self, ep: Trajectory) -> None:
+        budget = min(self.settings.max_turn_tokens, self._room(ep) - ep.num_tokens)
         if budget < 1:
             self._end(ep, "max_tokens")
             return
-        ids = np.concatenate([ep.prompt_ids, np.asarray(ep.response, dtype=np.int32)])
+        ids = np.concatenate([ep.prompt_ids, ep.response_ids])
         self.engine.submit_group(ids, n=1, sampling=dataclasses.replace(self.sampling, max_tokens=budget),
                                  tag=ep.tag)
         self._turns[ep.tag] = ep
 
-    def _end(self, ep: EpisodeState, end: str, error: str | None = None) -> None:
+    def _end(self, ep: Trajectory, end: str, error: str | None = None) -> None:
         telemetry.EPISODES.labels(end=end).inc()
         self.active -= 1
         if error is not None:
             ep.info["error"] = error
-        if not ep.response:  # ended before its first model turn: no record can be made (its
+        if not ep.num_tokens:  # ended before its first model turn: no record can be made (its
             self._unrecorded.append(ep.group_id)  # group is timed out by the consumer, like an
             return                                # aborted sample; the producer releases its slot)
-        self._ended.append(ep.to_finished(end))
+        ep.end = end
+        self._ended.append(ep)
 
 
 def _reward_total(so_far: float, step_reward: Any) -> float | None:
@@ -401,3 +279,34 @@ def _single_token(engine, text: str) -> int:
         raise ConfigError(f"the environment's stop text {text!r} is {len(ids)} tokens of this model, "
                           "not one (vLLM stops on token ids)", key="producer.episodes.env")
     return int(ids[0])
+
+
+class Episodes(RolloutDriver):
+    """The rollout driver of multi-turn episodes: G episodes per admitted task, their
+    records published as they end (producer/rollout/driver.py)."""
+
+    def __init__(self, runner: EpisodeRunner, groups: InFlightGroups, producer_id: str):
+        self.runner, self.groups, self.producer_id = runner, groups, producer_id
+
+    def start(self, group_id: str, task: Task, G: int) -> None:
+        for i in range(G):
+            self.runner.start(group_id, i, G, task)
+
+    def on_finished(self, samples: list[FinishedSample]) -> list[Rollout]:
+        """Hand the finished turns to their episodes; without any, wait briefly for an environment."""
+        records = []
+        for ep in self.runner.advance(samples, wait_s=0.0 if samples else 0.02):
+            task = self.groups.finish_sample(ep.group_id).task
+            records.append(ep.to_rollout(self.producer_id, self.runner.sampling, prompt_text=task.prompt))
+        for gid in self.runner.take_unrecorded():  # ended before a model turn: nothing to publish
+            self.groups.finish_sample(gid)
+        return records
+
+    def has_work(self) -> bool:
+        return self.runner.has_work()
+
+    def abort(self) -> int:
+        return self.runner.abort_all()
+
+    def close(self) -> None:
+        self.runner.close()

@@ -1,0 +1,58 @@
+"""Single-turn rollouts: one engine sample per rollout, scored by its task.
+
+A group's G samples go to the engine as one request with n=G (the engine
+shares the prompt's prefix across them). Each finished sample is decoded,
+scored (`task.score`, bound at the prompt source) and turned into its record
+as a one-turn trajectory.
+
+Stale eviction (producer/eviction.py): groups the trainer can no longer take
+within max_staleness are aborted in the engine and their slots freed.
+"""
+from __future__ import annotations
+
+import logging
+
+from common.record import Rollout
+from producer import telemetry
+from producer.eviction import StaleEviction, stale_groups
+from producer.groups import InFlightGroups
+from producer.rollout.driver import RolloutDriver
+from producer.rollout.task import Task
+from producer.rollout.trajectory import Trajectory
+from producer.sample import FinishedSample, SamplingConfig
+
+log = logging.getLogger("rlstream.producer")
+
+
+class SingleTurn(RolloutDriver):
+    def __init__(self, engine, groups: InFlightGroups, sampling: SamplingConfig, producer_id: str):
+        self.engine, self.groups, self.sampling, self.producer_id = engine, groups, sampling, producer_id
+        self.eviction = StaleEviction()
+
+    def start(self, group_id: str, task: Task, G: int) -> None:
+        ids = self.engine.encode(task.prompt)
+        self.engine.submit_group(ids, n=G, tag=group_id, sampling=self.sampling)
+
+    def on_finished(self, samples: list[FinishedSample]) -> list[Rollout]:
+        records = []
+        for s in samples:
+            task = self.groups.finish_sample(s.tag).task
+            t = Trajectory.of_sample(s)
+            reward, t.info = task.score(self.engine.decode(s.response_ids))
+            t.reward = float(reward)
+            records.append(t.to_rollout(self.producer_id, self.sampling, prompt_text=task.prompt))
+        return records
+
+    def has_work(self) -> bool:
+        return False  # every rollout in flight is an engine request
+
+    def evict_stale(self, trainer_version: int, max_staleness: int) -> None:
+        if not self.eviction.due(trainer_version, max_staleness):
+            return
+        for gid in stale_groups(self.engine.oldest_versions(), trainer_version, max_staleness):
+            aborted = self.engine.abort_tag(gid)
+            self.groups.drop(gid)
+            telemetry.EVICTED_GROUPS.inc()
+            telemetry.EVICTED_SAMPLES.inc(aborted)
+            log.info("evicted stale group %s (%d samples in flight): trainer %d, max_staleness %d",
+                     gid, aborted, trainer_version, max_staleness)

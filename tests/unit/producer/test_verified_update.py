@@ -1,0 +1,207 @@
+"""A synchronous (vLLM `nccl`-style) weight update through the producer's real link and
+reloader (producer/weights/trainer_link.py, reload.py) with a fake engine and channel: the
+digest the workers fold while loading (common/weights/digest.py, the same function the GPU
+path runs, here on CPU tensors) is compared with the trainer's before the version is served;
+a refused or failed update restores what was served. The real engine's restore is
+tests/integration/test_weight_transfer.py."""
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from common import metrics
+from common.control.messages import WeightsReady
+from common.errors import WeightTransferError
+from common.weights.digest import fold_digest
+from producer.weights.reload import Reloader
+from producer.weights.trainer_link import TrainerLink
+from producer.weights.verified_update import update_weights_folded
+from tests.unit.producer.test_link import FakeChannel
+
+SENT = {"model.embed_tokens.weight": torch.arange(24, dtype=torch.float32).reshape(4, 6),
+        "model.layers.0.mlp.gate.weight": torch.linspace(-1, 1, 10, dtype=torch.bfloat16)}
+
+
+class FakeNcclEngine:
+    """vLLM's nccl engine as rlstream drives it: the update loads into the model at once
+    (replacing layers), so a refused update must be restored."""
+
+    weight_transfer = "nccl"
+    weight_workers = 1
+
+    def __init__(self, flip_byte: int | None = None, fail: bool = False):
+        self.version, self.flip_byte, self.fail = 0, flip_byte, fail
+        self.model = "base"
+        self.reloads: list[tuple[str, int]] = []
+
+    def _receive(self) -> list[tuple[str, torch.Tensor]]:
+        got = [(n, t.clone()) for n, t in SENT.items()]
+        if self.flip_byte is not None:  # one byte corrupted in flight
+            got[0][1].view(-1).view(torch.uint8)[self.flip_byte] ^= 0x10
+        if self.fail:
+            self.model = "half-loaded"
+            raise KeyError("model.layers.0.mlp.unknown.weight")  # an unknown name, mid-load
+        self.model = "loaded"
+        return got
+
+    def load_weight_update(self, update_info, timeout_s):  # this branch: loaded, not served
+        return fold_digest(self._receive())
+
+    def commit_weights(self, version, t0):
+        self.version = version
+        return time.perf_counter() - t0
+
+    def run_weight_update(self, update_info, version):  # main's call: loaded and served
+        self._receive()
+        self.version = version
+        return 0.01
+
+    def reload_weights(self, weights_dir, version):
+        self.reloads.append((str(weights_dir), version))
+        self.model, self.version = "base", version
+        return 0.01
+
+
+def refused() -> float:
+    return metrics.value("rlstream_producer_weight_reload_failures_total")
+
+
+def run_update(engine, tmp_path) -> tuple[Reloader, FakeChannel]:
+    """The trainer's update and finish (with the digest it folded while sending), then one tick."""
+    reloader = Reloader(engine, tmp_path, "p0", timeout_s=5.0)
+    reloader.newest = WeightsReady(version=1, transport="collective", digest="b" * 64, endpoint="trainer:1")
+    link, channel = TrainerLink(engine, "trainer:1", "p0", 5.0), FakeChannel()
+    link.channel, reloader.link = channel, link
+    channel.post("update", version=1, update_info={"names": list(SENT)})
+    channel.post("finish", version=1, digest=fold_digest(SENT.items()))
+    reloader.tick()
+    return reloader, channel
+
+
+def test_an_nccl_update_with_the_senders_digest_is_served(tmp_path):
+    engine = FakeNcclEngine()
+    reloader, channel = run_update(engine, tmp_path)
+    assert engine.version == 1 and engine.model == "loaded" and engine.reloads == []
+    assert reloader.state()["state"] == "serving" and reloader.state()["serving_version"] == 1
+    assert channel.acks[1] == {"version": 1, "digest": fold_digest(SENT.items())}
+
+
+@pytest.mark.parametrize("byte", [0, 37, 95])
+def test_an_nccl_update_with_one_flipped_byte_is_refused_and_the_served_weights_restored(tmp_path, byte):
+    before = refused()
+    engine = FakeNcclEngine(flip_byte=byte)
+    reloader, channel = run_update(engine, tmp_path)
+    assert engine.version == 0, "a version with a corrupted byte was served"
+    assert engine.model == "base" and engine.reloads == [(str(tmp_path), 0)]
+    assert "digest" in channel.acks[1]["error"] and refused() == before + 1
+    state = reloader.state()  # what /healthz shows
+    assert state["state"] == "failed" and state["serving_version"] == 0 and "digest" in state["failure"]["reason"]
+
+
+def test_an_nccl_update_failing_while_loading_restores_the_served_weights(tmp_path):
+    engine = FakeNcclEngine(fail=True)
+    _, channel = run_update(engine, tmp_path)
+    assert engine.version == 0 and engine.model == "base" and engine.reloads == [(str(tmp_path), 0)]
+    assert "unknown" in channel.acks[0]["error"]
+
+
+def test_an_nccl_update_whose_finish_never_comes_is_restored_within_the_timeout(tmp_path):
+    engine = FakeNcclEngine()
+    reloader = Reloader(engine, tmp_path, "p0", timeout_s=0.2)
+    reloader.newest = WeightsReady(version=1, transport="collective", digest="b" * 64, endpoint="trainer:1")
+    link, channel = TrainerLink(engine, "trainer:1", "p0", 0.2), FakeChannel()
+    link.channel, reloader.link = channel, link
+    channel.post("update", version=1, update_info={"names": list(SENT)})  # the trainer died after it
+    t0 = time.monotonic()
+    reloader.tick()
+    assert time.monotonic() - t0 < 0.2 + 2.0  # the bound, plus a margin for a loaded machine
+    assert engine.version == 0 and engine.model == "base" and link.dead
+
+
+# ---------------------------------------------------------------- in the worker
+
+
+class FakeCommunicator:
+    def __init__(self):
+        self.destroyed = threading.Event()
+
+    def destroy(self):
+        self.destroyed.set()
+
+
+class FakeModel:
+    def __init__(self):
+        self.loaded = {}
+
+    def load_weights(self, weights):
+        for name, t in weights:
+            self.loaded[name] = t
+
+
+class FakeWorker:
+    """vLLM's Worker and its nccl engine: `update_weights` receives `arrive` and loads each tensor;
+    with `die_after`, the trainer dies after that many tensors and the receive blocks until
+    the communicator is aborted (PyNccl has no timeout of its own)."""
+
+    def __init__(self, die_after: int | None = None):
+        self.weight_transfer_engine = SimpleNamespace(model=FakeModel(), model_update_group=FakeCommunicator())
+        self.die_after, self.calls = die_after, []
+
+    def start_weight_update(self):
+        self.calls.append("start")
+
+    def update_weights(self, update_info):
+        self.calls.append("update")
+        model, group = self.weight_transfer_engine.model, self.weight_transfer_engine.model_update_group
+        for i, item in enumerate(SENT.items()):
+            if i == self.die_after:
+                assert group.destroyed.wait(10), "never aborted"
+                raise RuntimeError("NCCL error: unhandled system error")
+            model.load_weights([item])
+
+    def finish_weight_update(self):
+        self.calls.append("finish")
+
+
+def test_the_worker_folds_exactly_what_it_loads():
+    worker = FakeWorker()
+    got = update_weights_folded(worker, {}, timeout_s=5.0)
+    assert got == fold_digest(SENT.items()) and worker.calls == ["start", "update", "finish"]
+    assert set(worker.weight_transfer_engine.model.loaded) == set(SENT)
+    assert "load_weights" not in vars(worker.weight_transfer_engine.model)  # the class's method is back
+
+
+def test_a_trainer_dying_mid_transfer_ends_the_workers_wait_within_the_bound():
+    worker = FakeWorker(die_after=1)
+    t0 = time.monotonic()
+    with pytest.raises(WeightTransferError, match="no progress"):
+        update_weights_folded(worker, {}, timeout_s=0.3)
+    assert time.monotonic() - t0 < 0.3 + 2.0  # the bound, plus a margin for a loaded machine
+    assert worker.weight_transfer_engine.model_update_group.destroyed.is_set()
+
+
+# ---------------------------------------------------------------- the trainer's half
+
+
+def test_the_trainers_finish_carries_the_digest_of_what_it_sent_in_the_order_the_producer_loads_it():
+    """consumer/weights/engines.py: SnapshotSource folds each tensor as it goes to the device
+    (here "cpu") and LinkClient's finish carries it; it equals what a worker folds from the same
+    tensors in the metadata order vLLM's nccl engine receives them in."""
+    from consumer.weights.engines import LinkClient, SnapshotSource
+    from consumer.weights.snapshot import Snapshot
+    from tests.support.weights import dict_source
+
+    snap = Snapshot(1, dict_source(dict(SENT)))
+    snap.fill()
+    source = SnapshotSource(snap, device="cpu")
+    sent = list(source)
+    client = object.__new__(LinkClient)
+    client.version, client.timeout_s, client.fold = 1, 1.0, source.fold_digest
+    client.channel = SimpleNamespace(call=lambda op, timeout_s, **args: {"op": op, **args})
+    finish = client.finish_weight_update()
+    assert [m.name for m in source.metadata()] == [n for n, _ in sent]
+    assert finish == {"op": "finish", "version": 1, "digest": fold_digest(SENT.items())}
