@@ -103,7 +103,7 @@ def wait_for(what: str, cond, timeout_s: float) -> float:
     return time.monotonic() - t0
 
 
-@pytest.mark.timeout(400)  # 110-300 s at load 12-17 on the shared 2-core machine: 5 processes import vLLM at once
+@pytest.mark.timeout(400)  # 39 s at load 2.4, 110-300 s at load 12-17 (2 cores): 5 processes import vLLM
 def test_every_producer_gets_each_version_once_from_the_trainer_and_a_dead_relay_costs_the_others_no_more_than_a_timeout(tmp_path):
     engines = {n: WorkerProcesses(1) for n in ("p1", "p2", "p3", "p4")}  # spawned at once; p4 joins later
     trainer = TrainerSide(tmp_path / "store", model_dir=None, timeout_s=TIMEOUT_S)
