@@ -144,6 +144,11 @@ def worker_group_rank(rank_offset: int, dp_index: int, workers_per_dp: int, rank
 # ---------------------------------------------------------------- command channel
 
 
+class NoAnswerError(WeightTransferError):
+    """The producer did not acknowledge a command in time: dead, hung or gone (an error
+    ack, by contrast, comes from a producer that is alive)."""
+
+
 class Channel:
     """Numbered commands from the trainer, acknowledged by the producer, per link."""
 
@@ -163,7 +168,7 @@ class Channel:
             self.store.wait([self._key("ack", k)], timedelta(seconds=timeout_s))
             ack = json.loads(self.store.get(self._key("ack", k)))
         except (RuntimeError, OSError) as e:  # TCPStore reports timeouts as RuntimeError
-            raise WeightTransferError(f"link {self.link}: no ack to {op!r} within {timeout_s:.0f} s ({e})") from None
+            raise NoAnswerError(f"link {self.link}: no ack to {op!r} within {timeout_s:.0f} s ({e})") from None
         for kind in ("cmd", "ack"):
             self.store.delete_key(self._key(kind, k))
         if ack.get("error"):
@@ -190,8 +195,23 @@ class Channel:
 # ---------------------------------------------------------------- the byte stream
 
 
+class Framed:
+    """Length-prefixed messages over any byte path with `send(t)` / `recv(t)` (GlooPair,
+    common/weights/chain.py ChainLink)."""
+
+    def send_bytes(self, b: bytes) -> None:
+        self.send(torch.tensor([len(b)], dtype=torch.int64))
+        self.send(torch.frombuffer(bytearray(b), dtype=torch.uint8))
+
+    def recv_bytes(self, limit: int = 64 << 20) -> bytes:
+        n = int(self.recv(torch.zeros(1, dtype=torch.int64)).item())
+        if not 0 <= n <= limit:
+            raise WeightTransferError(f"weight link: a message of {n} bytes announced (limit {limit})")
+        return self.recv(torch.empty(n, dtype=torch.uint8)).numpy().tobytes()
+
+
 @dataclass
-class GlooPair:
+class GlooPair(Framed):
     """One link's gloo group: rank 0 (the trainer) sends, ranks 1..world_size-1 (the
     producer's workers, `group_layout`) receive the same bytes. A pair (2 ranks) for a
     producer with one worker, hence the name.
@@ -239,16 +259,6 @@ class GlooPair:
             work.wait(self.timeout)
         except (RuntimeError, OSError) as e:  # gloo: timeout, "Connection reset by peer", ...
             raise WeightTransferError(f"weight link {what} failed: {e}") from None
-
-    def send_bytes(self, b: bytes) -> None:
-        self.send(torch.tensor([len(b)], dtype=torch.int64))
-        self.send(torch.frombuffer(bytearray(b), dtype=torch.uint8))
-
-    def recv_bytes(self, limit: int = 64 << 20) -> bytes:
-        n = int(self.recv(torch.zeros(1, dtype=torch.int64)).item())
-        if not 0 <= n <= limit:
-            raise WeightTransferError(f"weight link: a message of {n} bytes announced (limit {limit})")
-        return self.recv(torch.empty(n, dtype=torch.uint8)).numpy().tobytes()
 
     def close(self) -> None:
         try:
@@ -341,5 +351,5 @@ def _take(pool: list[torch.Tensor], nbytes: int) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8)
 
 
-__all__ = ["Channel", "GlooPair", "GroupLayout", "ReceivedVersion", "Registration", "group_layout", "open_store",
+__all__ = ["Channel", "Framed", "GlooPair", "GroupLayout", "NoAnswerError", "ReceivedVersion", "Registration", "group_layout", "open_store",
            "parse_endpoint", "read_registration", "receive_version", "register", "send_version", "worker_group_rank"]

@@ -27,6 +27,7 @@ from vllm.distributed.weight_transfer.base import (ParamMeta, TrainerInitInfo, T
                                                    WeightSource)
 
 from common.errors import WeightTransferError
+from common.weights.chain import ChainLink
 from common.weights.digest import Fold
 from common.weights.link import Channel, GlooPair, GroupLayout, open_store, send_version
 from consumer.weights.snapshot import Snapshot
@@ -115,6 +116,9 @@ class RlstreamGlooTrainerInitInfo(TrainerInitInfo):
     layout: GroupLayout = GroupLayout(2, (1,))
     """The link's group, from the producer's registration (common/weights/link.py `group_layout`)."""
     timeout_s: float = 30.0
+    group: str = ""
+    """A fan-out group's prefix (common/weights/chain.py `group_prefix`): the bytes go down a
+    chain (ChainLink) over every member's workers; empty: one producer's link (GlooPair)."""
 
 
 class RlstreamGlooTrainerEngine(TrainerWeightTransferEngine[RlstreamGlooTrainerInitInfo]):
@@ -131,16 +135,21 @@ class RlstreamGlooTrainerEngine(TrainerWeightTransferEngine[RlstreamGlooTrainerI
         rank offset (its init command runs on a side thread, as vLLM's NCCL engine does)."""
         engine = cls(client=client, source=source, is_sender=init_info.is_sender)
         layout = init_info.layout
+        # a fan-out client (consumer/weights/fanout.py) puts each member's own offset and link in
         worker = {"host": init_info.host, "port": init_info.port, "link": init_info.link,
                   "timeout_s": init_info.timeout_s, "world_size": layout.world_size,
-                  "rank_offset": layout.rank_offsets[0]}
+                  "rank_offset": layout.rank_offsets[0], "group": init_info.group}
         # a store connection of the pair's own: the channel's blocking waits hold theirs
         engine._store = open_store(init_info.host, init_info.port, init_info.timeout_s)
         with ThreadPoolExecutor(max_workers=1) as exe:
             joined = exe.submit(client.init_weight_transfer_engine, worker)
             try:
-                engine.pair = GlooPair.open(engine._store, init_info.link, 0, init_info.timeout_s,
-                                            world_size=layout.world_size)
+                if init_info.group:
+                    engine.pair = ChainLink.open(engine._store, init_info.group, 0, layout.world_size,
+                                                 init_info.timeout_s)
+                else:
+                    engine.pair = GlooPair.open(engine._store, init_info.link, 0, init_info.timeout_s,
+                                                world_size=layout.world_size)
             finally:
                 joined.result()
         return engine
@@ -157,7 +166,7 @@ class RlstreamGlooTrainerEngine(TrainerWeightTransferEngine[RlstreamGlooTrainerI
         t2 = time.perf_counter()
         ack = self.client.finish_weight_update(str(snap.version))
         if ack.get("digest") != snap.digest:
-            raise WeightTransferError(f"link {self.client.link}: the producer received digest "
+            raise WeightTransferError(f"link {getattr(self.client, 'link', 'fan-out')}: the producer received digest "
                                       f"{str(ack.get('digest'))[:12]}, sent {str(snap.digest)[:12]}")
         self.last = {"start_s": t1 - t0, "stream_s": t2 - t1, "finish_s": time.perf_counter() - t2,
                      "total_s": time.perf_counter() - t0}
@@ -168,10 +177,13 @@ class RlstreamGlooTrainerEngine(TrainerWeightTransferEngine[RlstreamGlooTrainerI
             self.pair = None
 
 
-def open_nccl_link(client: LinkClient, host: str, source: SnapshotSource, layout: GroupLayout):
-    """vLLM's own NCCL trainer engine on a link (GPU): an NCCL group of its own of
-    `layout.world_size` ranks (1 + the producer's workers, from its registration), on a
-    free port of this host; the producer's workers join through its init command.
+def open_nccl_link(client, host: str, source: SnapshotSource, layout: GroupLayout):
+    """vLLM's own NCCL trainer engine (GPU) on one producer's link or on the fan-out group:
+    an NCCL group of `layout.world_size` ranks (1 + every member's workers, from their
+    registrations), on a free port of this host; the workers join through their init
+    commands. vLLM's engine and not a relay of ours: NCCL pipelines its broadcast (ring or
+    tree, chunked), so the trainer sends each byte once for any number of producers, and
+    its packed double buffers bound the trainer's GPU memory per version.
     Not run on a GPU yet: the group's sizing is tested on CPU against vLLM's own worker
     rank code (tests/unit/common/test_weight_groups.py; docs/weights.md, "GPU")."""
     import socket
@@ -179,12 +191,27 @@ def open_nccl_link(client: LinkClient, host: str, source: SnapshotSource, layout
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
     from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
-    if layout.rank_offsets != (1,):  # vLLM's trainer engine hands its workers rank_offset=1
-        raise WeightTransferError(f"vLLM's nccl engine serves one producer per group at rank offset 1, "
-                                  f"not {layout.rank_offsets}")
+    # vLLM's trainer engine hands its workers rank_offset=1: right for one producer; a group of
+    # several needs the fan-out client, which gives each member its own offset
+    if layout.rank_offsets != (1,) and getattr(client, "layout", None) != layout:
+        raise WeightTransferError(f"vLLM's nccl engine gives every worker rank offset 1; a group at offsets "
+                                  f"{layout.rank_offsets} needs consumer/weights/fanout.py FanoutClient")
     with socket.socket() as s:
         s.bind((host, 0))
         port = s.getsockname()[1]
     info = NCCLTrainerInitInfo(master_address=host, master_port=port, world_size=layout.world_size, rank=0)
     client.fold = getattr(source, "fold_digest", None)  # restore branch hook (N5): finish carries the sent digest
     return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
+
+
+def open_fanout_engine(sender, client, snap: Snapshot, layout: GroupLayout, prefix: str):
+    """The trainer engine of one epoch of the fan-out group (consumer/weights/fanout.py):
+    vLLM's nccl over the whole group on GPU, the gloo chain on CPU."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    if sender.backend == "nccl":
+        snap.wait()
+        return open_nccl_link(client, sender.host, SnapshotSource(snap), layout)
+    info = RlstreamGlooTrainerInitInfo(host=sender.host, port=sender.store.port, link=0, layout=layout,
+                                       timeout_s=sender.settings.timeout_s, rank=0, group=prefix)
+    return WeightTransferTrainerFactory.trainer_init(info, client=client)

@@ -1,20 +1,29 @@
-"""How each new version leaves the trainer (rank 0) on the collective path: producer links.
+"""How each new version leaves the trainer (rank 0) on the collective path.
 
     sender = WeightSender(cfg.consumer.weights)      # hosts the endpoint, accepts links
-    sender.publish(snapshot)                         # every link streams it, concurrently
+    sender.publish(snapshot)                         # sent once to every producer; returns at once
 
 `WeightSender` hosts the weight endpoint (common/weights/link.py): an acceptor
-thread serves each producer that registers with a link thread of its own,
-which opens the link through vLLM's trainer factory (`rlstream_gloo`, or
-`nccl` on GPU) with a group sized from the producer's registration (1 + its
-workers: common/weights/link.py `group_layout`), sends the current version at once (a producer that joins late
-gets it without waiting for the next step), then every newer one. A link that
-fails (a dead, hung or refusing producer: each blocking step is bounded by
-`consumer.weights.timeout_s`) is counted, told to re-register and dropped;
-the other links never wait for it, and `publish` never waits for any link: the
-training loop goes on while versions stream. A link that is still sending
-when a newer version is published sends the newer one next (newest wins).
-The durable store is consumer/weights/durable.py.
+thread serves each producer that registers with a link thread of its own
+(`_Link`), which opens a group of the trainer and that producer's workers (sized
+from its registration: `group_layout`) through vLLM's trainer factory
+(`rlstream_gloo`, or `nccl` on GPU) and sends it the current version at once: a
+producer that joins late gets it without waiting for the next step or stalling
+anyone. Once the producer holds the newest version, its link hands it over to
+the fan-out group (consumer/weights/fanout.py): every later version is sent once
+to all grouped producers together (a chunk-pipelined chain on gloo, vLLM's nccl
+broadcast on GPU), so the trainer's egress per version is 1x the model, not one
+copy per producer.
+
+`topology="star"` keeps every producer on its own link for every version (each
+link sends the whole version: egress P x the model); kept as the benchmark's
+baseline (tests/bench/weights.py).
+
+A producer whose transfer fails (a dead, hung or refusing producer: each blocking
+step is bounded by `consumer.weights.timeout_s`) is counted, told to re-register and
+dropped; `publish` never waits for any transfer: the training loop goes on while
+versions stream, and a producer still busy with an older version gets the newest
+one next (newest wins). The durable store is consumer/weights/durable.py.
 """
 from __future__ import annotations
 
@@ -27,15 +36,20 @@ from common.errors import RlstreamError
 from common.weights import link as wlink
 from consumer import telemetry
 from consumer.weights.engines import (LinkClient, RlstreamGlooTrainerInitInfo, Snapshot, SnapshotSource, open_nccl_link,
-                               register)
+                                     register)
+from consumer.weights.fanout import Fanout
 
 log = logging.getLogger("rlstream.consumer")
 
 
 class WeightSender:
-    def __init__(self, settings: WeightSyncSettings, backend: str = "rlstream_gloo"):
+    TOPOLOGIES = ("chain", "star")
+
+    def __init__(self, settings: WeightSyncSettings, backend: str = "rlstream_gloo", topology: str = "chain"):
         register()
-        self.settings, self.backend = settings, backend
+        if topology not in self.TOPOLOGIES:
+            raise ValueError(f"weight topology {topology!r}: use one of {', '.join(self.TOPOLOGIES)}")
+        self.settings, self.backend, self.topology = settings, backend, topology
         self.store = wlink.open_store(settings.host, settings.port, settings.timeout_s, master=True)
         wildcard = settings.host in ("0.0.0.0", "::", "")
         self.host = settings.advertised_host()  # what producers dial
@@ -49,6 +63,9 @@ class WeightSender:
         self._closed = False
         self._acceptor = threading.Thread(target=self._accept, name="rlstream-weights-accept", daemon=True)
         self._acceptor.start()
+        self.fanout = Fanout(self)
+        if topology == "chain":
+            self.fanout.start()
         log.info("weight endpoint %s (%s)", self.endpoint, backend)
 
     def publish(self, snapshot: Snapshot) -> None:
@@ -70,7 +87,12 @@ class WeightSender:
             self._cond.notify_all()
         self._acceptor.join(timeout=5)
         for lk in list(self.links.values()):
-            lk.join(timeout=self.settings.timeout_s)
+            if lk.is_alive():
+                lk.join(timeout=self.settings.timeout_s)
+        if self.fanout.is_alive():
+            self.fanout.join(timeout=self.settings.timeout_s)
+        for lk in list(self.links.values()):
+            lk.release_own()
 
     # ------------------------------------------------------------ links
 
@@ -91,14 +113,47 @@ class WeightSender:
                 lk.start()
             seen = joined
 
-    def _next(self, sent: int) -> Snapshot | None:
-        """Block until a version newer than `sent` is published (None: closing)."""
+    def _next(self, lk: "_Link") -> Snapshot | None:
+        """A link's next version: block until one newer than it has is published (None:
+        closing, or, in a chain topology, it holds the newest and now belongs to the group).
+        Decided under the lock the group takes its rounds with, so no version falls between."""
         with self._cond:
-            self._cond.wait_for(lambda: self._closed or (self.current is not None and self.current.version > sent))
-            return None if self._closed else self.current.acquire()
+            self._cond.wait_for(lambda: self._closed or (self.current is not None and self.current.version > lk.sent)
+                                or (self.topology == "chain" and lk.sent >= 0))
+            if self._closed:
+                return None
+            if self.current.version > lk.sent:
+                return self.current.acquire()
+            lk.grouped = True
+            self._cond.notify_all()
+            return None
+
+    def _next_round(self) -> tuple[Snapshot, list["_Link"]] | None:
+        """The group's next round: the newest version and the grouped links behind on it
+        (in link order: a producer keeps its place, and its rank, while nobody leaves)."""
+        def behind() -> list["_Link"]:
+            v = self.current.version if self.current is not None else -1
+            return [lk for _, lk in sorted(self.links.items()) if lk.grouped and lk.sent < v]
+        with self._cond:
+            self._cond.wait_for(lambda: self._closed or behind())
+            return None if self._closed else (self.current.acquire(), behind())
+
+    def _delivered(self, links: list["_Link"], version: int) -> None:
+        with self._cond:
+            for lk in links:
+                lk.sent, lk.count = max(lk.sent, version), lk.count + 1
+            self._cond.notify_all()
+
+    def _drop(self, lk: "_Link", error: BaseException) -> None:
+        """A grouped producer failed: tell it to re-register (best effort) and drop it."""
+        lk._close_remote(str(error))
+        lk.release_own()
+        self._dropped(lk, error)
 
     def _dropped(self, lk: "_Link", error: BaseException | None) -> None:
         with self._cond:
+            if self.links.get(lk.n) is not lk:
+                return
             self.links.pop(lk.n, None)
             if error is not None:
                 self.failures += 1
@@ -110,7 +165,8 @@ class WeightSender:
 
 
 class _Link(threading.Thread):
-    """One producer's link: open it, then send every version newer than the last one sent."""
+    """One producer's link: open it, send the current version, then every newer one until it
+    holds the newest (chain topology: then the fan-out group sends; star: forever)."""
 
     def __init__(self, sender: WeightSender, n: int):
         super().__init__(name=f"rlstream-weights-link-{n}", daemon=True)
@@ -121,6 +177,10 @@ class _Link(threading.Thread):
         self.sent, self.count = -1, 0
         self.client: LinkClient | None = None
         self.engine = None
+        """The trainer engine sending to this producer: its own, then the group's."""
+        self.grouped = False
+        """Handed over to the fan-out group (consumer/weights/fanout.py), which sends from now on."""
+        self._own = None  # this link's own engine (the group's is the group's to close)
 
     def run(self) -> None:
         error: BaseException | None = None
@@ -130,7 +190,7 @@ class _Link(threading.Thread):
             self.client = LinkClient(store, self.n, self.sender.settings.timeout_s)
             reg = wlink.read_registration(store, self.n, self.sender.settings.timeout_s)
             self.producer, self.workers = reg.producer, reg.workers
-            while (snap := self.sender._next(self.sent)) is not None:
+            while (snap := self.sender._next(self)) is not None:
                 try:
                     self._send(snap)
                 finally:
@@ -139,23 +199,31 @@ class _Link(threading.Thread):
             error = e
             self._close_remote(str(e))
         finally:
-            if self.engine is not None:
-                self.engine.shutdown()
-            self.sender._dropped(self, error)
+            if error is not None or not self.grouped:
+                self.release_own()
+                self.sender._dropped(self, error)
+            # handed over: its own group stays open until the fan-out group forms with it
+
+    def release_own(self) -> None:
+        """Close this link's own group (handed over: the fan-out group sends from now on)."""
+        own, self._own = self._own, None
+        if own is not None:
+            own.shutdown()
 
     def _send(self, snap: Snapshot) -> None:
         t0 = time.perf_counter()
-        if self.engine is None:
-            self.engine = self._open(snap)
+        if self._own is None:
+            self.engine = self._own = self._open(snap)
             telemetry.WEIGHT_LINKS.set(len(self.sender.links))
             log.info("weight link %d: producer %s joined (%d workers)", self.n, self.producer, self.workers)
         if self.sender.backend == "nccl":
             snap.wait()
-            self.engine.source = SnapshotSource(snap)
+            source = self._own.source = SnapshotSource(snap)
+            self.client.fold = source.fold_digest  # the finish carries this version's fold
         else:
-            self.engine.source = snap
+            self._own.source = snap
         self.client.version = snap.version
-        self.engine.send_weights()
+        self._own.send_weights()
         with self.sender._cond:
             self.sent, self.count = snap.version, self.count + 1
             self.sender._cond.notify_all()

@@ -46,6 +46,7 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
                                                    WeightTransferUpdateInfo)
 
 from common.errors import DigestMismatchError, WeightTransferError
+from common.weights.chain import ChainLink
 from common.weights.link import GlooPair, ReceivedVersion, open_store, receive_version, worker_group_rank
 
 log = logging.getLogger("rlstream.producer")
@@ -74,6 +75,9 @@ class RlstreamGlooInitInfo(WeightTransferInitInfo):
     """The link's group: the trainer plus every worker the producer reported (`group_layout`)."""
     rank_offset: int = 1
     """This producer's first rank in it; each worker joins at rank_offset + its rank, as in vLLM's nccl."""
+    group: str = ""
+    """A fan-out group's prefix (common/weights/chain.py): receive from the previous rank and
+    relay to the next one; empty: the producer's own link (a broadcast from the trainer)."""
 
 
 @dataclass
@@ -108,7 +112,11 @@ class RlstreamGlooEngine(WeightTransferEngine[RlstreamGlooInitInfo, RlstreamGloo
         rank = worker_group_rank(init_info.rank_offset, pc.data_parallel_index, pc.world_size, pc.rank)
         self.shutdown()
         store = open_store(init_info.host, init_info.port, init_info.timeout_s)
-        self.pair = GlooPair.open(store, init_info.link, rank, init_info.timeout_s, world_size=init_info.world_size)
+        if init_info.group:
+            self.pair = ChainLink.open(store, init_info.group, rank, init_info.world_size, init_info.timeout_s)
+        else:
+            self.pair = GlooPair.open(store, init_info.link, rank, init_info.timeout_s,
+                                      world_size=init_info.world_size)
         self._store = store  # the pair's rendezvous store must outlive it
 
     def start_weight_update(self) -> None:
@@ -163,9 +171,18 @@ class RlstreamGlooEngine(WeightTransferEngine[RlstreamGlooInitInfo, RlstreamGloo
             if experts:
                 experts.begin()
                 prepare = experts.prepare_group
-            self._staged = receive_version(self.pair, self._pool, prepare=prepare)
+            try:
+                self._staged = receive_version(self.pair, self._pool, prepare=prepare)
+            finally:
+                if hasattr(self.pair, "flush"):  # a fan-out relay: its last forwards read these buffers
+                    self.pair.flush()
             self._pool = []
             self.last = {"receive_s": self._staged.seconds, "bytes": self._staged.header.nbytes}
+            relay_error = getattr(self.pair, "relay_error", None)
+            if relay_error:  # the next rank of the chain failed: ours arrived; the trainer re-serves it
+                log.warning("weight fan-out: stopped relaying version %d: %s", self._staged.header.version,
+                            relay_error)
+                self.last["relay_error"] = relay_error
         except BaseException as e:  # noqa: BLE001 - reported through status() and swap
             self._error = e
 

@@ -9,8 +9,11 @@ The trainer drives each transfer through vLLM's four-call handshake
 the loop's thread, between two steps, and acknowledges it:
 
     command   rlstream_gloo (CPU)                       nccl (vLLM's, GPU)
+    ping      (nothing: answered, so the trainer knows this producer is alive before a fan-out rendezvous)
     init      close the old group, join the link's      destroy the old communicator, join the
-              gloo pair                                 NCCL group
+              gloo pair, or the fan-out group's chain   NCCL group (the link's or the fan-out
+              at this producer's rank offset            group's, at this producer's rank offset)
+              (consumer/weights/fanout.py)
     start     start receiving in the background         (nothing: the update runs vLLM's three calls)
     update    (nothing: the bytes are already flowing)  receive + load now, folding a digest
                                                         (producer/weights/verified_update.py); then
@@ -26,7 +29,10 @@ registration reports the engine's receiving workers (`engine.weight_workers`,
 vLLM's TP x PP): the trainer sizes the link's group from it (1 + workers, every
 worker at rank_offset + its rank), so a TP=2 producer's second worker has a rank.
 Any failure marks the link dead (`dead` says why); the reloader drops it and
-registers a new one (a failed gloo group is not reusable).
+registers a new one (a failed gloo group is not reusable). One exception: a fan-out
+group's init that failed (another member never joined the rendezvous) is refused
+and the link kept: the trainer re-forms the group without the missing member, on
+this same link.
 """
 from __future__ import annotations
 
@@ -150,7 +156,10 @@ class TrainerLink:
         if op == "close":  # the trainer dropped this link (a failed transfer): register anew
             raise WeightTransferError(f"closed by the trainer: {cmd.get('reason', '')}")
         try:
-            if op == "init":
+            if op == "ping":  # the trainer checks who is alive before it forms a fan-out group
+                pass
+            elif op == "init":
+                self.joined = False
                 self.engine.init_weight_link(cmd["init_info"])
                 self.joined = True
             elif op == "start" and self.engine.weight_transfer == "rlstream_gloo":
@@ -174,7 +183,10 @@ class TrainerLink:
             if op == "update" and self.update is not None:
                 self.update.error = f"the update failed while loading: {e}"  # half-loaded: restore
             self.channel.ack(k, error=str(e)[:2000])
-            if op == "init":  # no group: this link is done, the reloader registers a new one
+            # a fan-out group that did not form (another member was missing): the trainer
+            # re-forms it without that member, on this same link
+            if op == "init" and not cmd["init_info"].get("group"):  # no group: this link is done,
+                # the reloader registers a new one
                 raise e if isinstance(e, RlstreamError) else WeightTransferError(f"joining the link failed: {e}") from e
             return
         self.channel.ack(k)

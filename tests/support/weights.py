@@ -153,9 +153,19 @@ class WorkerProcesses:
 
         return combine_worker_status(self._rpc("status"))
 
+    def discard_weights(self) -> None:
+        self._rpc("discard")
+
     def received(self) -> list[dict[str, torch.Tensor]]:
         """Each worker's received tensors (clones)."""
         return self._rpc("tensors")
+
+    def kill(self) -> None:
+        """SIGKILL every worker (a producer that dies mid-version: its sockets close)."""
+        for p in self._procs:
+            p.kill()
+        for p in self._procs:
+            p.join(timeout=10)
 
     def close(self) -> None:
         for c in self._conns:
@@ -196,6 +206,8 @@ def _worker_main(conn, rank: int, n: int) -> None:
                 value = engine.init_transfer_engine(engine.parse_init_info(kw["init_info"]))
             elif op == "receive":
                 value = engine.receive_weights(RlstreamGlooUpdateInfo(op="receive"))
+            elif op == "discard":
+                value = engine.receive_weights(RlstreamGlooUpdateInfo(op="discard"))
             elif op == "status":
                 value = engine.status()
             elif op == "tensors":

@@ -1,0 +1,207 @@
+"""The fan-out group: every registered producer's workers in one group, each version sent once.
+
+    fan = Fanout(sender)          # one thread; WeightSender starts it
+    # per version: re-form if the members changed, then start -> stream -> finish
+
+A producer's first version goes over its own link (consumer/weights/sender.py `_Link`):
+a joiner gets the current version at once, without waiting for, or stalling, the
+group. Once it holds the newest version its link hands it over here, and it enters
+the group at the next version boundary. The group is the trainer (rank 0) plus every
+member's workers, ranks from `group_layout` over the members' worker counts (the
+same sizing and rank offsets as vLLM's nccl engine). It is re-formed (a new epoch,
+a new PrefixStore prefix) whenever the members of the next round differ from the
+formed group: a producer joined, left or failed.
+
+The bytes: on CPU (`rlstream_gloo`) a chunk-pipelined chain (common/weights/chain.py:
+gloo has no pipelined broadcast); on GPU vLLM's own `nccl` trainer engine over the whole
+group (NCCL pipelines its broadcast), with one upload of the snapshot to the trainer's
+GPU per version instead of one per producer. Both run through `FanoutClient`, vLLM's
+`VLLMWeightSyncClient` fanned out to every member's command channel, so the trainer
+engines are the same classes a single link uses.
+
+Failures (each blocking call bounded by `consumer.weights.timeout_s`):
+- before the stream (ping, init, start): members that did not answer are dropped and
+  the round is re-formed with the rest and re-sent at once (nobody received anything);
+- during the stream: a dead member fails the ranks after it in the chain (the ranks
+  before it keep receiving), the finish round names who did not get the version;
+  those are dropped (told to re-register) and the others keep their version. A
+  dropped producer that is alive re-registers (producer/weights/reload.py) and gets
+  the version over a link of its own, then re-enters the group: the others lose at
+  most the one timeout of the finish round, never a re-send.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Callable
+
+from common.errors import RlstreamError, WeightTransferError
+from common.weights import link as wlink
+from common.weights.chain import group_prefix
+from consumer import telemetry
+
+if TYPE_CHECKING:
+    from consumer.weights.sender import WeightSender, _Link
+
+log = logging.getLogger("rlstream.consumer")
+
+
+class FanoutFailure(WeightTransferError):
+    """Some members failed one call of a round: `failed` maps link id -> why."""
+
+    def __init__(self, op: str, failed: dict[int, str], silent: set[int] = frozenset()):
+        self.op, self.failed, self.silent = op, failed, set(silent)
+        """`silent`: the failed members that did not answer at all (dead or hung)."""
+        super().__init__(f"fan-out {op!r} failed on links {sorted(failed)}: "
+                         + "; ".join(f"{n}: {why[:200]}" for n, why in sorted(failed.items())))
+
+
+class FanoutClient:
+    """vLLM's `VLLMWeightSyncClient` over every member's channel at once: each call runs
+    on every member concurrently (so a dead one costs one timeout, not one per member);
+    the init payload gets each member's own rank offset (vLLM's trainer engines hand
+    every worker `rank_offset=1`: right for one producer, not for a group)."""
+
+    def __init__(self, members: list["_Link"], layout: wlink.GroupLayout):
+        self.members, self.layout = members, layout
+        self.version: int | None = None
+        self.fold = None
+        """nccl: the sent version's digest getter (`SnapshotSource.fold_digest`), carried by every finish."""
+
+    def _each(self, op: str, call: Callable[[int, "_Link"], Any]) -> dict[int, Any]:
+        results, failed, silent = {}, {}, set()
+        with ThreadPoolExecutor(max_workers=len(self.members), thread_name_prefix="rlstream-fanout") as exe:
+            futures = {m.n: exe.submit(call, i, m) for i, m in enumerate(self.members)}
+            for n, f in futures.items():
+                try:
+                    results[n] = f.result()
+                except (RlstreamError, RuntimeError, OSError) as e:
+                    failed[n] = str(e)
+                    if isinstance(e, wlink.NoAnswerError):
+                        silent.add(n)
+        if failed:
+            raise FanoutFailure(op, failed, silent)
+        return results
+
+    def _versioned(self, m: "_Link"):
+        m.client.version, m.client.fold = self.version, self.fold
+        return m.client
+
+    def ping(self) -> None:
+        """Every member answers a command (a dead or hung one does not, within the timeout):
+        run before a rendezvous, which a missing member would fail for everyone."""
+        self._each("ping", lambda i, m: m.client.channel.call("ping", m.client.timeout_s))
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        offsets = self.layout.rank_offsets
+        self._each("init", lambda i, m: m.client.init_weight_transfer_engine(
+            {**init_info, "rank_offset": offsets[i], "link": m.n}))
+
+    def start_weight_update(self) -> None:
+        self._each("start", lambda i, m: self._versioned(m).start_weight_update())
+
+    def update_weights(self, update_info) -> None:
+        self._each("update", lambda i, m: self._versioned(m).update_weights(update_info))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> dict:
+        """Every member's finish; returns {"digest": d} when all received the same digest d
+        (gloo), else raises FanoutFailure naming those that differ."""
+        acks = self._each("finish", lambda i, m: self._versioned(m).finish_weight_update(weight_version))
+        digests = {n: a.get("digest") for n, a in acks.items()}
+        common = max(set(digests.values()), key=list(digests.values()).count)
+        odd = {n: f"received digest {str(d)[:12]}, the others {str(common)[:12]}" for n, d in digests.items()
+               if d != common}
+        if odd:
+            raise FanoutFailure("finish", odd)
+        return {"digest": common}
+
+
+class Fanout(threading.Thread):
+    """The group's thread: one round per version for every grouped member behind on it."""
+
+    def __init__(self, sender: "WeightSender"):
+        super().__init__(name="rlstream-weights-fanout", daemon=True)
+        self.sender = sender
+        self.epoch = 0
+        self.formed: tuple[int, ...] = ()
+        """Link ids of the formed group, in rank order."""
+        self.engine = None
+        self.last: dict[str, float] = {}
+
+    def run(self) -> None:
+        try:
+            while (step := self.sender._next_round()) is not None:
+                snap, members = step
+                try:
+                    self._round(snap, members)
+                finally:
+                    snap.release()
+        finally:
+            self._disband()
+
+    def _round(self, snap, members: list["_Link"]) -> None:
+        t0 = time.perf_counter()
+        try:
+            if self.engine is None or tuple(m.n for m in members) != self.formed:
+                self._reform(snap, members)
+            self._send(snap)
+        except FanoutFailure as f:
+            self._disband()
+            # Before the stream, a silent member fails the rendezvous for everyone: drop only
+            # it when there is one, and re-form with the others (they answered, so they live).
+            # After the stream, whoever did not confirm the version is dropped: its link is
+            # broken (the producer re-registers it).
+            lost = f.silent if f.silent and f.op != "finish" else set(f.failed)
+            for m in members:
+                if m.n in lost:
+                    self.sender._drop(m, WeightTransferError(f.failed[m.n]))
+            if f.op == "finish":  # the stream went out: the others have the version
+                self.sender._delivered([m for m in members if m.n not in lost], snap.version)
+            return  # ping/init/start: nobody received; the next round re-forms with the rest
+        except (RlstreamError, RuntimeError, OSError) as e:  # the stream broke at rank 0
+            self._disband()
+            for m in members:
+                self.sender._drop(m, e)
+            return
+        self.sender._delivered(members, snap.version)
+        self.last = {"seconds": time.perf_counter() - t0, "members": len(members)}
+        telemetry.WEIGHT_SEND_SECONDS.observe(self.last["seconds"])
+
+    def _reform(self, snap, members: list["_Link"]) -> None:
+        """A new epoch of the group for `members` (ranks in their order, `group_layout`)."""
+        from consumer.weights.engines import open_fanout_engine
+
+        self._disband()
+        layout = wlink.group_layout([m.workers for m in members])
+        client = FanoutClient(members, layout)
+        client.ping()
+        self.epoch += 1
+        self.engine = open_fanout_engine(self.sender, client, snap, layout, group_prefix(self.epoch))
+        self.formed = tuple(m.n for m in members)
+        for m in members:
+            m.release_own()  # a joiner's own group, kept until now (the producer re-inits anyway)
+            m.name, m.engine = self.name, self.engine
+        log.info("weight fan-out epoch %d: %d producers, %d ranks (%s)", self.epoch, len(members),
+                 layout.world_size, ", ".join(f"{m.producer}@{o}" for m, o in zip(members, layout.rank_offsets)))
+
+    def _send(self, snap) -> None:
+        from consumer.weights.engines import SnapshotSource
+
+        if self.sender.backend == "nccl":
+            snap.wait()
+            source = self.engine.source = SnapshotSource(snap)  # one upload to the GPU per version
+            self.engine.client.fold = source.fold_digest  # this version's fold, not the first one's
+        else:
+            self.engine.source = snap
+        self.engine.client.version = snap.version
+        self.engine.send_weights()
+
+    def _disband(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+        self.engine, self.formed = None, ()
+
+
+__all__ = ["Fanout", "FanoutClient", "FanoutFailure"]

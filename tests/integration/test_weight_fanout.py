@@ -1,0 +1,179 @@
+"""One version to many producers, sent once (issue 23, N4): the trainer's real sending half
+(WeightSender: links, fan-out group, Snapshot), producers as lightweight receivers running
+the real receive code (tests/support/weights.py WorkerProcesses: RlstreamGlooEngine in a
+spawned process per worker) behind the real producer link (TrainerLink), polled as the
+reloader polls it (a link whose receive failed is registered anew, producer/weights/reload.py).
+
+The trainer's egress is counted as the bytes this process wrote (/proc/self/io wchar: gloo
+writes its sockets with writev; the producers are other processes). With one link per
+producer (main before issue 23) it was one copy of the version per producer."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from tests.support.weights import TrainerSide, WorkerProcesses
+
+TIMEOUT_S = 6.0
+GROUPS, GROUP_BYTES = 6, 1 << 20  # a 6 MiB version: big next to the store's and the pipes' bytes
+GROUP_DELAY_S = 0.25  # version 3 streams slowly enough to kill a producer in the middle of it
+
+
+def version_tensors(v: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(v)
+    return {f"model.layers.{i}.w": torch.randn(GROUP_BYTES // 4, generator=g) for i in range(GROUPS)}
+
+
+def written_bytes() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("wchar"))
+
+
+class Producer:
+    """A producer's engine and its link, ticked between (absent) engine steps."""
+
+    def __init__(self, name: str, engine: WorkerProcesses, endpoint: str):
+        self.name, self.engine, self.endpoint = name, engine, endpoint
+        self.lock = threading.Lock()
+        self.status: dict = {"state": "idle"}
+        self.registrations = 0
+        self.link = None
+        self.gone = False
+
+    def connect(self) -> None:
+        from producer.weights.trainer_link import TrainerLink
+
+        self.link = TrainerLink.connect(self.engine, self.endpoint, self.name, TIMEOUT_S)
+        self.registrations += 1
+
+    def tick(self) -> None:
+        with self.lock:
+            self.link.poll()
+            st = self.status = self.engine.weight_status()
+            if st["state"] == "failed" and not st["digest_mismatch"]:  # as the reloader does
+                self.engine.discard_weights()
+                self.link.dead = self.link.dead or st["error"]
+            if self.link.dead:
+                self.connect()
+
+    def holds(self, version: int, digest: str) -> bool:
+        st = self.status
+        return st["state"] == "ready" and st["version"] == version and st["digest"] == digest
+
+    def received(self) -> dict[str, torch.Tensor]:
+        with self.lock:
+            (got,) = self.engine.received()
+            return got
+
+
+class Poller(threading.Thread):
+    """One per producer, as each producer's loop is its own: a group's init blocks every
+    member in the rendezvous until all of them join."""
+
+    def __init__(self, producer: Producer, stop: threading.Event):
+        super().__init__(daemon=True, name=f"poll-{producer.name}")
+        self.producer, self.stop = producer, stop
+
+    def run(self) -> None:
+        while not self.stop.is_set() and not self.producer.gone:
+            self.producer.tick()
+            time.sleep(0.01)
+
+
+def slow_snapshot(sent: list):
+    from consumer.weights.engines import Snapshot
+
+    class Slow(Snapshot):
+        def groups(self, timeout_s: float = 600.0):
+            for g, item in enumerate(super().groups(timeout_s)):
+                time.sleep(GROUP_DELAY_S)
+                sent.append((threading.current_thread().name, g))
+                yield item
+    return Slow
+
+
+def wait_for(what: str, cond, timeout_s: float) -> float:
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout_s, f"{what}: not within {timeout_s} s"
+        time.sleep(0.02)
+    return time.monotonic() - t0
+
+
+@pytest.mark.timeout(400)  # 39 s at load 2.4, 110-300 s at load 12-17 (2 cores): 5 processes import vLLM
+def test_every_producer_gets_each_version_once_from_the_trainer_and_a_dead_relay_costs_the_others_no_more_than_a_timeout(tmp_path):
+    engines = {n: WorkerProcesses(1) for n in ("p1", "p2", "p3", "p4")}  # spawned at once; p4 joins later
+    trainer = TrainerSide(tmp_path / "store", model_dir=None, timeout_s=TIMEOUT_S)
+    for e in engines.values():  # each worker answers once it has started (spawned: it imports vLLM)
+        e.weight_status()
+    producers = {n: Producer(n, engines[n], trainer.sender.endpoint) for n in ("p1", "p2", "p3")}
+    stop, pollers = threading.Event(), []
+
+    def run(p: Producer) -> None:
+        p.connect()
+        pollers.append(Poller(p, stop))
+        pollers[-1].start()
+    for p in producers.values():
+        run(p)
+    model_bytes = GROUPS * GROUP_BYTES
+    try:
+        # version 1: each producer joins over a link of its own and gets the current version
+        msg = trainer.publish(1, version_tensors(1))
+        wait_for("version 1 everywhere", lambda: all(p.holds(1, msg.digest) for p in producers.values()), 90)
+
+        # (a, b) version 2: the fan-out group; every producer verified it, the trainer sent it once
+        sent0 = written_bytes()
+        ts = version_tensors(2)
+        msg = trainer.publish(2, ts)
+        wait_for("version 2 everywhere", lambda: all(p.holds(2, msg.digest) for p in producers.values()), 30)
+        assert trainer.sender.wait_delivered(2, 10)
+        egress = (written_bytes() - sent0) / model_bytes
+        assert egress < 1.25, f"the trainer wrote {egress:.2f}x the version's bytes for 3 producers"
+        for p in producers.values():
+            got = p.received()
+            assert got.keys() == ts.keys() and all(torch.equal(got[k], v) for k, v in ts.items())
+
+        # (c) version 3 streams slowly; the middle of the chain (the last one receives through it) dies
+        first, middle, last = (trainer.sender.links[n].producer for n in trainer.sender.fanout.formed)
+        regs = {n: p.registrations for n, p in producers.items()}
+        failures0, sent = trainer.sender.failures, []
+        msg = trainer.publish(3, version_tensors(3), snapshot_cls=slow_snapshot(sent))
+        wait_for("the group mid-version", lambda: ("rlstream-weights-fanout", 1) in sent, 20)
+        killed = producers.pop(middle)
+        killed.gone = True
+        with killed.lock:
+            killed.engine.kill()
+        t_kill = time.monotonic()
+        wait_for("version 3 at the other two", lambda: all(p.holds(3, msg.digest) for p in producers.values()),
+                 TIMEOUT_S)
+        assert producers[first].registrations == regs[first]  # before the dead one in the chain: undisturbed
+        assert producers[last].registrations == regs[last] + 1  # after it: re-registered, took it over its link
+        wait_for("the dead one dropped", lambda: trainer.sender.failures >= failures0 + 1, TIMEOUT_S * 2)
+        dropped_after = time.monotonic() - t_kill
+        assert middle not in {lk.producer for lk in trainer.sender.links.values()}
+        assert dropped_after < TIMEOUT_S + GROUPS * GROUP_DELAY_S + 3, dropped_after
+
+        # (d) a producer joins: it gets the current version at once over its own link
+        producers["p4"] = Producer("p4", engines["p4"], trainer.sender.endpoint)
+        run(producers["p4"])
+        wait_for("version 3 at the joiner", lambda: producers["p4"].holds(3, msg.digest), 20)
+
+        # the next version re-forms the group (p1, p3 again, p4): still sent once
+        wait_for("the group settled", lambda: trainer.sender.wait_delivered(3, 0.01), TIMEOUT_S * 2)
+        sent0 = written_bytes()
+        msg = trainer.publish(4, version_tensors(4))
+        wait_for("version 4 everywhere", lambda: all(p.holds(4, msg.digest) for p in producers.values()), 30)
+        assert trainer.sender.wait_delivered(4, 10)
+        egress = (written_bytes() - sent0) / model_bytes
+        assert egress < 1.25, f"the trainer wrote {egress:.2f}x the version's bytes after the re-form"
+        assert len(trainer.sender.fanout.formed) == 3
+    finally:
+        stop.set()
+        for t in pollers:
+            t.join(10)
+        trainer.close()
+        for e in engines.values():
+            e.close()
