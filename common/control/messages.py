@@ -81,6 +81,10 @@ class WeightsReady(BaseModel):
     """collective: the version digest (blake3, hex) the received stream must have."""
     endpoint: str | None = Field(None, pattern=r"^[^\s:]+:\d{1,5}$")
     """collective: host:port of the trainer's weight endpoint (common/weights/link.py)."""
+    backend: Literal["rlstream_gloo", "nccl"] | None = None
+    """collective: the weight-transfer backend the trainer sends with (named once, by the trainer's
+    `consumer.weights.backend`). A producer whose engine uses another one does not link: it says
+    why in its weight state and takes the durable copies. None (older writers): not checked."""
     durable_version: int | None = Field(None, ge=0)
     durable_uri: str | None = Field(None, min_length=1)
     durable_sha256: str | None = Field(None, min_length=64, max_length=64)

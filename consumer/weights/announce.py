@@ -76,7 +76,7 @@ class PolicyAnnouncer:
         durable = {} if d is None else dict(durable_version=d.version, durable_uri=d.uri,
                                             durable_sha256=d.sha256, durable_bytes=d.bytes)
         return WeightsReady(version=snap.version, transport="collective", digest=snap.digest,
-                            endpoint=self.sender.endpoint, **durable)
+                            endpoint=self.sender.endpoint, backend=self.sender.backend, **durable)
 
     def behind(self, announced: WeightsReady | None, version: int) -> bool:
         """Whether to publish at start: the policy topic's newest weights are older than

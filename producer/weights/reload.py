@@ -111,6 +111,7 @@ class Reloader:
         self._restoring = False
         self._failure: dict[str, Any] | None = None
         """The last version refused or failed since one was served: /healthz shows it."""
+        self._backend_refused: tuple[str, str] | None = None  # (trainer's, ours) once logged
 
     # ------------------------------------------------------------ the three calls
 
@@ -118,7 +119,10 @@ class Reloader:
         """A new announcement; True when the engine now serves a newer version."""
         if self.newest is None or msg.version >= self.newest.version:
             self.newest = msg
-        if msg.transport == "collective" and self.engine.weight_transfer is not None:
+        if msg.transport == "collective" and self._backend_differs(msg):
+            self._failed(msg.version, f"the trainer sends with {msg.backend}, this engine receives with "
+                                      f"{self.engine.weight_transfer}: no link; durable copies only")
+        elif msg.transport == "collective" and self.engine.weight_transfer is not None:
             self._digests = {v: d for v, d in self._digests.items() if v > msg.version - 8}
             self._digests[msg.version] = msg.digest
             if msg.version > self.engine.version and self._awaited_since is None:
@@ -130,7 +134,7 @@ class Reloader:
     def tick(self) -> bool:
         """Between two engine steps: answer the trainer, swap in a received version,
         recover an overdue one. True when the served version changed."""
-        if self.newest is None or self.engine.weight_transfer is None:
+        if self.newest is None or self.engine.weight_transfer is None or self._backend_differs(self.newest):
             return False
         self._keep_link()
         changed = False
@@ -154,7 +158,7 @@ class Reloader:
         self.apply(msg)
         deadline = time.monotonic() + (timeout_s or self.timeout_s)
         while self.engine.version < msg.version and time.monotonic() < deadline:
-            if msg.transport != "collective" or self.engine.weight_transfer is None:
+            if msg.transport != "collective" or self.engine.weight_transfer is None or self._backend_differs(msg):
                 break
             self.tick()
             time.sleep(0.01)
@@ -181,7 +185,23 @@ class Reloader:
                 "announced_version": newest.version if newest is not None else None,
                 "link": None if link is None else ("dead: " + link.dead if link.dead else
                                                    "linked" if link.channel is not None else "registering"),
-                "failure": self._failure}
+                "failure": self._failure,
+                "backend_mismatch": None if self._backend_refused is None else
+                "trainer sends {}, engine receives {}".format(*self._backend_refused)}
+
+    def _backend_differs(self, msg: WeightsReady) -> bool:
+        """The announcement names a backend this engine does not receive with (checked here, once:
+        a link across two backends would fail at its first init, every _REJOIN_EVERY_S)."""
+        mine = self.engine.weight_transfer
+        if msg.backend is None or mine is None or msg.backend == mine:
+            return False
+        if self._backend_refused != (msg.backend, mine):
+            self._backend_refused = (msg.backend, mine)
+            telemetry.TRANSFER_FAILURES.inc()
+            log.error("the trainer sends weights with %s but this engine receives with %s "
+                      "(producer.engine.weight_transfer): not linking; taking durable copies only",
+                      msg.backend, mine)
+        return True
 
     def _failed(self, version, reason: str) -> None:
         self._failure = {"version": version, "reason": reason[:500], "at": time.time()}

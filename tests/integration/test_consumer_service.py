@@ -174,8 +174,8 @@ def test_announced_version_opens_in_transformers_with_same_logprobs(service):
     ann: WeightsReady = svc.follower.view.weights
     # the collective path (the default) announces the snapshot every producer link streams...
     snap = svc.announcer.snapshot
-    assert (ann.transport, ann.version, ann.digest, ann.endpoint) == \
-        ("collective", svc.version, snap.digest, svc.announcer.sender.endpoint)
+    assert (ann.transport, ann.version, ann.digest, ann.endpoint, ann.backend) == \
+        ("collective", svc.version, snap.digest, svc.announcer.sender.endpoint, "rlstream_gloo")
     # ...and its durable copy, written in the background every K versions and at shutdown (here: now)
     svc.announcer.durable.flush(snap)
     copy = svc.announcer.durable.newest

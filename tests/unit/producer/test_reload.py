@@ -332,3 +332,19 @@ def test_the_engine_status_is_asked_only_while_a_background_receive_is_pending(l
     for _ in range(5):
         reloader.tick()
     assert engine.status_calls == 3  # swapped in: settled until the next start
+
+
+def test_a_trainer_on_another_backend_is_not_linked_and_durable_copies_are_served(linked, caplog):
+    """The backend is named once, by the trainer, in the announcement: a producer whose engine
+    receives with another one says so and takes the durable copies, instead of re-registering a
+    link that fails at its first init every few seconds."""
+    engine, reloader, store = linked
+    before = metrics.value("rlstream_producer_weight_transfer_failures_total")
+    msg = collective(3, DIGEST_A, durable=publish(store, 3, b"three")).model_copy(update={"backend": "nccl"})
+    assert reloader.catch_up(msg, timeout_s=5.0) and engine.version == 3 and engine.loads[-1][2] == b"three"
+    assert FakeLink.made == [] and not reloader.tick()
+    assert reloader.state()["backend_mismatch"] == "trainer sends nccl, engine receives rlstream_gloo"
+    assert metrics.value("rlstream_producer_weight_transfer_failures_total") == before + 1  # once, not per tick
+    assert "receives with rlstream_gloo" in caplog.text
+    reloader.apply(collective(4, DIGEST_B).model_copy(update={"backend": "rlstream_gloo"}))  # the same: linked
+    assert len(FakeLink.made) == 1
