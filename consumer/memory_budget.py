@@ -39,8 +39,13 @@ balanced K copies of each position. `expert_imbalance` f (consumer.memory,
 default 1.5) multiplies the expert terms (2 K H + 4 K F) of a layer's working
 set: f = 2 adds ~115 KB/position at Qwen3-30B-A3B's shape (4.7 GB at 40,960
 positions with recompute). f = 1 is the balanced arithmetic of the doc. These are estimates of the largest terms; what they leave out
-(CUDA context, allocator fragmentation, communication buffers) is why a layout
+(CUDA context, allocator fragmentation, NCCL's own communication buffers) is why a layout
 within a few GB of the device's memory is "tight".
+
+Weight transfer (rank 0, the rank checked): with `consumer.weights.transport: collective`
+on nccl (backend nccl, or auto: nccl on GPU) rank 0 fills vLLM's packed broadcast double
+buffer, 2 x 1 GiB on its GPU (WEIGHT_TRANSFER_GPU_BYTES), once per version for the whole
+fan-out group. gloo sends from host memory and `transport: file` writes the store: 0.
 
 Optimizer CPU offload (`consumer.optimizer.cpu_offload_fraction` f, megatron-core's
 HybridDeviceOptimizer on the precision-aware distributed-optimizer path): the
@@ -84,6 +89,12 @@ if TYPE_CHECKING:
     from common.config import RlstreamConfig
 
 GB = 1e9
+WEIGHT_TRANSFER_GPU_BYTES = 2 * (1 << 30)
+"""Rank 0's GPU buffers of one weight transfer on the nccl path: vLLM's packed broadcast
+double buffer (2 x 1 GiB, vllm/distributed/weight_transfer/packed_tensor.py defaults), filled
+from the pinned snapshot. One transfer per version with the fan-out group
+(consumer/weights/fanout.py), not one per producer; a joining producer's own link adds
+one more while it runs (not counted: it lasts one version)."""
 LOGIT_BYTES = 2 + 4 + 4
 """Per logit of a chunk: the bf16 output, its fp32 copy for the log-softmax, the fp32 gradient."""
 ADAM_STATE_BYTES = 4 + 4 + 4
@@ -151,6 +162,9 @@ class MemoryPlan:
     """Share of each rank's optimizer shard (master, moments) held and updated on the host."""
     ranks_per_node: int = 8
     """Trainer ranks on one node (node 0's host memory holds theirs)."""
+    weight_transfer_bytes: float = 0.0
+    """Rank 0's GPU buffers for sending weights to the producers (WEIGHT_TRANSFER_GPU_BYTES on
+    the nccl path; 0 on gloo or with transport: file). Rank 0 is the rank checked."""
 
     @property
     def dp(self) -> int:
@@ -172,6 +186,8 @@ class MemoryEstimate:
     dense_bytes: float
     expert_bytes: float
     activation_bytes: float
+    transfer_bytes: float = 0.0
+    """Weight transfer buffers on rank 0 (MemoryPlan.weight_transfer_bytes)."""
 
     @property
     def static_bytes(self) -> float:
@@ -179,14 +195,15 @@ class MemoryEstimate:
 
     @property
     def total_gb(self) -> float:
-        return (self.static_bytes + self.activation_bytes) / GB
+        return (self.static_bytes + self.activation_bytes + self.transfer_bytes) / GB
 
     def fits(self, device_gb: float) -> bool:
         return self.total_gb <= device_gb
 
     def summary(self) -> str:
+        transfer = f", weight transfer {self.transfer_bytes / GB:.1f} GB (rank 0)" if self.transfer_bytes else ""
         return (f"dense {self.dense_bytes / GB:.1f} + experts {self.expert_bytes / GB:.1f} = static "
-                f"{self.static_bytes / GB:.1f} GB, activations {self.activation_bytes / GB:.1f} GB, "
+                f"{self.static_bytes / GB:.1f} GB, activations {self.activation_bytes / GB:.1f} GB{transfer}, "
                 f"total {self.total_gb:.1f} GB per GPU")
 
 
@@ -229,7 +246,7 @@ def estimate(d: ModelShape, plan: MemoryPlan) -> MemoryEstimate:
     return MemoryEstimate(
         dense_bytes=dense / plan.tp * _bytes_per_parameter(plan, plan.dp),
         expert_bytes=experts / (plan.ep * plan.tp) * _bytes_per_parameter(plan, plan.expert_dp),
-        activation_bytes=activation_bytes(d, plan))
+        activation_bytes=activation_bytes(d, plan), transfer_bytes=plan.weight_transfer_bytes)
 
 
 # ---------------------------------------------------------------- host memory and offload
@@ -369,7 +386,15 @@ def plan_of(cfg: "RlstreamConfig", world_size: int) -> MemoryPlan:
         tokens=max(c.memory.micro_batch_tokens, cfg.producer.engine.max_model_len),
         logprob_chunk_tokens=c.memory.logprob_chunk_tokens, recompute=c.memory.recompute,
         expert_imbalance=c.memory.expert_imbalance, offload_fraction=c.optimizer.cpu_offload_fraction,
-        ranks_per_node=c.memory.ranks_per_node)
+        ranks_per_node=c.memory.ranks_per_node, weight_transfer_bytes=weight_transfer_bytes(cfg))
+
+
+def weight_transfer_bytes(cfg: "RlstreamConfig") -> float:
+    """Rank 0's GPU bytes of the weight transfer: vLLM's packed double buffer on the nccl
+    path; nothing on gloo (host memory) or with transport: file. Backend auto is nccl
+    here: the check is of a GPU layout (auto picks nccl on GPU)."""
+    w = cfg.consumer.weights
+    return WEIGHT_TRANSFER_GPU_BYTES if w.transport == "collective" and w.backend != "rlstream_gloo" else 0.0
 
 
 def check_config(cfg: "RlstreamConfig", environ: Mapping[str, str] | None = None) -> MemoryCheck | None:

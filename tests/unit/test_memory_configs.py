@@ -92,9 +92,9 @@ def test_the_two_node_figures_by_hand():
 
 
 @pytest.mark.parametrize("path,world,ep,gpu_gb,host_gb", [
-    (ONE_NODE, 4, 4, 72.4, 1292),
-    (TWO_NODES, 8, 8, 73.5, 938),
-    (TWO_NODES_H200, 8, 8, 96.4, 571),
+    (ONE_NODE, 4, 4, 74.5, 1292),
+    (TWO_NODES, 8, 8, 75.7, 938),
+    (TWO_NODES_H200, 8, 8, 98.6, 571),
 ], ids=lambda v: v.name if isinstance(v, Path) else None)
 def test_each_cluster_config_passes_the_check_with_these_figures(path, world, ep, gpu_gb, host_gb):
     """The figures of docs/operations.md's cluster table and of the files' headers."""
@@ -109,7 +109,7 @@ def test_each_cluster_config_passes_the_check_with_these_figures(path, world, ep
     assert f"{gpu_gb} GB" in path.read_text()  # the header's figure
 
 
-@pytest.mark.parametrize("path,without_gb", [(ONE_NODE, 164.0), (TWO_NODES, 96.4)],
+@pytest.mark.parametrize("path,without_gb", [(ONE_NODE, 166.1), (TWO_NODES, 98.6)],
                          ids=["1x8-80gb", "2x8-80gb"])
 def test_the_80gb_configs_need_the_offload(path, without_gb):
     """The negative control: the same files with the offload off cannot fit 80 GB."""

@@ -129,11 +129,11 @@ def test_every_shipped_gpu_config_fits_its_declared_memory(path, tmp_path):
 
 
 def test_the_two_node_config_needs_h200s():
-    """configs/...-2x8-h200.yaml trains on one node of 8 GPUs: 96.4 GB per GPU (76.8 static),
-    which fits an H200 and is refused on an 80 GB H100."""
+    """configs/...-2x8-h200.yaml trains on one node of 8 GPUs: 98.6 GB per GPU (76.8 static,
+    2.1 of weight transfer on rank 0), which fits an H200 and is refused on an 80 GB H100."""
     cfg = load_config(TWO_NODE_H200, [f"model.path={QWEN3_30B}"], environ={})
     check = check_config(cfg, {})
-    assert check.fits and round(check.result.total_gb, 1) == 96.4 and cfg.consumer.parallel.world_size == 8
+    assert check.fits and round(check.result.total_gb, 1) == 98.6 and cfg.consumer.parallel.world_size == 8
     h100 = check_config(load_config(TWO_NODE_H200, [f"model.path={QWEN3_30B}", "consumer.memory.device_memory_gb=80"],
                                     environ={}), {})
     assert not h100.fits and "DOES NOT FIT 80 GB" in h100.report()
@@ -145,7 +145,7 @@ def test_the_recipes_refuse_eight_gpus(path):
     cfg = load_config(path, [f"model.path={QWEN3_30B}", "consumer.parallel.world_size=8"], environ={})
     check = check_config(cfg, {})
     assert not check.fits and "DOES NOT FIT" in check.report()
-    with pytest.raises(ConfigError, match=r"~96\.\d GB per GPU .* static 76\.8 GB.*add ranks") as e:
+    with pytest.raises(ConfigError, match=r"~98\.\d GB per GPU .* static 76\.8 GB.*add ranks") as e:
         check.refuse()
     assert e.value.key == "consumer.memory.device_memory_gb"
 
@@ -198,3 +198,25 @@ def test_dry_run_prints_the_estimate_skips_without_the_model_and_refuses_a_misfi
     misfit = _dry_run("-c", path, "--set", f"model.path={QWEN3_30B}", "--set", "consumer.parallel.world_size=8")
     assert misfit.returncode == 2 and "consumer.memory.device_memory_gb" in misfit.stderr
     assert "DOES NOT FIT 80 GB" in misfit.stdout
+
+
+@pytest.mark.parametrize("overrides,transfer", [
+    ([], 2 * 2**30),                                          # the shipped nccl collective path
+    (["consumer.weights.backend=auto"], 2 * 2**30),           # auto is nccl on a GPU
+    (["consumer.weights.backend=rlstream_gloo", "producer.engine.weight_transfer=rlstream_gloo"], 0),
+    (["consumer.weights.transport=file"], 0),
+], ids=["nccl", "auto", "gloo", "file"])
+def test_rank_0s_weight_transfer_buffers_are_counted_on_nccl_only(overrides, transfer):
+    """Rank 0 uploads each version through vLLM's packed nccl broadcast, a 2 x 1 GiB double
+    buffer on its GPU (vllm/distributed/weight_transfer/packed_tensor.py defaults); gloo sends
+    from host memory and transport: file only writes the store."""
+    from vllm.distributed.weight_transfer.packed_tensor import (DEFAULT_PACKED_BUFFER_SIZE_BYTES,
+                                                                DEFAULT_PACKED_NUM_BUFFERS)
+
+    assert DEFAULT_PACKED_BUFFER_SIZE_BYTES * DEFAULT_PACKED_NUM_BUFFERS == 2 * 2**30  # vLLM's geometry
+    path = GPU_CONFIGS[0]
+    c = check_config(load_config(path, [f"model.path={QWEN3_30B}", *overrides], environ={}), {})
+    assert c.plan.weight_transfer_bytes == c.result.transfer_bytes == transfer
+    unsent = estimate(qwen3_30b(), MemoryPlan(**{**c.plan.__dict__, "weight_transfer_bytes": 0.0}))
+    assert c.result.total_gb - unsent.total_gb == pytest.approx(transfer / GB)
+    assert ("weight transfer 2.1 GB (rank 0)" in c.report()) is bool(transfer)
