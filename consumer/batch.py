@@ -227,13 +227,14 @@ def _pad_minibatch(samples: list[TrainSample], adv: np.ndarray, pad_id: int,
     mask = np.zeros((b, s_len), dtype=bool)
     real = np.zeros((b, s_len), dtype=bool)
     mu = np.zeros((b, s_len), dtype=np.float32)
-    with_routing = [x.routed_experts is not None for x in samples]
-    if any(with_routing) and not all(with_routing):
-        raise InvalidSampleError("a mini-batch mixes samples with and without routed_experts")
+    # A fleet may mix producers with and without routing (a TP=2 engine cannot capture it on
+    # CPU): a sample without rows leaves routing_mask False on its positions, as a cache hit
+    # does, so R3 replays the trainer's own routing there and the agreement metric skips them.
+    routed = [x.routed_experts for x in samples if x.routed_experts is not None]
     routing = routing_mask = None
-    if all(with_routing):
-        _, n_layers, k = samples[0].routed_experts.shape
-        dtype = np.uint8 if all(x.routed_experts.dtype == np.uint8 for x in samples) else np.int32
+    if routed:
+        _, n_layers, k = routed[0].shape
+        dtype = np.uint8 if all(r.dtype == np.uint8 for r in routed) else np.int32
         # padding rows get experts 0..K-1 (distinct, valid; never affect real tokens)
         routing = np.broadcast_to(np.arange(k, dtype=dtype), (b, s_len, n_layers, k)).copy()
         routing_mask = np.zeros((b, s_len), dtype=bool)
@@ -245,7 +246,7 @@ def _pad_minibatch(samples: list[TrainSample], adv: np.ndarray, pad_id: int,
         mask[i, p - 1:p + t - 1] = True if x.loss_mask is None else x.loss_mask
         real[i, :p + t - 1] = True
         mu[i, p - 1:p + t - 1] = x.logprobs
-        if routing is not None:
+        if routing is not None and x.routed_experts is not None:
             known, start = _routing_rows(x)
             routing[i, start:start + len(known)] = known
             routing_mask[i, start:start + len(known)] = True

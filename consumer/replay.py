@@ -40,6 +40,7 @@ list), so several models can share a process.
 from __future__ import annotations
 
 import contextlib
+import logging
 from enum import Enum
 from typing import Callable
 
@@ -47,6 +48,8 @@ import torch
 
 from common.errors import ConfigError, InvalidSampleError, ModelError
 from consumer.parallel import gather_sequence, padded_length, sequence_shard
+
+log = logging.getLogger("rlstream.consumer")
 
 
 class ReplayMode(str, Enum):
@@ -226,6 +229,7 @@ class RoutingReplay:
     def __init__(self, model, mode: "str | ReplayMode"):
         self.model, self.mode = model, ReplayMode.parse(mode)
         self._saved: dict = {}
+        self._warned_unrouted = False
 
     def start_step(self) -> None:
         self._saved.clear()
@@ -256,15 +260,17 @@ class RoutingReplay:
             yield backward
 
     def _r3_routing(self, mb, fwd: Callable) -> torch.Tensor:
-        if mb.routing is None:
-            raise ConfigError("R3 needs routed_experts in every rollout record; enable "
-                              "routing capture on the producers or use replay none/R2",
-                              "consumer.replay")
-        missing = mb.input_mask & ~mb.routing_mask
+        if mb.routing is None and not self._warned_unrouted:
+            # a producer without routing (capture off, or a TP=2 engine on CPU) in the fleet: not a
+            # reason to stop training; its positions replay the trainer's own routing (R2's)
+            self._warned_unrouted = True
+            log.warning("R3: a mini-batch has no routed_experts (a producer runs with routing off); "
+                        "its positions use the trainer's own routing")
+        missing = mb.input_mask if mb.routing is None else mb.input_mask & ~mb.routing_mask
         if not missing.any():
             return mb.routing
         with torch.no_grad(), recording(self.model) as rec:
             fwd()
-        own = host_routing(from_layer_indices(rec["layers"], *mb.routing_mask.shape),
+        own = host_routing(from_layer_indices(rec["layers"], *mb.input_mask.shape),
                            self.model.hf_dims.num_experts)
-        return torch.where(missing[..., None, None], own, mb.routing)
+        return own if mb.routing is None else torch.where(missing[..., None, None], own, mb.routing)

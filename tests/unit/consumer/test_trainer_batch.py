@@ -51,6 +51,17 @@ def test_routing_scopes_land_on_input_positions():
     assert short.routing[0, 2:, 0, 0].tolist() == [2, 3, 4]
 
 
+def test_a_fleet_with_and_without_routing_shares_a_mini_batch():
+    """A producer without routing (a TP=2 engine on CPU) beside one with it: the batch builds (it
+    raised, and the trainer exited, on the cluster twin), the unrouted sample's positions have
+    routing_mask False, so R3 uses the trainer's own routing there and agreement skips them."""
+    mb = build_global_batch([sample(3, 3, 1.0, "a"), sample(3, 3, 0.0, "a", scope=None)], 2).minibatches[0]
+    assert mb.routing.shape == (2, 5, L, K)
+    assert mb.routing_mask[0].tolist() == [True] * 5 and mb.routing_mask[1].tolist() == [False] * 5
+    none = build_global_batch([sample(3, 3, 1.0, "a", scope=None), sample(3, 3, 0.0, "a", scope=None)], 2)
+    assert none.minibatches[0].routing is None
+
+
 def test_data_parallel_slices_have_equal_shapes_and_global_counts():
     samples = [sample(2 + i % 3, 2 + i, float(i % 2), f"g{i // 2}") for i in range(6)]
     slices = [build_global_batch(samples, 2, num_minibatches=1, dp_rank=r, dp_size=4)
