@@ -202,10 +202,16 @@ class Trainer:
         sums.add("old_tokens", mask.sum())
         sums.add("kl_sum", ((mb.rollout_logprobs.to(self.device) - lp) * mask).sum())
         sums.add("entropy_sum", (ent * mask).sum())
+        # every data-parallel rank adds the same keys: the sums are all-reduced as one flat
+        # tensor, and a rank whose share has no routing (a producer with routing off) added
+        # fewer values: gloo aborted the trainer ("32 vs 24"), nccl would reduce garbage
         if mb.routing is not None:
             routed = mb.loss_mask & mb.routing_mask
             sums.add("routed_tokens", routed.sum())
             sums.add("agree_sum", agreement_sums(mb.routing, own, routed))
+        else:
+            sums.add("routed_tokens", 0)
+            sums.add("agree_sum", torch.zeros(self.model.hf_dims.num_layers, dtype=torch.float64))
         return lp  # the trainer's own routing `own` is dropped here
 
     def _update(self, i: int, mb: MiniBatch, old: list[torch.Tensor], timers: Timers,

@@ -58,6 +58,30 @@ def test_metrics_match_direct_computation(sharp_model_dir, bf16_rollouts):
     assert metrics["grad_norm"] > 0 and 0 <= metrics["step_overhead_share"] < 1
 
 
+def test_every_rank_reduces_the_same_metric_sums_with_or_without_routing(sharp_model_dir, bf16_rollouts,
+                                                                        monkeypatch):
+    """The metric sums are all-reduced over data-parallel ranks as one flat tensor: a rank whose
+    share has no routing (a producer with routing off) must add the same keys as one whose share
+    has it. It added fewer, and gloo aborted a 2-rank trainer on the cluster twin ("32 vs 24")."""
+    import dataclasses
+
+    import consumer.trainer as trainer_mod
+
+    sizes: list[int] = []
+
+    def reduce(t, op):
+        sizes.append(t.numel())
+        return t
+    monkeypatch.setattr(trainer_mod, "reduce_over_data_parallel", reduce)
+    trainer = Trainer.from_hf(sharp_model_dir, settings(lr=1e-4))
+    trainer.train_step(trainer.build_batch(bf16_rollouts, 4))
+    routed = list(sizes)
+    sizes.clear()
+    unrouted = [dataclasses.replace(r, routed_experts=None) for r in bf16_rollouts]
+    metrics = trainer.train_step(trainer.build_batch(unrouted, 4))
+    assert sizes == routed and "routing_agreement_layer_0" not in metrics
+
+
 def test_step_updates_weights_and_later_minibatches_see_staleness(sharp_model_dir, bf16_rollouts):
     trainer = Trainer.from_hf(sharp_model_dir, settings(lr=3e-3, num_minibatches=4))
     before = params(trainer)
