@@ -82,8 +82,10 @@ def measure(layout: str, trainers: int, producers: int, versions: int, rate_mbit
         wait_until(lambda: run.version() >= v0 + versions, 60 + 120 * versions, f"{versions} more versions",
                    run.services, interval_s=0.5)
         v1, t1, tx1 = run.version(), time.monotonic(), egress()
-        wait_until(lambda: all(run.versions_taken(p) >= v1 for p in run.producers), 120,
-                   "the producers to take the last version", run.services)
+        # the served version, not the count taken: a producer that joined late (a TP=2 engine
+        # starts minutes after the others) took fewer versions than the version number
+        wait_until(lambda: all(p.try_metric("rlstream_producer_policy_version", 0) >= v1 for p in run.producers),
+                   120, "the producers to take the last version", run.services)
         taken1 = {p.name: versions_taken(p) for p in run.producers}
         took = sum(taken1[n][0] - taken0[n][0] for n in taken0)
         collective = sum(taken1[n][1] - taken0[n][1] for n in taken0)
