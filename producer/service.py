@@ -78,8 +78,8 @@ class ProducerService:
         self.topic_ends = TopicEnds(self.kafka)
         self.outbox = Outbox(self.publisher, lambda f: (self.topic_ends.on_delivered(f), self.driver.on_delivered(f)))
         self._start_http()
-        self.driver = build_driver(self.pcfg, self.engine, self.groups, self.sampling, self.producer_id,
-                                   agent_tasks=(self.held_back, self.prompts, verify), kafka=self.kafka)
+        self.driver = build_driver(self.pcfg, self.engine, self.groups, self.sampling, self.producer_id, kafka=self.kafka,
+                                   agent_tasks=(self.held_back, self.prompts, verify), rollout_ends=self.topic_ends.current)
         runfile.write_run_file(self.pcfg.run_file, fresh=True, **runfile.started(
             "producer", self.http.url, self.kafka.bootstrap_servers, producer_id=self.producer_id,
             **({"agent_url": self.driver.url} if self.driver.url else {})))

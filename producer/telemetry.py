@@ -86,6 +86,8 @@ JOURNAL_BAD_ENTRIES = metrics.counter("rlstream_producer_journal_bad_entries_tot
 RESUMED = metrics.counter("rlstream_producer_resumed_episodes_total",
                           "Orphaned episodes claimed from the journal, by outcome: resumed, not_resumable "
                           "(the environment cannot replay, or the prompt had its own scorer), stale "
-                          "(too stale to finish within max_staleness)", ["outcome"])
+                          "(too stale to finish within max_staleness), published (its record was in the "
+                          "rollouts topic already), claimed_by_peer (another producer's claim came first)",
+                          ["outcome"])
 RESUMED_TOKENS = metrics.counter("rlstream_producer_resumed_tokens_total",
                                  "Response tokens of resumed episodes taken from the journal, not generated again")

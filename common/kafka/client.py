@@ -213,6 +213,13 @@ def end_offsets(consumer, tps: Iterable, timeout_ms: int) -> dict[int, int]:
     return out
 
 
+def at_high_watermark(consumer, tp) -> bool:
+    """`consumer` has read `tp` to the high watermark of its last fetch response (the
+    right end on tansu, unlike ListOffsets: `end_offsets`); False before any fetch."""
+    hw = consumer.highwater(tp)
+    return hw is not None and consumer.position(tp) >= hw
+
+
 # ------------------------------------------------------------------- topics
 
 def topic_specs(kafka: KafkaSettings) -> dict[str, tuple[int, dict[str, str]]]:

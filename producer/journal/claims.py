@@ -14,8 +14,12 @@ An entry held by (holder, incarnation) is orphaned when
 Each orphan goes to one live producer, the rendezvous-hash winner of the episode key
 over the live producers (leases fresher than lease_s): producers that see the same
 leases pick the same claimant without talking. Views that differ for a moment can
-make two producers resume one episode; both publish the episode's one rollout id, and
-the consumer keeps one (docs/multi-turn.md "Durable episodes", the guarantee).
+pick two claimants; the journal itself decides between them: a claimant writes a claim
+naming the entry it takes over (`Held.token`), and every reader applies only a claim
+of the entry it names (`applies`), so of two claims of one entry only the first in the
+log takes effect, and each claimant learns which by reading its own claim back
+(journal.py `take`). A write by a process that no longer holds an entry (a claim
+lost, or a holder taken for dead that still runs) is ignored the same way.
 """
 from __future__ import annotations
 
@@ -38,6 +42,20 @@ class Held:
     holder: str
     incarnation: str
     written_at: float
+
+    @property
+    def token(self) -> str:
+        """Names this very entry: what a claim of it carries (`applies`)."""
+        return f"{self.holder}/{self.incarnation}/{self.written_at!r}"
+
+
+def applies(current: Held | None, holder: str, incarnation: str, claimed_from: str) -> bool:
+    """Whether a write to an episode's key takes effect in every reader's view (they fold
+    the one partition in the same order, so they all agree): a claim only if it names the
+    entry the key holds now; any other write only by that entry's holder, or to a new key."""
+    if claimed_from:
+        return current is not None and current.token == claimed_from
+    return current is None or (current.holder, current.incarnation) == (holder, incarnation)
 
 
 def is_orphan(entry: Held, leases: dict[str, Lease], now: float, lease_s: float) -> bool:

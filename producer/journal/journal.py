@@ -8,22 +8,27 @@ Per episode this process runs:
     stamp(record)             its record carries the episode's owner and fixed rollout id
     on_delivered(future)      the broker acknowledged the record: tombstone its entry
 
-and per loop iteration `claim()` returns the orphaned snapshots this process resumes
-(claims.py), decoded. A lease thread renews `lease:<producer_id>` every lease_s / 4, so
-a loop busy in a long weight update is not taken for dead; a SIGKILLed process stops
+and per loop iteration `claim()` returns the orphaned snapshots this process would resume
+(claims.py), decoded; `take()` claims them in the journal and keeps those this process
+won; `published()` names those whose record a dead holder already published (the
+Resumer, resume.py, runs the three). A lease thread renews `lease:<producer_id>` every
+lease_s / 4, so a loop busy in a long weight update is not taken for dead; a SIGKILLed process stops
 renewing and its episodes are claimed lease_s later.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 
 import numpy as np
 
 from common.config import JournalSettings
 from common.record import Rollout
+from producer import telemetry
 from producer.journal import claims
 from producer.journal.snapshot import ModelTurnLog, Snapshot, decode, episode_key
 from producer.journal.topic import JournalTopic
@@ -33,11 +38,16 @@ log = logging.getLogger("rlstream.producer.journal")
 
 class EpisodeJournal:
     def __init__(self, topic: JournalTopic, producer_id: str, settings: JournalSettings, clock=time.time,
-                 own_score: bool = False):
+                 own_score: bool = False, rollout_ends: Callable[[], dict[int, int]] = dict,
+                 published: Callable[[dict[str, dict[int, int]]], set[str]] = lambda wanted: set()):
         self.topic, self.producer_id, self.settings, self.clock = topic, producer_id, settings, clock
         self.own_score = own_score
         """The prompts carry their own scorer (reasoning-gym `reward: dataset`), not serialisable:
         their episodes are journaled (a peer sees them) but not resumed."""
+        self.rollout_ends = rollout_ends
+        """The rollouts topic's end offsets, a lower bound (producer/admission.py `TopicEnds.current`)."""
+        self._published = published
+        """published.py `published`, bound to the Kafka settings."""
         self.incarnation = uuid.uuid4().hex[:12]
         self._ids: dict[str, tuple[str, str]] = {}  # key -> (owner, rollout_id) of episodes run here
         self._turns: dict[str, list[ModelTurnLog]] = {}
@@ -92,7 +102,7 @@ class EpisodeJournal:
             prompt_ids=np.asarray(ep.prompt_ids, dtype=np.int32), response=ep.response_ids, mask=ep.loss_mask,
             logprobs=ep.logprobs, versions=np.repeat(runs[:, 0], runs[:, 1]), routing=ep.routing,
             num_experts=ep.num_experts, turns=ep.turns, reward=float(ep.reward), info=dict(ep.info),
-            model_turns=self._turns.get(key, [])))
+            model_turns=self._turns.get(key, []), rollout_ends=self.rollout_ends()))
 
     def on_end(self, ep, recorded: bool) -> None:
         key = episode_key(ep.group_id, ep.sample_idx)
@@ -142,6 +152,34 @@ class EpisodeJournal:
         entries = [e for e in self.topic.entries.values() if e.key not in self._ids and e.key not in self._ended]
         keys = claims.claims_for(self.producer_id, entries, leases, seen, self.settings.lease_s)
         return [decode(self.topic.snapshots[k]) for k in keys]
+
+    def take(self, orphans: list[Snapshot]) -> list[Snapshot]:
+        """Claim `orphans` in the journal; returns those this process won. Each claim names the
+        entry it takes over, every reader applies only the first claim of an entry
+        (claims.py `applies`), and this process reads the journal past its own claims before
+        it answers: two producers whose views of the leases differ never both resume one."""
+        if not orphans:
+            return []
+        now = self.clock()
+        for s in orphans:  # the claim keeps the holder's rollout_ends: published() looks from there
+            token = claims.Held(s.key, s.holder, s.incarnation, s.written_at).token
+            self.topic.put(dataclasses.replace(s, holder=self.producer_id, incarnation=self.incarnation,
+                                               written_at=now, claimed_from=token))
+        self.topic.flush()
+        self.topic.poll(until_end=True)
+        won = [s for s in orphans if self._holds(s.key)]
+        if lost := len(orphans) - len(won):
+            telemetry.RESUMED.labels(outcome="claimed_by_peer").inc(lost)
+            log.info("%d orphaned episodes were claimed by a peer first", lost)
+        return won
+
+    def _holds(self, key: str) -> bool:
+        e = self.topic.entries.get(key)
+        return e is not None and (e.holder, e.incarnation) == (self.producer_id, self.incarnation)
+
+    def published(self, won: list[Snapshot]) -> set[str]:
+        """Rollout ids of `won` whose record is already in the rollouts topic (published.py)."""
+        return self._published({s.rollout_id: s.rollout_ends for s in won}) if won else set()
 
     def adopt(self, s: Snapshot) -> None:
         """`s` is resumed here: its record keeps its owner and rollout id, its turns their log."""

@@ -71,9 +71,19 @@ class Resumer:
         self._groups: dict[str, GroupInfo] = {}  # resumed groups' infos (shared with `groups`)
 
     def tick(self, trainer_version: int, max_staleness: int) -> int:
-        """Resume what this producer claims now; returns how many episodes it resumed."""
+        """Resume what this producer claims and wins now; returns how many episodes it resumed.
+        An episode whose record its dead holder already published is not resumed (counted
+        `published`): only its journal entry was left behind."""
         n, view = 0, StalenessView(trainer_version, max_staleness)
-        for s in self.journal.claim():
+        won = self.journal.take(self.journal.claim())
+        done = self.journal.published(won)
+        for s in won:
+            if s.rollout_id in done:
+                telemetry.RESUMED.labels(outcome="published").inc()
+                log.info("episode %s (held by %s) was published before its holder died: not resumed",
+                         s.key, s.holder)
+                self.journal.drop(s)
+                continue
             n += self.resume(s, view)
         return n
 

@@ -67,6 +67,12 @@ class Snapshot:
     reward: float
     info: dict = field(default_factory=dict)
     model_turns: list[ModelTurnLog] = field(default_factory=list)
+    claimed_from: str = ""
+    """On a claim: the token of the entry it takes over (claims.py `applies`); else empty."""
+    rollout_ends: dict[int, int] = field(default_factory=dict)
+    """{partition: offset} of the rollouts topic, a lower bound taken when the episode's
+    holder wrote its last state: the episode's record, published after that, lies at or
+    after these offsets (published.py looks there before a resume)."""
 
     @property
     def key(self) -> str:
@@ -95,7 +101,8 @@ def encode(s: Snapshot) -> bytes:
         offset += a.nbytes
     header = {k: getattr(s, k) for k in ("group_id", "sample_idx", "group_size", "owner", "holder", "incarnation",
                                           "rollout_id", "written_at", "prompt_text", "answer", "own_score",
-                                          "num_experts", "turns", "reward")}
+                                          "num_experts", "turns", "reward", "claimed_from")}
+    header["rollout_ends"] = {str(p): int(o) for p, o in s.rollout_ends.items()}
     header["info"] = {k: v for k, v in s.info.items() if isinstance(v, (str, int, float, bool))}
     header["model_turns"] = [[t.text, list(t.token_ids), t.finish_reason] for t in s.model_turns]
     header["arrays"] = specs
@@ -112,7 +119,8 @@ def decode(value: bytes) -> Snapshot:
         payload = memoryview(value)[7 + n:]
         arrays = {name: _array(payload, *spec) for name, spec in h.pop("arrays").items()}
         turns = [ModelTurnLog(str(t), [int(i) for i in ids], str(f)) for t, ids, f in h.pop("model_turns")]
-        snap = Snapshot(**h, model_turns=turns, routing=arrays.pop("routing", None), **arrays)
+        ends = {int(p): int(o) for p, o in h.pop("rollout_ends", {}).items()}
+        snap = Snapshot(**h, model_turns=turns, routing=arrays.pop("routing", None), rollout_ends=ends, **arrays)
     except JournalError:
         raise
     except Exception as e:  # noqa: BLE001 - any malformed header is one refusal with its reason

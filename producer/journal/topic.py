@@ -7,7 +7,7 @@ One partition, so every reader sees a lease before the entries its process wrote
 an entry's tombstone after the entry. Writes go through one producer with one request
 in flight (acks=all): a retried older state can never land after a newer one.
 `JournalTopic.poll()` folds what was written since the last call into `entries` (the
-newest state per key; tombstones remove) and `leases`. Compaction keeps the topic at
+newest state per key that applies, claims.py `applies`; tombstones remove) and `leases`. Compaction keeps the topic at
 one value per live key on Apache Kafka; tansu 0.6 does not compact (docs/kafka.md), so
 there a reader's start-up scan grows with the journal's history.
 """
@@ -18,9 +18,9 @@ import logging
 import time
 
 from common.config import KafkaSettings
-from common.kafka.client import make_admin, make_consumer, make_producer
+from common.kafka.client import at_high_watermark, make_admin, make_consumer, make_producer
 from producer import telemetry
-from producer.journal.claims import Held, Lease
+from producer.journal.claims import Held, Lease, applies
 from producer.journal.snapshot import JournalError, Snapshot, decode, encode
 
 log = logging.getLogger("rlstream.producer.journal")
@@ -60,7 +60,8 @@ class JournalTopic:
                                        max_request_size=kafka.max_message_bytes)
         self._consumer = make_consumer(kafka, auto_offset_reset="earliest",
                                        max_partition_fetch_bytes=kafka.max_message_bytes + (1 << 20))
-        self._consumer.assign([TopicPartition(self.topic, 0)])
+        self._tp = TopicPartition(self.topic, 0)
+        self._consumer.assign([self._tp])
         self._consumer.seek_to_beginning()
         self.entries: dict[str, Held] = {}
         self.snapshots: dict[str, bytes] = {}
@@ -104,21 +105,12 @@ class JournalTopic:
                     self._fold(m.key.decode() if m.key else "", m.value)
             if not until_end and (not batches or polls >= 10):  # what is fetched, in bounded time
                 return
-            if until_end and not batches and self._at_end():
+            if until_end and not batches and at_high_watermark(self._consumer, self._tp):
                 return
             if time.monotonic() > deadline:
                 log.warning("journal %s not read to its end within %.0f s; going on", self.topic, deadline_s)
                 return
             timeout_ms = 200
-
-    def _at_end(self) -> bool:
-        """At the high watermark of a fetch response (ListOffsets under-counts on tansu:
-        common/kafka/client.py `end_offsets`)."""
-        from kafka import TopicPartition
-
-        tp = TopicPartition(self.topic, 0)
-        hw = self._consumer.highwater(tp)
-        return hw is not None and self._consumer.position(tp) >= hw
 
     def _fold(self, key: str, value: bytes | None) -> None:
         if key.startswith("lease:"):
@@ -138,6 +130,8 @@ class JournalTopic:
             telemetry.JOURNAL_BAD_ENTRIES.inc()
             log.warning("journal entry %s skipped: %s", key, e)
             return
+        if not applies(self.entries.get(key), s.holder, s.incarnation, s.claimed_from):
+            return  # a claim lost to an earlier one, or a write by a process that no longer holds it
         self.entries[key] = Held(key, s.holder, s.incarnation, s.written_at)
         self.newest_at = max(self.newest_at, s.written_at)
         self.snapshots[key] = bytes(value)

@@ -22,12 +22,14 @@ if TYPE_CHECKING:  # imported lazily: producer/groups.py imports task.py from th
 
 
 def build_driver(pcfg: ProducerSettings, engine, groups: InFlightGroups, sampling: SamplingConfig,
-                 producer_id: str, agent_tasks: tuple[Callable[[], str | None], object, Callable], kafka=None):
+                 producer_id: str, agent_tasks: tuple[Callable[[], str | None], object, Callable], kafka=None,
+                 rollout_ends: Callable[[], dict[int, int]] = dict):
     """The driver the settings name: agents with `producer.agent_endpoint` (`producer.episodes`
     then gives their limits only), episodes with `producer.episodes`, else single-turn.
     `agent_tasks`: (held_back, prompts, verify): the admission gate (a reason, or None), the
     prompt source and `producer.verifier`, from which an agent's `open` takes its group's task.
-    `kafka`: with it, episodes are journaled and orphans resumed (producer.journal, producer/journal/)."""
+    `kafka`: with it, episodes are journaled and orphans resumed (producer.journal, producer/journal/);
+    `rollout_ends`: the rollouts topic's end offsets, a lower bound (producer/admission.py `TopicEnds`)."""
     if pcfg.agent_endpoint is not None:
         from common.config import EpisodeSettings
         from producer.rollout.agents import AgentEpisodes, task_for
@@ -48,7 +50,7 @@ def build_driver(pcfg: ProducerSettings, engine, groups: InFlightGroups, samplin
         if kafka is not None and pcfg.journal.enabled:
             from producer.journal import open_journal
 
-            resumer = open_journal(kafka, pcfg, runner, groups, agent_tasks[2], producer_id)
+            resumer = open_journal(kafka, pcfg, runner, groups, agent_tasks[2], producer_id, rollout_ends)
         return Episodes(runner, groups, producer_id, resumer)
     from producer.rollout.single_turn import SingleTurn
 

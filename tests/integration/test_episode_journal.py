@@ -114,8 +114,12 @@ def run_crash(broker, engine, model_dir, tmp_path, monkeypatch, journal: bool) -
     a = ProducerService(config(kafka, model_dir, data, "a", journal), broker.bootstrap)
     a.start(engine=engine)
     runner = a.driver.runner
+    acked = []
+    if journal:  # a "dies" after each record's acknowledgement, before its tombstone: the entries
+        runner.journal.on_delivered = acked.append  # stay, and b must not publish them again
     mid = lambda: [ep for ep in runner._turns.values() if ep.turns >= 1]  # noqa: E731 - between turns
-    run_until(a, lambda: len(mid()) >= 2 and a.outbox.unacked_records == 0, 60, "episodes past their first turn")
+    run_until(a, lambda: len(mid()) >= 2 and a.outbox.unacked_records == 0 and (acked or not journal), 60,
+              "episodes past their first turn (and, with the journal, a record acknowledged)")
     alive = list(runner._turns.values()) + [ep for ep, _, _ in runner._pending.values()]
     generated = {f"ep:{ep.group_id}#{ep.sample_idx}": ep.response_ids.tolist() for ep in alive}
     between_turns = {f"ep:{ep.group_id}#{ep.sample_idx}" for ep in mid()}
@@ -123,21 +127,25 @@ def run_crash(broker, engine, model_dir, tmp_path, monkeypatch, journal: bool) -
     durable = journaled(kafka)
     assert not journal or {k for k, s in durable.items() if s.turns >= 1} >= between_turns
     for key, s in durable.items():  # the journal holds what a generated, up to its last completed turn
-        assert s.holder == "a" and generated[key][:s.response.size] == s.response.tolist()
+        assert s.holder == "a" and (key not in generated or generated[key][:s.response.size] == s.response.tolist())
 
     b = ProducerService(config(kafka, model_dir, data, "b", journal), broker.bootstrap)
     b.start(engine=engine)
+    from common import metrics
     try:
-        from common import metrics
-        resumed0 = metrics.value("rlstream_producer_resumed_episodes_total", outcome="resumed") or 0
-        done = lambda: (metrics.value("rlstream_producer_resumed_episodes_total", outcome="resumed") or 0) \
-            - resumed0 >= len(durable) and not any(g.startswith("a-") for g in b.groups._groups)  # noqa: E731
+        taken = lambda: sum(metrics.value("rlstream_producer_resumed_episodes_total", outcome=o) or 0  # noqa: E731
+                            for o in ("resumed", "published"))
+        taken0, published0 = taken(), metrics.value("rlstream_producer_resumed_episodes_total", outcome="published") or 0
+        done = lambda: taken() - taken0 >= len(durable) and not any(  # noqa: E731
+            g.startswith("a-") for g in b.groups._groups)
         t_off = time.monotonic() + 5  # without the journal: nothing to wait for
         run_until(b, lambda: done() if journal else time.monotonic() > t_off, 60, "a's episodes resumed")
         b.outbox.drain(timeout_s=30)
     finally:
         crash(b, engine)
     records = read_all(kafka)
+    if journal:  # a published some records whose entries stayed: b found them in the topic
+        assert (metrics.value("rlstream_producer_resumed_episodes_total", outcome="published") or 0) > published0
 
     assert Counter((r.group_id, r.sample_idx) for r in records).most_common(1)[0][1] == 1  # each once
     assert len({r.rollout_id for r in records}) == len(records)
@@ -158,3 +166,37 @@ def run_crash(broker, engine, model_dir, tmp_path, monkeypatch, journal: bool) -
         versions = np.repeat(r.token_versions[:, 0], r.token_versions[:, 1]) if r.token_versions is not None \
             else np.full(r.num_tokens, r.policy_version)
         assert versions[:n].tolist() == s.versions.tolist() and r.reward == 1.0
+
+
+@pytest.mark.timeout(120)
+def test_the_resumer_finds_a_published_record_from_the_journaled_offsets(broker, tmp_path):
+    """producer/journal/published.py on the broker: a record at or after the bound is found,
+    a claim-check pointer names its rollout id, one before the bound or never sent is not."""
+    from common.kafka.claimcheck import BlobStore
+    from common.kafka.client import ensure_topics
+    from common.kafka.publisher import RolloutPublisher
+    from common.record import Rollout
+    from producer.journal.published import published
+
+    def rollout(group: str, n: int) -> Rollout:
+        return Rollout(rollout_id=Rollout.new_id(), group_id=group, sample_idx=0, group_size=1,
+                       prompt_ids=np.array([1, 2], np.int32), response_ids=np.arange(n, dtype=np.int32),
+                       logprobs=np.zeros(n, np.float32), policy_version=0, reward=1.0)
+
+    kafka = make_kafka_settings(broker.bootstrap, tmp_path / "blobs", rollouts_partitions=2)
+    kafka = kafka.model_copy(update={"claim_check_bytes": 4096})
+    ensure_topics(kafka)
+    small = [rollout(f"g{i}", 4) for i in range(6)]
+    large = rollout("big", 4000)  # claim-checked
+    with RolloutPublisher(kafka, BlobStore(kafka.blob_dir)) as pub:
+        where = {r.rollout_id: pub.publish(r).result(timeout=30) for r in [*small, large]}
+    assert where[large.rollout_id].claim_check
+    at = {rid: {d.partition: d.offset} for rid, d in where.items()}
+    ends = {p: max(d.offset + 1 for d in where.values() if d.partition == p) for p in (0, 1)}
+    wanted = {small[1].rollout_id: at[small[1].rollout_id], large.rollout_id: at[large.rollout_id],
+              "never-sent": ends}
+    assert published(kafka, wanted, deadline_s=30) == {small[1].rollout_id, large.rollout_id}
+    first = where[small[0].rollout_id]  # the read starts at the bounds: what lies before is not read
+    assert published(kafka, {small[0].rollout_id: {first.partition: first.offset + 1}}, deadline_s=30) == set()
+    assert published(kafka, {small[0].rollout_id: {first.partition: first.offset}}, deadline_s=30) == {
+        small[0].rollout_id}

@@ -237,3 +237,45 @@ def test_a_reader_behind_the_journal_does_not_take_a_live_peer_for_dead():
     lease(topic, "b", journal.incarnation, 25.0)  # b reads on: a's lease stopped at 10
     now[0] += 5
     assert [s.key for s in journal.claim()] == ["ep:g#0"]
+
+
+# ------------------------------------------- one claimant, one publication
+
+def test_of_two_claims_of_one_entry_only_the_first_in_the_log_takes_effect():
+    from common import metrics
+
+    topic = MemoryTopic()
+    orphan = snapshot(group_id="g", sample_idx=0, holder="a", incarnation="dead")
+    topic._fold(orphan.key, encode(orphan))
+    b = EpisodeJournal(topic, "b", JournalSettings(lease_s=10), clock=lambda: 50.0)
+    c = EpisodeJournal(topic, "c", JournalSettings(lease_s=10), clock=lambda: 50.0)
+    lost0 = metrics.value("rlstream_producer_resumed_episodes_total", outcome="claimed_by_peer") or 0
+    # b and c both decided from their own views of the leases that the orphan is theirs
+    assert [s.key for s in b.take([decode(encode(orphan))])] == ["ep:g#0"]
+    assert c.take([decode(encode(orphan))]) == []  # its claim names a's entry, which b's replaced
+    assert (metrics.value("rlstream_producer_resumed_episodes_total", outcome="claimed_by_peer") or 0) - lost0 == 1
+    held = topic.entries["ep:g#0"]
+    assert (held.holder, held.incarnation) == ("b", b.incarnation)
+    assert topic.writes[0].rollout_ends == orphan.rollout_ends  # the claim keeps where a's record could lie
+    # a write of a process that no longer holds the entry (a, taken for dead, still running) is ignored
+    topic.put(snapshot(group_id="g", sample_idx=0, holder="a", incarnation="dead", written_at=60.0, turns=2))
+    assert topic.entries["ep:g#0"].holder == "b"
+
+
+def test_an_orphan_whose_record_was_published_before_its_holder_died_is_not_resumed():
+    from common import metrics
+
+    topic, asked = MemoryTopic(), []
+    mine = snapshot(group_id="g", sample_idx=0, holder="a", incarnation="dead", rollout_id="done",
+                    rollout_ends={0: 7, 1: 3}, written_at=10.0)
+    other = snapshot(group_id="g", sample_idx=1, holder="a", incarnation="dead", rollout_id="open", written_at=10.0)
+    for s in (mine, other):
+        topic._fold(s.key, encode(s))
+    _, runner, journal, groups, resumer = producer(topic, "b", {}, lambda: 50.0)
+    journal._published = lambda wanted: asked.append(wanted) or {"done"}
+    lease(topic, "b", journal.incarnation, 50.0)
+    n0 = metrics.value("rlstream_producer_resumed_episodes_total", outcome="published") or 0
+    assert resumer.tick(trainer_version=0, max_staleness=4) == 1  # `open` only
+    assert asked == [{"done": {0: 7, 1: 3}, "open": {}}]  # looked up from each holder's bounds
+    assert (metrics.value("rlstream_producer_resumed_episodes_total", outcome="published") or 0) - n0 == 1
+    assert "ep:g#0" not in topic.entries and runner.active == 1  # its entry tombstoned, the other resumed
