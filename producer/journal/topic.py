@@ -73,11 +73,13 @@ class JournalTopic:
 
     # -- writing (any thread: KafkaProducer.send is thread-safe)
 
-    def put(self, s: Snapshot) -> None:
+    def put(self, s: Snapshot):
+        """Send `s`; returns kafka-python's future of its record metadata."""
         value = encode(s)
-        self._producer.send(self.topic, key=s.key.encode(), value=value)
+        fut = self._producer.send(self.topic, key=s.key.encode(), value=value)
         telemetry.JOURNAL_WRITES.inc()
         telemetry.JOURNAL_BYTES.inc(len(value))
+        return fut
 
     def tombstone(self, key: str) -> None:
         try:
@@ -111,6 +113,22 @@ class JournalTopic:
                 log.warning("journal %s not read to its end within %.0f s; going on", self.topic, deadline_s)
                 return
             timeout_ms = 200
+
+    def read_past(self, writes: list, timeout_s: float = 30.0) -> None:
+        """Wait for `writes` (futures of `put`) to be acknowledged, then fold the journal up
+        to and including them: what every reader will have decided about them is known here.
+        (A fetch's high watermark may predate the writes: `poll(until_end=True)` is not enough.)
+        Raises if a write failed or the journal is not read past it within `timeout_s`."""
+        offsets = [f.get(timeout=timeout_s).offset for f in writes if f is not None]
+        if not offsets:
+            return
+        deadline = time.monotonic() + timeout_s
+        while self._consumer.position(self._tp) <= max(offsets):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"journal {self.topic} not read past offset {max(offsets)} within {timeout_s} s")
+            for messages in self._consumer.poll(timeout_ms=200, max_records=2000).values():
+                for m in messages:
+                    self._fold(m.key.decode() if m.key else "", m.value)
 
     def _fold(self, key: str, value: bytes | None) -> None:
         if key.startswith("lease:"):

@@ -17,8 +17,15 @@ the episode's start). Summed over the crash's episodes: trajectory-generation
 seconds, the unit of verl's journal RFC (concurrent episodes each count).
 
 The environment is the calculator's (observations are its worked solution's,
-the final turn scored by the task) for a fixed number of turns: the random tiny
-model never calls the tool, and a one-turn episode has nothing to resume.
+the final turn scored by the task) for a number of turns fixed by the task, from
+turns/2 to 3*turns/2: the random tiny model never calls the tool, a one-turn
+episode has nothing to resume, and episodes of one length would run in lockstep,
+so a kill's lost seconds would hang on where in that lockstep it fell.
+
+The bench also checks what the issue's crash test asks (tests/integration/
+test_episode_crash.py runs `--smoke` and asserts it): every episode the killed
+process held is published exactly once (on the "on" arm), and each resumed record
+starts with exactly the tokens the killed process had journaled.
 
 Prints ONE JSON object:
     lost_generation_seconds_per_crash   {"on": s, "off": s}: mean over that arm's crashes
@@ -27,6 +34,7 @@ Prints ONE JSON object:
     crashes                             per crash: arm, episodes in flight, lost seconds, resumed+published
     published_twice_under_two_rollout_ids   of those, copies the consumer's rollout-id check cannot skip
     records, resumed_unpublished        records in the topic; on-arm orphans never published by the end
+    resumed_prefix_mismatches           on-arm orphans whose record does not start with the journaled tokens
 """
 from __future__ import annotations
 
@@ -38,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from collections import Counter
 from pathlib import Path
 
@@ -50,20 +59,26 @@ SMOKE = dict(crashes=2, interval_s=10.0, group_size=2, turns=3, lease_s=2.0)
 
 # ----------------------------------------------------------------------- worker
 
+def episode_turns(prompt: str, turns: int) -> int:
+    """Model turns of the episode of `prompt`: turns/2 to 3*turns/2, fixed by the prompt (a replay agrees)."""
+    low = max(2, turns // 2)
+    return low + zlib.crc32(prompt.encode()) % (2 * turns - 2 * low + 1)
+
+
 def drill_calculator(turns: int):
-    """The calculator for exactly `turns` model turns: its worked solution's observations in between."""
+    """The calculator for `episode_turns` model turns: its worked solution's observations in between."""
     from producer.envs.calculator import CalculatorEnv, reference_turns
     from producer.rollout.environment import StepResult
 
     class DrillCalculator(CalculatorEnv):
         def reset(self, task):
-            self.turn = 0
+            self.turn, self.turns = 0, episode_turns(task.prompt, turns)
             self.observations = [t for t, model in reference_turns(task.prompt) or [] if not model] or ["=err,"]
             return super().reset(task)
 
         def step(self, turn):
             self.turn += 1
-            if self.turn < turns:
+            if self.turn < self.turns:
                 self.calls += 1
                 return StepResult(self.observations[(self.turn - 1) % len(self.observations)])
             reward, info = self.task.score(turn.text.strip())
@@ -116,7 +131,7 @@ def setup(args, tmp: Path):
     from tests.fixtures.kafka import make_kafka_settings
     from tests.support.configs import ensure_prompts, service_config, write_config
 
-    G, T, N = args.group_size, args.turns, args.turn_tokens
+    G, T, N = args.group_size, 2 * args.turns, args.turn_tokens  # T: the longest episode's turns
     model = build_tiny_model(tmp / "tiny-model")
     broker = EmbeddedBroker(BrokerSettings(port=0)).start()
     kafka = make_kafka_settings(broker.bootstrap, tmp / "blobs", rollouts_partitions=2)
@@ -139,23 +154,28 @@ def setup(args, tmp: Path):
     return broker, kafka, paths
 
 
-def start(pid: str, paths, flag: Path, args, tmp: Path, watch: Watch, old: str | None = None):
-    """A producer process; returns once its lease (a new incarnation) is in the journal."""
-    log = open(tmp / f"{pid}.log", "a")
-    proc = subprocess.Popen([sys.executable, __file__, "--worker", str(paths[pid]), "--flag", str(flag),
-                             "--turns", str(args.turns)], stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
-                            start_new_session=True)
+def start(pids: list[str], paths, flag: Path, args, tmp: Path, watch: Watch, old: str | None = None) -> dict:
+    """Producer processes, started together; returns once each one's lease (a new incarnation)
+    is in the journal (written once its engine is up: it generates from then on)."""
+    procs = {}
+    for pid in pids:
+        log = open(tmp / f"{pid}.log", "a")
+        procs[pid] = subprocess.Popen([sys.executable, __file__, "--worker", str(paths[pid]), "--flag", str(flag),
+                                       "--turns", str(args.turns)], stdout=log, stderr=subprocess.STDOUT,
+                                      env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+                                      start_new_session=True)
     deadline = time.time() + 300
-    while watch.incarnation(pid) in (None, old):
-        if proc.poll() is not None or time.time() > deadline:
-            raise SystemExit(f"producer {pid} did not start (exit {proc.poll()}); see {tmp / f'{pid}.log'}")
-        time.sleep(0.5)
-    return proc
+    for pid, proc in procs.items():
+        while watch.incarnation(pid) in (None, old):
+            if proc.poll() is not None or time.time() > deadline:
+                raise SystemExit(f"producer {pid} did not start (exit {proc.poll()}); see {tmp / f'{pid}.log'}")
+            time.sleep(0.5)
+    return procs
 
 
 def crash(pid: str, proc, watch: Watch) -> dict:
-    """SIGKILL `pid`; its unfinished episodes: key -> (rollout id, first write, last write), kill time."""
+    """SIGKILL `pid`; its unfinished episodes: key -> (rollout id, first write, last write, journaled
+    tokens), kill time."""
     from producer.journal.snapshot import decode
 
     inc = watch.incarnation(pid)
@@ -164,14 +184,15 @@ def crash(pid: str, proc, watch: Watch) -> dict:
     proc.wait()
     watch.topic.poll(until_end=True)
     held = {k: e for k, e in watch.topic.entries.items() if e.holder == pid and e.incarnation == inc}
+    snaps = {k: decode(watch.topic.snapshots[k]) for k in held}
     return {"t": t_kill, "incarnation": inc, "episodes": {
-        k: (decode(watch.topic.snapshots[k]).rollout_id, watch.first[k], e.written_at) for k, e in held.items()}}
+        k: (snaps[k].rollout_id, watch.first[k], e.written_at, snaps[k].response.tolist()) for k, e in held.items()}}
 
 
 def lost_seconds(c: dict, published: set[str]) -> tuple[float, int]:
     """(trajectory-seconds lost, episodes resumed and published) of one crash."""
     lost, saved = 0.0, 0
-    for rid, first, last in c["episodes"].values():
+    for rid, first, last, _ in c["episodes"].values():
         resumed = c["arm"] == "on" and rid in published
         lost += c["t"] - (last if resumed else first)
         saved += resumed
@@ -189,7 +210,7 @@ def run(args) -> dict:
     watch = Watch(kafka)
     procs, crashes = {}, []
     try:
-        procs = {pid: start(pid, paths, flag, args, tmp, watch) for pid in ("p1", "p2")}
+        procs = start(["p1", "p2"], paths, flag, args, tmp, watch)
         for k in range(args.crashes):
             arm = "on" if k % 2 == 0 else "off"
             flag.touch() if arm == "on" else flag.unlink(missing_ok=True)
@@ -202,7 +223,7 @@ def run(args) -> dict:
                 time.sleep(1.0)  # the workers fold the tombstones before the flag may return
             crashes.append(c)
             if k + 1 < args.crashes:  # after the last crash p1 alone finishes (an engine start saved)
-                procs["p2"] = start("p2", paths, flag, args, tmp, watch, old=c["incarnation"])
+                procs.update(start(["p2"], paths, flag, args, tmp, watch, old=c["incarnation"]))
             else:
                 del procs["p2"]
         flag.touch()
@@ -223,13 +244,17 @@ def run(args) -> dict:
 
 def report(args, crashes: list[dict], records) -> dict:
     published = {r.rollout_id for r in records}
+    by_id = {r.rollout_id: r for r in records}
     per_arm: dict[str, list[float]] = {"on": [], "off": []}
-    rows, unpublished = [], 0
+    rows, unpublished, mismatches = [], 0, 0
     for c in crashes:
         lost, saved = lost_seconds(c, published)
         per_arm[c["arm"]].append(lost)
         if c["arm"] == "on":
             unpublished += len(c["episodes"]) - saved
+            for rid, _, _, tokens in c["episodes"].values():  # what the killed process made, as journaled
+                r = by_id.get(rid)
+                mismatches += r is not None and r.response_ids[:len(tokens)].tolist() != tokens
         rows.append({"arm": c["arm"], "in_flight": len(c["episodes"]), "lost_s": round(lost, 2),
                      "resumed_published": saved})
     mean = {arm: (sum(v) / len(v) if v else None) for arm, v in per_arm.items()}
@@ -242,7 +267,8 @@ def report(args, crashes: list[dict], records) -> dict:
             "lost_ratio_on_over_off": round(mean["on"] / mean["off"], 3) if mean["on"] is not None and mean["off"]
             else None,
             "episodes_published_twice": twice, "published_twice_under_two_rollout_ids": other_ids, "crashes": rows, "records": len(records),
-            "resumed_unpublished": unpublished, "interval_s": args.interval_s, "lease_s": args.lease_s,
+            "resumed_unpublished": unpublished, "resumed_prefix_mismatches": mismatches,
+            "interval_s": args.interval_s, "lease_s": args.lease_s,
             "group_size": args.group_size, "turns": args.turns, "smoke": args.smoke}
 
 
@@ -252,7 +278,7 @@ def main() -> None:
     ap.add_argument("--interval-s", type=float, default=30.0, help="seconds p2 runs before each SIGKILL")
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--groups-in-flight", type=int, default=4)
-    ap.add_argument("--turns", type=int, default=10, help="model turns per episode")
+    ap.add_argument("--turns", type=int, default=10, help="model turns per episode, on average (turns/2 to 3*turns/2)")
     ap.add_argument("--turn-tokens", type=int, default=12)
     ap.add_argument("--lease-s", type=float, default=3.0)
     ap.add_argument("--work-dir", default=None)

@@ -53,6 +53,10 @@ BENCHES = {
 }
 
 
+RUN_ELSEWHERE = {"episodes": "tests/integration/test_episode_crash.py asserts on its smoke run"}
+"""Benches whose smoke run is an integration test of its own (run once, not twice)."""
+
+
 def test_every_bench_is_listed():
     scripts = {p.stem for p in BENCH_DIR.glob("*.py") if not p.name.startswith("_")}
     assert scripts == set(BENCHES), f"tests/bench/ and BENCHES differ: {scripts ^ set(BENCHES)}"
@@ -127,7 +131,7 @@ def last_json_object(stdout: str) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [  # pytest's own timeout: the bench's, plus fixtures and teardown
     pytest.param(name, marks=[pytest.mark.timeout(timeout_s + 120), *(getattr(pytest.mark, m) for m in marks)])
-    for name, (_, timeout_s, marks) in BENCHES.items()])
+    for name, (_, timeout_s, marks) in BENCHES.items() if name not in RUN_ELSEWHERE])
 def test_bench_smoke(name, tmp_path, shared_warm):
     keys, timeout_s, _ = BENCHES[name]
     cmd = [sys.executable, str(BENCH_DIR / f"{name}.py"), "--smoke", *extra_args(name, tmp_path, shared_warm)]

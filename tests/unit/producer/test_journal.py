@@ -92,6 +92,9 @@ class MemoryTopic(JournalTopic):
         self.writes.append(s)
         self._fold(s.key, encode(s))
 
+    def read_past(self, writes, timeout_s=30.0):
+        pass  # read back at once
+
     def tombstone(self, key):
         self._fold(key, None)
 
@@ -279,3 +282,23 @@ def test_an_orphan_whose_record_was_published_before_its_holder_died_is_not_resu
     assert asked == [{"done": {0: 7, 1: 3}, "open": {}}]  # looked up from each holder's bounds
     assert (metrics.value("rlstream_producer_resumed_episodes_total", outcome="published") or 0) - n0 == 1
     assert "ep:g#0" not in topic.entries and runner.active == 1  # its entry tombstoned, the other resumed
+
+
+def test_claims_not_read_back_in_an_outage_are_resumed_at_the_next_claim():
+    class Outage(MemoryTopic):
+        down = True
+
+        def read_past(self, writes, timeout_s=30.0):
+            if self.down:
+                raise TimeoutError("broker unreachable")
+
+    topic = Outage()
+    orphan = snapshot(group_id="g", sample_idx=0, holder="a", incarnation="dead", written_at=10.0)
+    topic._fold(orphan.key, encode(orphan))
+    journal = EpisodeJournal(topic, "b", JournalSettings(lease_s=10), clock=lambda: 50.0)
+    lease(topic, "b", journal.incarnation, 50.0)
+    assert journal.take(journal.claim()) == []  # the claim applied, but b could not know
+    assert topic.entries["ep:g#0"].holder == "b"  # ... so no peer will take it: b must
+    topic.down = False
+    journal._next_claim = 0.0
+    assert [s.key for s in journal.take(journal.claim())] == ["ep:g#0"]
