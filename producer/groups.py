@@ -54,5 +54,8 @@ class InFlightGroups:
         slot is free for admission; samples it already published stay published."""
         self._groups.pop(group_id, None)
 
+    def get(self, group_id: str) -> GroupInfo | None:
+        return self._groups.get(group_id)
+
     def __len__(self) -> int:
         return len(self._groups)

@@ -112,7 +112,7 @@ class Resumer:
     def _add_to_group(self, s: Snapshot, task: Task) -> None:
         """The group counts one more sample in flight here (it takes an admission slot)."""
         info = self._groups.get(s.group_id)
-        if info is not None and info.remaining > 0:
+        if info is not None and info.remaining > 0 and self.groups.get(s.group_id) is info:  # (not evicted)
             info.remaining += 1
             return
         info = self._groups[s.group_id] = GroupInfo(task, 1)

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import logging
 import math
 import numbers
 import time
@@ -50,6 +51,7 @@ from common.config import EpisodeSettings
 from common.errors import ConfigError
 from common.record import DEFAULT_LIMITS, Rollout
 from producer import telemetry
+from producer.eviction import StaleEviction, stale_groups
 from producer.groups import InFlightGroups
 from producer.rollout.driver import RolloutDriver
 from producer.rollout.environment import Environment, ModelTurn, StepResult
@@ -59,6 +61,7 @@ from producer.sample import FinishedSample, SamplingConfig
 from producer.text_tokens import RewrittenSpecialText, encode_rendered, encode_text
 
 END_REASONS = ("done", "max_turns", "max_tokens", "step_timeout", "env_error")
+log = logging.getLogger("rlstream.producer")
 
 
 class ObservationEncoder:
@@ -165,6 +168,36 @@ class EpisodeRunner:
         done (producer/groups.py `finish_sample`)."""
         out, self._unrecorded = self._unrecorded, []
         return out
+
+    def oldest_versions(self) -> dict[str, int]:
+        """Group id -> the oldest model-token version a record of its running episodes can
+        carry (producer/eviction.py): the episode's own, or its generating turn's first token's."""
+        in_engine = self.engine.oldest_versions()  # tag -> version
+        out: dict[str, int] = {}
+        for ep in self._running():
+            versions = [v for v in (ep.oldest_model_version, in_engine.get(ep.tag)) if v is not None]
+            if versions:
+                out[ep.group_id] = min(min(versions), out.get(ep.group_id, min(versions)))
+        return out
+
+    def evict(self, group_id: str) -> int:
+        """End the group's running episodes unpublished (stale eviction): their engine requests
+        aborted, environment calls abandoned, journal entries tombstoned. Returns how many."""
+        n = 0
+        for ep in [ep for ep in self._running() if ep.group_id == group_id]:
+            if self._turns.pop(ep.tag, None) is not None:
+                self.engine.abort_tag(ep.tag)
+            for fut in [f for f, (e, _, _) in self._pending.items() if e is ep]:
+                fut.cancel()
+                del self._pending[fut]
+            self.active -= 1
+            if self.journal is not None:
+                self.journal.on_end(ep, recorded=False)
+            n += 1
+        return n
+
+    def _running(self) -> list[Trajectory]:
+        return list(self._turns.values()) + [ep for ep, _, _ in self._pending.values()]
 
     def abort_all(self) -> int:
         """Forget every episode (the engine's requests are aborted by its own abort_all)."""
@@ -303,6 +336,7 @@ class Episodes(RolloutDriver):
         self.resumer = resumer
         """producer/journal/ Resumer (with producer.journal): orphaned episodes continue here."""
         self._staleness = (0, 0)  # (trainer version, max_staleness) of the service's last evict_stale
+        self.eviction = StaleEviction()
 
     def start(self, group_id: str, task: Task, G: int) -> None:
         for i in range(G):
@@ -325,8 +359,19 @@ class Episodes(RolloutDriver):
         return self.runner.has_work()
 
     def evict_stale(self, trainer_version: int, max_staleness: int) -> None:
-        """Episodes keep their requests; the bound decides which orphans are too stale to resume."""
+        """A group the consumer's gate will drop (its stalest episode's oldest model token is
+        beyond the bound: producer/eviction.py) ends here, unpublished, its slot free. The
+        bound also decides which orphans are too stale to resume (producer/journal/resume.py)."""
         self._staleness = (trainer_version, max_staleness)
+        if not self.eviction.due(trainer_version, max_staleness):
+            return
+        for gid in stale_groups(self.runner.oldest_versions(), trainer_version, max_staleness):
+            n = self.runner.evict(gid)
+            self.groups.drop(gid)
+            telemetry.EVICTED_GROUPS.inc()
+            telemetry.EVICTED_SAMPLES.inc(n)
+            log.info("evicted stale group %s (%d episodes running): trainer %d, max_staleness %d",
+                     gid, n, trainer_version, max_staleness)
 
     def on_delivered(self, fut) -> None:
         if self.runner.journal is not None:  # acknowledged: the episode's journal entry goes

@@ -105,6 +105,12 @@ class Trajectory:
         return np.asarray(self._versions, dtype=np.int64).reshape(-1, 2)
 
     @property
+    def oldest_model_version(self) -> int | None:
+        """The oldest policy version of a model token (the staleness rule's), None before the first."""
+        model = np.repeat(self.version_runs[:, 0], self.version_runs[:, 1])[self.loss_mask]
+        return int(model.min()) if model.size else None
+
+    @property
     def last_token(self) -> int:
         return int(self._ids[-1][-1])
 

@@ -268,3 +268,47 @@ def test_numpy_step_rewards_are_numbers():
     (ep,) = run(eng, runner)
     assert ep.end == "done" and ep.to_rollout("p", runner.sampling, None).reward == 0.5
     runner.close()
+
+
+def test_a_group_beyond_the_staleness_bound_is_evicted_unpublished_and_its_slot_freed():
+    """Stale eviction (producer/eviction.py) for episodes: the trainer moved past the bound of a
+    group whose episodes are mid-episode; they end unpublished, their requests aborted."""
+    from common import metrics
+    from producer.groups import InFlightGroups
+    from producer.rollout.episodes import Episodes
+
+    class Engine(ScriptedEngine):
+        def oldest_versions(self):
+            return {tag: dispatch for tag, (_, _, dispatch) in self.requests.items()}
+
+        def abort_tag(self, tag):
+            return int(self.requests.pop(tag, None) is not None)
+
+    eng = Engine({0: ["c(37+48)", "c(85-19)", "66$"], 1: ["c(1+1)", "c(2+2)", "7$"]})
+    runner = EpisodeRunner(eng, settings(), SamplingConfig(max_tokens=16), CalculatorEnv)
+    groups = InFlightGroups("p")
+    driver = Episodes(runner, groups, "p")
+    old, new = groups.open(task(), 2), groups.open(task(), 2)
+    driver.start(old, task(), 2)
+    for _ in range(200):  # the old group's first turns sampled at version 0, both second turns submitted
+        if sorted(eng.requests) == [f"{old}#0#t1", f"{old}#1#t1"]:
+            break
+        first = [t for t in eng.requests if t.endswith("#t0")]
+        driver.on_finished(eng.step() if len(first) == 2 else [])
+    assert sorted(eng.requests) == [f"{old}#0#t1", f"{old}#1#t1"], eng.requests
+    eng.version = 3
+    driver.start(new, task(), 2)  # its turns start at version 3
+    driver.on_finished([])
+    evicted0 = metrics.value("rlstream_producer_evicted_groups_total") or 0
+    driver.evict_stale(trainer_version=3, max_staleness=4)
+    assert len(groups) == 2  # within the bound: nothing happens
+    driver.evict_stale(trainer_version=5, max_staleness=4)  # 5 - 0 > 4: the old group is dropped
+    assert (metrics.value("rlstream_producer_evicted_groups_total") or 0) - evicted0 == 1
+    assert len(groups) == 1 and groups.get(old) is None and runner.active == 2
+    assert not any(t.startswith(old) for t in eng.requests)  # its requests aborted in the engine
+    records = []
+    for _ in range(100):
+        records += driver.on_finished(eng.step() if eng.has_work() else [])
+        if not driver.has_work():
+            break
+    assert {r.group_id for r in records} == {new} and len(records) == 2
