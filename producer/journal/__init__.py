@@ -25,7 +25,7 @@ def open_journal(kafka, pcfg, runner, groups, verify, producer_id: str, rollout_
 
     prompts = pcfg.prompts
     own_score = getattr(prompts, "type", "") == "reasoning_gym" and getattr(prompts, "reward", "") == "dataset"
-    journal = EpisodeJournal(JournalTopic(kafka), producer_id, pcfg.journal, own_score=own_score,
+    journal = EpisodeJournal(JournalTopic(kafka, pcfg.journal.lease_s), producer_id, pcfg.journal, own_score=own_score,
                              rollout_ends=rollout_ends, published=lambda wanted: published(kafka, wanted))
     journal.start()
     runner.journal = journal

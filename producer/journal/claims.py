@@ -14,11 +14,12 @@ An entry held by (holder, incarnation) is orphaned when
 Each orphan goes to one live producer, the rendezvous-hash winner of the episode key
 over the live producers (leases fresher than lease_s): producers that see the same
 leases pick the same claimant without talking. Views that differ for a moment can
-pick two claimants; the journal itself decides between them: a claimant writes a claim
-naming the entry it takes over (`Held.token`), and every reader applies only a claim
-of the entry it names (`applies`), so of two claims of one entry only the first in the
-log takes effect, and each claimant learns which by reading its own claim back
-(journal.py `take`). A write by a process that no longer holds an entry (a claim
+pick two claimants, and a claimant behind the journal can take a live holder for dead;
+the journal itself decides: a claimant writes a claim naming the entry it takes over
+(`Held.token`), and every reader applies a claim only if its key still holds that entry
+and, by the leases before the claim in the log, that entry is orphaned (`applies`). So
+of two claims of one entry only the first takes effect, a claim behind a renewal none,
+and each claimant learns which by reading its own claim back (journal.py `take`). A write by a process that no longer holds an entry (a claim
 lost, or a holder taken for dead that still runs) is ignored the same way.
 """
 from __future__ import annotations
@@ -49,12 +50,16 @@ class Held:
         return f"{self.holder}/{self.incarnation}/{self.written_at!r}"
 
 
-def applies(current: Held | None, holder: str, incarnation: str, claimed_from: str) -> bool:
+def applies(current: Held | None, holder: str, incarnation: str, claimed_from: str, at: float,
+            leases: dict[str, Lease], lease_s: float) -> bool:
     """Whether a write to an episode's key takes effect in every reader's view (they fold
-    the one partition in the same order, so they all agree): a claim only if it names the
-    entry the key holds now; any other write only by that entry's holder, or to a new key."""
+    the one partition in the same order, so they all agree). A claim (written at `at`)
+    only if it names the entry the key holds now and that entry is orphaned by the leases
+    folded before the claim: a claimant whose view of the journal lagged (it missed a
+    renewal) loses to the renewal, whatever it saw. Any other write only by that entry's
+    holder, or to a new key."""
     if claimed_from:
-        return current is not None and current.token == claimed_from
+        return current is not None and current.token == claimed_from and is_orphan(current, leases, at, lease_s)
     return current is None or (current.holder, current.incarnation) == (holder, incarnation)
 
 

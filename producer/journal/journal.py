@@ -63,12 +63,13 @@ class EpisodeJournal:
     # ------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        """Announce this process (lease), then read the journal to its end."""
-        self.topic.renew_lease(self.producer_id, self.incarnation)
-        self.topic.flush()
-        self.topic.poll(until_end=True)
+        """Announce this process (lease, renewed from now on), then read the journal to its end
+        (the renewals start first: reading a long journal takes seconds, and a peer must not
+        take this process's first episodes for orphans meanwhile)."""
+        first = self.topic.renew_lease(self.producer_id, self.incarnation)
         self._lease_thread = threading.Thread(target=self._renew, name="rlstream-journal-lease", daemon=True)
         self._lease_thread.start()
+        self.topic.read_past([first], timeout_s=120)
 
     def _renew(self) -> None:
         while not self._stop.wait(self.settings.lease_s / 4):

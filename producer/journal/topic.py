@@ -18,7 +18,7 @@ import logging
 import time
 
 from common.config import KafkaSettings
-from common.kafka.client import at_high_watermark, make_admin, make_consumer, make_producer
+from common.kafka.client import make_admin, make_consumer, make_producer
 from producer import telemetry
 from producer.journal.claims import Held, Lease, applies
 from producer.journal.snapshot import JournalError, Snapshot, decode, encode
@@ -52,10 +52,12 @@ def ensure_journal_topic(kafka: KafkaSettings) -> str:
 class JournalTopic:
     """Writer and reader of the journal topic for one producer process."""
 
-    def __init__(self, kafka: KafkaSettings):
+    def __init__(self, kafka: KafkaSettings, lease_s: float):
         from kafka import TopicPartition
 
-        self.topic = ensure_journal_topic(kafka)
+        self.topic, self.lease_s = ensure_journal_topic(kafka), lease_s
+        """`lease_s` judges claims as they are folded (claims.py `applies`): every producer of
+        one journal must use the same (`producer.journal.lease_s`)."""
         self._producer = make_producer(kafka, "control", max_in_flight_requests_per_connection=1,
                                        max_request_size=kafka.max_message_bytes)
         self._consumer = make_consumer(kafka, auto_offset_reset="earliest",
@@ -87,37 +89,36 @@ class JournalTopic:
         except Exception as e:  # noqa: BLE001 - e.g. an acknowledgement after close: the entry is
             log.warning("journal tombstone of %s not sent (%s); a peer resumes it again", key, e)  # deduped by id
 
-    def renew_lease(self, producer_id: str, incarnation: str) -> None:
+    def renew_lease(self, producer_id: str, incarnation: str):
+        """Write the lease; returns kafka-python's future of its record metadata."""
         value = json.dumps({"incarnation": incarnation, "at": time.time()}).encode()
-        self._producer.send(self.topic, key=f"lease:{producer_id}".encode(), value=value)
+        return self._producer.send(self.topic, key=f"lease:{producer_id}".encode(), value=value)
+
+    def sync(self, timeout_s: float = 30.0) -> None:
+        """Fold everything written to the journal before this call (a no-op marker is written
+        and read past: `read_past`)."""
+        self.read_past([self._producer.send(self.topic, key=b"sync", value=None)], timeout_s)
 
     def flush(self, timeout_s: float = 10.0) -> None:
         self._producer.flush(timeout=timeout_s)
 
     # -- reading (the service's thread)
 
-    def poll(self, timeout_ms: int = 0, until_end: bool = False, deadline_s: float = 60.0) -> None:
-        """Fold new messages in; with `until_end`, read until the partition's end (start-up:
-        a producer that claimed from a partial view would resume episodes a peer already took)."""
-        deadline = time.monotonic() + deadline_s
-        for polls in range(1 << 30):
-            batches = self._consumer.poll(timeout_ms=timeout_ms, max_records=2000)
+    def poll(self) -> None:
+        """Fold what is fetched now, in bounded time (a few polls). To know that everything
+        written before some point is folded, use `read_past` or `sync`."""
+        for _ in range(10):
+            batches = self._consumer.poll(timeout_ms=0, max_records=2000)
             for messages in batches.values():
                 for m in messages:
                     self._fold(m.key.decode() if m.key else "", m.value)
-            if not until_end and (not batches or polls >= 10):  # what is fetched, in bounded time
+            if not batches:
                 return
-            if until_end and not batches and at_high_watermark(self._consumer, self._tp):
-                return
-            if time.monotonic() > deadline:
-                log.warning("journal %s not read to its end within %.0f s; going on", self.topic, deadline_s)
-                return
-            timeout_ms = 200
 
     def read_past(self, writes: list, timeout_s: float = 30.0) -> None:
         """Wait for `writes` (futures of `put`) to be acknowledged, then fold the journal up
         to and including them: what every reader will have decided about them is known here.
-        (A fetch's high watermark may predate the writes: `poll(until_end=True)` is not enough.)
+        (A fetch's high watermark may predate the writes: reading to it is not enough.)
         Raises if a write failed or the journal is not read past it within `timeout_s`."""
         offsets = [f.get(timeout=timeout_s).offset for f in writes if f is not None]
         if not offsets:
@@ -148,7 +149,8 @@ class JournalTopic:
             telemetry.JOURNAL_BAD_ENTRIES.inc()
             log.warning("journal entry %s skipped: %s", key, e)
             return
-        if not applies(self.entries.get(key), s.holder, s.incarnation, s.claimed_from):
+        if not applies(self.entries.get(key), s.holder, s.incarnation, s.claimed_from, s.written_at, self.leases,
+                       self.lease_s):
             return  # a claim lost to an earlier one, or a write by a process that no longer holds it
         self.entries[key] = Held(key, s.holder, s.incarnation, s.written_at)
         self.newest_at = max(self.newest_at, s.written_at)

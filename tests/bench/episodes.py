@@ -104,7 +104,7 @@ def worker(config: str, flag: str, turns: int) -> int:
 class Watch:
     """The journal as the bench reads it: newest entry per key, and each key's first write."""
 
-    def __init__(self, kafka):
+    def __init__(self, kafka, lease_s: float):
         from producer.journal.topic import JournalTopic
 
         class Topic(JournalTopic):
@@ -114,10 +114,10 @@ class Watch:
                     self.first[key] = inner.entries[key].written_at
 
         self.first: dict[str, float] = {}
-        self.topic = Topic(kafka)
+        self.topic = Topic(kafka, lease_s)
 
     def incarnation(self, pid: str) -> str | None:
-        self.topic.poll(until_end=True)
+        self.topic.sync()
         lease = self.topic.leases.get(pid)
         return lease.incarnation if lease else None
 
@@ -182,7 +182,7 @@ def crash(pid: str, proc, watch: Watch) -> dict:
     os.killpg(proc.pid, signal.SIGKILL)
     t_kill = time.time()
     proc.wait()
-    watch.topic.poll(until_end=True)
+    watch.topic.sync()  # everything the dead process wrote
     held = {k: e for k, e in watch.topic.entries.items() if e.holder == pid and e.incarnation == inc}
     snaps = {k: decode(watch.topic.snapshots[k]) for k in held}
     return {"t": t_kill, "incarnation": inc, "episodes": {
@@ -207,7 +207,7 @@ def run(args) -> dict:
     broker, kafka, paths = setup(args, tmp)
     flag = tmp / "resume-on"
     flag.touch()
-    watch = Watch(kafka)
+    watch = Watch(kafka, args.lease_s)
     procs, crashes = {}, []
     try:
         procs = start(["p1", "p2"], paths, flag, args, tmp, watch)

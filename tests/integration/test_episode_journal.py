@@ -85,8 +85,8 @@ def journaled(kafka) -> dict:
     from producer.journal.snapshot import decode
     from producer.journal.topic import JournalTopic
 
-    t = JournalTopic(kafka)
-    t.poll(until_end=True)
+    t = JournalTopic(kafka, lease_s=1.0)
+    t.sync()
     out = {k: decode(v) for k, v in t.snapshots.items()}
     t.close()
     return out

@@ -87,6 +87,7 @@ class MemoryTopic(JournalTopic):
 
     def __init__(self):
         self.entries, self.snapshots, self.leases, self.writes, self.newest_at = {}, {}, {}, [], 0.0
+        self.lease_s = 10.0
 
     def put(self, s):
         self.writes.append(s)
@@ -248,7 +249,7 @@ def test_of_two_claims_of_one_entry_only_the_first_in_the_log_takes_effect():
     from common import metrics
 
     topic = MemoryTopic()
-    orphan = snapshot(group_id="g", sample_idx=0, holder="a", incarnation="dead")
+    orphan = snapshot(group_id="g", sample_idx=0, holder="a", incarnation="dead", written_at=10.0)
     topic._fold(orphan.key, encode(orphan))
     b = EpisodeJournal(topic, "b", JournalSettings(lease_s=10), clock=lambda: 50.0)
     c = EpisodeJournal(topic, "c", JournalSettings(lease_s=10), clock=lambda: 50.0)
@@ -302,3 +303,15 @@ def test_claims_not_read_back_in_an_outage_are_resumed_at_the_next_claim():
     topic.down = False
     journal._next_claim = 0.0
     assert [s.key for s in journal.take(journal.claim())] == ["ep:g#0"]
+
+
+def test_a_claim_from_a_view_behind_the_holders_renewal_does_not_take_a_live_episode():
+    topic = MemoryTopic()
+    lease(topic, "a", "live", 0.0)
+    entry = snapshot(group_id="g", sample_idx=0, holder="a", incarnation="live", written_at=1.0)
+    topic._fold(entry.key, encode(entry))
+    b = EpisodeJournal(topic, "b", JournalSettings(lease_s=10), clock=lambda: 20.0)
+    stale_view = decode(encode(entry))  # b judged it orphaned: a's lease at 0 was all b had read
+    lease(topic, "a", "live", 19.5)  # ... but a renewed before b's claim reached the journal
+    assert b.take([stale_view]) == []
+    assert topic.entries["ep:g#0"].holder == "a"  # a keeps its episode; b resumes nothing
