@@ -388,6 +388,12 @@ class JournalSettings(_Section):
     """A producer whose lease (renewed every lease_s / 4 in the journal) is older than this is
     dead and its episodes are resumed by a live one. Producers' clocks must agree well
     within it. A restarted producer with a fixed producer_id takes its own at once."""
+    every_tokens: int | None = Field(None, ge=0)
+    """Also journal a model turn while it generates, each time it has made this many more
+    tokens (the partial turn included: a resumed episode continues that turn). None or 0:
+    only between turns. A long single-turn sample gets it as a one-turn episode
+    (`producer.episodes.max_turns: 1`); plain samples (no `producer.episodes`) are never
+    journaled. Off with `routing: native` (vLLM returns a turn's routing rows only at its end)."""
 
 
 class AgentEndpointSettings(_Section):

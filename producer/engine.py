@@ -352,25 +352,53 @@ class RolloutEngine:
         return done
 
     def _finish(self, rid: str, st: _InFlight, comp) -> FinishedSample:
-        resp = np.asarray(st.tokens, dtype=np.int32)
         routed = None
-        num_rows = st.prompt_ids.size + resp.size - 1
+        num_rows = st.prompt_ids.size + len(st.tokens) - 1
         if self._capture is not None:
             routed = self._capture.take(st.internal_id, num_rows)
         elif self.routing_mode == "native":  # GPU only
             re = getattr(comp, "routed_experts", None)
             if re is not None:
                 routed = np.ascontiguousarray(np.asarray(re)[:num_rows], dtype=routing_dtype_for(self.num_experts))
+        return self._sample(rid, st, str(comp.finish_reason), comp.stop_reason, routed)
+
+    def _sample(self, rid: str, st: _InFlight, finish_reason: str, stop_reason, routed) -> FinishedSample:
         return FinishedSample(
             tag=st.tag, sample_idx=st.sample_idx, group_size=st.group_size, request_id=rid,
-            prompt_ids=st.prompt_ids, response_ids=resp,
+            prompt_ids=st.prompt_ids, response_ids=np.asarray(st.tokens, dtype=np.int32),
             logprobs=np.asarray(st.logprobs, dtype=np.float32),
-            finish_reason=str(comp.finish_reason), stop_reason=comp.stop_reason,
+            finish_reason=finish_reason, stop_reason=stop_reason,
             dispatch_version=st.dispatch_version,
             token_versions=[(v, c) for v, c in st.versions],
             routed_experts=routed, num_experts=self.num_experts,
             logprobs_mode=self.settings.logprobs_mode,
             submitted_at=st.submitted_at, finished_at=time.time())
+
+    # -- a sample still generating (producer.journal.every_tokens) ------------
+    def generated(self, tag: Any) -> int:
+        """Tokens the in-flight sample 0 of `tag` has made so far (0 if none is in flight)."""
+        st = self._inflight.get(f"{tag}/0")
+        return len(st.tokens) if st is not None else 0
+
+    @property
+    def partial_routing(self) -> bool:
+        """Whether `partial` can give a running sample's routing rows: with capture (rows
+        arrive per step) or routing off; not native (vLLM returns them when the request ends)."""
+        return self.routing_mode != "native"
+
+    def partial(self, tag: Any) -> FinishedSample | None:
+        """What the in-flight sample 0 of `tag` has made so far, as a FinishedSample with
+        finish_reason "partial" (the request goes on): tokens, log-probs, per-token versions
+        and, with capture, the routing rows of every position fed so far (prompt and all
+        tokens but the last, as at the end). None if the tag has no request in flight."""
+        rid = f"{tag}/0"
+        st = self._inflight.get(rid)
+        if st is None:
+            return None
+        routed = None
+        if self._capture is not None and st.tokens:
+            routed = self._capture.rows_so_far(st.internal_id, st.prompt_ids.size + len(st.tokens) - 1)
+        return self._sample(rid, st, "partial", None, routed)
 
     def oldest_versions(self) -> dict[Any, int]:
         """Tag -> the newest `oldest_version` a record of the tag's in-flight samples can end

@@ -173,7 +173,13 @@ class RoutingCapture:
     # -- results -----------------------------------------------------------
     def take(self, request_id: str, num_rows: int) -> np.ndarray:
         """Routing [num_rows, L, K] of a finished request (positions 0..num_rows-1)."""
-        buf = self._requests.pop(request_id, None)
+        rows = self.rows_so_far(request_id, num_rows)
+        del self._requests[request_id]
+        return rows
+
+    def rows_so_far(self, request_id: str, num_rows: int) -> np.ndarray:
+        """Routing [num_rows, L, K] of a request, finished or still running (kept)."""
+        buf = self._requests.get(request_id)
         if buf is None:
             raise RoutingCaptureError(f"no routing captured for request {request_id!r}")
         if buf.rows.shape[0] < num_rows or not buf.filled[:num_rows].all():

@@ -4,6 +4,7 @@ Per episode this process runs:
 
     on_model_turn(ep, turn)   the runner took a model turn (kept for the replay)
     on_turn(ep)               the episode is about to submit its next turn: its state is durable now
+                              (or, every_tokens, `ep` has a turn so far: Trajectory.with_partial_turn)
     on_end(ep, recorded)      the episode ended; without a record it is forgotten (tombstone) at once
     stamp(record)             its record carries the episode's owner and fixed rollout id
     on_delivered(future)      the broker acknowledged the record: tombstone its entry
@@ -103,7 +104,7 @@ class EpisodeJournal:
             prompt_ids=np.asarray(ep.prompt_ids, dtype=np.int32), response=ep.response_ids, mask=ep.loss_mask,
             logprobs=ep.logprobs, versions=np.repeat(runs[:, 0], runs[:, 1]), routing=ep.routing,
             num_experts=ep.num_experts, turns=ep.turns, reward=float(ep.reward), info=dict(ep.info),
-            model_turns=self._turns.get(key, []), rollout_ends=self.rollout_ends()))
+            model_turns=self._turns.get(key, []), rollout_ends=self.rollout_ends(), partial=ep.partial_turn))
 
     def on_end(self, ep, recorded: bool) -> None:
         key = episode_key(ep.group_id, ep.sample_idx)

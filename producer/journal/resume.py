@@ -8,7 +8,9 @@
        them; the calculator is); the answers are discarded, the journaled tokens stand;
     3. rebuild the episode's state (tokens, log-probs, mask, versions, routing rows) as
        journaled and hand it to the runner, which submits its next turn with the whole
-       history as the prompt (prefilled, then sampling continues).
+       history as the prompt (prefilled, then sampling continues). An entry written mid-turn
+       (`Snapshot.partial`) ends with that turn's tokens so far: the runner continues the same
+       turn, and the environment, replayed without it, sees it whole once it ends.
 The record is then built as for any episode; its first tokens are the journaled ones.
 """
 from __future__ import annotations
@@ -52,7 +54,8 @@ def rebuild(s: Snapshot, env, task: Task) -> Trajectory:
     for t in s.model_turns:
         env.step(ModelTurn(t.text, tuple(t.token_ids), t.finish_reason))
     ep = Trajectory(s.group_id, s.sample_idx, s.group_size, env=env, task=task, prompt_ids=s.prompt_ids,
-                    routing=s.routing, num_experts=s.num_experts, turns=s.turns, reward=s.reward, info=dict(s.info))
+                    routing=s.routing, num_experts=s.num_experts, turns=s.turns, reward=s.reward, info=dict(s.info),
+                    partial_turn=s.partial)
     cuts = np.flatnonzero(np.diff(s.mask.astype(np.int8))) + 1  # model turns and observations, as appended
     for ids, logprobs, model in zip(np.split(s.response, cuts), np.split(s.logprobs, cuts), np.split(s.mask, cuts)):
         if ids.size:

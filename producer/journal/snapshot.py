@@ -1,4 +1,5 @@
-"""One journal entry: an unfinished episode's state after its last completed turn, as bytes.
+"""One journal entry: an unfinished episode's state after its last completed turn (or, with
+`producer.journal.every_tokens`, in the middle of a long turn: `Snapshot.partial`), as bytes.
 
 Layout (`encode` / `decode`):
 
@@ -65,6 +66,10 @@ class Snapshot:
     num_experts: int
     turns: int
     reward: float
+    partial: int = 0
+    """The last `partial` response tokens are a model turn that was still generating
+    (producer.journal.every_tokens): not in `model_turns`, not counted in `turns`; the
+    resumed episode continues that turn with the rest of its budget."""
     info: dict = field(default_factory=dict)
     model_turns: list[ModelTurnLog] = field(default_factory=list)
     claimed_from: str = ""
@@ -101,7 +106,7 @@ def encode(s: Snapshot) -> bytes:
         offset += a.nbytes
     header = {k: getattr(s, k) for k in ("group_id", "sample_idx", "group_size", "owner", "holder", "incarnation",
                                           "rollout_id", "written_at", "prompt_text", "answer", "own_score",
-                                          "num_experts", "turns", "reward", "claimed_from")}
+                                          "num_experts", "turns", "reward", "claimed_from", "partial")}
     header["rollout_ends"] = {str(p): int(o) for p, o in s.rollout_ends.items()}
     header["info"] = {k: v for k, v in s.info.items() if isinstance(v, (str, int, float, bool))}
     header["model_turns"] = [[t.text, list(t.token_ids), t.finish_reason] for t in s.model_turns]
@@ -144,3 +149,6 @@ def _check(s: Snapshot) -> None:
                            f"versions {s.versions.size} tokens; they must agree")
     if s.mask.dtype != np.bool_ or s.prompt_ids.size == 0:
         raise JournalError(f"entry {s.key}: mask must be bool and the prompt non-empty")
+    if not (isinstance(s.partial, int) and 0 <= s.partial <= n and s.mask[n - s.partial:].all()):
+        raise JournalError(f"entry {s.key}: a partial turn of {s.partial!r} tokens must be the model's "
+                           f"last tokens of the {n} in the response")

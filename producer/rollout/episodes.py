@@ -123,6 +123,7 @@ class EpisodeRunner:
         self._pending: dict[cf.Future, tuple[Trajectory, float, str]] = {}  # env call -> (episode, deadline, kind)
         self._ended: list[Trajectory] = []
         self._unrecorded: list[str] = []
+        self._journaled: dict[str, int] = {}  # request tag -> its tokens at its last mid-turn journal write
         self.journal = None
         """producer/journal/ EpisodeJournal (build_driver sets it): every turn made durable."""
         self.active = 0
@@ -150,12 +151,15 @@ class EpisodeRunner:
         the episodes that ended (each with its `end`)."""
         for s in finished:
             ep = self._turns.pop(s.tag)
-            ep.add_model_turn(s)
-            turn = ModelTurn(self.engine.decode(s.response_ids), tuple(s.response_ids.tolist()),
-                             str(s.finish_reason))
+            self._journaled.pop(s.tag, None)
+            ids = np.concatenate([ep.response_ids[ep.num_tokens - ep.partial_turn:], s.response_ids])
+            ep.add_model_turn(s)  # a resumed partial turn's first tokens are in the trajectory already:
+            ep.partial_turn = 0   # the environment sees the whole turn, once
+            turn = ModelTurn(self.engine.decode(ids), tuple(ids.tolist()), str(s.finish_reason))
             if self.journal is not None:
                 self.journal.on_model_turn(ep, turn)
             self._call(ep, "step", ep.env.step, turn)
+        self._journal_long_turns()
         if wait_s and self._pending:
             cf.wait(list(self._pending), timeout=wait_s, return_when=cf.FIRST_COMPLETED)
         self._collect()
@@ -206,6 +210,7 @@ class EpisodeRunner:
             fut.cancel()
         self._pending.clear()
         self._turns.clear()
+        self._journaled.clear()
         self.active = 0
         return n
 
@@ -284,8 +289,22 @@ class EpisodeRunner:
         return min(self.settings.max_episode_tokens,
                    self.engine.settings.max_model_len - len(ep.prompt_ids))
 
+    def _journal_long_turns(self) -> None:
+        """producer.journal.every_tokens: each turn still generating is journaled (its tokens
+        so far included) each time it has made another N tokens since its last write. Here,
+        on the engine's thread after a step: a write per N tokens per episode, not per step."""
+        every = self.journal.settings.every_tokens if self.journal is not None else None
+        if not every or not self.engine.partial_routing:  # native routing: no rows mid-turn
+            return
+        for tag, ep in self._turns.items():
+            made = self.engine.generated(tag)
+            if made - self._journaled.get(tag, 0) >= every and (so_far := self.engine.partial(tag)) is not None:
+                self._journaled[tag] = made
+                self.journal.on_turn(ep.with_partial_turn(so_far))
+
     def _submit(self, ep: Trajectory) -> None:
-        budget = min(self.settings.max_turn_tokens, self._room(ep) - ep.num_tokens)
+        # a resumed partial turn continues with what is left of its budget
+        budget = min(self.settings.max_turn_tokens - ep.partial_turn, self._room(ep) - ep.num_tokens)
         if budget < 1:
             self._end(ep, "max_tokens")
             return

@@ -30,7 +30,7 @@ with, also across a weight update between turns.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -68,6 +68,10 @@ class Trajectory:
     first response token (an episode's)."""
     num_tokens: int = 0
     """Response tokens so far (model and environment)."""
+    partial_turn: int = 0
+    """The last `partial_turn` response tokens are a model turn still generating (journaled
+    mid-turn, producer.journal.every_tokens): not counted in `turns`; a resumed episode
+    continues that turn (producer/rollout/episodes.py)."""
     # the response as appended, one array per turn or observation (a single sample: one of
     # each, used as the engine returned it), and run-lengths: no per-token Python objects
     _ids: list[np.ndarray] = field(default_factory=list, repr=False)
@@ -125,6 +129,16 @@ class Trajectory:
             new = s.routed_experts[have:]
             self.routing = new if self.routing is None else np.concatenate([self.routing, new])
             self.num_experts = s.num_experts
+
+    def with_partial_turn(self, s: FinishedSample) -> Trajectory:
+        """A copy with `s`, a model turn so far (RolloutEngine.partial), appended as a partial
+        turn: what the journal writes mid-turn. This trajectory is left as it was."""
+        t = replace(self, info=dict(self.info), _ids=list(self._ids), _logprobs=list(self._logprobs),
+                    _versions=[list(r) for r in self._versions], _mask=[list(r) for r in self._mask])
+        t.add_model_turn(s)
+        t.turns, t.finish_reason = self.turns, self.finish_reason  # the turn is not over
+        t.partial_turn = self.partial_turn + int(s.response_ids.size)
+        return t
 
     def add_observation(self, ids: list[int], version: int) -> None:
         self._append(np.asarray(ids, dtype=np.int32), np.zeros(len(ids), np.float32), False)
