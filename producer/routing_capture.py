@@ -76,7 +76,8 @@ class RoutingCapture:
 
     `RoutingCapture(runner, num_experts).install()` hooks every router;
     `take(internal_request_id, num_rows)` returns the request's routing
-    [num_rows, L, K] and forgets it; `discard(id)` forgets an aborted request.
+    [num_rows, L, K] and forgets it; `rows_so_far` returns a running request's rows and keeps
+    them (a turn journaled while it generates); `discard(id)` forgets an aborted request.
     All calls happen on the engine's thread.
     """
 
@@ -173,9 +174,10 @@ class RoutingCapture:
     # -- results -----------------------------------------------------------
     def take(self, request_id: str, num_rows: int) -> np.ndarray:
         """Routing [num_rows, L, K] of a finished request (positions 0..num_rows-1)."""
-        rows = self.rows_so_far(request_id, num_rows)
-        del self._requests[request_id]
-        return rows
+        try:
+            return self.rows_so_far(request_id, num_rows)
+        finally:
+            self._requests.pop(request_id, None)  # forgotten, also when refused
 
     def rows_so_far(self, request_id: str, num_rows: int) -> np.ndarray:
         """Routing [num_rows, L, K] of a request, finished or still running (kept)."""
