@@ -125,7 +125,8 @@ class EpisodeRunner:
         self._unrecorded: list[str] = []
         self._journaled: dict[str, int] = {}  # request tag -> its tokens at its last mid-turn journal write
         self.journal = None
-        """producer/journal/ EpisodeJournal (build_driver sets it): every turn made durable."""
+        """producer/journal/ EpisodeJournal (build_driver sets it): every turn made durable (and,
+        with its every_tokens, a turn still generating every N tokens: `_journal_long_turns`)."""
         self.active = 0
         """Episodes started and not ended."""
 
