@@ -29,7 +29,7 @@ class Streaming:
 
     partial_routing = True
 
-    def __init__(self, script: dict[int, list[int]]):
+    def __init__(self, script: dict[int, list]):  # sample idx -> a turn's ids, or a list of them per turn
         self.script, self.version, self.requests = script, 0, {}
         self.settings = type("S", (), {"max_model_len": 256, "parse_special_tokens": False})()
 
@@ -58,17 +58,21 @@ class Streaming:
     def step(self):
         out = []
         for tag, r in list(self.requests.items()):
-            ids = self.script[int(tag.split("#")[1])]
+            ids = self._ids(tag)
             r["made"] += 1
             if r["made"] >= min(len(ids), r["max"]):
                 out.append(self._sample(tag, "stop" if r["made"] == len(ids) else "length"))
                 del self.requests[tag]
         return out
 
+    def _ids(self, tag):
+        ids = self.script[int(tag.split("#")[1])]
+        return ids[int(tag.split("#t")[1])] if isinstance(ids[0], list) else ids
+
     def _sample(self, tag, finish):
         r = self.requests[tag]
         made, prompt = r["made"], r["prompt"]
-        resp = np.asarray(self.script[int(tag.split("#")[1])][:made], np.int32)
+        resp = np.asarray(self._ids(tag)[:made], np.int32)
         rows = np.arange(prompt.size + made - 1) % E
         return FinishedSample(
             tag=tag, sample_idx=0, group_size=1, request_id=f"{tag}/0", prompt_ids=prompt, response_ids=resp,
@@ -76,6 +80,14 @@ class Streaming:
             dispatch_version=0, token_versions=[(self.version, made)],
             routed_experts=np.repeat(rows[:, None, None], L, 1).repeat(K, 2).astype(np.uint8), num_experts=E,
             logprobs_mode="processed_logprobs", submitted_at=0.0, finished_at=0.0)
+
+
+class Topic(MemoryTopic):
+    """`writes` as they were when written (decoded from their bytes), as a reader sees them."""
+
+    def put(self, s):
+        super().put(s)
+        self.writes[-1] = decode(encode(s))
 
 
 class Seen:
@@ -93,10 +105,18 @@ class Seen:
         return StepResult(None, 1.0, True, {"seen_tokens": len(turn.token_ids)})
 
 
-def producer(topic, pid, script, every, clock=lambda: 0.0):
+class TwoTurns(Seen):
+    """An observation after the first turn, done after the second."""
+
+    def step(self, turn):
+        Seen.turns.append(turn.token_ids)
+        return StepResult(None if len(Seen.turns) >= 2 else "=1,", 1.0, len(Seen.turns) >= 2)
+
+
+def producer(topic, pid, script, every, clock=lambda: 0.0, env=Seen):
     eng = Streaming(script)
-    settings = EpisodeSettings(max_turns=1, max_turn_tokens=16, max_episode_tokens=64, step_timeout_s=2.0)
-    runner = EpisodeRunner(eng, settings, SamplingConfig(max_tokens=16), Seen)
+    settings = EpisodeSettings(max_turns=2, max_turn_tokens=16, max_episode_tokens=64, step_timeout_s=2.0)
+    runner = EpisodeRunner(eng, settings, SamplingConfig(max_tokens=16), env)
     runner.journal = EpisodeJournal(topic, pid, JournalSettings(lease_s=10, every_tokens=every), clock=clock)
     return eng, runner
 
@@ -137,7 +157,7 @@ def test_rebuild_keeps_the_partial_turn_out_of_the_turns_and_the_replay():
 # ------------------------------------------------------------ the runner
 
 def test_a_long_turn_is_journaled_every_n_tokens_with_its_tokens_so_far():
-    topic, turn = MemoryTopic(), list(range(40, 50))
+    topic, turn = Topic(), list(range(40, 50))
     eng, runner = producer(topic, "a", {0: turn}, every=4)
     Seen.turns = []
     runner.start("g", 0, 1, task())
@@ -154,7 +174,7 @@ def test_a_long_turn_is_journaled_every_n_tokens_with_its_tokens_so_far():
 
 
 def test_without_every_tokens_a_turn_is_journaled_only_before_it_starts():
-    topic = MemoryTopic()
+    topic = Topic()
     eng, runner = producer(topic, "a", {0: list(range(40, 50))}, every=None)
     runner.start("g", 0, 1, task())
     step_until(eng, runner, lambda: not runner.has_work())
@@ -162,7 +182,7 @@ def test_without_every_tokens_a_turn_is_journaled_only_before_it_starts():
 
 
 def test_a_resumed_partial_turn_continues_as_the_same_turn():
-    topic, now = MemoryTopic(), [0.0]
+    topic, now = Topic(), [0.0]
     eng_a, runner_a = producer(topic, "a", {0: list(range(40, 52))}, every=5, clock=lambda: now[0])
     lease(topic, "a", runner_a.journal.incarnation, 0.0)
     Seen.turns = []
@@ -187,3 +207,18 @@ def test_a_resumed_partial_turn_continues_as_the_same_turn():
     assert Seen.turns == [tuple(whole)]  # the environment saw the turn once, whole
     assert ep.routing.shape == (last.prompt_ids.size + len(whole) - 1, L, K)
     assert ep.to_rollout("b", runner_b.sampling).reward_info["turns"] == 1
+
+
+def test_a_later_turn_journaled_mid_way_keeps_only_the_finished_turns_in_the_replay_log():
+    topic, first, second = Topic(), [40, 41, 42, 43], list(range(50, 62))
+    eng, runner = producer(topic, "a", {0: [first, second]}, every=5, env=TwoTurns)
+    Seen.turns = []
+    runner.start("g", 0, 1, task())
+    ended = step_until(eng, runner, lambda: not runner.has_work())
+    assert [e.turns for e in ended] == [2] and Seen.turns == [tuple(first), tuple(second)]
+    mid = [w for w in topic.writes if w.partial]
+    assert [w.partial for w in mid] == [5, 10]  # the 4-token first turn: none
+    for w in mid:
+        assert w.turns == 1 and [t.token_ids for t in w.model_turns] == [first]  # the replay: turn 1 only
+        assert w.response[:4].tolist() == first and w.response[-w.partial:].tolist() == second[:w.partial]
+        assert not w.mask[4:-w.partial].any() and w.mask[-w.partial:].all()  # the observation, then turn 2
