@@ -92,9 +92,11 @@ def test_a_long_turn_cut_by_a_crash_resumes_from_its_last_n_tokens(broker, rollo
     b = ProducerService(config(kafka, tiny_model_dir, data, "b"), broker.bootstrap)
     b.start(engine=engine)
     try:
-        resumed0 = metrics.value("rlstream_producer_resumed_episodes_total", outcome="resumed") or 0
-        done = lambda: (metrics.value("rlstream_producer_resumed_episodes_total", outcome="resumed") or 0) \
-            - resumed0 >= len(durable) and not any(g.startswith("a-") for g in b.groups._groups)  # noqa: E731
+        taken = lambda: sum(metrics.value("rlstream_producer_resumed_episodes_total", outcome=o) or 0  # noqa: E731
+                            for o in ("resumed", "published"))  # published: found in the rollouts topic
+        taken0 = taken()
+        done = lambda: taken() - taken0 >= len(durable) and not any(  # noqa: E731
+            g.startswith("a-") for g in b.groups._groups)
         run_until(b, done, 60, "a's episodes resumed")
         b.outbox.drain(timeout_s=30)
     finally:
@@ -115,3 +117,4 @@ def test_a_long_turn_cut_by_a_crash_resumes_from_its_last_n_tokens(broker, rollo
         # one model turn, given to the environment once and whole (journaled part and the rest)
         assert r.reward_info["turns"] == 1 and r.reward_info["seen_tokens"] == r.num_tokens > n
         assert r.num_tokens <= TURN_TOKENS
+
