@@ -192,6 +192,7 @@ class EpisodeRunner:
         for ep in [ep for ep in self._running() if ep.group_id == group_id]:
             if self._turns.pop(ep.tag, None) is not None:
                 self.engine.abort_tag(ep.tag)
+                self._journaled.pop(ep.tag, None)
             for fut in [f for f, (e, _, _) in self._pending.items() if e is ep]:
                 fut.cancel()
                 del self._pending[fut]
