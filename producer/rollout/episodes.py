@@ -124,6 +124,7 @@ class EpisodeRunner:
         self._ended: list[Trajectory] = []
         self._unrecorded: list[str] = []
         self._journaled: dict[str, int] = {}  # request tag -> its tokens at its last mid-turn journal write
+        self._said_no_partial = False
         self.journal = None
         """producer/journal/ EpisodeJournal (build_driver sets it): every turn made durable (and,
         with its every_tokens, a turn still generating every N tokens: `_journal_long_turns`)."""
@@ -296,7 +297,13 @@ class EpisodeRunner:
         so far included) each time it has made another N tokens since its last write. Here,
         on the engine's thread after a step: a write per N tokens per episode, not per step."""
         every = self.journal.settings.every_tokens if self.journal is not None else None
-        if not every or not self.engine.partial_routing:  # native routing: no rows mid-turn
+        if not every:
+            return
+        if not self.engine.partial_routing:  # native routing: no rows until the turn ends
+            if not self._said_no_partial:
+                self._said_no_partial = True
+                log.warning("producer.journal.every_tokens is off with routing native (vLLM returns a "
+                            "request's routing rows only when it ends): turns are journaled between turns")
             return
         for tag, ep in self._turns.items():
             made = self.engine.generated(tag)

@@ -222,3 +222,12 @@ def test_a_later_turn_journaled_mid_way_keeps_only_the_finished_turns_in_the_rep
         assert w.turns == 1 and [t.token_ids for t in w.model_turns] == [first]  # the replay: turn 1 only
         assert w.response[:4].tolist() == first and w.response[-w.partial:].tolist() == second[:w.partial]
         assert not w.mask[4:-w.partial].any() and w.mask[-w.partial:].all()  # the observation, then turn 2
+
+
+def test_with_native_routing_a_turn_is_journaled_between_turns_only(caplog):
+    topic = Topic()
+    eng, runner = producer(topic, "a", {0: list(range(40, 50))}, every=2)
+    eng.partial_routing = False  # vLLM's native routing: rows only when the request ends
+    runner.start("g", 0, 1, task())
+    step_until(eng, runner, lambda: not runner.has_work())
+    assert [w.partial for w in topic.writes] == [0] and "off with routing native" in caplog.text
