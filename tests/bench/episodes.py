@@ -255,8 +255,11 @@ def report(args, crashes: list[dict], records) -> dict:
             for rid, _, _, tokens in c["episodes"].values():  # what the killed process made, as journaled
                 r = by_id.get(rid)
                 mismatches += r is not None and r.response_ids[:len(tokens)].tolist() != tokens
+        eps = c["episodes"].values()  # how old the episodes and their durable turns were at the kill
         rows.append({"arm": c["arm"], "in_flight": len(c["episodes"]), "lost_s": round(lost, 2),
-                     "resumed_published": saved})
+                     "resumed_published": saved,
+                     "mean_episode_age_s": round(sum(c["t"] - e[1] for e in eps) / max(1, len(eps)), 2),
+                     "mean_since_last_write_s": round(sum(c["t"] - e[2] for e in eps) / max(1, len(eps)), 2)})
     mean = {arm: (sum(v) / len(v) if v else None) for arm, v in per_arm.items()}
     ids: dict[tuple, set] = {}
     for r in records:
