@@ -26,9 +26,12 @@ newer), so the loop does not walk the in-flight requests on every step.
 """
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+import logging
+from collections.abc import Callable, Hashable, Mapping
 
 from common.staleness import is_stale, staleness_of
+
+log = logging.getLogger("rlstream.producer")
 
 
 def stale_groups(oldest_versions: Mapping[Hashable, int], trainer_version: int, max_staleness: int) -> list:
@@ -46,3 +49,19 @@ class StaleEviction:
         """True when the bound moved towards eviction since the last check (the first call: True)."""
         last, self._last = self._last, (trainer_version, max_staleness)
         return last is None or trainer_version > last[0] or max_staleness < last[1]
+
+    def run(self, trainer_version: int, max_staleness: int, oldest_versions: Callable[[], Mapping[str, int]],
+            abort: Callable[[str], int], groups) -> None:
+        """When `due`: every group the gate will drop is aborted (`abort(group_id)` ends its
+        running samples and says how many), its slot freed in `groups` (InFlightGroups), counted."""
+        from producer import telemetry
+
+        if not self.due(trainer_version, max_staleness):
+            return
+        for gid in stale_groups(oldest_versions(), trainer_version, max_staleness):
+            n = abort(gid)
+            groups.drop(gid)
+            telemetry.EVICTED_GROUPS.inc()
+            telemetry.EVICTED_SAMPLES.inc(n)
+            log.info("evicted stale group %s (%d samples running): trainer %d, max_staleness %d",
+                     gid, n, trainer_version, max_staleness)

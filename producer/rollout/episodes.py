@@ -51,7 +51,7 @@ from common.config import EpisodeSettings
 from common.errors import ConfigError
 from common.record import DEFAULT_LIMITS, Rollout
 from producer import telemetry
-from producer.eviction import StaleEviction, stale_groups
+from producer.eviction import StaleEviction
 from producer.groups import InFlightGroups
 from producer.rollout.driver import RolloutDriver
 from producer.rollout.environment import Environment, ModelTurn, StepResult
@@ -391,15 +391,7 @@ class Episodes(RolloutDriver):
         beyond the bound: producer/eviction.py) ends here, unpublished, its slot free. The
         bound also decides which orphans are too stale to resume (producer/journal/resume.py)."""
         self._staleness = (trainer_version, max_staleness)
-        if not self.eviction.due(trainer_version, max_staleness):
-            return
-        for gid in stale_groups(self.runner.oldest_versions(), trainer_version, max_staleness):
-            n = self.runner.evict(gid)
-            self.groups.drop(gid)
-            telemetry.EVICTED_GROUPS.inc()
-            telemetry.EVICTED_SAMPLES.inc(n)
-            log.info("evicted stale group %s (%d episodes running): trainer %d, max_staleness %d",
-                     gid, n, trainer_version, max_staleness)
+        self.eviction.run(trainer_version, max_staleness, self.runner.oldest_versions, self.runner.evict, self.groups)
 
     def on_delivered(self, fut) -> None:
         if self.runner.journal is not None:  # acknowledged: the episode's journal entry goes

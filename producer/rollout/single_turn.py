@@ -10,18 +10,13 @@ within max_staleness are aborted in the engine and their slots freed.
 """
 from __future__ import annotations
 
-import logging
-
 from common.record import Rollout
-from producer import telemetry
-from producer.eviction import StaleEviction, stale_groups
+from producer.eviction import StaleEviction
 from producer.groups import InFlightGroups
 from producer.rollout.driver import RolloutDriver
 from producer.rollout.task import Task
 from producer.rollout.trajectory import Trajectory
 from producer.sample import FinishedSample, SamplingConfig
-
-log = logging.getLogger("rlstream.producer")
 
 
 class SingleTurn(RolloutDriver):
@@ -47,12 +42,5 @@ class SingleTurn(RolloutDriver):
         return False  # every rollout in flight is an engine request
 
     def evict_stale(self, trainer_version: int, max_staleness: int) -> None:
-        if not self.eviction.due(trainer_version, max_staleness):
-            return
-        for gid in stale_groups(self.engine.oldest_versions(), trainer_version, max_staleness):
-            aborted = self.engine.abort_tag(gid)
-            self.groups.drop(gid)
-            telemetry.EVICTED_GROUPS.inc()
-            telemetry.EVICTED_SAMPLES.inc(aborted)
-            log.info("evicted stale group %s (%d samples in flight): trainer %d, max_staleness %d",
-                     gid, aborted, trainer_version, max_staleness)
+        self.eviction.run(trainer_version, max_staleness, self.engine.oldest_versions, self.engine.abort_tag,
+                          self.groups)

@@ -1,6 +1,6 @@
 """Durable episodes under crashes (issue 25, item 2): what a SIGKILL costs with and without the journal.
 
-    .venv/bin/python tests/bench/episodes.py                 # 6 crashes, one every 30 s (~8 min)
+    .venv/bin/python tests/bench/episodes.py                 # 10 crashes, one every 30 s (~14 min)
     .venv/bin/python tests/bench/episodes.py --smoke         # 2 crashes, 10 s apart (3 engine starts: ~4 min)
 
 Two producer processes (real vLLM CPU engines on the tiny model, the bundled
@@ -30,6 +30,9 @@ starts with exactly the tokens the killed process had journaled.
 Prints ONE JSON object:
     lost_generation_seconds_per_crash   {"on": s, "off": s}: mean over that arm's crashes
     lost_ratio_on_over_off              goal <= 0.2
+    lost_ratio_paired                   over every crash's episodes (both arms journal): time since the last
+                                        durable write / time since the start; what the journal saves for the
+                                        same episodes, free of the arms' different crashes
     episodes_published_twice            (group_id, sample_idx) more than once in the rollouts topic; goal 0
     crashes                             per crash: arm, episodes in flight, lost seconds, resumed+published
     published_twice_under_two_rollout_ids   of those, copies the consumer's rollout-id check cannot skip
@@ -264,11 +267,14 @@ def report(args, crashes: list[dict], records) -> dict:
     ids: dict[tuple, set] = {}
     for r in records:
         ids.setdefault((r.group_id, r.sample_idx), set()).add(r.rollout_id)
+    since_start = sum(c["t"] - e[1] for c in crashes for e in c["episodes"].values())
+    since_write = sum(c["t"] - e[2] for c in crashes for e in c["episodes"].values())
     twice = sum(1 for n in Counter((r.group_id, r.sample_idx) for r in records).values() if n > 1)
     other_ids = sum(1 for v in ids.values() if len(v) > 1)  # a copy the consumer could not dedup
     return {"lost_generation_seconds_per_crash": {a: round(v, 2) if v is not None else None for a, v in mean.items()},
             "lost_ratio_on_over_off": round(mean["on"] / mean["off"], 3) if mean["on"] is not None and mean["off"]
             else None,
+            "lost_ratio_paired": round(since_write / since_start, 3) if since_start else None,
             "episodes_published_twice": twice, "published_twice_under_two_rollout_ids": other_ids, "crashes": rows, "records": len(records),
             "resumed_unpublished": unpublished, "resumed_prefix_mismatches": mismatches,
             "interval_s": args.interval_s, "lease_s": args.lease_s,
@@ -277,7 +283,7 @@ def report(args, crashes: list[dict], records) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--crashes", type=int, default=6, help="SIGKILLs of p2, arms on/off in turn (on first)")
+    ap.add_argument("--crashes", type=int, default=10, help="SIGKILLs of p2, arms on/off in turn (on first)")
     ap.add_argument("--interval-s", type=float, default=30.0, help="seconds p2 runs before each SIGKILL")
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--groups-in-flight", type=int, default=4)

@@ -23,12 +23,13 @@ from producer.rollout.agents import AgentEpisodes, AgentTag, new_messages, parse
 from producer.rollout.task import Task
 from producer.groups import InFlightGroups
 from producer.sample import FinishedSample, SamplingConfig
+from tests.unit.producer.test_episodes import TextCodec
 
 TOK = build_tokenizer()
 L, E = 2, 8
 
 
-class ScriptedEngine:
+class ScriptedEngine(TextCodec):
     """Stand-in RolloutEngine: each submitted turn finishes at the next step() with the
     next scripted text; routing row i = (turn, position i)."""
 
@@ -36,15 +37,6 @@ class ScriptedEngine:
         self.replies, self.version, self.requests = list(replies), 0, {}
         self.settings = type("S", (), {"max_model_len": max_model_len, "parse_special_tokens": False})()
         self.model_dir = type("P", (), {"name": "tiny"})()
-
-    def encode(self, text):
-        return np.asarray(TOK.encode(text, add_special_tokens=False), dtype=np.int32)
-
-    def decode(self, ids):
-        return TOK.decode([int(i) for i in ids], skip_special_tokens=True)
-
-    def tokenizer(self):
-        return TOK
 
     def submit_group(self, ids, n, sampling, tag):
         assert n == 1 and isinstance(tag, AgentTag) and ids.size + sampling.max_tokens <= self.settings.max_model_len

@@ -23,14 +23,8 @@ TOK = build_tokenizer()
 L, K, E = 2, 2, 8
 
 
-class ScriptedEngine:
-    """Pure-logic stand-in for RolloutEngine: each submitted turn finishes at the next
-    step() with the scripted text of its episode's turn; routing row i = position i."""
-
-    def __init__(self, script: dict[int, list[str]], max_model_len: int = 256):
-        self.script, self.version, self.requests = script, 0, {}
-        self.settings = type("S", (), {"max_model_len": max_model_len, "parse_special_tokens": False})()
-        self.prompts: list[np.ndarray] = []
+class TextCodec:
+    """A stand-in engine's text side: the tiny model's tokenizer (tests/unit/producer/)."""
 
     def encode(self, text):
         return np.asarray(TOK.encode(text, add_special_tokens=False), dtype=np.int32)
@@ -40,6 +34,16 @@ class ScriptedEngine:
 
     def tokenizer(self):
         return TOK
+
+
+class ScriptedEngine(TextCodec):
+    """Pure-logic stand-in for RolloutEngine: each submitted turn finishes at the next
+    step() with the scripted text of its episode's turn; routing row i = position i."""
+
+    def __init__(self, script: dict[int, list[str]], max_model_len: int = 256):
+        self.script, self.version, self.requests = script, 0, {}
+        self.settings = type("S", (), {"max_model_len": max_model_len, "parse_special_tokens": False})()
+        self.prompts: list[np.ndarray] = []
 
     def submit_group(self, ids, n, sampling, tag):
         assert n == 1 and sampling.max_tokens >= 1

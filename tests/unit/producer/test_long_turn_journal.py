@@ -16,13 +16,13 @@ from producer.journal.snapshot import JournalError, decode, encode
 from producer.rollout.environment import StepResult
 from producer.rollout.episodes import EpisodeRunner
 from producer.sample import FinishedSample, SamplingConfig
-from tests.unit.producer.test_episodes import TOK, task
+from tests.unit.producer.test_episodes import TOK, TextCodec, task
 from tests.unit.producer.test_journal import MemoryTopic, lease, snapshot
 
 L, K, E = 2, 2, 8
 
 
-class Streaming:
+class Streaming(TextCodec):
     """Each step makes one more token of every running turn (the episode's scripted ids, then
     `stop`, or `length` at max_tokens), with RolloutEngine's mid-turn view (`generated`,
     `partial`). Log-prob of token i: -(i + 1) / 100; routing row at position p: p % E."""
@@ -32,15 +32,6 @@ class Streaming:
     def __init__(self, script: dict[int, list]):  # sample idx -> a turn's ids, or a list of them per turn
         self.script, self.version, self.requests = script, 0, {}
         self.settings = type("S", (), {"max_model_len": 256, "parse_special_tokens": False})()
-
-    def encode(self, text):
-        return np.asarray(TOK.encode(text, add_special_tokens=False), dtype=np.int32)
-
-    def decode(self, ids):
-        return TOK.decode([int(i) for i in ids], skip_special_tokens=True)
-
-    def tokenizer(self):
-        return TOK
 
     def submit_group(self, ids, n, sampling, tag):
         assert n == 1 and sampling.max_tokens >= 1
