@@ -46,17 +46,24 @@ def read_topic(kafka: KafkaSettings, topic: str, quiet_s: float = 1.5, timeout_s
                to_end: bool = False) -> list:
     """Every raw message of `topic` (all partitions), until `quiet_s` without new ones.
 
-    `to_end`: until the end offsets of the moment it starts instead, for a topic that running
-    services keep writing: it is never quiet then, and the read took its whole `timeout_s`.
+    `to_end`: until the end offsets of the moment it starts instead (every record acknowledged
+    before the call), for a topic that running services keep writing: it is never quiet then,
+    and the read took its whole `timeout_s`. The end of a partition is its high watermark in
+    the first fetch that answers for it: tansu's ListOffsets is only a lower bound
+    (common/kafka/client.py end_offsets).
     """
     c, tps = _open(kafka, topic)
     try:
-        ends = c.end_offsets(tps) if to_end else None
+        listed = c.end_offsets(tps) if to_end else None  # 0: empty at the call, nothing to wait for
+        ends = None
         out, last, deadline = [], time.monotonic(), time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if ends is not None and all(c.position(tp) >= ends[tp] for tp in tps):
-                break
-            if ends is None and time.monotonic() - last >= quiet_s:
+            if to_end:
+                if ends is None and all(listed[tp] == 0 or c.highwater(tp) is not None for tp in tps):
+                    ends = {tp: max(listed[tp], c.highwater(tp) or 0) for tp in tps}
+                if ends is not None and all(c.position(tp) >= ends[tp] for tp in tps):
+                    break
+            elif time.monotonic() - last >= quiet_s:
                 break
             for msgs in c.poll(timeout_ms=300, max_records=5000).values():
                 out.extend(msgs)
