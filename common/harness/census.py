@@ -1,7 +1,8 @@
 """Reading topics back, independently of every service's counters, and the record accounting.
 
 - `read_topic`: every raw message of a topic (all partitions) until it has
-  been quiet for a moment; `read_dlq` and `read_rollouts` decode the DLQ's
+  been quiet for a moment (or up to its end offsets at the call, `to_end`, for
+  a topic running services keep busy); `read_dlq` and `read_rollouts` decode the DLQ's
   headers and the rollout records (tests and benchmarks).
 - `topic_census`: the rollouts topic read from offset 0 to its end offsets:
   records, distinct rollout ids, end offsets (what the producers published),
@@ -41,12 +42,29 @@ def _open(kafka: KafkaSettings, topic: str):
 
 # ---------------------------------------------------------------------------- raw reads
 
-def read_topic(kafka: KafkaSettings, topic: str, quiet_s: float = 1.5, timeout_s: float = 60) -> list:
-    """Every raw message of `topic` (all partitions), until `quiet_s` without new ones."""
-    c, _ = _open(kafka, topic)
+def read_topic(kafka: KafkaSettings, topic: str, quiet_s: float = 1.5, timeout_s: float = 60,
+               to_end: bool = False) -> list:
+    """Every raw message of `topic` (all partitions), until `quiet_s` without new ones.
+
+    `to_end`: until the end offsets of the moment it starts instead (every record acknowledged
+    before the call), for a topic that running services keep writing: it is never quiet then,
+    and the read took its whole `timeout_s`. The end of a partition is its high watermark in
+    the first fetch that answers for it: tansu's ListOffsets is only a lower bound
+    (common/kafka/client.py end_offsets).
+    """
+    c, tps = _open(kafka, topic)
     try:
+        listed = c.end_offsets(tps) if to_end else None  # 0: empty at the call, nothing to wait for
+        ends = None
         out, last, deadline = [], time.monotonic(), time.monotonic() + timeout_s
-        while time.monotonic() - last < quiet_s and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            if to_end:
+                if ends is None and all(listed[tp] == 0 or c.highwater(tp) is not None for tp in tps):
+                    ends = {tp: max(listed[tp], c.highwater(tp) or 0) for tp in tps}
+                if ends is not None and all(c.position(tp) >= ends[tp] for tp in tps):
+                    break
+            elif time.monotonic() - last >= quiet_s:
+                break
             for msgs in c.poll(timeout_ms=300, max_records=5000).values():
                 out.extend(msgs)
                 last = time.monotonic()

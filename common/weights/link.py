@@ -156,6 +156,8 @@ class Channel:
         self.store, self.link = store, link
         self._next_cmd = 0  # trainer side
         self._next_seen = 0  # producer side
+        self._waiting: str | None = None  # trainer side: the ack key `call` waits for
+        self._abandoned: str | None = None  # trainer side: why every wait ends now (`abandon`)
 
     def _key(self, kind: str, k: int) -> str:
         return f"{ROOT}link/{self.link}/{kind}/{k}"
@@ -164,16 +166,34 @@ class Channel:
         """Trainer side: post a command, wait for its ack; raises on an error ack or timeout."""
         k, self._next_cmd = self._next_cmd, self._next_cmd + 1
         self.store.set(self._key("cmd", k), json.dumps({"op": op, **args}))
+        self._waiting = self._key("ack", k)
         try:
-            self.store.wait([self._key("ack", k)], timedelta(seconds=timeout_s))
-            ack = json.loads(self.store.get(self._key("ack", k)))
+            if self._abandoned is None:  # else `abandon` came first and may have missed this key
+                self.store.wait([self._key("ack", k)], timedelta(seconds=timeout_s))
+            ack = ({"error": self._abandoned, "by": "trainer"} if self._abandoned is not None
+                   else json.loads(self.store.get(self._key("ack", k))))
         except (RuntimeError, OSError) as e:  # TCPStore reports timeouts as RuntimeError
             raise NoAnswerError(f"link {self.link}: no ack to {op!r} within {timeout_s:.0f} s ({e})") from None
+        finally:
+            self._waiting = None
         for kind in ("cmd", "ack"):
             self.store.delete_key(self._key(kind, k))
+        if ack.get("by") == "trainer":
+            raise WeightTransferError(f"link {self.link}: the wait for an ack to {op!r} was abandoned: {ack['error']}")
         if ack.get("error"):
             raise WeightTransferError(f"link {self.link}: the producer refused {op!r}: {ack['error']}")
         return ack
+
+    def abandon(self, store, reason: str) -> None:
+        """Trainer side, from another thread: end `call`'s wait now, and every later one, with
+        `reason`. A producer that stopped while a version streamed to it never acks, and a
+        closing trainer used to sit out the whole timeout (consumer.weights.timeout_s, 30 s)
+        before it could exit. `store`: another connection to the endpoint (the waiting one is
+        blocked in its wait)."""
+        self._abandoned = reason
+        key = self._waiting
+        if key is not None:
+            store.set(key, json.dumps({"error": reason, "by": "trainer"}))
 
     def post(self, op: str, **args) -> None:
         """Trainer side: post a command without waiting for its ack (`close`)."""

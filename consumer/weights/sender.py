@@ -82,9 +82,15 @@ class WeightSender:
                                        max(0.0, deadline - time.monotonic()))
 
     def close(self) -> None:
+        """Stop every link and the fan-out group. A transfer in flight is abandoned, not awaited:
+        its producer may be gone already (pipelines stop the producers first), and one that is
+        not takes the durable copy the trainer announces as it stops (announce.py)."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+        for lk in list(self.links.values()):
+            if lk.client is not None:
+                lk.client.channel.abandon(self.store, "the trainer is closing")
         self._acceptor.join(timeout=5)
         for lk in list(self.links.values()):
             if lk.is_alive():

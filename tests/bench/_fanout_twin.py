@@ -66,7 +66,7 @@ def trainer_main(host: str, model_mb: int) -> None:
     from common.config import WeightSyncSettings
     from consumer.weights.engines import Snapshot
     from consumer.weights.sender import WeightSender
-    from tests.support.weights import dict_source
+    from tests.support.weights import corrupting, dict_source
 
     sender, version, snap = None, 0, None
     versions = [_tensors(1, model_mb), _tensors(2, model_mb)]
@@ -76,7 +76,7 @@ def trainer_main(host: str, model_mb: int) -> None:
         version += 1
         t0 = time.perf_counter()
         snap = Snapshot(version, dict_source(versions[version % 2]), reuse=snap)
-        with _corrupting(corrupt):
+        with corrupting(corrupt, thread="rlstream-weights-fanout"):
             sender.publish(snap)
             snap.fill()
             sender.wait_delivered(version, TIMEOUT_S * 3)
@@ -112,38 +112,6 @@ def trainer_main(host: str, model_mb: int) -> None:
             break
     if sender is not None:
         sender.close()
-
-
-class _corrupting:
-    """Flip one byte of the second group buffer on the wire, after its digest was taken."""
-
-    def __init__(self, on: bool):
-        self.on = on
-
-    def __enter__(self):
-        from common.weights.chain import ChainLink
-        from common.weights.link import GlooPair
-
-        self.saved = [(cls, cls.send) for cls in (ChainLink, GlooPair)]
-        if self.on:
-            seen = {}
-            for cls, orig in self.saved:
-                def send(pair, t, orig=orig):
-                    # a group buffer (headers and digests are smaller), by the group: the copies
-                    # re-sent over the producers' own links afterwards go out intact
-                    me = threading.current_thread().name
-                    if t.numel() > 1024 and me == "rlstream-weights-fanout":
-                        seen[me] = seen.get(me, 0) + 1
-                        if seen[me] == 2:
-                            t = t.clone()
-                            t.view(-1).view(__import__("torch").uint8)[t.numel() // 2] ^= 0xFF
-                    return orig(pair, t)
-                cls.send = send
-        return self
-
-    def __exit__(self, *exc):
-        for cls, orig in self.saved:
-            cls.send = orig
 
 
 # ====================================================================== a producer child

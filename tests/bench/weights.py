@@ -60,7 +60,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -325,12 +324,12 @@ class SizeRun:
     def collective(self, corrupt: bool = False) -> dict:
         from common.control.messages import WeightsReady
         from consumer.weights.engines import Snapshot
-        from tests.support.weights import dict_source
+        from tests.support.weights import corrupting, dict_source
 
         self.version += 1
         t0, self._cpu0 = time.time(), time.process_time()
         snap = Snapshot(self.version, dict_source(self.tensors()), reuse=self.snapshot)
-        with _corrupting(corrupt):
+        with corrupting(corrupt):
             self.sender.publish(snap)
             snap.fill()
             self.snapshot = snap
@@ -379,36 +378,6 @@ class SizeRun:
         # rendezvous for its producer, up to the link timeout, if the producer is gone already
         self.sender.close()
         self.producers.close()
-
-
-class _corrupting:
-    """Flip one byte of the second layer group on the wire (after its digest was taken)."""
-
-    def __init__(self, on: bool):
-        self.on, self.sent = on, {}
-
-    def __enter__(self):
-        from common.weights.chain import ChainLink
-        from common.weights.link import GlooPair
-
-        self.saved = [(cls, cls.send) for cls in (GlooPair, ChainLink)]  # a link's own, the fan-out group's
-        if self.on:
-            sent = self.sent
-            for cls, orig in self.saved:
-                def send(pair, t, orig=orig):
-                    if t.numel() > 1024:  # a group buffer (headers and digests are smaller)
-                        me = threading.current_thread().name  # one thread per link, one for the group
-                        sent[me] = sent.get(me, 0) + 1
-                        if sent[me] == 2:
-                            t = t.clone()
-                            t[t.numel() // 2] ^= 0xFF
-                    return orig(pair, t)
-                cls.send = send
-        return self
-
-    def __exit__(self, *exc):
-        for cls, orig in self.saved:
-            cls.send = orig
 
 
 # ====================================================================== phases

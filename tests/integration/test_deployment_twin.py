@@ -24,33 +24,13 @@ from __future__ import annotations
 import pytest
 
 from common.harness.rehearsal import SWAPS, ComposeOnTwin
-from common.cluster.twin import unavailable_reason
-from common.harness.supervisor import wait_until
+from tests.support.twin import TWIN_MARKS, every_version_crosses_hosts
 
 VERSIONS = 5
-_WHY = unavailable_reason()
-pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.megatron, pytest.mark.broker,
-              pytest.mark.skipif(_WHY is not None, reason=f"no cluster twin here: {_WHY}")]
+pytestmark = TWIN_MARKS
 
 
 @pytest.mark.timeout(900)
 def test_compose_trains_on_a_cluster_twin_over_the_collective_path(tmp_path):
     with ComposeOnTwin(tmp_path, producers=2) as run:
-        wait_until(lambda: run.version() >= 1, 600, "the first version", run.services, interval_s=1)
-        try:  # fail fast with the reason when no version crosses hosts (N3: it took ~10 min to time out)
-            wait_until(lambda: all(run.versions_taken(p, "collective") >= 1 for p in run.producers), 120,
-                       "both producers to take version 1 over the collective path", run.services)
-        except Exception as e:
-            pytest.fail(f"{e}\n--- producer-0:\n{run.producers[0].log_tail(2000)}")
-        wait_until(lambda: run.version() >= VERSIONS, 600, f"{VERSIONS} versions trained", run.services,
-                   interval_s=2)
-        want = run.version()
-        # a producer takes a version within seconds of its announcement
-        wait_until(lambda: all(run.versions_taken(p) >= want for p in run.producers), 120,
-                   f"both producers to take version {want:.0f}", run.services)
-        for p in run.producers:
-            collective, durable = run.versions_taken(p, "collective"), run.versions_taken(p, "file")
-            assert collective >= want and durable == 0, (
-                f"{p.name} took {collective:.0f} versions over the collective path and {durable:.0f} from the "
-                f"durable copy, of {want:.0f}; swaps: {SWAPS}\n--- {p.name}:\n{p.log_tail(3000)}"
-                f"\n--- consumer:\n{run.consumer.log_tail(3000)}")
+        every_version_crosses_hosts(run, VERSIONS, swaps=str(SWAPS))

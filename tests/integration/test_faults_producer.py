@@ -67,8 +67,11 @@ class Stack:
         self.version_before_restart = 0
         self.first_records: list = []  # the restarted producer's first group, generated while no one announced
 
-    def records(self, kafka=None):
-        return read_rollouts(kafka or self.kafka, quiet_s=1.0)
+    def records(self, kafka=None, settle: bool = False):
+        """Every record published so far, read to the topic's end (a running producer keeps it
+        busy: a read until quiet took its whole 60 s timeout). `settle`: until quiet for 1 s
+        instead, for what a just-resumed broker may still append."""
+        return read_rollouts(kafka or self.kafka, **({"quiet_s": 1.0} if settle else {"to_end": True}))
 
     def announce(self, version: int, manifest: dict, offsets: dict) -> None:
         from common.control.messages import TrainerProgress, WeightsReady
@@ -233,7 +236,7 @@ def test_producer_sigkill_mid_group_partial_groups_time_out_and_restart_rejoins(
             assert p.kill() == -9
         finally:
             stack.broker.resume()
-        groups = _groups(stack.records())
+        groups = _groups(stack.records(settle=True))  # the broker was just resumed
         partial = {g: rs for g, rs in groups.items() if len(rs) < G}
         stack.old_groups = set(groups)
         if partial:

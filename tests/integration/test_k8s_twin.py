@@ -24,35 +24,16 @@ from __future__ import annotations
 
 import pytest
 
-from common.cluster.twin import unavailable_reason
 from common.harness.rehearsal import K8S_CONFIG_SWAPS, K8S_SWAPS, K8sOnTwin
-from common.harness.supervisor import wait_until
+from tests.support.twin import TWIN_MARKS, every_version_crosses_hosts
 
 VERSIONS = 5
-_WHY = unavailable_reason()
-pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.megatron, pytest.mark.broker,
-              pytest.mark.skipif(_WHY is not None, reason=f"no cluster twin here: {_WHY}")]
+pytestmark = TWIN_MARKS
 
 
 @pytest.mark.timeout(900)
 def test_k8s_manifests_train_across_hosts_over_the_collective_path(tmp_path, tiny_model_dir):
     with K8sOnTwin(tmp_path, producers=1, model_from=tiny_model_dir) as run:
         assert len(run.ranks) == 2, "the JobSet runs the trainer on two nodes"
-        wait_until(lambda: run.version() >= 1, 600, "the first version", run.services, interval_s=1)
-        try:  # fail fast with the reason when no version crosses hosts (N3: it took ~10 min to time out)
-            wait_until(lambda: all(run.versions_taken(p, "collective") >= 1 for p in run.producers), 120,
-                       "every producer to take version 1 over the collective path", run.services)
-        except Exception as e:
-            pytest.fail(f"{e}\n--- {run.producers[0].name}:\n{run.producers[0].log_tail(2000)}")
-        wait_until(lambda: run.version() >= VERSIONS, 600, f"{VERSIONS} versions trained", run.services,
-                   interval_s=1)
-        want = run.version()
-        wait_until(lambda: all(run.versions_taken(p) >= want for p in run.producers), 120,
-                   f"every producer to take version {want:.0f}", run.services)
-        for p in run.producers:
-            collective, durable = run.versions_taken(p, "collective"), run.versions_taken(p, "file")
-            assert collective >= want and durable == 0, (
-                f"{p.name} took {collective:.0f} versions over the collective path and {durable:.0f} from the "
-                f"durable copy, of {want:.0f}; swaps: {K8S_CONFIG_SWAPS} {K8S_SWAPS}\n--- {p.name}:\n"
-                f"{p.log_tail(3000)}\n--- rank 0:\n{run.consumer.log_tail(3000)}")
+        every_version_crosses_hosts(run, VERSIONS, swaps=f"{K8S_CONFIG_SWAPS} {K8S_SWAPS}")
         assert run.ranks[1].alive, f"rank 1 exited:\n{run.ranks[1].log_tail(2000)}"

@@ -454,3 +454,42 @@ def test_run_broker_forever_stops_cleanly_on_sigterm(tmp_path):
     finally:
         if p.poll() is None:
             p.kill()
+
+
+@pytest.mark.broker
+@pytest.mark.timeout(120)
+def test_a_topic_kept_busy_is_read_back_to_its_end_in_bounded_time(kafka_settings):
+    """common/harness/census.py read_rollouts(to_end=True): a topic a running service keeps
+    writing is never quiet, and the read until quiet took its whole timeout (60 s, twice per
+    check in test_faults_producer and test_weight_elastic). Every record acknowledged before
+    the read is in it (here one multi-record batch, of which tansu's ListOffsets counts one)."""
+    import threading
+
+    from common.harness.census import read_rollouts
+
+    def small(seed: int, **kw):
+        return realistic_rollout(response_tokens=16, prompt_tokens=8, layers=2, seed=seed, **kw)
+
+    with RolloutPublisher(kafka_settings, linger_ms=300) as pub:
+        first = [small(i, group_id="one-batch", sample_idx=i, group_size=13) for i in range(13)]
+        for f in [pub.publish(r) for r in first]:
+            f.result(30)
+        busy = threading.Event()
+
+        def keep_writing():  # the running producer: a record every 0.2 s
+            i = 100
+            while not busy.wait(0.2):
+                pub.publish(small(i))
+                pub.flush()
+                i += 1
+        writer = threading.Thread(target=keep_writing, daemon=True)
+        writer.start()
+        try:
+            t0 = time.monotonic()
+            got = read_rollouts(kafka_settings, quiet_s=1.0, timeout_s=30, to_end=True)
+            seconds = time.monotonic() - t0
+        finally:
+            busy.set()
+            writer.join(5)
+    assert {r.rollout_id for r in first} <= set(got), "a record acknowledged before the read is missing"
+    assert seconds < 10, f"read {len(got)} records in {seconds:.1f} s: the read waited for quiet"

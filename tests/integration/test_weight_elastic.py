@@ -94,7 +94,7 @@ def taken(p: Service, transport: str) -> float:
 def wait_first_records(kafka, p: Service, services: list[Service]) -> set[int]:
     """The versions of p's first G records, once it has made them. Reading the topic back
     grows with it (both producers keep generating), so wait on the producer's own counter
-    first and read the topic only then."""
+    first and read the topic only then, up to its end (it is never quiet)."""
     wait_until(lambda: p.try_metric("rlstream_producer_samples_total", 0) >= G, 400,
                f"{p.name}'s first {G} samples", services, interval_s=0.5)
     return wait_until(lambda: first_versions(kafka, p.name), 60, f"{p.name}'s first records on the topic",
@@ -102,7 +102,7 @@ def wait_first_records(kafka, p: Service, services: list[Service]) -> set[int]:
 
 
 def first_versions(kafka, producer_id: str, n: int = G) -> set[int]:
-    recs = sorted((r for r in read_rollouts(kafka, quiet_s=1.0).values() if r.producer_id == producer_id),
+    recs = sorted((r for r in read_rollouts(kafka, to_end=True).values() if r.producer_id == producer_id),
                   key=lambda r: r.created_at)
     return {r.policy_version for r in recs[:n]} if len(recs) >= n else set()
 

@@ -4,10 +4,12 @@
     w1 = perturbed(base, seed=1)                     # another version of the same model
     source = DictSource(w1)                          # what a trainer would stream
     d = write_version(tmp / "w1", w1, model_dir)     # the same version as an HF directory (file path)
+    with corrupting(on=True): sender.publish(snap)   # the benches' tamper round: one byte flipped on the wire
 """
 from __future__ import annotations
 
 import shutil
+import threading
 from pathlib import Path
 
 import torch
@@ -48,6 +50,41 @@ def dict_source(tensors: dict[str, torch.Tensor]):
             yield from tensors.items()
 
     return DictSource()
+
+
+class corrupting:
+    """Flip one byte of the second group buffer each sending thread puts on the wire, after its
+    digest was taken (the tamper round of tests/bench/weights.py and tests/bench/_fanout_twin.py).
+    `thread`: only that thread's sends, e.g. the fan-out group's ("rlstream-weights-fanout"), so
+    the copies re-sent over the producers' own links afterwards go out intact."""
+
+    def __init__(self, on: bool, thread: str | None = None):
+        self.on, self.thread, self.sent = on, thread, {}
+
+    def __enter__(self):
+        from common.weights.chain import ChainLink
+        from common.weights.link import GlooPair
+
+        self.saved = [(cls, cls.send) for cls in (GlooPair, ChainLink)]  # a link's own, the fan-out group's
+        if self.on:
+            for cls, orig in self.saved:
+                cls.send = self._flipping(orig)
+        return self
+
+    def _flipping(self, orig):
+        def send(pair, t):
+            me = threading.current_thread().name  # one thread per link, one for the group
+            if t.numel() > 1024 and self.thread in (None, me):  # a group buffer (headers and digests are smaller)
+                self.sent[me] = self.sent.get(me, 0) + 1
+                if self.sent[me] == 2:
+                    t = t.clone()
+                    t.view(-1).view(torch.uint8)[t.numel() // 2] ^= 0xFF
+            return orig(pair, t)
+        return send
+
+    def __exit__(self, *exc):
+        for cls, orig in self.saved:
+            cls.send = orig
 
 
 class TrainerSide:
