@@ -233,10 +233,9 @@ class Rehearsal(ABC):
     def _stop_services(self) -> None:
         """Every trainer rank at once, as the kubelets of a JobSet or the hosts' systemd
         would (a rank stopped alone left the others blocked in a collective until gloo's
-        timeout), then the producers. Measured: with the producers stopped first, or
-        with everything signalled at once as `kubectl delete` would, rank 0 sat in its
-        weight links' close (consumer.weights.timeout_s) until torchrun killed it 30 s
-        later."""
+        timeout), then the producers. (With the producers stopped first, rank 0 once sat in
+        its weight links' close for consumer.weights.timeout_s; `WeightSender.close` now
+        abandons those waits at once, consumer/weights/sender.py, so either order stops.)"""
         for group in (self.ranks, self.producers):  # each group signalled at once: they stop in parallel
             live = [s for s in group if s.alive]
             for s in live:

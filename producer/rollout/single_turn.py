@@ -42,5 +42,5 @@ class SingleTurn(RolloutDriver):
         return False  # every rollout in flight is an engine request
 
     def evict_stale(self, trainer_version: int, max_staleness: int) -> None:
-        self.eviction.run(trainer_version, max_staleness, self.engine.oldest_versions, self.engine.abort_tag,
-                          self.groups)
+        self.eviction.run(trainer_version, max_staleness, lambda: self.engine.oldest_versions(),
+                          lambda gid: self.engine.abort_tag(gid), self.groups)  # looked up only when due
