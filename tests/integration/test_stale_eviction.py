@@ -56,7 +56,10 @@ def _fill(svc) -> None:
     deadline, tokens0 = time.monotonic() + 60, svc.engine.stats.generated_tokens  # a shared engine's stats add up
     while not (len(svc.groups) == GROUPS and svc.engine.num_in_flight == GROUPS * G
                and all(st.tokens for st in svc.engine._inflight.values())):
-        assert time.monotonic() < deadline, "the producer did not fill its slots"
+        assert time.monotonic() < deadline, (
+            f"the producer did not fill its slots: {len(svc.groups)} groups, {svc.engine.num_in_flight} samples in "
+            f"flight, {sum(1 for st in svc.engine._inflight.values() if st.tokens)} with tokens, engine version "
+            f"{svc.engine.version}, held back: {svc.held_back()}, {svc.admission_view()}, ends {svc.topic_ends.current()}")
         svc.iterate()
     assert svc.engine.stats.generated_tokens - tokens0 < GROUPS * G * MAX_TOKENS  # still far from done
 
