@@ -31,7 +31,7 @@ from common.config import JournalSettings
 from common.record import Rollout
 from producer import telemetry
 from producer.journal import claims
-from producer.journal.snapshot import ModelTurnLog, Snapshot, decode, episode_key
+from producer.journal.snapshot import ModelTurnLog, Snapshot, episode_key
 from producer.journal.topic import JournalTopic
 
 log = logging.getLogger("rlstream.producer.journal")
@@ -154,7 +154,8 @@ class EpisodeJournal:
         entries = [e for e in self.topic.entries.values() if e.key not in self._ids and e.key not in self._ended]
         keys = claims.claims_for(self.producer_id, entries, leases, seen, self.settings.lease_s)
         keys += [e.key for e in entries if (e.holder, e.incarnation) == (self.producer_id, self.incarnation)]
-        return [decode(self.topic.snapshots[k]) for k in keys]  # (the last: claimed here, not yet resumed)
+        snaps = [self.topic.decoded(k) for k in keys]  # (the last keys: claimed here, not yet resumed)
+        return [s for s in snaps if s is not None]
 
     def take(self, orphans: list[Snapshot]) -> list[Snapshot]:
         """Claim `orphans` in the journal; returns those this process won. Each claim names the

@@ -115,13 +115,34 @@ def encode(s: Snapshot) -> bytes:
     return MAGIC + struct.pack("<I", len(head)) + head + b"".join(arrays)
 
 
-def decode(value: bytes) -> Snapshot:
+def header(value: bytes) -> tuple[dict, int]:
+    """The entry's JSON header and where its arrays start, without reading the arrays: every
+    reader folds every entry (topic.py), and needs only who holds it and when."""
     if not isinstance(value, (bytes, bytearray, memoryview)) or bytes(value[:3]) != MAGIC or len(value) < 7:
         raise JournalError("not a journal entry (magic RJ1 missing)")
     (n,) = struct.unpack("<I", bytes(value[3:7]))
     try:
         h = json.loads(bytes(value[7:7 + n]))
-        payload = memoryview(value)[7 + n:]
+    except Exception as e:  # noqa: BLE001 - a malformed header is one refusal with its reason
+        raise JournalError(f"malformed journal entry ({type(e).__name__}: {e})"[:200]) from e
+    if not isinstance(h, dict):
+        raise JournalError("malformed journal entry (its header is not an object)")
+    return h, 7 + n
+
+
+def held_fields(value: bytes) -> tuple[str, str, float, str]:
+    """(holder, incarnation, written_at, claimed_from) of an entry, from its header alone."""
+    h, _ = header(value)
+    try:
+        return str(h["holder"]), str(h["incarnation"]), float(h["written_at"]), str(h.get("claimed_from", ""))
+    except Exception as e:  # noqa: BLE001
+        raise JournalError(f"malformed journal entry ({type(e).__name__}: {e})"[:200]) from e
+
+
+def decode(value: bytes) -> Snapshot:
+    h, start = header(value)
+    try:
+        payload = memoryview(value)[start:]
         arrays = {name: _array(payload, *spec) for name, spec in h.pop("arrays").items()}
         turns = [ModelTurnLog(str(t), [int(i) for i in ids], str(f)) for t, ids, f in h.pop("model_turns")]
         ends = {int(p): int(o) for p, o in h.pop("rollout_ends", {}).items()}

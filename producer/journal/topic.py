@@ -21,7 +21,7 @@ from common.config import KafkaSettings
 from common.kafka.client import make_admin, make_consumer, make_producer
 from producer import telemetry
 from producer.journal.claims import Held, Lease, applies
-from producer.journal.snapshot import JournalError, Snapshot, decode, encode
+from producer.journal.snapshot import JournalError, Snapshot, decode, encode, held_fields
 
 log = logging.getLogger("rlstream.producer.journal")
 
@@ -143,18 +143,29 @@ class JournalTopic:
             self.entries.pop(key, None)
             self.snapshots.pop(key, None)
             return
-        try:
-            s = decode(value)
+        try:  # the header alone: the arrays are decoded only for an entry this reader claims
+            holder, incarnation, written_at, claimed_from = held_fields(value)
         except JournalError as e:
             telemetry.JOURNAL_BAD_ENTRIES.inc()
             log.warning("journal entry %s skipped: %s", key, e)
             return
-        if not applies(self.entries.get(key), s.holder, s.incarnation, s.claimed_from, s.written_at, self.leases,
+        if not applies(self.entries.get(key), holder, incarnation, claimed_from, written_at, self.leases,
                        self.lease_s):
             return  # a claim lost to an earlier one, or a write by a process that no longer holds it
-        self.entries[key] = Held(key, s.holder, s.incarnation, s.written_at)
-        self.newest_at = max(self.newest_at, s.written_at)
+        self.entries[key] = Held(key, holder, incarnation, written_at)
+        self.newest_at = max(self.newest_at, written_at)
         self.snapshots[key] = bytes(value)
+
+    def decoded(self, key: str) -> Snapshot | None:
+        """The newest entry of `key`, decoded; None (counted, and forgotten) if it does not decode."""
+        try:
+            return decode(self.snapshots[key])
+        except JournalError as e:
+            telemetry.JOURNAL_BAD_ENTRIES.inc()
+            log.warning("journal entry %s skipped: %s", key, e)
+            self.entries.pop(key, None)
+            self.snapshots.pop(key, None)
+            return None
 
     def close(self) -> None:
         for c in (self._producer, self._consumer):

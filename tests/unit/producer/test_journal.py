@@ -315,3 +315,17 @@ def test_a_claim_from_a_view_behind_the_holders_renewal_does_not_take_a_live_epi
     lease(topic, "a", "live", 19.5)  # ... but a renewed before b's claim reached the journal
     assert b.take([stale_view]) == []
     assert topic.entries["ep:g#0"].holder == "a"  # a keeps its episode; b resumes nothing
+
+
+def test_an_entry_whose_arrays_do_not_decode_is_skipped_when_claimed_not_a_crash():
+    from common import metrics
+
+    topic = MemoryTopic()  # readers fold headers only: the arrays are read when an entry is claimed
+    torn = encode(snapshot(group_id="g", sample_idx=0, holder="a", incarnation="dead", written_at=10.0))[:-10]
+    topic._fold("ep:g#0", torn)
+    assert topic.entries["ep:g#0"].holder == "a"
+    journal = EpisodeJournal(topic, "b", JournalSettings(lease_s=10), clock=lambda: 50.0)
+    lease(topic, "b", journal.incarnation, 50.0)
+    bad0 = metrics.value("rlstream_producer_journal_bad_entries_total") or 0
+    assert journal.claim() == [] and "ep:g#0" not in topic.entries
+    assert (metrics.value("rlstream_producer_journal_bad_entries_total") or 0) - bad0 == 1
