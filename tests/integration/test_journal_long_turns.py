@@ -73,21 +73,26 @@ def test_a_long_turn_cut_by_a_crash_resumes_from_its_last_n_tokens(broker, rollo
     runner = a.driver.runner
     long = lambda: [t for t in runner._turns if engine.generated(t) >= EVERY + 4]  # noqa: E731
     run_until(a, lambda: long() and a.outbox.unacked_records == 0, 60, "a turn 12 tokens in")
-    made = {f"ep:{t.rsplit('#t', 1)[0]}": engine.partial(t) for t in runner._turns}  # what a made
+    # what a made: a generating turn so far, or a finished turn whose environment step is pending
+    # (its entry still holds the turn's last N-token write)
+    made = {f"ep:{t.rsplit('#t', 1)[0]}": (p.response_ids, p.logprobs, p.routed_experts)
+            for t in runner._turns if (p := engine.partial(t)) is not None}
+    made |= {f"ep:{ep.group_id}#{ep.sample_idx}": (ep.response_ids, ep.logprobs, ep.routing)
+             for ep, _, _ in runner._pending.values()}
     crash(a, engine)
     durable = journaled(kafka)
     cut = {k: s for k, s in durable.items() if s.partial}
     assert cut, f"no entry holds a partial turn: {[(k, s.partial) for k, s in durable.items()]}"
     for key, s in cut.items():  # the journal holds a's turn so far, up to its last N-token write
-        so_far = made[key]
+        ids, logprobs, routing = made[key]
         n = s.response.size
-        assert s.partial == n and n % EVERY == 0 and n <= so_far.response_ids.size
+        assert s.partial == n and n % EVERY == 0 and n <= ids.size
         assert s.turns == 0 and s.model_turns == [] and s.holder == "a"
-        assert s.response.tolist() == so_far.response_ids[:n].tolist()
-        assert np.array_equal(s.logprobs, np.minimum(so_far.logprobs[:n], 0))
+        assert s.response.tolist() == ids[:n].tolist()
+        assert np.array_equal(s.logprobs, np.minimum(logprobs[:n], 0))
         if engine.routing_mode == "capture":  # the session's engine: rows as of the write's step
             assert s.routing.shape[0] == s.prompt_ids.size + n - 1
-            assert np.array_equal(s.routing, so_far.routed_experts[:s.routing.shape[0]])
+            assert np.array_equal(s.routing, routing[:s.routing.shape[0]])
 
     b = ProducerService(config(kafka, tiny_model_dir, data, "b"), broker.bootstrap)
     b.start(engine=engine)
