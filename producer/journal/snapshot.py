@@ -85,9 +85,10 @@ class Snapshot:
 
     @property
     def oldest_version(self) -> int | None:
-        """The oldest policy version of a model token (the staleness rule's), None before the first turn."""
-        model = self.versions[self.mask]
-        return int(model.min()) if model.size else None
+        """The oldest policy version of a model token, None before the first turn."""
+        from producer.rollout.trajectory import oldest_model_version
+
+        return oldest_model_version(self.versions, self.mask)
 
 
 def episode_key(group_id: str, sample_idx: int) -> str:

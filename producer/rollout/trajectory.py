@@ -110,9 +110,7 @@ class Trajectory:
 
     @property
     def oldest_model_version(self) -> int | None:
-        """The oldest policy version of a model token (the staleness rule's), None before the first."""
-        model = np.repeat(self.version_runs[:, 0], self.version_runs[:, 1])[self.loss_mask]
-        return int(model.min()) if model.size else None
+        return oldest_model_version(np.repeat(self.version_runs[:, 0], self.version_runs[:, 1]), self.loss_mask)
 
     @property
     def last_token(self) -> int:
@@ -173,6 +171,13 @@ class Trajectory:
             num_experts=self.num_experts if self.routing is not None else 0,
             reward_info=info, sampling_digest=sampling.digest, model_digest=f"v{int(version)}",
             temperature=float(sampling.temperature), loss_mask=None if all_model else self.loss_mask)
+
+
+def oldest_model_version(versions: np.ndarray, mask: np.ndarray) -> int | None:
+    """The oldest policy version of a model token (the staleness rule's, common/staleness.py)
+    of per-token `versions` under the loss `mask`; None before the first model token."""
+    model = versions[mask]
+    return int(model.min()) if model.size else None
 
 
 def _add_run(runs: list[list], value, count: int) -> None:
