@@ -519,7 +519,7 @@ class ProducerSettings(_Section):
 
 # ------------------------------------------------------------- consumer
 
-LossName = Literal["minirl", "minirl_no_is", "minirl_length_norm", "grpo", "cispo"]
+LossName = Literal["minirl", "minirl_no_is", "minirl_length_norm", "grpo", "cispo", "dppo_tv", "dppo_kl"]
 """The registered losses (consumer/losses.py registers each once; a unit test
 checks that this list equals the registry, so config.py needs no torch)."""
 
@@ -536,7 +536,8 @@ class LossSettings(_Section):
     """The policy-gradient objective (docs/algorithm.md, consumer/losses.py)."""
 
     name: LossName = "minirl"
-    """minirl (the paper's), its ablations minirl_no_is / minirl_length_norm, grpo, cispo."""
+    """minirl (the paper's), its ablations minirl_no_is / minirl_length_norm, grpo, cispo, and
+    DPPO's dppo_tv (Binary-TV) / dppo_kl (Binary-KL) trust regions on the rollout policy."""
     eps_low: float = Field(0.2, ge=0, lt=1)
     """Mask (MiniRL) or clip (GRPO, CISPO) below 1 - eps_low; < 1 so the bound stays positive."""
     eps_high: float = Field(0.27, ge=0)
@@ -544,7 +545,14 @@ class LossSettings(_Section):
     is_cap: float = Field(5.0, gt=0)
     """C: truncation of the token IS weight pi/mu_old."""
     advantage: Literal["auto", "mean", "mean_std"] = "auto"
-    """auto: what the loss registered (mean-centred for MiniRL/CISPO, mean/std for GRPO)."""
+    """auto: what the loss registered (mean-centred for MiniRL/CISPO/DPPO, mean/std for GRPO)."""
+    delta_low: float | None = Field(None, gt=0)
+    """DPPO: mask a token with A <= 0 whose probability fell more than this below the rollout
+    policy's (dppo_tv: mu - pi; dppo_kl: the Bernoulli KL). None: the variant's default
+    (dppo_tv 0.15, dppo_kl 0.05: verl's Qwen3-30B-A3B recipe)."""
+    delta_high: float | None = Field(None, gt=0)
+    """DPPO: mask a token with A > 0 whose probability rose more than this above the rollout
+    policy's (dppo_tv: pi - mu; dppo_kl: the Bernoulli KL). None: the variant's default."""
 
 
 class OptimizerSettings(_Section):

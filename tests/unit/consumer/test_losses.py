@@ -100,7 +100,39 @@ def ref_cispo():
     return total, grad
 
 
+# DPPO thresholds chosen so that every mask case of the tables occurs (p = exp(LOGP), q = p / w):
+# response 0 (A > 0): t2 rose p - q = 0.52 (masked), t1 fell (kept: the other side);
+# response 1 (A < 0): t0 fell q - p = 0.124, Bernoulli KL 0.031 (masked), t1 rose (kept);
+# response 2 (A = 0): nothing fell far enough to be masked.
+DPPO_CFG = {"dppo_tv": LossSettings(is_cap=5.0, delta_low=0.1, delta_high=0.15),
+            "dppo_kl": LossSettings(is_cap=5.0, delta_low=0.02, delta_high=0.05)}
+
+
+def bernoulli_kl(q, p):
+    """KL(Bernoulli(q) || Bernoulli(p))."""
+    return q * math.log(q / p) + (1 - q) * math.log((1 - q) / (1 - p))
+
+
+def ref_dppo(name, cfg):
+    grad = [[0.0] * 5 for _ in range(3)]
+    total = 0.0
+    for i, t, r, w, a, sw in tokens():
+        p = math.exp(LOGP[i][t])
+        q = p / w
+        if name == "dppo_tv":
+            masked = (p - q > cfg.delta_high) if a > 0 else (q - p > cfg.delta_low)
+        else:
+            d = bernoulli_kl(q, p)
+            masked = (p > q and d > cfg.delta_high) if a > 0 else (p < q and d > cfg.delta_low)
+        coef = sw * (0.0 if masked else 1.0) * min(w, cfg.is_cap) * a / NUM_RESPONSES
+        total += coef * LOGP[i][t]
+        grad[i][t] = coef
+    return total, grad
+
+
 REFERENCES = {
+    "dppo_tv": lambda: ref_dppo("dppo_tv", DPPO_CFG["dppo_tv"]),
+    "dppo_kl": lambda: ref_dppo("dppo_kl", DPPO_CFG["dppo_kl"]),
     "minirl": lambda: ref_minirl(),
     "minirl_no_is": lambda: ref_minirl(is_correction=False),
     "minirl_length_norm": lambda: ref_minirl(length_norm=True),
@@ -112,7 +144,7 @@ REFERENCES = {
 @pytest.mark.parametrize("name", sorted(REFERENCES))
 def test_loss_and_gradient_match_formula(name):
     inp = make_inputs()
-    loss, metrics = get_loss_fn(name)(inp, CFG)
+    loss, metrics = get_loss_fn(name)(inp, DPPO_CFG.get(name, CFG))
     loss.backward()
     want_j, want_grad = REFERENCES[name]()
     assert loss.item() == pytest.approx(-want_j, rel=1e-12, abs=1e-12)
@@ -176,6 +208,37 @@ def test_is_truncation_truly_caps_at_C():
         assert logp.grad.item() == pytest.approx(-expect)
 
 
+def test_dppo_masks_exactly_the_tokens_that_left_the_trust_region():
+    """Each mask case of the tables (comment above DPPO_CFG), and clip_frac counts them."""
+    for name in ("dppo_tv", "dppo_kl"):
+        _, m = get_loss_fn(name)(make_inputs(), DPPO_CFG[name])
+        assert m["clipped"].tolist() == [[False, False, True, False, False],
+                                         [True, False, False, False, False],
+                                         [False, False, False, False, False]], name
+        assert m["clip_frac"] == pytest.approx(2 / 10)
+
+
+def test_dppo_default_thresholds_are_the_recipes():
+    """Unset deltas: 0.15 (TV) and 0.05 (KL). With the TV default the A < 0 token that fell
+    0.124 is kept; its Bernoulli KL 0.031 stays under 0.05 too."""
+    for name in ("dppo_tv", "dppo_kl"):
+        _, m = get_loss_fn(name)(make_inputs(), LossSettings(name=name))
+        assert m["clipped"][1, 0].item() is False and m["clipped"][0, 2].item() is True, name
+
+
+def test_dppo_mask_follows_the_rollout_policy_not_pi_old():
+    """MiniRL masks on r = pi/pi_old; DPPO on pi against mu_old: moving pi_old alone changes
+    nothing, moving mu_old does."""
+    cfg = DPPO_CFG["dppo_tv"]
+    base = get_loss_fn("dppo_tv")(make_inputs(), cfg)[1]["clipped"]
+    inp = make_inputs()
+    inp.old_logprobs = inp.old_logprobs + 0.5
+    assert torch.equal(get_loss_fn("dppo_tv")(inp, cfg)[1]["clipped"], base)
+    inp = make_inputs()
+    inp.rollout_logprobs = inp.logprobs.detach().clone()  # mu_old = pi: nothing left the region
+    assert not get_loss_fn("dppo_tv")(inp, cfg)[1]["clipped"].any()
+
+
 def test_unknown_loss_name_is_a_config_error():
     with pytest.raises(ConfigError, match="minirl") as e:
         get_loss_fn("ppo2")
@@ -190,6 +253,7 @@ def test_config_names_exactly_the_registered_losses():
 def test_auto_advantage_is_what_each_loss_registered():
     assert advantage_mode(LossSettings(name="grpo")) == "mean_std"
     assert {advantage_mode(LossSettings(name=n)) for n in LOSSES if n != "grpo"} == {"mean"}
+    assert advantage_mode(LossSettings(name="dppo_tv")) == "mean"
     assert advantage_mode(LossSettings(name="grpo", advantage="mean")) == "mean"
 
 
