@@ -129,13 +129,18 @@ class ControlSettings(_Section):
     services run, validated by this same model."""
 
     max_staleness: int = Field(2, ge=0, le=1000)
-    """Samples older than this many versions are dropped (and counted)."""
+    """Samples older than this many versions are dropped (and counted). In the config file
+    `auto` (with `staleness.auto`): the consumer's controller sets it (docs/stability.md)."""
     mode: Literal["drop", "reweight"] = "drop"
     """drop: discard beyond max_staleness. reweight: also scale by decay**staleness."""
     decay: float = Field(1.0, gt=0.0, le=1.0)
     """Per-version sample weight gamma in reweight mode (1.0 = no decay)."""
     paused: bool = False
     """Pause the pipeline: producers admit no new groups, the trainer takes no new batch."""
+    max_staleness_auto: bool = False
+    """The consumer's controller owns `max_staleness` (consumer/stability/): it moves the bound
+    within `staleness.auto`'s limits. An operator's `ctl set max_staleness N` turns this off
+    (the operator's bound holds), `ctl set max_staleness auto` turns it back on."""
 
     @classmethod
     def from_settings(cls, s: "ControlSettings") -> "ControlSettings":
@@ -143,10 +148,56 @@ class ControlSettings(_Section):
         return cls(**{k: getattr(s, k) for k in cls.model_fields})
 
 
+class AutoStalenessSettings(_Section):
+    """`max_staleness: auto` (consumer/stability/controller.py, docs/stability.md): the limits
+    an operator sets and the signal thresholds. The controller judges the mean of the steps
+    since its last change, once there are `window` of them; it halves the bound when the
+    signals degrade and raises it by one when they are healthy and the trainer waited for
+    data. The band between each pair of thresholds is its hysteresis."""
+
+    min: int = Field(0, ge=0, le=1000)
+    """The tightest bound the controller sets (an alert fires while it sits there)."""
+    max: int = Field(8, ge=0, le=1000)
+    """The loosest bound the controller sets."""
+    start: int = Field(2, ge=0, le=1000)
+    """The bound `max_staleness: auto` starts at (the control topic's value wins on a restart)."""
+    window: int = Field(4, ge=1, le=1000)
+    """Steps averaged per decision; after a change, a fresh window under the new bound."""
+    ess_tighten: float = Field(0.6, gt=0, le=1)
+    """Tighten when the normalised ESS of the token IS weights falls below this."""
+    ess_loosen: float = Field(0.8, gt=0, le=1)
+    """Loosen only while it is at least this."""
+    kl_tighten: float = Field(0.05, gt=0)
+    """Tighten when the sampler-vs-trainer KL E[log mu_old - log pi_old] (all records) exceeds this."""
+    kl_loosen: float = Field(0.02, gt=0)
+    """Loosen only while it is at most this."""
+    grad_norm_tighten: float = Field(2.0, gt=1)
+    """Tighten when the gradient norm exceeds this multiple of its median over earlier steps."""
+    grad_norm_loosen: float = Field(1.5, gt=0)
+    """Loosen only while it is at most this multiple of that median."""
+    wait_share_loosen: float = Field(0.2, ge=0, le=1)
+    """Loosen only when the trainer waited for its batch at least this share of its step time
+    (the bound holds producers back: a looser one lets them run ahead)."""
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "AutoStalenessSettings":
+        if not self.min <= self.start <= self.max:
+            raise ValueError(f"need min <= start <= max, got {self.min}, {self.start}, {self.max}")
+        if self.ess_loosen < self.ess_tighten or self.kl_loosen > self.kl_tighten \
+                or self.grad_norm_loosen > self.grad_norm_tighten:
+            raise ValueError("each loosen threshold must be on the healthy side of its tighten "
+                             "threshold (ess_loosen >= ess_tighten, kl_loosen <= kl_tighten, "
+                             "grad_norm_loosen <= grad_norm_tighten)")
+        return self
+
+
 class StalenessSettings(ControlSettings):
     """The `staleness` section: the start values of the runtime settings.
     (Records the gate drops are counted, `rlstream_consumer_records_total{outcome="dropped_stale"}`;
     no copy of them is kept: `audit_stale` and its topic were documented but never written.)"""
+
+    auto: AutoStalenessSettings = AutoStalenessSettings()
+    """Limits and thresholds of `max_staleness: auto` (unused otherwise)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -155,6 +206,24 @@ class StalenessSettings(ControlSettings):
             raise ValueError("staleness.audit_stale was removed (nothing ever wrote the stale topic): delete the "
                              'key; dropped records are counted in rlstream_consumer_records_total{outcome="dropped_stale"}')
         return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _auto(cls, data: Any) -> Any:
+        """`max_staleness: auto`: the controller owns the bound, starting at `auto.start`."""
+        if isinstance(data, dict) and data.get("max_staleness") == "auto":
+            auto = data.get("auto")
+            start = auto.get("start") if isinstance(auto, dict) else getattr(auto, "start", None)
+            start = AutoStalenessSettings.model_fields["start"].default if start is None else start
+            data = {**data, "max_staleness": start, "max_staleness_auto": True}
+        return data
+
+    @model_validator(mode="after")
+    def _within_limits(self) -> "StalenessSettings":
+        if self.max_staleness_auto and not self.auto.min <= self.max_staleness <= self.auto.max:
+            raise ValueError(f"max_staleness {self.max_staleness} is outside staleness.auto's limits "
+                             f"[{self.auto.min}, {self.auto.max}]")
+        return self
 
 
 class HttpSettings(_Section):
@@ -773,6 +842,15 @@ class WeightSyncSettings(_Section):
         return self.host
 
 
+class StressSettings(_Section):
+    """`consumer.stress`: a training-inference mismatch made on purpose, so that an experiment can
+    grow it and watch each loss degrade (`rlstream experiment stability`, docs/stability.md)."""
+
+    logprob_temperature_scale: float = Field(1.0, gt=0, le=10)
+    """The trainer takes pi_old and pi at this multiple of each record's sampling temperature, so
+    they differ from the sampler's mu_old as if the engines disagreed. 1.0: off (the normal case)."""
+
+
 class ConsumerSettings(_Section):
     """The trainer service (consumer/service.py) and its trainer (consumer/trainer.py)."""
 
@@ -814,6 +892,8 @@ class ConsumerSettings(_Section):
     run_file: str | None = None
     """JSON status file (pid, HTTP address; final outcome counters at stop) for
     supervisors and tests (common/runfile.py); written by rank 0. None: none."""
+    stress: StressSettings = StressSettings()
+    """Stress tests for experiments (never for a real run): a controlled training-inference mismatch."""
     dynamic_sampling: Literal["auto", "on", "off"] = "auto"
     """Filter, at the staleness gate, complete groups whose G rewards are all equal
     (their group-relative advantage is 0: no gradient), counted as outcome

@@ -61,7 +61,8 @@ class TrainSample:
     [P+T-1, L, K] (every input position) or [T, L, K] (input positions
     P-1 .. P+T-2, response-only scope); sample_weight: staleness decay;
     temperature: the sampling temperature of the record (the trainer's
-    log-probs are taken at it: consumer/model.py).
+    log-probs are taken at it: consumer/model.py); staleness: the record's age
+    in versions at the gate (the step signals are split by it).
     """
 
     prompt_ids: np.ndarray
@@ -75,16 +76,20 @@ class TrainSample:
     loss_mask: np.ndarray | None = None
     """bool[T]: True on model tokens (multi-turn records, schema 2); None: all
     model tokens. Losses, KL, entropy and clip statistics count model tokens only."""
+    staleness: int = 0
     from_record: bool = field(default=False, compare=False)
     """Built by `from_rollout`: common.record.validate already checked the shapes."""
 
     @classmethod
-    def from_rollout(cls, r: Rollout, weight: float = 1.0) -> "TrainSample":
-        """A validated rollout record, weighted by the staleness gate."""
+    def from_rollout(cls, r: Rollout, weight: float = 1.0, staleness: int = 0,
+                     temperature_scale: float = 1.0) -> "TrainSample":
+        """A validated rollout record, weighted and aged by the staleness gate.
+        `temperature_scale` (a stress test, `consumer.stress`): the trainer takes its
+        log-probs at this multiple of the record's sampling temperature."""
         return cls(prompt_ids=r.prompt_ids, response_ids=r.response_ids, logprobs=r.logprobs,
                    reward=r.reward, group_id=r.group_id, routed_experts=r.routed_experts,
-                   sample_weight=weight, temperature=r.temperature, loss_mask=r.loss_mask,
-                   from_record=True)
+                   sample_weight=weight, temperature=r.temperature * temperature_scale,
+                   loss_mask=r.loss_mask, staleness=staleness, from_record=True)
 
     @property
     def num_model_tokens(self) -> int:
@@ -129,7 +134,8 @@ class MiniBatch:
     sample_weight float32[B]; routing uint8 (int32 for > 256 experts) [B, S, L, K]
     or None, with routing_mask bool[B, S] (True where the rollout's routing is
     known); temperature float32[B] (padding rows 1.0), or None when every
-    sample's temperature is 1.0 (the log-prob functions then skip the division).
+    sample's temperature is 1.0 (the log-prob functions then skip the division);
+    staleness int64[B] (padding rows 0).
     `plan`: this rank's micro-batches, (rows, input positions) each.
     """
 
@@ -144,6 +150,7 @@ class MiniBatch:
     routing: torch.Tensor | None = None
     routing_mask: torch.Tensor | None = None
     temperature: torch.Tensor | None = None
+    staleness: torch.Tensor | None = None
     plan: list[tuple[tuple[int, ...], int]] = field(default_factory=list)
 
     def micro_batches(self) -> list["MiniBatch"]:
@@ -165,7 +172,8 @@ class MiniBatch:
             advantages=self.advantages[idx], sample_weight=self.sample_weight[idx],
             num_responses=self.num_responses, num_tokens=self.num_tokens,
             routing=cut(self.routing), routing_mask=cut(self.routing_mask),
-            temperature=None if self.temperature is None else self.temperature[idx])
+            temperature=None if self.temperature is None else self.temperature[idx],
+            staleness=None if self.staleness is None else self.staleness[idx])
 
 
 @dataclass
@@ -260,7 +268,8 @@ def _pad_minibatch(samples: list[TrainSample], adv: np.ndarray, pad_id: int,
         num_responses=num_responses, num_tokens=num_tokens,
         routing=None if routing is None else torch.from_numpy(routing),
         routing_mask=None if routing_mask is None else torch.from_numpy(routing_mask),
-        temperature=_temperatures(samples, b))
+        temperature=_temperatures(samples, b),
+        staleness=torch.tensor([x.staleness for x in samples] + [0] * (b - len(samples)), dtype=torch.int64))
 
 
 def _temperatures(samples: list[TrainSample], rows: int) -> torch.Tensor | None:

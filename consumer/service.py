@@ -5,6 +5,7 @@
 One global step per iteration of a loop of named steps:
 
     next_batch (apply_control at its start) -> train_step -> checkpoint (when due) -> publish_weights
+    -> the `max_staleness: auto` controller (consumer/stability/auto.py) reads the step's signals
 
 Runtime settings apply at the next batch boundary: every control change the
 broker acknowledged before a batch gates its first group applies to that
@@ -47,6 +48,7 @@ from consumer import telemetry
 from consumer.assembler import GroupAssembler
 from consumer.ledger import OUTCOMES, Ledger  # noqa: F401 - OUTCOMES: for importers of its old home
 from consumer.parallel import launch_rank, launch_world_size
+from consumer.stability.auto import AutoStaleness
 from consumer.staleness import FILTER_WINDOW_BATCHES, FilteredShare, GateClock, ReadyGroup, gate_group
 
 log = logging.getLogger("rlstream.consumer")
@@ -69,6 +71,8 @@ class ConsumerService:
         # live while a full batch waiting gets trained within the bound; ready once started
         self.liveness = ProgressMonitor(self.ccfg.liveness.stall_after_s)
         self.readiness = Readiness(self.kafka.bootstrap_servers)
+        self.auto = AutoStaleness(cfg.staleness.auto, lambda *a: self._writer.set_control(*a))
+        """`max_staleness: auto`: its controller, fed after every step (consumer/stability/)."""
 
     # ------------------------------------------------------------ lifecycle
 
@@ -99,7 +103,7 @@ class ConsumerService:
         self.announce_progress(every_s=0.0)
         telemetry.observe_version(self.version)
         self.http = telemetry.serve_http(self.ccfg.http, self._health, lambda: self.control, self._writer,
-                                         ready=self._ready)
+                                         ready=self._ready, status=lambda: self.auto.status(self.control))
         self.readiness.initialised()
         telemetry.started(self.ccfg.run_file, self.http.url, self.kafka.bootstrap_servers, self.step, self.version)
 
@@ -187,6 +191,7 @@ class ConsumerService:
                 clock.phase("checkpoint", self.checkpoint)
                 clock.phase("publish", self.publish_weights)
                 telemetry.observe_step(self.step, self.version, step_metrics, batch, clock.phases, self.ledger.counters)
+                self.auto.after_step(step_metrics, clock.phases, self.control)
             self.checkpoint(final=True)  # a clean stop leaves nothing to redo
         finally:
             self.close()
@@ -229,7 +234,7 @@ class ConsumerService:
                 self.filtered.note(d)
                 telemetry.observe_gate(d.staleness, self.filtered.value)
                 if d.keep:
-                    batch.append(ReadyGroup(g, d.staleness, d.weights))
+                    batch.append(ReadyGroup(g, d.staleness, d.weights, d.ages))
                 else:  # dropped_stale or filtered: the batch is filled from the stream instead
                     self.ledger.drop(g, d.outcome)
             else:
@@ -257,7 +262,9 @@ class ConsumerService:
     def train_step(self, batch: list[ReadyGroup]) -> dict:
         from consumer.batch import TrainSample
 
-        samples = [TrainSample.from_rollout(r, w) for rg in batch for r, w in zip(rg.group.rollouts(), rg.weights)]
+        scale = self.ccfg.stress.logprob_temperature_scale
+        samples = [TrainSample.from_rollout(r, w, a, scale) for rg in batch
+                   for r, w, a in zip(rg.group.rollouts(), rg.weights, rg.ages or [rg.staleness] * len(rg.weights))]
         out = self.leader.train(samples)
         self.liveness.beat("train_step")
         self.step += 1

@@ -14,7 +14,7 @@ The four tensors:
     header   int64   [MAGIC, minibatches, dp, dp rank, num_responses, num_tokens,
                       routing code, layers, top_k, rewards] then per mini-batch [samples,
                       num_responses, num_tokens, rows, slice_positions (dp x rows)]
-                      then per sample [P, T, routing rows (-1: none), has loss mask]
+                      then per sample [P, T, routing rows (-1: none), has loss mask, staleness]
     tokens   int32   prompt then response ids of each sample, then its loss mask
                      (T values 0/1) if it has one (multi-turn), concatenated
     floats   float32 advantages, sample weights, rewards and sampling temperatures
@@ -39,7 +39,7 @@ import torch
 from common.errors import RankProtocolError
 from consumer.batch import BatchShare, MiniBatchShare, TrainSample
 
-MAGIC = 0x524C5332  # "RLS2": a header from another rlstream version is refused
+MAGIC = 0x524C5333  # "RLS3": a header from another rlstream version is refused
 ROUTING_TYPES = (None, np.uint8, np.uint16, np.int32, np.int64)
 """Routing element types by wire code (append only); int64 for samples that disagree."""
 _FIXED = 10  # header fields before the first mini-batch
@@ -99,7 +99,8 @@ def pack(share: BatchShare) -> PackedShare:
                    *m.slice_positions.reshape(-1).tolist()]
     for s in samples:
         header += [len(s.prompt_ids), len(s.response_ids),
-                   -1 if s.routed_experts is None else s.routed_experts.shape[0], int(s.loss_mask is not None)]
+                   -1 if s.routed_experts is None else s.routed_experts.shape[0], int(s.loss_mask is not None),
+                   s.staleness]
     floats = [m.advantages for m in share.minibatches] + [
         np.array([s.sample_weight for s in samples]), np.array([s.reward for s in samples]),
         np.array([s.temperature for s in samples]), share.rewards] + [s.logprobs for s in samples]
@@ -151,14 +152,14 @@ def unpack(tensors: list[torch.Tensor]) -> BatchShare:
     batch_rewards = floats.take(n_rewards)
     samples = []
     for i in range(n_all):
-        p, t, r_rows, masked = header.take(4).tolist()
+        p, t, r_rows, masked, staleness = header.take(5).tolist()
         ids = tokens.take(p + t)
         mask = tokens.take(t).astype(bool) if masked else None
         r = None if r_rows < 0 else routing.take(r_rows * layers * k).reshape(r_rows, layers, k)
         samples.append(TrainSample(prompt_ids=ids[:p], response_ids=ids[p:], logprobs=floats.take(t),
                                    reward=float(rewards[i]), group_id="", routed_experts=r,
                                    sample_weight=float(weights[i]), temperature=float(temps[i]),
-                                   loss_mask=mask, from_record=True))
+                                   loss_mask=mask, staleness=staleness, from_record=True))
     minibatches, at = [], 0
     for (n, responses, mb_tokens, positions), a in zip(heads, adv):
         minibatches.append(MiniBatchShare(samples[at:at + n], a, responses, mb_tokens, positions))

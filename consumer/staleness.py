@@ -61,15 +61,18 @@ class GateDecision:
     weights: tuple[float, ...]  # per sample, in group order (empty when dropped)
     outcome: str | None = None
     """Why the group is not kept (the ledger outcome): dropped_stale or filtered; None when kept."""
+    ages: tuple[int, ...] = ()
+    """Per sample, in group order: its own staleness (the group's is the largest); empty when dropped."""
 
 
 @dataclass
 class ReadyGroup:
-    """A group the gate kept, with its staleness and per-sample weights."""
+    """A group the gate kept, with its staleness and per-sample weights and ages."""
 
     group: Group
     staleness: int
     weights: tuple[float, ...]
+    ages: tuple[int, ...] = ()
 
 
 def sample_staleness(r: Rollout, trainer_version: int) -> int:
@@ -137,8 +140,8 @@ def gate_group(rollouts: list[Rollout], trainer_version: int, state: ControlSett
     if filter_zero_variance and zero_variance(rollouts):
         return GateDecision(False, s, (), "filtered")
     if state.mode == "reweight":
-        return GateDecision(True, s, tuple(float(state.decay) ** p for p in per))
-    return GateDecision(True, s, tuple(1.0 for _ in per))
+        return GateDecision(True, s, tuple(float(state.decay) ** p for p in per), ages=tuple(per))
+    return GateDecision(True, s, tuple(1.0 for _ in per), ages=tuple(per))
 
 
 class FilteredShare:

@@ -42,14 +42,24 @@ WEIGHT_EXPORT_SECONDS = metrics.histogram("rlstream_consumer_weight_export_secon
                                           "Gather, pack and hash one version (the snapshot every link sends)")
 DURABLE_VERSION = metrics.gauge("rlstream_consumer_durable_version",
                                 "Newest version written to the durable weight store")
+_SIGNAL = metrics.gauge("rlstream_trainer_signal",
+                        "Last global step's stability signals, over every record (staleness=all) and by a "
+                        "record's staleness in versions (NaN: no token of that staleness)", ["signal", "staleness"])
+_AUTO_CHANGES = metrics.counter("rlstream_staleness_auto_changes_total",
+                                "Changes of max_staleness the auto controller decided, by direction, the signal "
+                                "that decided it and whether the control topic took them", ["direction", "signal", "published"])
+_AUTO_AT_MIN = metrics.gauge("rlstream_staleness_auto_at_min",
+                             "1 while the auto controller owns max_staleness and holds it at its tightest limit")
 
 
-def serve_http(settings, health: Callable, control: Callable, writer, ready: Callable | None = None):
-    """/metrics, /healthz, /readyz and the admin API (changes go to the control topic through `writer`)."""
+def serve_http(settings, health: Callable, control: Callable, writer, ready: Callable | None = None,
+               status: Callable[[], dict] | None = None):
+    """/metrics, /healthz, /readyz and the admin API (changes go to the control topic through `writer`;
+    `status`: more for GET /admin/control)."""
     from common.control.http import start_service_http
 
     http = start_service_http(settings, health, control, writer, by=f"admin@consumer-{socket.gethostname()}",
-                              ready=ready)
+                              ready=ready, status=status)
     log.info("consumer http on %s", http.url)
     return http
 
@@ -91,6 +101,36 @@ def observe_version(version: int) -> None:
     _VERSION.set(version)
 
 
+SIGNALS_ALL = {"ess": "ess", "kl": "kl_train_inference", "clip_frac": "clip_frac",
+               "is_truncated_frac": "is_truncated_frac", "grad_norm": "grad_norm"}
+"""signal label -> step-metric key, for staleness="all"."""
+SIGNALS_BY_STALENESS = ("ess", "kl", "clip_frac", "is_truncated_frac", "token_share")
+
+
+def observe_signals(step_metrics: dict) -> None:
+    """The stability signals of a step (consumer/stability/signals.py) as gauges."""
+    from consumer.stability.signals import LABELS
+
+    nan = float("nan")
+    for label, key in SIGNALS_ALL.items():
+        v = step_metrics.get(key)
+        _SIGNAL.labels(signal=label, staleness="all").set(nan if v is None else v)
+    by = step_metrics.get("by_staleness") or {}
+    for bucket in LABELS:
+        row = by.get(bucket, {})
+        for label in SIGNALS_BY_STALENESS:
+            v = row.get(label)
+            _SIGNAL.labels(signal=label, staleness=bucket).set(nan if v is None else v)
+
+
+def observe_auto(at_min: bool) -> None:
+    _AUTO_AT_MIN.set(1 if at_min else 0)
+
+
+def count_auto_change(direction: str, signal: str, published: bool) -> None:
+    _AUTO_CHANGES.labels(direction=direction, signal=signal, published="true" if published else "false").inc()
+
+
 class StepClock:
     """Wall time of each named phase of one global step."""
 
@@ -113,6 +153,7 @@ def observe_step(step: int, version: int, step_metrics: dict, batch: list, phase
     for k, v in step_metrics.items():
         if isinstance(v, (int, float)):
             _STEP.labels(name=k).set(v)
+    observe_signals(step_metrics)
     rewards = [r.reward for rg in batch for r in rg.group.rollouts()]
     mean_s = sum(rg.staleness for rg in batch) / len(batch)
     log.info("step=%d version=%d reward=%.3f staleness=%.2f kl=%.4g loss=%.4g wait=%.2fs train=%.2fs publish=%.2fs %s",

@@ -23,6 +23,7 @@ Metrics returned (means over response tokens of the whole global batch):
   entropy             token entropy of pi_old
   is_weight_mean/max, is_truncated_frac, clip_frac, ratio_mean (over updates)
   routing_agreement_layer_{l}  |rollout top-k & trainer top-k| / K (when routed)
+  ess, mismatch_kl, by_staleness  stability signals (consumer/stability/signals.py)
   grad_norm (mean pre-clip norm over updates), grad_norm_max, loss (mean),
   num_responses, num_tokens, time_* (seconds: forward, backward, optimizer,
   total) and step_overhead_share = 1 - (forward+backward+optimizer)/total.
@@ -45,6 +46,7 @@ from consumer.model import load_hf_checkpoint, per_token_logprobs
 from consumer.optimizer import TrainerOptimizer
 from consumer.parallel import ParallelLayout, dp_size, launch_world_size, reduce_over_data_parallel
 from consumer.replay import RoutingReplay, agreement_sums
+from consumer.stability import signals
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PAD_ID = 0
@@ -201,6 +203,7 @@ class Trainer:
         mask = mb.loss_mask.to(self.device)
         sums.add("old_tokens", mask.sum())
         sums.add("kl_sum", ((mb.rollout_logprobs.to(self.device) - lp) * mask).sum())
+        signals.add_old_policy(sums, mask, mb.rollout_logprobs.to(self.device), lp, mb.staleness)
         sums.add("entropy_sum", (ent * mask).sum())
         # every data-parallel rank adds the same keys: the sums are all-reduced as one flat
         # tensor, and a rank whose share has no routing (a producer with routing off) added
@@ -241,6 +244,8 @@ class Trainer:
             loss, m = self.loss_fn(inp, self.cfg.loss)
             with timers.time("backward"):
                 backward(loss)
+        signals.add_update(sums, inp.mask, inp.logprobs, inp.rollout_logprobs, m["clipped"], mb.staleness,
+                           self.cfg.loss.is_cap)
         n = m["tokens"]
         sums.add("upd_tokens", n)
         for k in ("is_weight_mean", "is_truncated_frac", "clip_frac", "ratio_mean"):
@@ -260,6 +265,7 @@ class Trainer:
             grad_norm=s["grad_norm_rank_sum"] / world / updates,
             grad_norm_max=mx["grad_norm_max"], num_responses=gb.num_responses,
             num_tokens=gb.num_tokens, step=self.step)
+        out.update(signals.step_signals(s))
         if s.get("routed_tokens"):
             for layer, agree in enumerate(s["agree_sum"]):
                 out[f"routing_agreement_layer_{layer}"] = agree / s["routed_tokens"]

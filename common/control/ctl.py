@@ -2,6 +2,7 @@
 
     rlstream ctl get                       --url http://127.0.0.1:8081
     rlstream ctl set max_staleness 4       --url ... --token $RLSTREAM_ADMIN_TOKEN
+    rlstream ctl set max_staleness auto    (the consumer's controller sets it again)
     rlstream ctl set mode reweight
     rlstream ctl set paused true
 

@@ -7,7 +7,7 @@
 - `GET /admin/control`            current runtime settings (bearer token).
 - `POST /admin/control` `{"key": "max_staleness", "value": 3}`  validate and
   write the change to `rlstream.control`; every service applies it at its next
-  batch boundary. 401 without the right token (compared in constant time),
+  batch boundary (`"value": "auto"` hands max_staleness to the consumer's controller). 401 without the right token (compared in constant time),
   400 for an invalid key or value; neither changes anything.
 
 The admin API is off (404) when no token is configured (`*.http.admin_token`,
@@ -157,14 +157,16 @@ def _has_body(request: Request) -> bool:
     return "content-length" in request.headers or "transfer-encoding" in request.headers
 
 
-def start_service_http(settings, health, control_view, writer, by: str, ready=None) -> ServiceHttp:
+def start_service_http(settings, health, control_view, writer, by: str, ready=None,
+                       status: Callable[[], dict] | None = None) -> ServiceHttp:
     """The HTTP endpoint of a service (`settings`: config.HttpSettings).
 
     The admin token is `settings.admin_token` (the config loader applies the
     RLSTREAM_ADMIN_TOKEN alias); the admin API writes through `writer` (a
-    control.plane.ControlPlaneWriter).
+    control.plane.ControlPlaneWriter, as an operator's change); `status`: more
+    for GET /admin/control besides the settings (the consumer's controller).
     """
     return ServiceHttp(settings.host, settings.port, health, settings.admin_token,
-                       get_control=lambda: control_view().model_dump(),
-                       set_control=lambda key, value: writer.set_control(key, value, by=by), ready=ready).start()
+                       get_control=lambda: {**control_view().model_dump(), **(status() if status else {})},
+                       set_control=lambda key, value: writer.set_by_operator(key, value, by=by), ready=ready).start()
 

@@ -21,9 +21,15 @@ message instead of applying it. Nothing is unpickled or evaluated: JSON only.
 
 Types are strict (`parse_control_value`): a JSON value must already have its
 setting's type: `max_staleness` an integer (`true` is not 1, `2.0` and "2" are
-not 2), `decay` a number (not a boolean), `paused` true or false, `mode` a
-string. Only `rlstream ctl`, whose values are command-line text, parses text
-first (`parse_control_text`).
+not 2), `decay` a number (not a boolean), `paused` and `max_staleness_auto`
+true or false, `mode` a string. Only `rlstream ctl`, whose values are
+command-line text, parses text first (`parse_control_text`).
+
+`max_staleness: auto` (docs/stability.md): the consumer's controller writes
+`max_staleness` as `CONTROLLER` with a `reason`; an operator's
+`max_staleness` N (`ControlPlaneWriter.set_by_operator`) first writes
+`max_staleness_auto: false`, and followers ignore the controller's records
+while that holds; `max_staleness` "auto" writes `max_staleness_auto: true`.
 """
 from __future__ import annotations
 
@@ -38,7 +44,11 @@ from common.config import ControlSettings
 from common.errors import ConfigError
 
 CONTROL_KEYS = tuple(ControlSettings.model_fields)
-"""The keys of the control topic: max_staleness, mode, decay, paused."""
+"""The keys of the control topic: max_staleness, mode, decay, paused, max_staleness_auto."""
+AUTO = "auto"
+"""An operator's `max_staleness` value that hands the bound to the controller."""
+CONTROLLER = "staleness-controller"
+"""The `by` of the controller's records (consumer/stability/auto.py)."""
 
 
 
@@ -182,7 +192,9 @@ def parse_control_text(key: str, text: str) -> Any:
     if key not in CONTROL_KEYS:
         raise ConfigError(f"unknown control key; choose one of {', '.join(CONTROL_KEYS)}", key=key)
     t = text.strip().lower()
-    if key == "paused":
+    if key == "max_staleness" and t == AUTO:
+        return AUTO
+    if key in ("paused", "max_staleness_auto"):
         if t not in ("true", "false", "1", "0", "yes", "no"):
             raise ConfigError(f"must be true or false, got {text!r}", key=key)
         return parse_control_value(key, t in ("true", "1", "yes"))
@@ -197,7 +209,10 @@ def parse_control_text(key: str, text: str) -> Any:
     return parse_control_value(key, t)
 
 
-def encode_control(key: str, value: Any, by: str) -> tuple[bytes, bytes]:
-    """(kafka key, kafka value) for one validated control change."""
+def encode_control(key: str, value: Any, by: str, reason: str | None = None) -> tuple[bytes, bytes]:
+    """(kafka key, kafka value) for one validated control change (`reason`: why, when given)."""
     value = parse_control_value(key, value)
-    return key.encode(), json.dumps({"value": value, "by": by, "at": time.time()}).encode()
+    record = {"value": value, "by": by, "at": time.time()}
+    if reason is not None:
+        record["reason"] = str(reason)
+    return key.encode(), json.dumps(record).encode()

@@ -21,8 +21,8 @@ from pydantic import ValidationError
 
 from common import metrics
 from common.config import ControlSettings, KafkaSettings
-from common.control.messages import (ControlChange, TrainerProgress, WeightsReady, encode_control,
-                                     parse_control_value, parse_policy_message)
+from common.control.messages import (AUTO, CONTROLLER, ControlChange, TrainerProgress, WeightsReady,
+                                     encode_control, parse_control_value, parse_policy_message)
 from common.errors import ConfigError
 from common.kafka.client import make_consumer, make_producer
 
@@ -53,6 +53,7 @@ def _export(state: ControlSettings) -> None:
     _SETTING.labels(key="decay").set(state.decay)
     _SETTING.labels(key="paused").set(1 if state.paused else 0)
     _SETTING.labels(key="mode").set(1 if state.mode == "reweight" else 0)
+    _SETTING.labels(key="max_staleness_auto").set(1 if state.max_staleness_auto else 0)
 
 
 class ControlFollower:
@@ -118,14 +119,19 @@ class ControlFollower:
             if kind == "policy":
                 return self._apply_policy(parse_policy_message(value or b""))
             k = (key or b"").decode()
-            v = parse_control_value(k, json.loads(value or b"null")["value"])
+            record = json.loads(value or b"null")
+            v = parse_control_value(k, record["value"])
         except (ValidationError, ConfigError, ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
             _REJECTED.labels(topic=kind).inc()
             log.warning("ignoring malformed %s message (key=%r): %s", kind, key, e)
             return None
+        reason = f" ({record['reason']})" if record.get("reason") else ""
+        if record.get("by") == CONTROLLER and not self.view.state.max_staleness_auto:
+            log.info("control: the controller's %s = %r ignored: an operator's setting holds%s", k, v, reason)
+            return None
         if getattr(self.view.state, k) != v:
             setattr(self.view.state, k, v)
-            log.info("control: %s = %r", k, v)
+            log.info("control: %s = %r by %s%s", k, v, record.get("by"), reason)
             return ControlChange(k, v)
         return None
 
@@ -156,11 +162,23 @@ class ControlPlaneWriter:
         self.kafka = kafka
         self._p = make_producer(kafka, "control")
 
-    def set_control(self, key: str, value: Any, by: str) -> Any:
+    def set_control(self, key: str, value: Any, by: str, reason: str | None = None) -> Any:
         """Validate, write and wait for the broker's acknowledgement; return the typed value."""
-        k, v = encode_control(key, value, by=by)
+        k, v = encode_control(key, value, by=by, reason=reason)
         self._p.send(self.kafka.topics.control, key=k, value=v).get(timeout=30)
         return json.loads(v)["value"]
+
+    def set_by_operator(self, key: str, value: Any, by: str) -> Any:
+        """An operator's change (the admin API). `max_staleness` N takes the bound from the
+        controller first (`max_staleness_auto` false), so its later records are ignored;
+        `max_staleness` "auto" hands the bound back to it."""
+        if key == "max_staleness" and value == AUTO:
+            self.set_control("max_staleness_auto", True, by)
+            return AUTO
+        if key == "max_staleness":
+            parse_control_value(key, value)  # a bad value changes nothing
+            self.set_control("max_staleness_auto", False, by)
+        return self.set_control(key, value, by)
 
     def announce(self, msg: WeightsReady | TrainerProgress) -> None:
         """Send one policy-topic message (keyed by its kind) and wait for the ack."""

@@ -151,7 +151,8 @@ def test_the_control_settings_are_one_model_for_the_file_and_the_control_plane()
     from common.control.messages import CONTROL_KEYS, parse_control_value
 
     assert issubclass(StalenessSettings, ControlSettings) and CONTROL_KEYS == tuple(ControlSettings.model_fields)
-    assert set(StalenessSettings.model_fields) == set(ControlSettings.model_fields)
+    # and `auto`: the limits of `max_staleness: auto`, file-only (the controller's bound is max_staleness)
+    assert set(StalenessSettings.model_fields) == set(ControlSettings.model_fields) | {"auto"}
     for key, value in [("max_staleness", 1001), ("max_staleness", -1), ("mode", "sometimes"), ("decay", 0),
                        ("decay", 1.5), ("paused", "maybe")]:
         with pytest.raises(ConfigError) as file_err:
@@ -165,7 +166,8 @@ def test_the_control_settings_are_one_model_for_the_file_and_the_control_plane()
     cfg = load_config(None, ["staleness.max_staleness=5", "staleness.paused=true"], environ={})
     start = ControlSettings.from_settings(cfg.staleness)
     assert type(start) is ControlSettings and start.model_dump() == {"max_staleness": 5, "mode": "drop",
-                                                                      "decay": 1.0, "paused": True}
+                                                                      "decay": 1.0, "paused": True,
+                                                                      "max_staleness_auto": False}
     start.max_staleness = 0
     assert cfg.staleness.max_staleness == 5, "a service's runtime copy is its own"
 
