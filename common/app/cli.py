@@ -81,8 +81,8 @@ def _parser() -> argparse.ArgumentParser:
     ctl.add_argument("--token", help="admin bearer token: setting cli.admin_token (env RLSTREAM_ADMIN_TOKEN)")
     ctl.add_argument("-c", "--config", help="YAML file to take cli.admin_url / cli.admin_token from")
     exp = sub.add_parser("experiment", help="run a side-by-side experiment (async, objectives, replay, "
-                                            "dynamic_sampling, tool_use)")
-    exp.add_argument("name", choices=["async", "objectives", "replay", "dynamic_sampling", "tool_use"])
+                                            "dynamic_sampling, tool_use, stability)")
+    exp.add_argument("name", choices=["async", "objectives", "replay", "dynamic_sampling", "tool_use", "stability"])
     exp.add_argument("-c", "--config", default="configs/tiny-cpu.yaml")
     exp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     from common.cluster.cli import add_parser as add_twin_parser

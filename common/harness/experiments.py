@@ -1,10 +1,11 @@
-"""`rlstream experiment async|objectives|replay|dynamic_sampling|tool_use`: short side-by-side runs.
+"""`rlstream experiment async|objectives|replay|dynamic_sampling|tool_use|stability`: short side-by-side runs.
 
     rlstream experiment async            -c configs/tiny-cpu.yaml
     rlstream experiment objectives       -c configs/tiny-cpu.yaml
     rlstream experiment replay           -c configs/tiny-cpu.yaml
     rlstream experiment dynamic_sampling -c configs/tiny-cpu.yaml
     rlstream experiment tool_use         -c configs/tiny-calculator.yaml
+    rlstream experiment stability        -c configs/tiny-cpu.yaml
 
 Every arm is one full pipeline run (`common.harness.runs.run_rl`: fresh broker,
 producer(s), consumer, run directory) from the same SFT warm start (shared and
@@ -45,6 +46,12 @@ Settings (`experiment` section, common/config.py; environment
   without it (single-turn, same prompts), the tool-call rate, and the gains
   (common/harness/tool_use.py, which also writes `tool_use.md` in the run dir).
 
+- stability (common/harness/stability.py): MiniRL vs DPPO, routing replay none / R3,
+  max_staleness 0 / 2 / 8 / auto, 3 seeds each, then a sweep of a controlled
+  training-inference mismatch; tables of mean and spread over seeds and plots
+  (written under `<demo.work_dir>/stability/`). The JSON adds `groups`,
+  `table_main`, `table_mismatch`, `table_by_staleness` and `plots`.
+
 Per arm: reward (last quarter), held-out accuracy (final, the demo's metric: avg@8), training-
 inference KL and clip fraction (means over the last quarter), entropy, and
 `collapsed`: final held-out accuracy more than `COLLAPSE_ACC_DROP` below the
@@ -66,8 +73,9 @@ log = logging.getLogger("rlstream.experiments")
 
 COLLAPSE_ACC_DROP = 0.10
 COLLAPSE_KL = 0.05
-ARM_SECONDS = {"async": 240.0, "objectives": 90.0, "replay": 60.0, "dynamic_sampling": 480.0, "tool_use": 300.0}
-REPS = {"async": 2, "objectives": 1, "replay": 1, "dynamic_sampling": 1, "tool_use": 1}
+ARM_SECONDS = {"async": 240.0, "objectives": 90.0, "replay": 60.0, "dynamic_sampling": 480.0, "tool_use": 300.0,
+               "stability": 60.0}
+REPS = {"async": 2, "objectives": 1, "replay": 1, "dynamic_sampling": 1, "tool_use": 1, "stability": 1}
 TO_TARGET = ("async", "dynamic_sampling", "tool_use")
 """Experiments whose arms stop at the demo's target accuracy (the others run their time)."""
 # Overrides every arm of an experiment shares (the workload), before the arm's own.
@@ -106,7 +114,12 @@ def arms(name: str, cfg: RlstreamConfig) -> list[Arm]:
 
         require_episodes(cfg)
         return [Arm("rl", {})]
-    raise ConfigError(f"unknown experiment {name!r}; choose async, objectives, replay, dynamic_sampling or tool_use")
+    if name == "stability":
+        from common.harness.stability import arm_specs
+
+        return [Arm(n, o) for n, o in arm_specs()]
+    raise ConfigError(f"unknown experiment {name!r}; choose async, objectives, replay, dynamic_sampling, "
+                      "tool_use or stability")
 
 
 def selected_arms(name: str, cfg: RlstreamConfig) -> list[Arm]:
@@ -234,7 +247,15 @@ def combine(runs: list[dict]) -> dict:
 
 
 def run_experiment(name: str, cfg: RlstreamConfig, seconds: float | None = None, reps: int | None = None) -> int:
-    """Run every arm of `name`; print the tables and one JSON object last; 0 iff every arm ran cleanly.
+    """Run every arm of `name`; print the tables and one JSON object last; 0 iff every arm ran cleanly."""
+    out = experiment_result(name, cfg, seconds, reps)
+    print(json.dumps(out, default=str), flush=True)
+    return 0 if all(r["ok"] for r in out["arms"].values()) else 1
+
+
+def experiment_result(name: str, cfg: RlstreamConfig, seconds: float | None = None,
+                      reps: int | None = None) -> dict[str, Any]:
+    """Run every arm of `name`, print the tables; the experiment's JSON object.
 
     With `reps` > 1 the arms are interleaved A B .. B A (ABBA order cancels a
     linear drift of the shared machine's load) and each arm's numbers combine
@@ -257,6 +278,10 @@ def run_experiment(name: str, cfg: RlstreamConfig, seconds: float | None = None,
         res = run_rl(cfg, warm, f"{name}-{arm.name}", stop, overrides={**COMMON.get(name, {}), **arm.overrides},
                      eval_every_s=15.0 if name in TO_TARGET else 30.0)
         m = arm_metrics(res)
+        if name == "stability":
+            from common.harness.stability import stability_metrics
+
+            m = stability_metrics(res, m)
         runs[arm.name].append(m)
         say(f"[{i + 1}/{len(order)}] {arm.name}: {m['samples_per_s']:.1f} samples/s, "
             f"{m['versions']} versions in {m['rl_seconds']:.0f} s, phases {m['phases']}")
@@ -274,8 +299,14 @@ def run_experiment(name: str, cfg: RlstreamConfig, seconds: float | None = None,
         from common.harness.tool_use import tool_use_summary
 
         out.update(tool_use_summary(cfg, warm, results))
-    print(json.dumps(out, default=str), flush=True)
-    return 0 if all(r["ok"] for r in results.values()) else 1
+    if name == "stability":
+        from pathlib import Path
+
+        from common.harness.stability import stability_summary
+
+        out.update(stability_summary(results, Path(cfg.demo.work_dir) / "stability"))
+        say(out["table_main"] + "\n\n" + out["table_mismatch"] + "\n\n" + out["table_by_staleness"])
+    return out
 
 
 def _async_summary(results: dict[str, dict], runs: dict[str, list[dict]], reps: int) -> dict:

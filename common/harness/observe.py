@@ -147,6 +147,9 @@ class Observer:
             "reward_mean": d["reward_sum"] / d["samples"] if d["samples"] else None,
             "kl": _num(step("kl_train_inference")), "entropy": _num(step("entropy")),
             "clip_frac": _num(step("clip_frac")), "is_truncated_frac": _num(step("is_truncated_frac")),
+            "ess": _num(step("ess")), "mismatch_kl": _num(step("mismatch_kl")), "grad_norm": _num(step("grad_norm")),
+            "max_staleness": _num(metric(c, "rlstream_control_setting", float("nan"), key="max_staleness")),
+            "by_staleness": _by_staleness(c),
             "staleness_mean": d["st_sum"] / d["st_n"] if d["st_n"] else None,
             "samples_per_s": d["trained"] / dt, "generated_per_s": d["samples"] / dt,
             "generated": int(d["samples"]),
@@ -155,6 +158,16 @@ class Observer:
             "lag": int(metric(c, "rlstream_consumer_lag_records")),
             "cum": _cumulative(c, prods),
         }
+
+
+def _by_staleness(c: Metrics | None) -> dict:
+    """The consumer's last-step signals per staleness bucket (`rlstream_trainer_signal`), buckets with tokens."""
+    out: dict[str, dict] = {}
+    for (name, labels), v in (c or {}).items():
+        lab = dict(labels)
+        if name == "rlstream_trainer_signal" and lab.get("staleness", "all") != "all" and v == v:
+            out.setdefault(lab["staleness"], {})[lab["signal"]] = v
+    return {b: sig for b, sig in out.items() if sig.get("token_share")}
 
 
 def _cumulative(c: Metrics | None, prods: list[Metrics]) -> dict:

@@ -15,9 +15,15 @@ The progress log (written by common/harness/demo.py) holds one JSON object per l
   avg@k = mean accuracy over k samples per held-out problem, or greedy),
   `heldout_greedy`, `heldout_pass_at_k`.
 
+Ticks also carry the stability signals (docs/stability.md): `ess`, `mismatch_kl`,
+`grad_norm`, `max_staleness` (the bound in force) and `by_staleness` ({bucket:
+{ess, kl, clip_frac, is_truncated_frac, token_share}}).
+
 Plots (matplotlib, Agg): reward, held-out accuracy, training-inference KL,
-staleness and samples/s, each over policy versions; one file each and an
-overview grid. Missing values (e.g. before the first trained step) are skipped.
+staleness, samples/s, ESS, mismatch, gradient norm and the bound, each over
+policy versions; one file each and an overview grid. Missing values (e.g.
+before the first trained step) are skipped. report.md adds the signals by
+staleness (`by_staleness`).
 """
 from __future__ import annotations
 
@@ -32,6 +38,10 @@ PLOTS = (
     ("kl", "tick", "kl", "KL(mu_old || pi_old)", "Training-inference KL"),
     ("staleness", "tick", "staleness_mean", "versions", "Staleness of gated groups"),
     ("samples_per_s", "tick", "samples_per_s", "samples / s", "Trained samples per second"),
+    ("ess", "tick", "ess", "normalised ESS", "ESS of the token IS weights"),
+    ("mismatch_kl", "tick", "mismatch_kl", "KL at staleness 0", "Training-inference mismatch"),
+    ("grad_norm", "tick", "grad_norm", "pre-clip norm", "Gradient norm"),
+    ("max_staleness", "tick", "max_staleness", "versions", "max_staleness in force"),
 )
 
 
@@ -99,10 +109,9 @@ def plot_all(rows: list[dict], out_dir: Path, summary: dict | None = None) -> li
         fig.savefig(p)
         plt.close(fig)
         paths.append(p)
-    fig, axes = plt.subplots(2, 3, figsize=(14, 7), dpi=100)
+    fig, axes = plt.subplots(3, 3, figsize=(14, 10), dpi=100)
     for ax, (stem, kind, key, ylabel, title) in zip(axes.flat, PLOTS):
         _plot_one(ax, rows, kind, key, ylabel, title, lines if stem == "heldout_accuracy" and lines else None)
-    axes.flat[-1].axis("off")
     fig.tight_layout()
     p = out_dir / "overview.png"
     fig.savefig(p)
@@ -127,6 +136,19 @@ def _window_mean(rows, kind, key, first: bool, frac: float = 0.25):
     return sum(w) / len(w)
 
 
+def by_staleness(rows: list[dict]) -> dict[str, dict]:
+    """Per staleness bucket, each signal's mean over the second half's ticks that saw the bucket."""
+    ticks = [r for r in rows if r.get("kind") == "tick"]
+    acc: dict[str, dict[str, list[float]]] = {}
+    for r in ticks[len(ticks) // 2:]:
+        for bucket, sig in (r.get("by_staleness") or {}).items():
+            for k, v in sig.items():
+                if v is not None and v == v:
+                    acc.setdefault(bucket, {}).setdefault(k, []).append(v)
+    order = sorted(acc, key=lambda b: int(b.rstrip("+")))
+    return {b: {k: sum(v) / len(v) for k, v in acc[b].items()} for b in order}
+
+
 def markdown(rows: list[dict], summary: dict, plots: list[Path]) -> str:
     evals = [r for r in rows if r.get("kind") == "eval"]
     ticks = [r for r in rows if r.get("kind") == "tick"]
@@ -143,6 +165,11 @@ def markdown(rows: list[dict], summary: dict, plots: list[Path]) -> str:
     for stem, kind, key, _, title in PLOTS:
         out.append(f"| {title} | {_fmt(_window_mean(rows, kind, key, True))} | "
                    f"{_fmt(_window_mean(rows, kind, key, False))} |")
+    out += ["", "## Stability signals by a record's staleness (second half of the run)", "",
+            "| staleness | token share | ESS | KL(mu_old, pi_old) | masked/clipped | IS truncated |",
+            "|---|---|---|---|---|---|"]
+    out += [f"| {b} | {_fmt(s.get('token_share'))} | {_fmt(s.get('ess'))} | {_fmt(s.get('kl'))} | "
+            f"{_fmt(s.get('clip_frac'))} | {_fmt(s.get('is_truncated_frac'))} |" for b, s in by_staleness(rows).items()]
     out += ["", "## Record accounting", "",
             "Every record published on the rollouts topic ends in exactly one consumer outcome; "
             "`held` are whole groups waiting for a full batch at shutdown (their offsets stay in "

@@ -46,6 +46,7 @@ BENCHES = {
     "e2e_async": (("experiment", "arms", "warm_accuracy", "target_accuracy"), 600, ("vllm", "megatron", "broker")),
     "dynamic_sampling": (("experiment", "arms", "warm_accuracy", "target_accuracy"), 600,
                          ("vllm", "megatron", "broker")),
+    "stability": (("losses", "arms", "warm_accuracy", "targets_met"), 600, ("vllm", "megatron", "broker")),
     "cluster": (("versions_trained", "seconds_per_version", "collective_share", "trainer_egress_over_model_bytes"),
                 480, ("vllm", "megatron", "broker")),
     "episodes": (("lost_generation_seconds_per_crash", "lost_ratio_on_over_off", "episodes_published_twice"), 600,
@@ -96,7 +97,7 @@ def extra_args(name: str, tmp_path: Path, shared_warm: list[str]) -> list[str]:
         return ["--models-dir", str(tmp_path / "models")]
     if name == "soak":
         return ["--work-dir", str(tmp_path / "soak")]
-    if name in ("e2e_async", "dynamic_sampling"):
+    if name in ("e2e_async", "dynamic_sampling", "stability"):
         return shared_warm
     return []
 

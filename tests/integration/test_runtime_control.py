@@ -7,11 +7,14 @@ documents for that service is there. Then `max_staleness` is lowered through
 the admin API while both run: both services report the new value, the
 producer's staleness backpressure engages, and every batch the consumer
 trains after the change is within the new bound (from its audit log and the
-records read back from the topic).
+records read back from the topic). Last, `max_staleness auto` hands the bound to
+the consumer's controller, which moves it (published with its reason, applied by
+both services), until an operator's bound takes it back.
 """
 from __future__ import annotations
 
 import importlib.util
+import json
 import time
 from pathlib import Path
 
@@ -48,7 +51,11 @@ def exposed_families(text: str) -> set[str]:
 def pipeline(broker, tiny_model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ops")
     kafka = make_kafka_settings(broker.bootstrap, tmp / "blobs", rollouts_partitions=2)
-    cfg = service_config(kafka, tiny_model_dir, tmp, G=4, B=2, staleness={"max_staleness": 4})
+    # `auto` (off at start): one step per decision and thresholds every step meets, so the
+    # controller loosens by one per step once an operator hands it the bound
+    auto = {"min": 0, "max": 6, "window": 1, "wait_share_loosen": 0.0, "ess_tighten": 0.01, "ess_loosen": 0.02,
+            "kl_tighten": 10.0, "kl_loosen": 5.0, "grad_norm_tighten": 1000.0, "grad_norm_loosen": 999.0}
+    cfg = service_config(kafka, tiny_model_dir, tmp, G=4, B=2, staleness={"max_staleness": 4, "auto": auto})
     ensure_prompts(cfg)
     path = write_config(cfg, tmp / "config.yaml")
     producer = Service("producer", path, tmp / "logs").start()
@@ -105,3 +112,34 @@ def test_lowering_max_staleness_at_runtime(pipeline):
     assert after and all(st == 0 for st in after), after
     assert producer.metric("rlstream_producer_held_back_total", reason="staleness") > held0
     assert time.monotonic() - changed_at < 300
+
+
+def admin(svc, body=None):
+    code, raw = http_request(svc.url + "/admin/control", "POST" if body else "GET", body, token=ADMIN_TOKEN)
+    assert code == 200, raw
+    return json.loads(raw)
+
+
+@pytest.mark.timeout(400)
+def test_auto_moves_the_bound_until_an_operator_takes_it_back(pipeline):
+    producer, consumer, cfg = pipeline
+    wait_until(lambda: len(steps(cfg)) >= 1, 300, "a training step", [producer, consumer])
+    start = int(consumer.metric("rlstream_control_setting", key="max_staleness"))
+    assert admin(consumer, {"key": "max_staleness", "value": "auto"})["value"] == "auto"
+    for svc in (producer, consumer):  # the controller's records reach every service
+        wait_until(lambda: svc.metric("rlstream_control_setting", key="max_staleness") >= start + 2, 300,
+                   f"{svc.command} applying the controller's bound", [producer, consumer])
+    status = admin(consumer)["max_staleness_controller"]
+    assert status["owns_bound"] and status["last_change"]["direction"] == "loosen"
+    assert status["last_change"]["reason"].startswith("loosen ") and "healthy" in status["last_change"]["reason"]
+    assert consumer.metric("rlstream_staleness_auto_changes_total", direction="loosen", signal="healthy",
+                           published="true") >= 2
+    # an operator's bound holds: the controller, which would loosen every step, stands by
+    admin(consumer, {"key": "max_staleness", "value": 1})
+    wait_until(lambda: consumer.metric("rlstream_control_setting", key="max_staleness_auto") == 0, 60,
+               "the consumer applying the operator's bound", [producer, consumer])
+    at = max(steps(cfg))
+    wait_until(lambda: max(steps(cfg)) >= at + 3, 300, "three more steps", [producer, consumer])
+    for svc in (producer, consumer):
+        assert svc.metric("rlstream_control_setting", key="max_staleness") == 1
+    assert admin(consumer)["max_staleness_controller"]["owns_bound"] is False

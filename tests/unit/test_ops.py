@@ -351,7 +351,7 @@ def test_alert_rules_and_dashboard_use_documented_metrics():
 def test_required_alerts_and_panels_exist():
     alerts = {r["alert"]: r for g in yaml.safe_load(ALERTS.read_text())["groups"] for r in g["rules"]}
     for name in ("RlstreamConsumerLagHigh", "RlstreamVersionNotAdvancing", "RlstreamDLQRate",
-                 "RlstreamWeightReloadFailures", "RlstreamKLSpike"):
+                 "RlstreamWeightReloadFailures", "RlstreamKLSpike", "RlstreamStalenessAutoAtMin"):
         assert name in alerts
     for a in alerts.values():
         assert a["labels"]["severity"] in ("info", "warning", "critical") and a["annotations"]["summary"]

@@ -91,7 +91,9 @@ def test_dry_run_prints_every_knob_the_trainer_reads():
                            "recompute": False, "attention": "auto", "experts": "auto",
                            "device_memory_gb": None, "host_memory_gb": None, "ranks_per_node": 8,
                            "expert_imbalance": 1.5}
-    assert c["loss"] == {"name": "minirl", "eps_low": 0.2, "eps_high": 0.27, "is_cap": 5.0, "advantage": "auto"}
+    assert c["loss"] == {"name": "minirl", "eps_low": 0.2, "eps_high": 0.27, "is_cap": 5.0, "advantage": "auto",
+                         "delta_low": None, "delta_high": None}
+    assert c["stress"] == {"logprob_temperature_scale": 1.0}
     assert c["parallel"] == {"tensor": 1, "expert": 1, "world_size": None}
 
 
