@@ -24,7 +24,7 @@ Settings (`experiment` section, common/config.py; environment
   `ARM_SECONDS["async"]`, twice, interleaved sync, async, async, sync (ABBA). Prints a table and one JSON object with
   `async_speedup` = async trained samples/s / sync trained samples/s and each
   arm's wall time to the target accuracy.
-- objectives: `consumer.loss.name` = minirl, minirl_no_is, grpo, cispo, on-policy.
+- objectives: `consumer.loss.name` = minirl, minirl_no_is, grpo, cispo, dppo_tv, dppo_kl, on-policy.
 - replay: `consumer.num_minibatches=4` (off-policy, 4 updates per batch) with
   routing replay none / R2 / R3, each with the PPO-style clipping mask and
   without it (eps_low = 0.999999, eps_high = 1e6: no token is masked), plus R3 with
@@ -97,7 +97,7 @@ def arms(name: str, cfg: RlstreamConfig) -> list[Arm]:
         return [Arm("sync", {"staleness.max_staleness": 0}), Arm(f"async_k{k}", {"staleness.max_staleness": k})]
     if name == "objectives":
         return [Arm(loss, {"consumer.loss.name": loss, "consumer.num_minibatches": 1})
-                for loss in ("minirl", "minirl_no_is", "grpo", "cispo")]
+                for loss in ("minirl", "minirl_no_is", "grpo", "cispo", "dppo_tv", "dppo_kl")]
     if name == "replay":
         base = {"consumer.num_minibatches": 4}
         out = []

@@ -14,7 +14,8 @@ CONFIG = Path(__file__).resolve().parents[4] / "configs" / "tiny-cpu.yaml"
 
 def test_every_arm_by_default_or_the_named_ones():
     cfg = load_config(CONFIG, environ={})
-    assert [a.name for a in selected_arms("objectives", cfg)] == ["minirl", "minirl_no_is", "grpo", "cispo"]
+    assert [a.name for a in selected_arms("objectives", cfg)] == ["minirl", "minirl_no_is", "grpo", "cispo",
+                                                                   "dppo_tv", "dppo_kl"]
     cfg = load_config(CONFIG, environ={"RLSTREAM__EXPERIMENT__ARMS": "grpo,cispo",
                                        "RLSTREAM__EXPERIMENT__ARM_SECONDS": "30"})
     assert [a.name for a in selected_arms("objectives", cfg)] == ["grpo", "cispo"]
