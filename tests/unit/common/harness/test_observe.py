@@ -48,3 +48,18 @@ def test_observer_rows_are_interval_rates_and_last_step_values():
     second = obs.row(scrapes(150, 45, 80, 0.25))
     assert second["reward_mean"] == 0.4 and second["generated"] == 50 and second["version"] == 10
     assert second["outcomes"]["trained"] == 80 and second["entropy"] is None  # absent -> None, not NaN
+
+
+def test_observer_rows_carry_the_stability_signals_by_staleness():
+    from common.harness.observe import Observer
+
+    nan = float("nan")
+    sig = lambda s, b, v: (("rlstream_trainer_signal", (("signal", s), ("staleness", b))), v)  # noqa: E731
+    cons = dict([sig("ess", "all", 0.8), sig("ess", "0", 0.95), sig("token_share", "0", 0.7), sig("kl", "0", 1e-3),
+                 sig("ess", "3", 0.4), sig("token_share", "3", 0.3), sig("ess", "5", nan), sig("token_share", "5", nan),
+                 (("rlstream_trainer_step_metric", (("name", "ess"),)), 0.8),
+                 (("rlstream_control_setting", (("key", "max_staleness"),)), 4.0)])
+    row = Observer(t0=0.0).row({"consumer": cons})
+    assert row["ess"] == 0.8 and row["max_staleness"] == 4.0 and row["mismatch_kl"] is None
+    assert row["by_staleness"] == {"0": {"ess": 0.95, "token_share": 0.7, "kl": 1e-3},
+                                   "3": {"ess": 0.4, "token_share": 0.3}}  # a bucket without tokens is left out
