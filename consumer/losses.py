@@ -76,7 +76,7 @@ class LossInputs:
     num_tokens: int
 
 
-LossFn = Callable[[LossInputs, LossSettings], "tuple[torch.Tensor, dict[str, float]]"]
+LossFn = Callable[[LossInputs, LossSettings], "tuple[torch.Tensor, dict]"]
 
 
 @dataclass(frozen=True)
