@@ -74,7 +74,10 @@ log = logging.getLogger("rlstream.experiments")
 COLLAPSE_ACC_DROP = 0.10
 COLLAPSE_KL = 0.05
 ARM_SECONDS = {"async": 240.0, "objectives": 90.0, "replay": 60.0, "dynamic_sampling": 480.0, "tool_use": 300.0,
-               "stability": 60.0}
+               "stability": 300.0}
+ARM_VERSIONS = {"stability": 30}
+"""Experiments whose arms stop after a number of policy versions (their seconds are a cap): every
+arm takes the same number of optimizer steps, however loaded the shared machine is."""
 REPS = {"async": 2, "objectives": 1, "replay": 1, "dynamic_sampling": 1, "tool_use": 1, "stability": 1}
 TO_TARGET = ("async", "dynamic_sampling", "tool_use")
 """Experiments whose arms stop at the demo's target accuracy (the others run their time)."""
@@ -268,13 +271,16 @@ def experiment_result(name: str, cfg: RlstreamConfig, seconds: float | None = No
     warm = prepare_warm(cfg)
     target = min(1.0, warm.accuracy + cfg.demo.target_gain)
     budget = seconds or cfg.experiment.arm_seconds or ARM_SECONDS[name]
+    versions = cfg.experiment.arm_versions or ARM_VERSIONS.get(name)
     reps = reps or cfg.experiment.reps or REPS[name]
     order = [a for r in range(reps) for a in (arm_list if r % 2 == 0 else arm_list[::-1])]
-    say(f"experiment {name}: {len(arm_list)} arms x {reps} rep(s) x <= {budget:.0f} s, "
+    say(f"experiment {name}: {len(arm_list)} arms x {reps} rep(s) x <= {budget:.0f} s"
+        f"{f' or {versions} versions' if versions else ''}, "
         f"warm accuracy {warm.accuracy:.3f}, target {target:.3f}; order {[a.name for a in order]}")
     runs: dict[str, list[dict]] = {a.name: [] for a in arm_list}
     for i, arm in enumerate(order):
-        stop = StopRule(target_accuracy=target if name in TO_TARGET else None, max_seconds=budget)
+        stop = StopRule(target_accuracy=target if name in TO_TARGET else None, max_seconds=budget,
+                        max_versions=versions)
         res = run_rl(cfg, warm, f"{name}-{arm.name}", stop, overrides={**COMMON.get(name, {}), **arm.overrides},
                      eval_every_s=15.0 if name in TO_TARGET else 30.0)
         m = arm_metrics(res)
@@ -291,7 +297,7 @@ def experiment_result(name: str, cfg: RlstreamConfig, seconds: float | None = No
     say(_table(results))
     say(_phase_table(results))
     out: dict[str, Any] = {"experiment": name, "warm_accuracy": warm.accuracy, "target_accuracy": target,
-                           "metric": warm.metric, "arm_seconds": budget, "reps": reps,
+                           "metric": warm.metric, "arm_seconds": budget, "arm_versions": versions, "reps": reps,
                            "order": [a.name for a in order], "arms": results}
     if name in SUMMARIES and len(results) == 2:
         out.update(SUMMARIES[name](results, runs, reps))

@@ -5,7 +5,10 @@ plots (docs/stability.md).
 
     rlstream experiment stability -c configs/tiny-cpu.yaml      (about 60 runs: hours on 2 cores)
 
-Arms (every arm: `COMMON`, N = 2 mini-batches per step, so a trust region has something to do):
+Every arm trains 30 policy versions (`experiments.ARM_VERSIONS`, at most 300 s), so that arms
+compare at equal optimizer steps however loaded the shared machine is; samples/s is measured
+over the same run. Arms (every arm: `COMMON`, N = 2 mini-batches per step, so a trust region
+has something to do):
 
 - `main:{loss}-{replay}-{bound}-s{seed}` for loss in `LOSSES`, replay none / R3, bound
   k0 / k2 / k8 (`staleness.max_staleness`) or auto (`max_staleness: auto`, limits 0..8,

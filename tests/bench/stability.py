@@ -1,12 +1,13 @@
 """The cost of asynchrony per loss, and whether `max_staleness: auto` earns its keep (tiny model, CPU).
 Prints one JSON object last.
 
-    .venv/bin/python tests/bench/stability.py [--seconds 60] [--losses minirl,dppo_tv] [--seeds 0] [--set k=v ...] [--smoke]
+    .venv/bin/python tests/bench/stability.py [--versions 30] [--seconds 300] [--losses minirl,dppo_tv] [--seeds 0]
+                                              [--set k=v ...] [--smoke]
 
 Runs arms of `rlstream experiment stability` (common/harness/stability.py; replay none, N = 2
-mini-batches): for each loss, max_staleness 0, 2, 8 and auto (limits 0..8, start 2), for
-`--seconds` of RL each, from the same warm start; with several `--seeds` each figure is the
-mean over seeds. Per loss:
+mini-batches): for each loss, max_staleness 0, 2, 8 and auto (limits 0..8, start 2), each
+for `--versions` optimizer steps (at most `--seconds` of RL), from the same warm start; with
+several `--seeds` each figure is the mean over seeds. Per loss:
   k8_over_k0_accuracy      held-out accuracy after the budget at max_staleness 8 / at 0
                            (the cost of asynchrony: 1.0 = none)
   best_fixed               the fixed bound with the best accuracy
@@ -67,7 +68,8 @@ def per_loss(arms: dict, loss: str, seeds: list[int], bounds: list[str]) -> dict
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("-c", "--config", default=str(ROOT / "configs" / "tiny-cpu.yaml"))
-    p.add_argument("--seconds", type=float, default=60.0, help="RL seconds per arm")
+    p.add_argument("--versions", type=int, default=None, help="policy versions per arm (default: the experiment's, 30)")
+    p.add_argument("--seconds", type=float, default=None, help="RL seconds per arm at most (default 300)")
     p.add_argument("--losses", default="minirl,dppo_tv")
     p.add_argument("--seeds", default="0", help="comma-separated seeds (each arm once per seed)")
     p.add_argument("--bounds", default=",".join(BOUNDS), help="subset of k0,k2,k8,auto")
@@ -79,13 +81,15 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="rlstream-smoke-") as work:  # used by --smoke only
         arms = ",".join(names)
         overrides = experiment_overrides(work, arms) if a.smoke else [f"experiment.arms={arms}"]
-        cfg = load_config(a.config, overrides + a.set)  # the user's --set wins
+        versions = [f"experiment.arm_versions={a.versions}"] if a.versions else []
+        cfg = load_config(a.config, overrides + versions + a.set)  # the user's --set wins
         res = experiment_result("stability", cfg, seconds=a.seconds, reps=1)
     out = {"losses": {loss: per_loss(res["arms"], loss, seeds, bounds) for loss in losses},
            "arms": {n: {k: m.get(k) for k in ("heldout_accuracy", "samples_per_s", "bound", "bound_final", "ess",
                                               "mismatch_kl", "collapsed_by_accuracy", "ok")}
                     for n, m in res["arms"].items()},
-           "warm_accuracy": res["warm_accuracy"], "arm_seconds": res["arm_seconds"], "seeds": seeds,
+           "warm_accuracy": res["warm_accuracy"], "arm_seconds": res["arm_seconds"],
+           "arm_versions": res["arm_versions"], "seeds": seeds,
            "smoke": a.smoke}
     goals = [v["auto_goal_met"] for v in out["losses"].values()]
     out["targets_met"] = None if None in goals else all(goals)
