@@ -83,6 +83,8 @@ def test_reweight_mode_follows_decay_formula():
     d = gate_group(group, 4, ControlSettings(max_staleness=3, mode="reweight", decay=0.5))
     assert d.keep and d.staleness == 3
     assert d.weights == (0.5 ** 1, 0.5 ** 3)
+    assert d.ages == (1, 3)  # each sample's own age: the trainer splits its signals by it
+    assert gate_group(group, 4, ControlSettings(max_staleness=3)).ages == (1, 3)
     assert not gate_group(group, 5, ControlSettings(max_staleness=3, mode="reweight", decay=0.5)).keep
 
 

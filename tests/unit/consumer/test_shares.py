@@ -30,7 +30,7 @@ def samples(n_groups: int, g: int, seed: int, routing=np.uint8, scope="mixed", l
                                    -rng.random(t).astype(np.float32), float(rng.integers(0, 2)) + 0.1 * i,
                                    f"g{gi}", r, float(rng.uniform(0.2, 1.0)),
                                    temperature=float(rng.choice([0.7, 1.0, 1.3])),
-                                   loss_mask=_turns(rng, t) if i % 2 else None))
+                                   loss_mask=_turns(rng, t) if i % 2 else None, staleness=int(rng.integers(0, 12))))
     return out
 
 
@@ -47,7 +47,7 @@ def assert_same_batch(a, b):
     assert len(a.minibatches) == len(b.minibatches)
     for x, y in zip(a.minibatches, b.minibatches):
         for f in ("tokens", "loss_mask", "input_mask", "rollout_logprobs", "advantages", "sample_weight",
-                  "routing", "routing_mask", "temperature"):
+                  "routing", "routing_mask", "temperature", "staleness"):
             u, v = getattr(x, f), getattr(y, f)
             assert (u is None) == (v is None), f
             if u is not None:
