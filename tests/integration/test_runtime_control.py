@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from common.harness.census import read_rollouts
-from common.harness.observe import http_request
+from common.harness.observe import http_request, parse
 from common.harness.supervisor import Service, wait_until
 from tests.fixtures.kafka import make_kafka_settings
 from tests.support.audit import audit_entries, audit_steps, step_staleness
@@ -134,6 +134,12 @@ def test_auto_moves_the_bound_until_an_operator_takes_it_back(pipeline):
     assert status["last_change"]["reason"].startswith("loosen ") and "healthy" in status["last_change"]["reason"]
     assert consumer.metric("rlstream_staleness_auto_changes_total", direction="loosen", signal="healthy",
                            published="true") >= 2
+    # the real trainer's signals: an ESS in (0, 1], and its tokens spread over staleness buckets
+    signals = {(dict(lab)["signal"], dict(lab)["staleness"]): v for (name, lab), v in parse(consumer.scrape()).items()
+               if name == "rlstream_trainer_signal" and v == v}
+    assert 0 < signals[("ess", "all")] <= 1 + 1e-9
+    shares = [v for (sig, bucket), v in signals.items() if sig == "token_share"]
+    assert shares and abs(sum(shares) - 1) < 1e-6
     # an operator's bound holds: the controller, which would loosen every step, stands by
     admin(consumer, {"key": "max_staleness", "value": 1})
     wait_until(lambda: consumer.metric("rlstream_control_setting", key="max_staleness_auto") == 0, 60,
