@@ -15,7 +15,10 @@ has something to do):
   start 2), seed in `SEEDS` (the producers' sampling and prompt-order seeds);
 - `mismatch:{loss}-t{scale}` for loss in `MISMATCH_LOSSES`, scale in `MISMATCH_SCALES`:
   the trainer takes its log-probs at `scale` x the sampling temperature
-  (`consumer.stress.logprob_temperature_scale`), max_staleness 2, replay none, seed 0.
+  (`consumer.stress.logprob_temperature_scale`), max_staleness 2, replay none, seed 0;
+- `auto_mismatch:{loss}-t{scale}` for `AUTO_MISMATCH`: `max_staleness: auto` under the
+  largest mismatch, where the signals degrade however fresh the data (the controller's
+  tightening, and the alert's case, on a real pipeline).
 
 Per arm (beyond experiments.arm_metrics): last-quarter means of ESS, mismatch KL (staleness 0),
 gradient norm, the bound in force and the trained records' mean staleness; per staleness
@@ -37,6 +40,7 @@ BOUNDS = ("k0", "k2", "k8", "auto")
 SEEDS = (0, 1, 2)
 MISMATCH_LOSSES = ("minirl", "dppo_tv", "dppo_kl")
 MISMATCH_SCALES = (1.0, 1.15, 1.3, 1.6)
+AUTO_MISMATCH = (("minirl", 1.6), ("dppo_tv", 1.6))
 COMMON = {"consumer.num_minibatches": 2}
 AUTO_LIMITS = {"staleness.auto.min": 0, "staleness.auto.max": 8, "staleness.auto.start": 2}
 COLLAPSE_FROM_BEST = 0.10
@@ -58,10 +62,11 @@ def main_arm(loss: str, replay: str, bound: str, seed: int) -> tuple[str, dict[s
              **seed_overrides(seed)})
 
 
-def mismatch_arm(loss: str, scale: float) -> tuple[str, dict[str, Any]]:
-    return (f"mismatch:{loss}-t{scale:g}",
+def mismatch_arm(loss: str, scale: float, bound: str = "k2") -> tuple[str, dict[str, Any]]:
+    prefix = "mismatch" if bound != "auto" else "auto_mismatch"
+    return (f"{prefix}:{loss}-t{scale:g}",
             {**COMMON, "consumer.loss.name": loss, "consumer.replay": "none",
-             "consumer.stress.logprob_temperature_scale": scale, **bound_overrides("k2"), **seed_overrides(0)})
+             "consumer.stress.logprob_temperature_scale": scale, **bound_overrides(bound), **seed_overrides(0)})
 
 
 def arm_specs() -> list[tuple[str, dict[str, Any]]]:
@@ -69,7 +74,8 @@ def arm_specs() -> list[tuple[str, dict[str, Any]]]:
     machine's load drifts less within it), then the mismatch sweep."""
     out = [main_arm(loss, replay, bound, seed) for seed in SEEDS for loss in LOSSES
            for replay in REPLAYS for bound in BOUNDS]
-    return out + [mismatch_arm(loss, scale) for scale in MISMATCH_SCALES for loss in MISMATCH_LOSSES]
+    out += [mismatch_arm(loss, scale) for scale in MISMATCH_SCALES for loss in MISMATCH_LOSSES]
+    return out + [mismatch_arm(loss, scale, "auto") for loss, scale in AUTO_MISMATCH]
 
 
 # ---------------------------------------------------------------------------- per arm
@@ -98,6 +104,8 @@ def stability_metrics(res, base: dict) -> dict:
             "bound_final": next((r["max_staleness"] for r in reversed(_ticks(res.rows))
                                  if r.get("max_staleness") is not None), None),
             "staleness_mean": _tail_mean(res.rows, "staleness_mean", 0.5),
+            "bound_trace": [[r["version"], r["max_staleness"]] for r in _ticks(res.rows)
+                            if r.get("max_staleness") is not None],
             "collapsed_by_accuracy": bool(collapsed), "by_staleness": by_staleness(res.rows)}
 
 
@@ -146,14 +154,14 @@ def _ms(s: dict, spec=".3f") -> str:
     return f"{_f(s['mean'], spec)} ± {_f(s['std'], spec)} [{_f(s['min'], spec)}, {_f(s['max'], spec)}]"
 
 
-def table(summary: dict[str, dict], prefix: str) -> str:
+def table(summary: dict[str, dict], prefixes: tuple[str, ...]) -> str:
     cols = [("heldout_accuracy", ".3f"), ("samples_per_s", ".0f"), ("ess", ".3f"), ("mismatch_kl", ".2e"),
             ("kl", ".2e"), ("clip_frac", ".3f"), ("grad_norm", ".3f"), ("bound", ".1f"), ("staleness_mean", ".2f")]
     head = "| arm | " + " | ".join(c for c, _ in cols) + " | collapsed | ok |"
     lines = [head, "|---" * (len(cols) + 3) + "|"]
     for g, s in summary.items():
-        if g.startswith(prefix):
-            lines.append(f"| {g.split(':', 1)[1]} | " + " | ".join(_ms(s[c], spec) for c, spec in cols)
+        if g.startswith(prefixes):
+            lines.append(f"| {g.removeprefix('main:')} | " + " | ".join(_ms(s[c], spec) for c, spec in cols)
                          + f" | {s['collapsed']}/{s['seeds']} | {s['ok']} |")
     return "\n".join(lines)
 
@@ -179,7 +187,8 @@ def staleness_table(results: dict[str, dict]) -> str:
 # ---------------------------------------------------------------------------- plots
 
 def plot(summary: dict[str, dict], results: dict[str, dict], out_dir: Path) -> list[Path]:
-    """accuracy_by_bound.png, signals_by_bound.png, mismatch_sweep.png, signals_by_staleness.png."""
+    """accuracy_by_bound.png, signals_by_bound.png, mismatch_sweep.png, signals_by_staleness.png,
+    auto_bound.png."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -187,7 +196,7 @@ def plot(summary: dict[str, dict], results: dict[str, dict], out_dir: Path) -> l
 
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / "accuracy_by_bound.png", out_dir / "signals_by_bound.png",
-             out_dir / "mismatch_sweep.png", out_dir / "signals_by_staleness.png"]
+             out_dir / "mismatch_sweep.png", out_dir / "signals_by_staleness.png", out_dir / "auto_bound.png"]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
     _by_bound(ax, summary, "heldout_accuracy", "held-out accuracy (mean ± std over seeds)")
     _save(fig, paths[0])
@@ -210,6 +219,17 @@ def plot(summary: dict[str, dict], results: dict[str, dict], out_dir: Path) -> l
     for ax, key in zip(axes, ("ess", "kl", "clip_frac")):
         _by_staleness(ax, results, key)
     _save(fig, paths[3])
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    for arm, m in results.items():
+        if arm.endswith("-auto-s0") or arm.startswith("auto_mismatch:"):
+            trace = m.get("bound_trace") or []
+            ax.step([v for v, _ in trace], [b for _, b in trace], where="post", label=arm.split(":", 1)[1])
+    ax.set_xlabel("policy version")
+    ax.set_ylabel("max_staleness in force")
+    ax.set_title("max_staleness: auto (seed 0; auto_mismatch at trainer temperature x1.6)", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    _save(fig, paths[4])
     return paths
 
 
@@ -254,8 +274,8 @@ def _save(fig, path: Path) -> None:
 def stability_summary(results: dict[str, dict], out_dir: Path | None) -> dict:
     """The experiment's JSON additions: grouped spreads, the markdown tables, the plots."""
     summary = summarise(results)
-    out: dict[str, Any] = {"groups": summary, "table_main": table(summary, "main:"),
-                           "table_mismatch": table(summary, "mismatch:"),
+    out: dict[str, Any] = {"groups": summary, "table_main": table(summary, ("main:",)),
+                           "table_mismatch": table(summary, ("mismatch:", "auto_mismatch:")),
                            "table_by_staleness": staleness_table(results)}
     if out_dir is not None:
         try:
