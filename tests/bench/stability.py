@@ -18,6 +18,9 @@ several `--seeds` each figure is the mean over seeds. Per loss:
 
 `--smoke`: minirl's auto arm alone for 10 s (one engine start) after a one-step SFT, batches of
 4 groups, in a temporary directory: no ratio (null), the stages run.
+
+`--from-json FILE`: no run; the same figures from the last JSON line of a finished
+`rlstream experiment stability` (its `main:*-none-*` arms are these arms), e.g. over its 3 seeds.
 """
 from __future__ import annotations
 
@@ -74,27 +77,37 @@ def main() -> int:
     p.add_argument("--seeds", default="0", help="comma-separated seeds (each arm once per seed)")
     p.add_argument("--bounds", default=",".join(BOUNDS), help="subset of k0,k2,k8,auto")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--from-json", help="figures from a finished `rlstream experiment stability` run's JSON")
     a = parse_args(p, SMOKE)
     logging.basicConfig(level="WARNING", stream=sys.stderr)
     losses, seeds, bounds = a.losses.split(","), [int(s) for s in a.seeds.split(",")], a.bounds.split(",")
     names = [main_arm(loss, "none", b, s)[0] for s in seeds for loss in losses for b in bounds]
-    with tempfile.TemporaryDirectory(prefix="rlstream-smoke-") as work:  # used by --smoke only
-        arms = ",".join(names)
-        overrides = experiment_overrides(work, arms) if a.smoke else [f"experiment.arms={arms}"]
-        versions = [f"experiment.arm_versions={a.versions}"] if a.versions else []
-        cfg = load_config(a.config, overrides + versions + a.set)  # the user's --set wins
-        res = experiment_result("stability", cfg, seconds=a.seconds, reps=1)
+    if a.from_json:
+        res = json.loads(Path(a.from_json).read_text().strip().splitlines()[-1])
+    else:
+        res = run(a, names)
+    arms = {n: m for n, m in res["arms"].items() if n in names}
     out = {"losses": {loss: per_loss(res["arms"], loss, seeds, bounds) for loss in losses},
            "arms": {n: {k: m.get(k) for k in ("heldout_accuracy", "samples_per_s", "bound", "bound_final", "ess",
                                               "mismatch_kl", "collapsed_by_accuracy", "ok")}
-                    for n, m in res["arms"].items()},
+                    for n, m in arms.items()},
            "warm_accuracy": res["warm_accuracy"], "arm_seconds": res["arm_seconds"],
            "arm_versions": res["arm_versions"], "seeds": seeds,
            "smoke": a.smoke}
     goals = [v["auto_goal_met"] for v in out["losses"].values()]
     out["targets_met"] = None if None in goals else all(goals)
     print(json.dumps(out), flush=True)
-    return 0 if all(m["ok"] for m in res["arms"].values()) else 1
+    return 0 if all(m["ok"] for m in arms.values()) else 1
+
+
+def run(a: argparse.Namespace, names: list[str]) -> dict:
+    """The arms `names` of the stability experiment: its JSON object."""
+    with tempfile.TemporaryDirectory(prefix="rlstream-smoke-") as work:  # used by --smoke only
+        arms = ",".join(names)
+        overrides = experiment_overrides(work, arms) if a.smoke else [f"experiment.arms={arms}"]
+        versions = [f"experiment.arm_versions={a.versions}"] if a.versions else []
+        cfg = load_config(a.config, overrides + versions + a.set)  # the user's --set wins
+        return experiment_result("stability", cfg, seconds=a.seconds, reps=1)
 
 
 if __name__ == "__main__":
