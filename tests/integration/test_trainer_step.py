@@ -48,6 +48,10 @@ def test_metrics_match_direct_computation(sharp_model_dir, bf16_rollouts):
     assert metrics["is_truncated_frac"] == pytest.approx(float((w > 5).float().mean()))
     assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
     assert metrics["clip_frac"] == 0.0
+    # the stability signals (every sample at staleness 0: the KL is the mismatch, one bucket)
+    assert metrics["ess"] == pytest.approx(float(w.sum() ** 2 / (len(w) * (w * w).sum())), rel=1e-5)
+    assert metrics["mismatch_kl"] == pytest.approx(metrics["kl_train_inference"], rel=1e-6)
+    assert set(metrics["by_staleness"]) == {"0"} and metrics["by_staleness"]["0"]["token_share"] == 1.0
     adv = mb.advantages.unsqueeze(-1)
     want_loss = -float((w.new_zeros(m.shape).masked_scatter(m, w.clamp(max=5)) * adv * lp
                         * m).sum()) / gb.num_responses
