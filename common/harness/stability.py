@@ -3,7 +3,8 @@ bounds 0 / 2 / 8 and `auto`, several seeds each; then a controlled training-infe
 mismatch grown step by step. The arms, the tables with mean and spread over seeds, and the
 plots (docs/stability.md).
 
-    rlstream experiment stability -c configs/tiny-cpu.yaml      (about 60 runs: hours on 2 cores)
+    rlstream experiment stability -c configs/tiny-cpu.yaml      (62 runs: hours on 2 cores)
+    python -m common.harness.stability RUN.out [MORE.out ...] --out DIR   (tables and plots of runs' JSON)
 
 Every arm trains 30 policy versions (`experiments.ARM_VERSIONS`, at most 300 s), so that arms
 compare at equal optimizer steps however loaded the shared machine is; samples/s is measured
@@ -223,7 +224,7 @@ def plot(summary: dict[str, dict], results: dict[str, dict], out_dir: Path) -> l
     for arm, m in results.items():
         if arm.endswith("-auto-s0") or arm.startswith("auto_mismatch:"):
             trace = m.get("bound_trace") or []
-            ax.step([v for v, _ in trace], [b for _, b in trace], where="post", label=arm.split(":", 1)[1])
+            ax.step([v for v, _ in trace], [b for _, b in trace], where="post", label=arm.removeprefix("main:"))
     ax.set_xlabel("policy version")
     ax.set_ylabel("max_staleness in force")
     ax.set_title("max_staleness: auto (seed 0; auto_mismatch at trainer temperature x1.6)", fontsize=10)
@@ -283,3 +284,30 @@ def stability_summary(results: dict[str, dict], out_dir: Path | None) -> dict:
         except Exception as e:  # noqa: BLE001 - the numbers matter more than the pictures
             out["plots_error"] = str(e)
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Tables and plots from the JSON of one or more runs of the experiment (e.g. a run of some
+    arms redone with `experiment.arms`): the arms of later files replace earlier ones.
+
+        python -m common.harness.stability RUN1.out [RUN2.out ...] --out DIR
+    """
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(description=main.__doc__.split("\n\n")[0])
+    p.add_argument("runs", nargs="+", help="stdout of `rlstream experiment stability` (its last line is the JSON)")
+    p.add_argument("--out", required=True, help="directory for tables.md and the plots")
+    a = p.parse_args(argv)
+    arms: dict[str, dict] = {}
+    for path in a.runs:
+        arms.update(json.loads(Path(path).read_text().strip().splitlines()[-1])["arms"])
+    out = stability_summary(arms, Path(a.out))
+    text = "\n\n".join(out[k] for k in ("table_main", "table_mismatch", "table_by_staleness"))
+    (Path(a.out) / "tables.md").write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
