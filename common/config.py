@@ -152,8 +152,9 @@ class AutoStalenessSettings(_Section):
     """`max_staleness: auto` (consumer/stability/controller.py, docs/stability.md): the limits
     an operator sets and the signal thresholds. The controller judges the mean of the steps
     since its last change, once there are `window` of them; it halves the bound when the
-    signals degrade and raises it by one when they are healthy and the trainer waited for
-    data. The band between each pair of thresholds is its hysteresis."""
+    signals degrade and raises it when they are healthy and the trainer waited for data
+    (doubling until its first tightening, then by one). The band between each pair of
+    thresholds is its hysteresis."""
 
     min: int = Field(0, ge=0, le=1000)
     """The tightest bound the controller sets (an alert fires while it sits there)."""

@@ -17,8 +17,10 @@ Rules (thresholds: common/config.py `AutoStalenessSettings`):
   Then the bound halves (AIMD: a fast retreat), never below `min`.
 - healthy: ESS >= ess_loosen, KL <= kl_loosen and gradient norm <= grad_norm_loosen
   x baseline (a missing signal counts as healthy). With the trainer having
-  waited for its batches (mean wait share >= wait_share_loosen) the bound grows
-  by one, never above `max`.
+  waited for its batches (mean wait share >= wait_share_loosen) the bound grows,
+  never above `max`: it doubles until the first tightening (a slow start, as
+  TCP's: a healthy pipeline reaches its loosest bound in a few windows), then
+  grows by one.
 - Between the two (the hysteresis band), or healthy with a trainer that does
   not wait: the bound holds.
 
@@ -71,6 +73,8 @@ class StalenessController:
         self.baseline: deque[float] = deque(maxlen=BASELINE_STEPS)
         self.bound: int | None = None
         """The bound the window runs under (the last one observed)."""
+        self.slow_start = True
+        """Loosening doubles the bound until the first tightening, then adds one."""
 
     def observe(self, s: StepSignals, bound: int) -> Change | None:
         """One step's signals under `bound` (the bound now in force); a change to publish, or None."""
@@ -85,8 +89,10 @@ class StalenessController:
         return change
 
     def reset(self) -> None:
-        """Forget the window (the operator took the bound); the gradient-norm baseline stays."""
+        """Forget the window (the operator took the bound) and start slow again; the
+        gradient-norm baseline stays."""
         self._restart(None)
+        self.slow_start = True
 
     def _restart(self, bound: int | None) -> None:
         self.baseline.extend(w.grad_norm for w in self.window if w.grad_norm is not None)
@@ -111,13 +117,15 @@ class StalenessController:
              f"grad norm {_g(gn_x)} x its median > {c.grad_norm_tighten}")) if bad]
         new = max(c.min, bound // 2)
         if degraded and new < bound:
+            self.slow_start = False
             return Change(new, "tighten", degraded[0][0],
                           f"tighten {bound} -> {new}: " + "; ".join(t for _, t in degraded))
         healthy = ((ess is None or ess >= c.ess_loosen) and (kl is None or kl <= c.kl_loosen)
                    and (gn_x is None or gn_x <= c.grad_norm_loosen))
         if not degraded and healthy and wait is not None and wait >= c.wait_share_loosen and bound < c.max:
-            return Change(bound + 1, "loosen", "healthy",
-                          f"loosen {bound} -> {bound + 1}: healthy (ess {_g(ess)}, kl {_g(kl)}, grad norm "
+            new = min(c.max, max(2 * bound, bound + 1) if self.slow_start else bound + 1)
+            return Change(new, "loosen", "healthy",
+                          f"loosen {bound} -> {new}: healthy (ess {_g(ess)}, kl {_g(kl)}, grad norm "
                           f"{_g(gn_x)} x its median) and the trainer waited {_g(wait)} of its steps")
         self._slide()
         return None

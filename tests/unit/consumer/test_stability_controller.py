@@ -29,12 +29,16 @@ def run(seq, bound=4, cfg=CFG):
     return out, bound
 
 
-def test_healthy_and_waiting_loosens_one_at_a_time_up_to_max():
-    changes, bound = run([HEALTHY_WAITING] * 40)
-    assert [b for _, b, _ in changes] == [5, 6, 7, 8] and bound == 8
+def test_healthy_and_waiting_loosens_doubling_until_the_first_tightening_then_by_one():
+    changes, bound = run([HEALTHY_WAITING] * 40, bound=1, cfg=AutoStalenessSettings(min=0, max=9, start=1, window=4))
+    assert [b for _, b, _ in changes] == [2, 4, 8, 9] and bound == 9  # slow start, capped at max
     steps = [i for i, _, _ in changes]
     assert all(b - a >= CFG.window for a, b in zip(steps, steps[1:]))  # a fresh window between changes
     assert all(c.direction == "loosen" and "healthy" in c.reason for _, _, c in changes)
+    assert run([HEALTHY_WAITING] * 40, bound=0)[0][0][1] == 1  # from 0: one
+    bad = StepSignals(ess=0.4, kl=0.005, grad_norm=1.0, wait_share=0.5)
+    changes, bound = run([bad] * 4 + [HEALTHY_WAITING] * 40, bound=4)
+    assert [b for _, b, _ in changes] == [2, 3, 4, 5, 6, 7, 8]  # after a tightening: one at a time
 
 
 def test_healthy_but_not_waiting_holds():
