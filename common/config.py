@@ -972,12 +972,12 @@ class ExperimentSettings(_Section):
     comma-separated string is accepted."""
     arm_seconds: float | None = Field(None, gt=0)
     """RL seconds per arm; None: the experiment's own (async 240, objectives 90, replay 60, dynamic_sampling 480, tool_use 300,
-    stability 300 as a cap on its 30 versions)."""
+    stability 300 as a cap on its 120 versions)."""
     reps: int | None = Field(None, ge=1)
     """Repetitions per arm, interleaved A B B A; None: the experiment's own (async 2, others 1)."""
     arm_versions: int | None = Field(None, ge=1)
     """Stop each arm after this many policy versions (arm_seconds still caps it); None: the
-    experiment's own (stability 30; the others run their seconds or to the target)."""
+    experiment's own (stability 120; the others run their seconds or to the target)."""
 
     @field_validator("arms", mode="before")
     @classmethod

@@ -75,7 +75,7 @@ COLLAPSE_ACC_DROP = 0.10
 COLLAPSE_KL = 0.05
 ARM_SECONDS = {"async": 240.0, "objectives": 90.0, "replay": 60.0, "dynamic_sampling": 480.0, "tool_use": 300.0,
                "stability": 300.0}
-ARM_VERSIONS = {"stability": 30}
+ARM_VERSIONS = {"stability": 120}
 """Experiments whose arms stop after a number of policy versions (their seconds are a cap): every
 arm takes the same number of optimizer steps, however loaded the shared machine is."""
 REPS = {"async": 2, "objectives": 1, "replay": 1, "dynamic_sampling": 1, "tool_use": 1, "stability": 1}

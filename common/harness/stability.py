@@ -6,10 +6,12 @@ plots (docs/stability.md).
     rlstream experiment stability -c configs/tiny-cpu.yaml      (62 runs: hours on 2 cores)
     python -m common.harness.stability RUN.out [MORE.out ...] --out DIR   (tables and plots of runs' JSON)
 
-Every arm trains 30 policy versions (`experiments.ARM_VERSIONS`, at most 300 s), so that arms
+Every arm trains 120 policy versions (`experiments.ARM_VERSIONS`, at most 300 s), so that arms
 compare at equal optimizer steps however loaded the shared machine is; samples/s is measured
-over the same run. Arms (every arm: `COMMON`, N = 2 mini-batches per step, so a trust region
-has something to do):
+over the same run. Every arm runs `COMMON`: B = 4 groups per step, so that the producer runs
+ahead of the trainer and records really age (with configs/tiny-cpu.yaml's B = 32 the
+producer-bound pipeline never got past staleness 1, whatever the bound), and N = 2
+mini-batches per step, so that a trust region has updates to bound. Arms:
 
 - `main:{loss}-{replay}-{bound}-s{seed}` for loss in `LOSSES`, replay none / R3, bound
   k0 / k2 / k8 (`staleness.max_staleness`) or auto (`max_staleness: auto`, limits 0..8,
@@ -42,7 +44,7 @@ SEEDS = (0, 1, 2)
 MISMATCH_LOSSES = ("minirl", "dppo_tv", "dppo_kl")
 MISMATCH_SCALES = (1.0, 1.15, 1.3, 1.6)
 AUTO_MISMATCH = (("minirl", 1.6), ("dppo_tv", 1.6))
-COMMON = {"consumer.num_minibatches": 2}
+COMMON = {"consumer.num_minibatches": 2, "consumer.groups_per_batch": 4}
 AUTO_LIMITS = {"staleness.auto.min": 0, "staleness.auto.max": 8, "staleness.auto.start": 2}
 COLLAPSE_FROM_BEST = 0.10
 

@@ -1,11 +1,11 @@
 """The cost of asynchrony per loss, and whether `max_staleness: auto` earns its keep (tiny model, CPU).
 Prints one JSON object last.
 
-    .venv/bin/python tests/bench/stability.py [--versions 30] [--seconds 300] [--losses minirl,dppo_tv] [--seeds 0]
+    .venv/bin/python tests/bench/stability.py [--versions 120] [--seconds 300] [--losses minirl,dppo_tv] [--seeds 0]
                                               [--set k=v ...] [--smoke]
 
-Runs arms of `rlstream experiment stability` (common/harness/stability.py; replay none, N = 2
-mini-batches): for each loss, max_staleness 0, 2, 8 and auto (limits 0..8, start 2), each
+Runs arms of `rlstream experiment stability` (common/harness/stability.py; replay none, B = 4
+groups, N = 2 mini-batches): for each loss, max_staleness 0, 2, 8 and auto (limits 0..8, start 2), each
 for `--versions` optimizer steps (at most `--seconds` of RL), from the same warm start; with
 several `--seeds` each figure is the mean over seeds. Per loss:
   k8_over_k0_accuracy      held-out accuracy after the budget at max_staleness 8 / at 0
@@ -71,7 +71,7 @@ def per_loss(arms: dict, loss: str, seeds: list[int], bounds: list[str]) -> dict
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("-c", "--config", default=str(ROOT / "configs" / "tiny-cpu.yaml"))
-    p.add_argument("--versions", type=int, default=None, help="policy versions per arm (default: the experiment's, 30)")
+    p.add_argument("--versions", type=int, default=None, help="policy versions per arm (default: the experiment's, 120)")
     p.add_argument("--seconds", type=float, default=None, help="RL seconds per arm at most (default 300)")
     p.add_argument("--losses", default="minirl,dppo_tv")
     p.add_argument("--seeds", default="0", help="comma-separated seeds (each arm once per seed)")
