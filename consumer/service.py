@@ -264,7 +264,7 @@ class ConsumerService:
 
         scale = self.ccfg.stress.logprob_temperature_scale
         samples = [TrainSample.from_rollout(r, w, a, scale) for rg in batch
-                   for r, w, a in zip(rg.group.rollouts(), rg.weights, rg.ages or [rg.staleness] * len(rg.weights))]
+                   for r, w, a in zip(rg.group.rollouts(), rg.weights, rg.ages)]
         out = self.leader.train(samples)
         self.liveness.beat("train_step")
         self.step += 1

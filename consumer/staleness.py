@@ -72,7 +72,7 @@ class ReadyGroup:
     group: Group
     staleness: int
     weights: tuple[float, ...]
-    ages: tuple[int, ...] = ()
+    ages: tuple[int, ...]
 
 
 def sample_staleness(r: Rollout, trainer_version: int) -> int:
