@@ -85,7 +85,7 @@ def test_same_weights_as_one_process(multi_rank_results, one_rank_results, sharp
     moved = max(float((want["state"][k] - original[k]).abs().max()) for k in original)
     assert moved > 1000 * 1e-6
     for key in ("loss", "kl_train_inference", "grad_norm", "is_weight_mean", "entropy",
-                "clip_frac", "routing_agreement_layer_0", "routing_agreement_layer_1"):
+                "clip_frac", "routing_agreement_layer_0", "routing_agreement_layer_1", "ess", "mismatch_kl"):
         assert got["metrics"][key] == pytest.approx(want["metrics"][key], rel=1e-4), key
     assert got["metrics"]["num_responses"] == 16
     assert got["metrics"]["micro_batches"] >= 2  # micro-batched == unsplit
