@@ -5,6 +5,8 @@ plots (docs/stability.md).
 
     rlstream experiment stability -c configs/tiny-cpu.yaml      (62 runs: hours on 2 cores)
     python -m common.harness.stability RUN.out [MORE.out ...] --out DIR   (tables and plots of runs' JSON)
+    python -m common.harness.stability --run-dirs runs/demo/runs --out DIR  (the same from the arms' run
+                                                                             directories, for a cut-off run)
 
 Every arm trains 120 policy versions (`experiments.ARM_VERSIONS`, at most 300 s), so that arms
 compare at equal optimizer steps however loaded the shared machine is; samples/s is measured
@@ -190,7 +192,8 @@ def staleness_table(results: dict[str, dict]) -> str:
 # ---------------------------------------------------------------------------- plots
 
 def plot(summary: dict[str, dict], results: dict[str, dict], out_dir: Path) -> list[Path]:
-    """accuracy_by_bound.png, signals_by_bound.png, mismatch_sweep.png, signals_by_staleness.png,
+    """accuracy_by_bound.png, signals_by_bound.png, mismatch_sweep.png (when there are mismatch arms),
+    signals_by_staleness.png,
     auto_bound.png."""
     import matplotlib
 
@@ -207,21 +210,14 @@ def plot(summary: dict[str, dict], results: dict[str, dict], out_dir: Path) -> l
     for ax, key in zip(axes, ("ess", "clip_frac", "grad_norm")):
         _by_bound(ax, summary, key, key)
     _save(fig, paths[1])
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4), dpi=100)
-    for ax, key in zip(axes, ("heldout_accuracy", "mismatch_kl", "clip_frac")):
-        for loss in MISMATCH_LOSSES:
-            pts = [(sc, summary.get(f"mismatch:{loss}-t{sc:g}", {}).get(key, {}).get("mean")) for sc in MISMATCH_SCALES]
-            pts = [(x, y) for x, y in pts if y is not None]
-            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=loss)
-        ax.set_xlabel("trainer temperature / sampler temperature")
-        ax.set_title(key, fontsize=10)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    _save(fig, paths[2])
+    if not any(g.startswith("mismatch:") for g in summary):  # a cut-off run: no empty plot
+        paths.remove(out_dir / "mismatch_sweep.png")
+    else:
+        _mismatch_plot(plt, summary, out_dir / "mismatch_sweep.png")
     fig, axes = plt.subplots(1, 3, figsize=(15, 4), dpi=100)
     for ax, key in zip(axes, ("ess", "kl", "clip_frac")):
         _by_staleness(ax, results, key)
-    _save(fig, paths[3])
+    _save(fig, out_dir / "signals_by_staleness.png")
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
     for arm, m in results.items():
         if arm.endswith("-auto-s0") or arm.startswith("auto_mismatch:"):
@@ -232,8 +228,22 @@ def plot(summary: dict[str, dict], results: dict[str, dict], out_dir: Path) -> l
     ax.set_title("max_staleness: auto (seed 0; auto_mismatch at trainer temperature x1.6)", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    _save(fig, paths[4])
+    _save(fig, out_dir / "auto_bound.png")
     return paths
+
+
+def _mismatch_plot(plt, summary: dict, path: Path) -> None:
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4), dpi=100)
+    for ax, key in zip(axes, ("heldout_accuracy", "mismatch_kl", "clip_frac")):
+        for loss in MISMATCH_LOSSES:
+            pts = [(sc, summary.get(f"mismatch:{loss}-t{sc:g}", {}).get(key, {}).get("mean")) for sc in MISMATCH_SCALES]
+            pts = [(x, y) for x, y in pts if y is not None]
+            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=loss)
+        ax.set_xlabel("trainer temperature / sampler temperature")
+        ax.set_title(key, fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    _save(fig, path)
 
 
 def _by_bound(ax, summary: dict, key: str, title: str) -> None:
@@ -288,6 +298,51 @@ def stability_summary(results: dict[str, dict], out_dir: Path | None) -> dict:
     return out
 
 
+# ---------------------------------------------------------------------------- from run directories
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text and text.strip() else "?"
+
+
+def arms_from_run_dirs(root: Path) -> tuple[dict[str, dict], dict[str, str]]:
+    """Arms' rows rebuilt from the run directories `stability-<arm>-<stamp>` under `root` (each run's
+    summary.json and progress.jsonl, through the experiment's own arm_metrics and stability_metrics):
+    the tables of an experiment cut off before it printed its JSON. Per arm the newest directory with
+    a summary.json and at least one trained version counts. Returns (arms, missing): `missing` maps
+    every arm of `arm_specs()` without such a run to why (failed: its error's first line; cut off:
+    no summary.json; not run)."""
+    import json
+
+    from common.harness.experiments import arm_metrics
+    from common.harness.runs import RunResult
+
+    arms: dict[str, dict] = {}
+    missing: dict[str, str] = {}
+    for d in sorted(root.glob("stability-*"), key=lambda d: d.name[-15:]):  # stamp YYYYmmdd-HHMMSS
+        name = d.name.removeprefix("stability-")[:-16]
+        summary = d / "summary.json"
+        if not summary.exists():
+            missing.setdefault(name, f"cut off: no summary.json in {d.name}")
+            continue
+        fields = json.loads(summary.read_text())
+        if not fields.get("versions"):
+            missing.setdefault(name, f"failed: {_first_line(fields.get('error') or 'no version trained')}")
+            continue
+        rows = [json.loads(line) for line in (d / "progress.jsonl").read_text().splitlines() if line.strip()]
+        res = RunResult(**fields, rows=rows)
+        arms[name] = stability_metrics(res, arm_metrics(res))
+        missing.pop(name, None)
+    for name, _ in arm_specs():
+        if name not in arms:
+            missing.setdefault(name, "not run")
+    return arms, missing
+
+
+def missing_table(missing: dict[str, str]) -> str:
+    lines = ["| arm without a result | why |", "|---|---|"]
+    return "\n".join(lines + [f"| {a} | {why} |" for a, why in missing.items()])
+
+
 def main(argv: list[str] | None = None) -> int:
     """Tables and plots from the JSON of one or more runs of the experiment (e.g. a run of some
     arms redone with `experiment.arms`): the arms of later files replace earlier ones.
@@ -298,18 +353,40 @@ def main(argv: list[str] | None = None) -> int:
     import json
 
     p = argparse.ArgumentParser(description=main.__doc__.split("\n\n")[0])
-    p.add_argument("runs", nargs="+", help="stdout of `rlstream experiment stability` (its last line is the JSON)")
-    p.add_argument("--out", required=True, help="directory for tables.md and the plots")
+    p.add_argument("runs", nargs="*", help="stdout of `rlstream experiment stability` (its last line is the JSON)")
+    p.add_argument("--run-dirs", help="instead: a directory of the arms' run directories (runs/demo/runs)")
+    p.add_argument("--out", required=True, help="directory for tables.md, arms.json and the plots")
     a = p.parse_args(argv)
+    if bool(a.runs) == bool(a.run_dirs):
+        p.error("give either runs' stdout files or --run-dirs")
+    out_dir = Path(a.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
     arms: dict[str, dict] = {}
+    missing: dict[str, str] = {}
+    warm = None
     for path in a.runs:
-        arms.update(json.loads(Path(path).read_text().strip().splitlines()[-1])["arms"])
-    out = stability_summary(arms, Path(a.out))
+        res = json.loads(Path(path).read_text().strip().splitlines()[-1])
+        arms.update(res["arms"])
+        warm = res.get("warm_accuracy", warm)
+    if a.run_dirs:
+        arms, missing = arms_from_run_dirs(Path(a.run_dirs))
+        warm = next((json.loads(Path(m["run_dir"], "summary.json").read_text())["warm_accuracy"]
+                     for m in arms.values()), None)
+    out = stability_summary(arms, out_dir)
     text = "\n\n".join(out[k] for k in ("table_main", "table_mismatch", "table_by_staleness"))
-    (Path(a.out) / "tables.md").write_text(text + "\n")
+    if missing:
+        text += "\n\n" + missing_table(missing)
+    (out_dir / "tables.md").write_text(text + "\n")
+    from common.harness.experiments import ARM_SECONDS, ARM_VERSIONS
+
+    # the shape of the experiment's JSON (tests/bench/stability.py --from-json reads it); arm_seconds and
+    # arm_versions are the experiment's defaults, which the console output's first line confirms
+    (out_dir / "arms.json").write_text(json.dumps(
+        {"experiment": "stability", "warm_accuracy": warm, "arm_seconds": ARM_SECONDS["stability"],
+         "arm_versions": ARM_VERSIONS["stability"], "arms": arms, "missing": missing,
+         **{k: v for k, v in out.items() if k != "groups"}}, default=str) + "\n")
     print(text)
     return 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from common.harness.stability import arm_specs, main_arm, spread, stability_summary, summarise
+import json
+
+from common.harness.stability import (arm_specs, arms_from_run_dirs, main, main_arm, spread, stability_summary,
+                                     summarise)
 
 
 def test_arms_cover_the_grid_seed_major_then_the_mismatch_sweeps():
@@ -46,3 +49,46 @@ def test_summary_groups_seeds_counts_collapses_and_writes_tables_and_plots(tmp_p
     assert "| minirl | 8+ | 0.500 | 0.400 |" in out["table_by_staleness"]
     assert "plots_error" not in out and all((tmp_path / p).stat().st_size > 3000 for p in
                                             ("accuracy_by_bound.png", "mismatch_sweep.png", "auto_bound.png"))
+
+
+def run_dir(root, arm, stamp, versions=None, error=None, ess=0.9):
+    """A run directory as common.harness.runs.run_rl leaves it (summary.json absent: cut off)."""
+    d = root / f"stability-{arm}-{stamp}"
+    d.mkdir()
+    rows = [{"kind": "eval", "time": 0.0, "version": 0, "heldout_accuracy": 0.09}]
+    rows += [{"kind": "tick", "time": 5.0 * i, "version": i, "ess": ess, "max_staleness": 2.0, "kl": 1e-3}
+             for i in range(1, 5)]
+    (d / "progress.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if versions is not None:
+        (d / "summary.json").write_text(json.dumps(
+            {"label": f"stability-{arm}", "run_dir": str(d), "warm_accuracy": 0.09, "final_accuracy": 0.12,
+             "best_accuracy": 0.12, "reached_target": False, "seconds_to_target": None, "rl_seconds": 20.0,
+             "startup_seconds": 9.0, "versions": versions, "samples_per_s": 50.0 if versions else 0.0,
+             "exit_codes": {"consumer": 0}, "accounting": {"ok": True}, "error": error}))
+
+
+def test_arms_rebuilt_from_run_directories_of_a_cut_off_run(tmp_path):
+    """An experiment killed before its JSON: the finished arms come back from their run directories
+    (the newest finished one per arm), failed, cut-off and never-run arms are listed as missing."""
+    run_dir(tmp_path, "main:minirl-none-k0-s0", "20261127-194214", versions=124, ess=0.5)
+    run_dir(tmp_path, "main:minirl-none-k0-s0", "20261127-204214", versions=120, ess=0.8)  # newer: counts
+    run_dir(tmp_path, "main:minirl-none-k2-s1", "20261127-202743", versions=0,
+            error="timed out after 240 s waiting for producer-0 to be healthy\n--- broker ...")
+    run_dir(tmp_path, "main:minirl-R3-k2-s1", "20261127-205210")
+    arms, missing = arms_from_run_dirs(tmp_path)
+    assert list(arms) == ["main:minirl-none-k0-s0"]
+    m = arms["main:minirl-none-k0-s0"]
+    assert m["heldout_accuracy"] == 0.12 and m["versions"] == 120 and m["ess"] == pytest.approx(0.8)
+    assert m["ok"] and m["bound_final"] == 2.0
+    assert missing["main:minirl-none-k2-s1"] == "failed: timed out after 240 s waiting for producer-0 to be healthy"
+    assert missing["main:minirl-R3-k2-s1"].startswith("cut off: no summary.json")
+    assert missing["mismatch:dppo_kl-t1.6"] == "not run" and len(missing) == len(arm_specs()) - 1
+
+    out = tmp_path / "out"
+    assert main(["--run-dirs", str(tmp_path), "--out", str(out)]) == 0
+    tables = (out / "tables.md").read_text()
+    assert "| minirl-none-k0 | 0.120 |" in tables and "| main:minirl-R3-k2-s1 | cut off" in tables
+    res = json.loads((out / "arms.json").read_text().strip().splitlines()[-1])
+    assert res["warm_accuracy"] == 0.09 and list(res["arms"]) == ["main:minirl-none-k0-s0"]
+    assert res["arm_versions"] == 120 and "main:minirl-none-k2-s1" in res["missing"]
+    assert not (out / "mismatch_sweep.png").exists() and (out / "auto_bound.png").exists()
