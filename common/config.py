@@ -394,6 +394,16 @@ class JournalSettings(_Section):
     only between turns. A long single-turn sample gets it as a one-turn episode
     (`producer.episodes.max_turns: 1`); plain samples (no `producer.episodes`) are never
     journaled. Off with `routing: native` (vLLM returns a turn's routing rows only at its end)."""
+    max_clock_skew_s: float = Field(2.0, ge=0, le=600)
+    """How far ahead of this producer's clock a time read from the journal (a lease, an entry,
+    a claim) is trusted; a later time counts as now + this (and is counted), so a record dated
+    in the future neither takes a live episode nor keeps a dead producer's episodes from being
+    resumed. At most lease_s / 4 takes effect. Producers' clocks must agree within it (NTP)."""
+    checkpoint_every: int = Field(5000, ge=10, le=10_000_000)
+    """Journal records between two checkpoints of its live state (entries and leases, with the
+    journal offset they stand for) in `<journal>.checkpoints`, written by one live producer: a
+    starting producer reads the newest checkpoint and the journal after it, so its start-up
+    read stays bounded however long the journal's history (tansu does not compact)."""
 
 
 class AgentEndpointSettings(_Section):

@@ -246,8 +246,10 @@ class ConsumerService:
         items = self.reader.poll(max_records=512, timeout_s=poll_s)
         self.ledger.read(items, self.reader.take_dead())
         refused = self.ledger.take_refused()  # a reused group id (consumer/assembler.py)
-        if refused:  # stored before anything is read on, so no checkpoint covers a refusal not stored
-            self.reader.refuse([(it, "group_id", why) for it, why in refused])
+        fenced = self.ledger.take_fenced()  # an older journal claim's copy (consumer/assembler.py)
+        if refused or fenced:  # stored before anything is read on, so no checkpoint covers a refusal not stored
+            self.reader.refuse([(it, "group_id", why) for it, why in refused]
+                               + [(it, "claim_epoch", why) for it, why in fenced])
             telemetry.count_reused(len(refused))
         for g in self.ledger.expire():
             log.warning("group %s timed out with %d/%d samples", g.group_id, len(g.samples), g.group_size)
