@@ -1,10 +1,11 @@
 """Resume a claimed episode from its last durable turn.
 
-    0. refuse an entry whose record the schema would refuse (snapshot.py `validate`, under
-       `engine_limits`: token ids in this model's vocabulary, lengths within the record's
-       limits and this engine's context, finite log-probs, ids of at most 256 characters,
-       routing of this model's shape): counted `outcome="invalid"` and by reason in
-       `rlstream_producer_journal_refused_total`, copied to the DLQ, tombstoned;
+    0. before it is claimed, refuse an entry whose record the schema would refuse
+       (snapshot.py `validate`, under `engine_limits`: token ids in this model's
+       vocabulary, lengths within the record's limits and this engine's context, finite
+       log-probs, ids of at most 256 characters, routing of this model's shape): counted
+       `outcome="invalid"` and by reason in `rlstream_producer_journal_refused_total`,
+       copied to the DLQ, tombstoned;
     1. refuse what cannot finish: an environment that does not declare `resumable`, a
        prompt with its own scorer (not journaled), an episode already too stale to be
        trained (common/staleness.py): tombstoned, counted `rlstream_producer_resumed_episodes_total{outcome}`;
@@ -105,7 +106,7 @@ class Resumer:
         An episode whose record its dead holder already published is not resumed (counted
         `published`): only its journal entry was left behind."""
         n, view = 0, StalenessView(trainer_version, max_staleness)
-        orphans = self.journal.claim()
+        orphans = [s for s in self.journal.claim() if self.valid(s)]
         for key in self.journal.taken_over():
             group_id = self.runner.abandon(key)
             if group_id is not None:
@@ -123,13 +124,18 @@ class Resumer:
             n += self.resume(s, view)
         return n
 
-    def resume(self, s: Snapshot, view: StalenessView) -> bool:
+    def valid(self, s: Snapshot) -> bool:
+        """Whether orphan `s` may be claimed: one whose record the schema would refuse is
+        refused before it is claimed (counted, copied to the DLQ, tombstoned)."""
         try:
             validate(s, self.limits)
         except JournalError as e:
             telemetry.RESUMED.labels(outcome="invalid").inc()
             self.journal.refuse(s, e)
             return False
+        return True
+
+    def resume(self, s: Snapshot, view: StalenessView) -> bool:
         env = self.env_factory()
         why = refusal(s, env, view)
         if why is None:

@@ -50,6 +50,7 @@ BENCHES = {
                 480, ("vllm", "megatron", "broker")),
     "episodes": (("lost_generation_seconds_per_crash", "lost_ratio_on_over_off", "episodes_published_twice"), 600,
                  ("vllm", "broker")),
+    "journal_start": (("start_read_s", "ratio_10x_over_1x", "records_read", "without_checkpoints"), 90, ("broker",)),
 }
 
 
