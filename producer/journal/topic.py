@@ -181,7 +181,7 @@ class JournalTopic:
         for pid, (incarnation, at) in leases.items():
             self._fold(f"lease:{pid}", json.dumps({"incarnation": incarnation, "at": at}).encode(), -1)
         for key, at, entry in entries:
-            self._fold(key, entry, at)
+            self._install(key, entry, at)
         self.position = self.checkpointed_at = offset
         self.folded += 1
         self._consumer.seek(self._tp, offset)
@@ -245,19 +245,31 @@ class JournalTopic:
                 self._fold_lease(key, value)
             return
         if value is None:
-            if self.entries.pop(key, None) is not None:
+            if key.startswith("ep:"):
                 self.tombstoned.add(key)
-            self.snapshots.pop(key, None)
-            self.offsets.pop(key, None)
+            self.forget(key)
             return
+        new = self._held(key, value, offset)
+        if new is not None and applies(self.entries.get(key), new, self.leases, self.lease_s):
+            self._store(key, new, value, offset)  # (else: a claim lost to an earlier one, or a write
+            # by a process that no longer holds the entry)
+
+    def _install(self, key: str, value: bytes, offset: int) -> None:
+        """An entry of a checkpoint: the state after the writes were applied, checked as read."""
+        new = self._held(key, value, offset)
+        if new is not None:
+            self._store(key, new, value, offset)
+
+    def _held(self, key: str, value: bytes, offset: int):
+        """The entry's header as this reader trusts it (claims.Held); None if refused."""
         try:  # the header alone: the arrays are decoded only for an entry this reader claims
             new = held(key, value)
         except JournalError as e:
             self._refuse(e.reason, str(e), key.encode(), value, offset)
-            return
-        new = dataclasses.replace(new, at=self._trust(new.written_at))
-        if not applies(self.entries.get(key), new, self.leases, self.lease_s):
-            return  # a claim lost to an earlier one, or a write by a process that no longer holds it
+            return None
+        return dataclasses.replace(new, at=self._trust(new.written_at))
+
+    def _store(self, key: str, new, value: bytes, offset: int) -> None:
         self.entries[key] = new
         self.newest_at = max(self.newest_at, new.when)
         self.snapshots[key] = bytes(value)

@@ -68,23 +68,28 @@ def test_a_starting_producer_reads_the_newest_checkpoint_and_the_journal_after_i
             w.topic.put(entry(i, "w", w.incarnation))
             if i >= 3:
                 w.topic.tombstone(f"ep:w-1-{i}#0")
+        w.topic.put(entry(HISTORY, "d", "dead"))  # an orphan (its holder never had a lease)
         w.topic.sync()
         written0 = metrics.value("rlstream_producer_journal_checkpoints_total") or 0
         w._next_claim = 0.0
-        w.claim()  # the claim pass: w is the only live producer, so the checkpoint's writer
+        assert len(w.take(w.claim())) == 1  # the claim pass: w, the only live producer, writes the checkpoint
         assert (metrics.value("rlstream_producer_journal_checkpoints_total") or 0) - written0 == 1
         for i in range(HISTORY // 2, HISTORY // 2 + AFTER):
             w.topic.put(entry(i, "w", w.incarnation))
         w.topic.sync()
+        w.topic.write_checkpoint()  # the newest: w's claim of the orphan is the last write of its key
+        w.topic.checkpoints._producer.flush(10)
 
         topic, folded = started(kafka)
         assert folded <= AFTER + 20, f"{folded} journal records read at start"  # its lease and w's renewals
         whole = JournalTopic(kafka, lease_s=1.0)  # a reader of the whole journal, from offset 0
         whole.sync()
-        assert sorted(topic.entries) == sorted(whole.entries) and len(topic.entries) == 3 + AFTER
+        assert sorted(topic.entries) == sorted(whole.entries) and len(topic.entries) == 3 + 1 + AFTER
         assert all(topic.snapshots[k] == whole.snapshots[k] and topic.offsets[k] == whole.offsets[k]
                    for k in topic.entries)
         assert topic.leases["w"].incarnation == w.incarnation
+        claimed = topic.entries[f"ep:w-1-{HISTORY}#0"]
+        assert (claimed.holder, claimed.epoch) == ("w", 1) == (whole.entries[claimed.key].holder, 1)
         for t in (topic, whole):
             t.close()
 
@@ -93,7 +98,7 @@ def test_a_starting_producer_reads_the_newest_checkpoint_and_the_journal_after_i
         w.topic.checkpoints._producer.flush(10)
         topic, folded = started(kafka)
         assert (metrics.value("rlstream_producer_journal_refused_total", reason="checkpoint") or 0) - refused0 == 1
-        assert folded > HISTORY and len(topic.entries) == 3 + AFTER  # from offset 0, whole
+        assert folded > HISTORY and len(topic.entries) == 3 + 1 + AFTER  # from offset 0, whole
         topic.close()
     finally:
         w.close()
