@@ -105,9 +105,16 @@ class EpisodeJournal:
                 log.warning("journal lease not renewed: %s", e)
 
     def close(self) -> None:
+        """Stop renewing; the entries of acknowledged records go first (a drained shutdown
+        leaves only what it aborted: resumed by the next owner)."""
         self._stop.set()
         if self._lease_thread is not None:
             self._lease_thread.join(timeout=5)
+        try:
+            self._tombstone_acked()
+            self.topic.flush()
+        except Exception as e:  # noqa: BLE001 - a broker outage: the next owner finds them published
+            log.warning("journal tombstones not written at close: %s", e)
         self.topic.close()
 
     # ------------------------------------------------------- runner's hooks
@@ -206,14 +213,17 @@ class EpisodeJournal:
     def _settle(self) -> None:
         """Tombstone the entries of acknowledged records, forget the ended keys whose tombstone
         came back, and note the running episodes a peer claimed (`taken_over`)."""
+        self._tombstone_acked()
+        gone = self.topic.take_tombstoned()
+        self._ended = {k: epoch for k, epoch in self._ended.items() if k not in gone and not self._taken_by_peer(k, epoch)}
+        self._taken = [key for key, run in self._ids.items() if self._taken_by_peer(key, run.epoch)]
+
+    def _tombstone_acked(self) -> None:
         with self._lock:
             acked, self._acked = self._acked, []
         for key in acked:
             if not self._taken_by_peer(key, self._ended.get(key, -1)):
                 self.topic.tombstone(key)
-        gone = self.topic.take_tombstoned()
-        self._ended = {k: epoch for k, epoch in self._ended.items() if k not in gone and not self._taken_by_peer(k, epoch)}
-        self._taken = [key for key, run in self._ids.items() if self._taken_by_peer(key, run.epoch)]
 
     def _taken_by_peer(self, key: str, epoch: int = -1) -> bool:
         """Whether the journal, as read here, shows `key` held by another process (at a newer
