@@ -56,18 +56,47 @@ def orphans(prompt: np.ndarray, vocab: int) -> tuple[object, dict[str, object]]:
     return entry(0), hostile
 
 
+def writer(kafka):
+    """write(records): straight to the journal topic, as any Kafka client can."""
+    from kafka import KafkaProducer
+
+    from common.kafka.client import client_kwargs
+    from producer.journal.topic import ensure_journal_topic
+
+    journal = ensure_journal_topic(kafka)
+    raw = KafkaProducer(**client_kwargs(kafka), acks="all", max_request_size=kafka.max_message_bytes)
+
+    def write(records: list[tuple[bytes, bytes]]) -> None:
+        for k, value in records:
+            raw.send(journal, key=k, value=value)
+        raw.flush(timeout=60)
+
+    return journal, write, raw
+
+
+def settle(b, invalid0: float, hostile: int) -> None:
+    """Step b until every hostile orphan is refused and the valid one published; then a few claim
+    passes more (nothing is claimed again) and a read of the journal past them."""
+    count = lambda: metrics.value("rlstream_producer_resumed_episodes_total", outcome="invalid") or 0  # noqa: E731
+    deadline = time.monotonic() + 120
+    while count() - invalid0 < hostile or b.driver.has_work() or b.outbox.unacked_records:
+        assert time.monotonic() < deadline, "the orphans were not all refused or resumed"
+        b.iterate()
+    b.outbox.drain(timeout_s=30)
+    for _ in range(3):
+        b.driver.runner.journal._next_claim = 0.0
+        b.iterate()
+    b.driver.runner.journal.topic.sync()
+
+
 @pytest.mark.timeout(300)
 def test_hostile_journal_records_are_refused_counted_and_the_producer_keeps_running(
         broker, rollout_engine, tiny_model_dir, tmp_path, monkeypatch):
     import producer.envs
-    from kafka import KafkaProducer
-
     from common.harness.census import read_dlq
-    from common.kafka.client import client_kwargs
     from common.lifecycle import close_attrs
     from common.toy.build import ensure_data
     from producer.journal.snapshot import encode
-    from producer.journal.topic import ensure_journal_topic
     from producer.service import ProducerService
     from tests.integration.test_producer_service import announce_trainer_start, read_all
 
@@ -78,14 +107,7 @@ def test_hostile_journal_records_are_refused_counted_and_the_producer_keeps_runn
     announce_trainer_start(kafka)
     vocab = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
     valid, hostile = orphans(rollout_engine.encode("1+2="), vocab)
-    journal = ensure_journal_topic(kafka)
-    raw = KafkaProducer(**client_kwargs(kafka), acks="all", max_request_size=kafka.max_message_bytes)
-
-    def write(records: list[tuple[bytes, bytes]]) -> None:
-        for key, value in records:
-            raw.send(journal, key=key, value=value)
-        raw.flush(timeout=60)
-
+    journal, write, raw = writer(kafka)
     # read at start: counted and skipped (a history read again at every start is not copied to the DLQ)
     write([(b"lease:ghost", b"not json"), (b"lease:ghost2", b"[1, 2]"),
            (b"lease:ghost3", b'{"incarnation": "i", "at": "soon"}'), (b"ep:g#0", b"junk"),
@@ -102,18 +124,8 @@ def test_hostile_journal_records_are_refused_counted_and_the_producer_keeps_runn
            (b"ep:dead-x-1#12", encode(dataclasses.replace(valid, sample_idx=9)))])
     raw.close()
     try:
-        deadline = time.monotonic() + 120
-        while count("rlstream_producer_resumed_episodes_total", outcome="invalid") - invalid0 < len(hostile) or \
-                b.driver.has_work() or b.outbox.unacked_records:
-            assert time.monotonic() < deadline, "the orphans were not all refused or resumed"
-            b.iterate()
-        b.outbox.drain(timeout_s=30)
-        for _ in range(3):  # a few claim passes more over what is left: nothing is claimed again
-            b.driver.runner.journal._next_claim = 0.0
-            b.iterate()
-        view = b.driver.runner.journal.topic
-        view.sync()
-        assert not [k for k, e in view.entries.items() if e.holder == "dead"]  # refused orphans tombstoned
+        settle(b, invalid0, len(hostile))
+        assert not [k for k, e in b.driver.runner.journal.topic.entries.items() if e.holder == "dead"]  # tombstoned
     finally:
         close_attrs(b, CLIENTS, __import__("logging").getLogger("test"))
 
