@@ -1,6 +1,6 @@
 """A starting producer's journal read after 1x and 10x the history (producer/journal/checkpoint.py).
 
-    .venv/bin/python tests/bench/journal_start.py            # 5,000 and 50,000 records, 3 starts each (~1-2 min)
+    .venv/bin/python tests/bench/journal_start.py            # 5,000 and 50,000 records, 3 starts each (~2-4 min)
     .venv/bin/python tests/bench/journal_start.py --smoke    # 300 and 3,000 records, 1 start each
 
 The bundled broker (tansu, memory storage) never compacts, so the journal keeps every
@@ -9,7 +9,9 @@ journal: each episode writes one entry per turn (`--turns`, a few KB each on the
 model's shapes: prompt, response and routing rows so far) and is tombstoned at its end,
 `--live` of them unfinished at any time; its claim pass runs every 500 records, as a
 producer's loop would, and writes a checkpoint each `--checkpoint-every` records. After
-`--history` records, and again after 10x, a fresh producer starts (EpisodeJournal.start:
+`--history` records, and again after 10x, the newest checkpoint is `--tail` records old
+(default half of checkpoint_every: a start at a random moment reads that many on
+average, at most checkpoint_every), and a fresh producer starts (EpisodeJournal.start:
 its lease, the newest checkpoint, the journal after it, read past its own lease) `--reps`
 times; and a reader that ignores checkpoints (what every start did before them) starts as
 reference. Each start must end with the writer's live entries.
@@ -17,10 +19,11 @@ reference. Each start must end with the writer's live entries.
 Prints ONE JSON object:
     start_read_s               {"1x": s, "10x": s}: median start-up read time with checkpoints
     ratio_10x_over_1x          goal: flat (~1; the read is one checkpoint plus < checkpoint_every records)
-    records_read               {"1x": n, "10x": n}: journal records the start read (after the checkpoint it loaded)
+    records_read               {"1x": n, "10x": n}: journal records the start read (after the checkpoint it loaded:
+                               the tail, its own lease and the writer's renewals)
     without_checkpoints        the same two figures reading from offset 0 (the history's cost)
     history_records            {"1x": n, "10x": n}: records in the journal when the start ran
-    checkpoints_written, checkpoint_every, live_entries, entry_bytes, smoke
+    checkpoints_written, checkpoint_every, tail_records, live_entries, entry_bytes, smoke
 """
 from __future__ import annotations
 
@@ -38,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from tests.bench._smoke import parse_args  # noqa: E402
 
-SMOKE = dict(history=300, checkpoint_every=100, reps=1, live=8)
+SMOKE = dict(history=300, checkpoint_every=100, tail=50, reps=1, live=8)
 
 
 def entry(episode: int, turn: int, holder: str, incarnation: str, rng):
@@ -71,7 +74,8 @@ class Writer:
         self.running = {e: 0 for e in range(live)}  # episode -> turns written
         self.entry_bytes: list[int] = []
 
-    def write(self, n: int) -> None:
+    def write(self, n: int, passes: bool = True) -> None:
+        """`n` journal records; with `passes`, a claim pass every 500 and one at the end."""
         from producer.journal.snapshot import encode, episode_key
 
         topic = self.journal.topic
@@ -88,9 +92,11 @@ class Writer:
                 topic.put(s)
                 self.running[e] += 1
             self.records += 1
-            if self.records % 500 == 0:
+            if passes and self.records % 500 == 0:
                 self.claim_pass()
-        self.claim_pass()
+        if passes:
+            self.claim_pass()
+        self.journal.topic.sync(timeout_s=120)
 
     def claim_pass(self) -> None:
         self.journal.topic.sync(timeout_s=120)
@@ -127,6 +133,8 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--history", type=int, default=5000, help="journal records of the 1x history (10x: ten times)")
     ap.add_argument("--checkpoint-every", type=int, default=5000)
+    ap.add_argument("--tail", type=int, default=None, help="records after the newest checkpoint when a producer "
+                    "starts (default: half of --checkpoint-every)")
     ap.add_argument("--live", type=int, default=32, help="unfinished episodes at any time")
     ap.add_argument("--turns", type=int, default=8, help="turns (journal entries) per episode")
     ap.add_argument("--reps", type=int, default=3, help="starts per history size (the median is reported)")
@@ -138,15 +146,18 @@ def main(argv=None) -> dict:
     from tests.fixtures.kafka import make_kafka_settings
 
     broker = EmbeddedBroker(BrokerSettings(port=0)).start()
-    out: dict = {"start_read_s": {}, "records_read": {}, "history_records": {},
+    out: dict = {"start_read_s": {}, "records_read": {}, "history_records": {}, "tail_records": args.tail,
                  "without_checkpoints": {"start_read_s": {}, "records_read": {}},
                  "checkpoint_every": args.checkpoint_every, "live_entries": args.live, "smoke": args.smoke}
     try:
         with tempfile.TemporaryDirectory() as blobs:
             kafka = make_kafka_settings(broker.bootstrap, blobs)
             writer = Writer(kafka, args.live, args.turns, args.checkpoint_every)
+            tail = out["tail_records"] = args.checkpoint_every // 2 if args.tail is None else args.tail
             for size, total in (("1x", args.history), ("10x", 10 * args.history)):
-                writer.write(total - writer.records)
+                writer.write(total - tail - writer.records)
+                writer.journal.topic.write_checkpoint()  # the newest checkpoint, `tail` records before the start
+                writer.write(tail, passes=False)
                 runs = [start(kafka, True) for _ in range(args.reps)]
                 bare = start(kafka, False)
                 live = sum(1 for turns in writer.running.values() if turns)  # episodes with an entry
