@@ -173,6 +173,14 @@ class LivenessSettings(_Section):
     slowest loop iteration (train step + checkpoint + publish: minutes for the 30B recipes)."""
 
 
+class ConsumerLivenessSettings(LivenessSettings):
+    intake_stall_after_s: float = Field(120.0, gt=0, le=86400)
+    """Not ready (GET /readyz 503, reason `intake starved`) once records have waited on the broker
+    this long while every poll returned none and no step was trained: the broker does not
+    deliver (consumer/intake.py `IntakeWatch`). Readiness, not liveness: the loop is not
+    wedged, and a restart would not make the broker deliver."""
+
+
 class ProducerLivenessSettings(LivenessSettings):
     stall_after_s: float = Field(300.0, gt=0, le=86400)
     """Not live once requests in the engine have waited this long without an engine step
@@ -800,7 +808,7 @@ class ConsumerSettings(_Section):
     memory: TrainerMemorySettings = TrainerMemorySettings()
     parallel: ParallelSettings = ParallelSettings()
     http: HttpSettings = HttpSettings()
-    liveness: LivenessSettings = LivenessSettings()
+    liveness: ConsumerLivenessSettings = ConsumerLivenessSettings()
     num_threads: int = Field(1, ge=1)
     """torch/OpenMP threads of each trainer process."""
     run_file: str | None = None

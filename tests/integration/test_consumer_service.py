@@ -31,7 +31,9 @@ import yaml
 from common.config import RlstreamConfig
 from common.control.messages import encode_control
 from common.control.plane import ControlPlaneWriter
+from common.control.signing import publish, signing_key
 from tests.fixtures.kafka import make_kafka_settings
+from tests.support.configs import ADMIN_TOKEN
 from tests.support.synthetic import publish_groups, synthetic_group
 
 pytestmark = [pytest.mark.broker, pytest.mark.megatron]
@@ -41,7 +43,8 @@ G, B = 4, 2
 
 def consumer_config(kafka, tiny_model_dir, tmp: Path, **consumer) -> RlstreamConfig:
     c = {"group_size": G, "groups_per_batch": B, "optimizer": {"lr": 1e-3}, "checkpoint_dir": str(tmp / "ckpt"),
-         "weight_store_dir": str(tmp / "weights"), "group_timeout_s": 30.0, **consumer}
+         "weight_store_dir": str(tmp / "weights"), "group_timeout_s": 30.0,
+         "http": {"admin_token": ADMIN_TOKEN}, **consumer}
     return RlstreamConfig.model_validate({
         "kafka": kafka.model_dump(), "model": {"path": str(tiny_model_dir), "build_tiny": False},
         "staleness": {"max_staleness": 1, "mode": "drop"},
@@ -107,7 +110,7 @@ def test_reweight_mode_via_control_topic(service):
     p = KafkaProducer(**client_kwargs(kafka), acks="all")
     for key, value in (("mode", "reweight"), ("decay", 0.5), ("max_staleness", 3)):
         k, v = encode_control(key, value, by="test")
-        p.send(kafka.topics.control, key=k, value=v).get(timeout=10)
+        publish(p, kafka.topics.control, k, v, signing_key(ADMIN_TOKEN)).get(timeout=10)
     p.close()
     V = svc.version
     rng = np.random.default_rng(1)
@@ -197,7 +200,7 @@ def test_announced_version_opens_in_transformers_with_same_logprobs(service):
 def test_read_ahead_groups_are_gated_at_the_optimizer_step(service):
     """Groups read ahead of their batch are judged at the version they train at."""
     svc, pub, kafka = service
-    writer = ControlPlaneWriter(kafka)
+    writer = ControlPlaneWriter(kafka, signing_key(ADMIN_TOKEN))
     writer.set_control("mode", "drop", by="test")
     writer.set_control("max_staleness", 0, by="test")
     writer.close()
@@ -228,7 +231,7 @@ def test_a_change_on_an_idle_consumer_applies_to_its_next_batch(service):
     import threading
 
     svc, pub, kafka = service
-    writer = ControlPlaneWriter(kafka)
+    writer = ControlPlaneWriter(kafka, signing_key(ADMIN_TOKEN))
     writer.set_control("mode", "drop", by="test")
     writer.set_control("max_staleness", 1, by="test")
     V = svc.version

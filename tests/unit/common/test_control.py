@@ -320,3 +320,34 @@ def test_connections_beyond_the_limit_are_closed_at_accept(strict_http):
     time.sleep(1.5)  # the held ones time out and free their slots
     with urllib.request.urlopen(s.url + "/healthz", timeout=5) as r:
         assert r.status == 200
+
+
+# ---------------------------------------------------------------- signed control records
+
+def test_control_records_verify_only_with_the_deployments_key_and_unchanged():
+    from common.control.signing import HEADER, UnverifiedRecord, publish, signature, signing_key, verify
+
+    key, other = signing_key("tok"), signing_key("another")
+    assert signing_key(None) is None and signing_key("") is None and key != other and b"tok" not in key
+    k, v = encode_control("paused", True, by="admin")
+    sent = []
+
+    class Producer:
+        def send(self, topic, key, value, headers):
+            sent.append((topic, key, value, headers))
+            return "future"
+
+    assert publish(Producer(), "t.control", k, v, key) == "future"
+    (_, k2, v2, headers), = sent
+    verify(key, k2, v2, headers)  # passes
+    cases = {"no_key": (None, k, v, headers), "unsigned": (key, k, v, []),
+             "bad_signature": (other, k, v, headers)}
+    cases["bad_signature "] = (key, b"max_staleness", v, headers)  # the signature moved to another key
+    cases["bad_signature  "] = (key, k, v.replace(b"true", b"false"), headers)  # the value changed
+    cases["bad_signature   "] = (key, k, v, [(HEADER, b"v1:" + b"0" * 64)])
+    cases["bad_signature    "] = (key, k, v, headers * 2)  # two signatures: refused, not "any of them"
+    for reason, args in cases.items():
+        with pytest.raises(UnverifiedRecord) as e:
+            verify(*args)
+        assert e.value.reason == reason.strip()
+    assert signature(key, b"ab", b"c") != signature(key, b"a", b"bc")  # length-prefixed parts
