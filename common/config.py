@@ -424,9 +424,13 @@ class AgentEndpointSettings(_Section):
     max_body_bytes: int = Field(1 << 20, ge=1024, le=64 << 20)
     """Largest request body (413 beyond)."""
     max_connections: int = Field(1024, ge=1, le=4096)
-    """Connections open at once (more are closed at accept), and calls waiting on the engine at
-    once (503 beyond). An idle or trickling connection costs a socket, not a thread, and is
-    cut after 10 s; 64 was low enough for 70 trickling clients to lock agents out."""
+    """Connections open at once (more get 503 at accept and are closed). An idle or trickling
+    connection costs a socket, not a thread, and is cut after 10 s; 64 was low enough for 70
+    trickling clients to lock agents out."""
+    max_calls: int = Field(1024, ge=1, le=65536)
+    """Calls waiting on the engine at once (a chat call until its turn is generated). A waiting
+    call holds no thread (producer/agent_http.py); beyond this one is answered at once with 503,
+    Retry-After: 1 and error type `unavailable`, and never reaches the engine."""
     max_open_episodes: int = Field(1024, ge=1)
     """Episodes open at once (opening a group beyond it: 429 reason `open_episodes`)."""
 

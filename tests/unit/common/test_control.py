@@ -303,17 +303,27 @@ def test_slow_clients_are_timed_out_and_others_are_served_meanwhile(strict_http)
     assert calls == []
 
 
-def test_connections_beyond_the_limit_are_closed_at_accept(strict_http):
+def test_connections_beyond_the_limit_get_503_with_retry_after(strict_http):
+    """On c99ceb0 the connection was closed without an answer (the client saw an empty reply)."""
     import socket
     import time
 
+    from common import metrics
+
     s, _ = strict_http
+    refused0 = metrics.value("rlstream_http_refused_total", reason="connections") or 0
     held = [socket.create_connection(("127.0.0.1", s.port), timeout=5) for _ in range(4)]
     try:
         time.sleep(0.3)
         with socket.create_connection(("127.0.0.1", s.port), timeout=5) as extra:
-            extra.sendall(b"GET /healthz HTTP/1.1\r\n\r\n")
-            assert extra.recv(100) == b""  # closed without an answer
+            extra.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            answer = b""
+            while chunk := extra.recv(4096):
+                answer += chunk
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503 ") and b"\r\nRetry-After: 1" in head, answer
+        assert json.loads(body) == {"error": "too many connections open; retry shortly"}
+        assert metrics.value("rlstream_http_refused_total", reason="connections") - refused0 == 1
     finally:
         for c in held:
             c.close()
