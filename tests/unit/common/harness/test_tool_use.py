@@ -182,6 +182,11 @@ def test_a_special_tokens_text_in_prompts_and_observations_stays_text_as_in_the_
     assert generate_text(eos_model, tok, ["1+<eos>2="], max_new_tokens=2) == [""]
     assert eos not in seen[0][0] and len(seen[0][0]) == len("1+<eos>2=")
 
+    from common.harness.sft import _encode_examples  # the warm start's examples, likewise
+
+    (ids, mask), = _encode_examples(tok, [Problem("1+<eos>2=", "<eos>")])
+    assert ids.count(eos) == 1 and ids[-1] == eos and len(ids) == len("1+<eos>2=<eos>") + 1
+
 
 def test_heldout_scores_with_the_tool_and_without():
     from common.harness.evaluate import heldout_scores
