@@ -375,14 +375,18 @@ def test_sigkill_between_checkpoints_resumes_exactly_once(broker, tiny_model_dir
     assert versions[-5:] == [4, 5, 6, 7, 8] and final.version == 8
 
 
-def _torchrun_consumer(cfg_path: Path) -> subprocess.CompletedProcess:
+def _torchrun_consumer(cfg_path: Path) -> str:
+    """Two ranks under torchrun until they exit (waited on while they make progress: a loaded
+    machine is slow, not stuck); their output."""
+    from tests.support.progress import run_to_exit
+
     torchrun = Path(sys.executable).with_name("torchrun")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "consumer",
-                           "-c", str(cfg_path)], env=env, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "rank 1 stopping with rank 0" in proc.stderr
-    return proc
+    rc, out = run_to_exit([str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "consumer",
+                           "-c", str(cfg_path)], env)
+    assert rc == 0, out[-4000:]
+    assert "rank 1 stopping with rank 0" in out
+    return out
 
 
 # layout -> consumer settings; world size 2 (dp = 2 / tp)
@@ -438,8 +442,8 @@ def _two_rank_run(kafka, pub, tiny_model_dir, tmp_path, layout, cfg_path):
     more = publish_groups(pub, [synthetic_group(f"mr2-{i}", G, 2, np.random.default_rng(100 + i))
                                 for i in range(B)])
     cfg3 = consumer_config(kafka, tiny_model_dir, tmp_path, max_steps=3, **TWO_RANK_LAYOUTS[layout])
-    proc = _torchrun_consumer(_write_config(tmp_path / "consumer3.yaml", cfg3))
-    assert f"resumed from {path.name}" in proc.stderr
+    out = _torchrun_consumer(_write_config(tmp_path / "consumer3.yaml", cfg3))
+    assert f"resumed from {path.name}" in out
     steps = _committed_steps(tmp_path / "ckpt")
     assert sorted(steps) == [1, 2, 3]
     assert sorted(steps[3]) == sorted(more)
