@@ -104,10 +104,10 @@ def _api_versions(s: socket.socket) -> dict[int, tuple[int, int]] | None:
     client_id = b"rlstream-ping"
     body = struct.pack(">hhih", 18, 0, 0x5EED, len(client_id)) + client_id
     s.sendall(struct.pack(">i", len(body)) + body)
-    (size,) = struct.unpack(">i", _recv_exact(s, 4))
+    (size,) = struct.unpack(">i", recv_exact(s, 4))
     if not 10 <= size <= 1 << 20:
         return None
-    resp = _recv_exact(s, size)
+    resp = recv_exact(s, size)
     corr, err, n = struct.unpack(">ihi", resp[:10])
     if corr != 0x5EED or err != 0 or not 0 <= n <= 10_000 or len(resp) < 10 + 6 * n:
         return None
@@ -132,7 +132,8 @@ def _check_port_free(host: str, port: int) -> None:
                               "Set broker.port to a free port, or 0 to pick one") from None
 
 
-def _recv_exact(s: socket.socket, n: int) -> bytes:
+def recv_exact(s: socket.socket, n: int) -> bytes:
+    """Exactly `n` bytes from `s`; ConnectionError if it closes first."""
     buf = bytearray()
     while len(buf) < n:
         chunk = s.recv(n - len(buf))

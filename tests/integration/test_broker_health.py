@@ -5,9 +5,10 @@
   whose wait is shorter than that listing reads nothing while records wait.
   The partition here is long in batches, not in hours: one-record produce
   requests written back to back (tests/support/topics.py `append_batches`),
-  and the readers start with a 5 ms wait (the consumer's is 20 ms; the
-  listing's cost per batch is the same, so 15,000 batches starve a 5 ms wait
-  as ~60,000 starve 20 ms: the issue's consumer, after about two hours).
+  and the readers start with a short wait (the reader 5 ms on 15,000 batches, a
+  control follower 1 ms on 3,000; the consumer's reader starts at 20 ms, and the
+  listing's cost per batch is the same, so 15,000 batches starve a 5 ms wait as
+  ~60,000 starve 20 ms: the issue's consumer, after about two hours).
 - A frozen broker (SIGSTOP, sockets open): readiness says the broker does not
   answer, with a reason and `rlstream_dependency_up{dependency="broker"}` 0,
   while liveness (the loop's own progress) is not its business; it clears
@@ -17,8 +18,6 @@ from __future__ import annotations
 
 import json
 import time
-import urllib.error
-import urllib.request
 
 import numpy as np
 import pytest
@@ -26,6 +25,7 @@ import pytest
 from common import metrics
 from common.control.http import ServiceHttp
 from common.control.liveness import Readiness
+from common.harness.observe import http_request
 from common.kafka.publisher import RolloutPublisher
 from common.kafka.reader import RolloutReader
 from tests.fixtures.kafka import make_kafka_settings
@@ -71,11 +71,11 @@ def test_the_control_follower_gets_an_announcement_behind_a_long_policy_log(brok
     from common.control.plane import ControlFollower, ControlPlaneWriter
 
     kafka = make_kafka_settings(broker.bootstrap, tmp_path / "blobs")
-    follower = ControlFollower(kafka, ControlSettings(), fetch_wait_ms=2)  # 6,000 batches take longer to list
+    follower = ControlFollower(kafka, ControlSettings(), fetch_wait_ms=1)  # 3,000 batches take longer to list
     try:
         follower.catch_up()
         progress = TrainerProgress(trainer_version=0, groups_per_batch=2, group_size=4)
-        append_batches(broker.bootstrap, kafka.topics.policy, 0, 6_000, value=progress.model_dump_json().encode())
+        append_batches(broker.bootstrap, kafka.topics.policy, 0, 3_000, value=progress.model_dump_json().encode())
         writer = ControlPlaneWriter(kafka)
         try:
             writer.announce(WeightsReady(version=7, uri="file:///w/v7", sha256="a" * 64, bytes=1))
@@ -91,11 +91,8 @@ def test_the_control_follower_gets_an_announcement_behind_a_long_policy_log(brok
 
 
 def _get(url: str) -> tuple[int, dict]:
-    try:
-        with urllib.request.urlopen(url, timeout=10) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    code, body = http_request(url)
+    return code, json.loads(body)
 
 
 @pytest.mark.timeout(120)

@@ -71,6 +71,8 @@ def append_batches(bootstrap: str, topic: str, partition: int, n: int, value: by
     from kafka.protocol.producer.produce import ProduceRequest
     from kafka.record.memory_records import MemoryRecordsBuilder
 
+    from common.kafka.broker import recv_exact
+
     builder = MemoryRecordsBuilder(magic=2, compression_type=0, batch_size=1 << 20)
     builder.append(0, None, value, [])
     builder.close()
@@ -89,15 +91,5 @@ def append_batches(bootstrap: str, topic: str, partition: int, n: int, value: by
                 out += template
             s.sendall(out)
             for _ in chunk:  # the answers of this thousand before the next
-                (size,) = struct.unpack(">i", _recv(s, 4))
-                _recv(s, size)
-
-
-def _recv(s, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = s.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("the broker closed the connection")
-        buf += chunk
-    return bytes(buf)
+                (size,) = struct.unpack(">i", recv_exact(s, 4))
+                recv_exact(s, size)
