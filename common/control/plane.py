@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -184,8 +185,8 @@ class ControlFollower:
     def _check_fresh(self, key: str, at) -> None:
         """A verified record applies only if written after the one its key's value came from
         (a copy of an old signed record, written again, is `replayed`)."""
-        if isinstance(at, bool) or not isinstance(at, (int, float)):
-            raise ValueError(f"`at` must be a number, got {at!r}")
+        if isinstance(at, bool) or not isinstance(at, (int, float)) or not math.isfinite(at):
+            raise ValueError(f"`at` must be a finite number, got {at!r}")
         if at < self._applied_at.get(key, float("-inf")):
             raise signing.UnverifiedRecord("replayed", f"written at {at:.3f}, before the value applied for "
                                                        f"{key} (at {self._applied_at[key]:.3f}): an old record again")
