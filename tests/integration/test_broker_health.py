@@ -6,7 +6,7 @@
   The partition here is long in batches, not in hours: one-record produce
   requests written back to back (tests/support/topics.py `append_batches`),
   and the readers start with a short wait (the reader 5 ms on 15,000 batches, a
-  control follower 1 ms on 3,000; the consumer's reader starts at 20 ms, and the
+  control follower 1 ms on 1,500; the consumer's reader starts at 20 ms, and the
   listing's cost per batch is the same, so 15,000 batches starve a 5 ms wait as
   ~60,000 starve 20 ms: the issue's consumer, after about two hours).
 - A frozen broker (SIGSTOP, sockets open): readiness says the broker does not
@@ -71,11 +71,11 @@ def test_the_control_follower_gets_an_announcement_behind_a_long_policy_log(brok
     from common.control.plane import ControlFollower, ControlPlaneWriter
 
     kafka = make_kafka_settings(broker.bootstrap, tmp_path / "blobs")
-    follower = ControlFollower(kafka, ControlSettings(), fetch_wait_ms=1)  # 3,000 batches take longer to list
+    follower = ControlFollower(kafka, ControlSettings(), fetch_wait_ms=1)  # 1,500 batches take longer to list
     try:
         follower.catch_up()
         progress = TrainerProgress(trainer_version=0, groups_per_batch=2, group_size=4)
-        append_batches(broker.bootstrap, kafka.topics.policy, 0, 3_000, value=progress.model_dump_json().encode())
+        append_batches(broker.bootstrap, kafka.topics.policy, 0, 1_500, value=progress.model_dump_json().encode())
         writer = ControlPlaneWriter(kafka)
         try:
             writer.announce(WeightsReady(version=7, uri="file:///w/v7", sha256="a" * 64, bytes=1))
