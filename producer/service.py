@@ -50,7 +50,7 @@ class ProducerService:
         self._stop, self.stats = False, telemetry.SampleStats()
         # live while requests in the engine get engine steps and a weight update ends in time
         self.liveness = ProgressMonitor(self.pcfg.liveness.stall_after_s)
-        self.readiness = Readiness(self.kafka.bootstrap_servers)
+        self.readiness = Readiness(self.kafka)  # a Kafka request, TLS where the cluster uses it
 
     # ------------------------------------------------------------ lifecycle
 
@@ -59,6 +59,7 @@ class ProducerService:
         import torch
 
         from common.control.plane import ControlFollower
+        from common.control.signing import signing_key
         from common.kafka.claimcheck import BlobStore
         from common.kafka.client import ensure_topics
         from common.kafka.publisher import RolloutPublisher
@@ -70,7 +71,8 @@ class ProducerService:
         ensure_topics(self.kafka)
         verify = get_verifier(self.pcfg.verifier)
         self.prompts = open_prompt_source(self.pcfg.prompts, self.kafka, verify)
-        control = ControlFollower(self.kafka, ControlSettings.from_settings(self.cfg.staleness))
+        control = ControlFollower(self.kafka, ControlSettings.from_settings(self.cfg.staleness),
+                                  signing_key(self.pcfg.http.admin_token))
         self.following = Following(control, self.pcfg.group_size)
         torch.set_num_threads(self.pcfg.num_threads)
         self.engine = engine or RolloutEngine(self.pcfg.engine, self.cfg.model.path, version=0)
@@ -89,8 +91,9 @@ class ProducerService:
     def _start_http(self) -> None:
         from common.control.http import start_service_http
         from common.control.plane import ControlPlaneWriter
+        from common.control.signing import signing_key
 
-        self._writer = ControlPlaneWriter(self.kafka)
+        self._writer = ControlPlaneWriter(self.kafka, signing_key(self.pcfg.http.admin_token))
         # /healthz: live unless an engine step or a weight update overruns its bound (producer.liveness);
         # /readyz: the engine loaded and caught up to the announced version, the broker reachable
         self.http = start_service_http(self.pcfg.http, self._health, lambda: self.following.control, self._writer,
