@@ -41,7 +41,7 @@ TOOLS = {
     # subcommand -> (module with add_arguments(parser) and main(cfg, args) -> int, one-line help)
     "replay": ("consumer.logreplay.cli", "train a run again from its log and compare it with the original"),
     "export": ("common.export.cli", "write a rollouts topic to Parquet files (resumable)"),
-    "blobs": ("common.kafka.blobgc", "garbage-collect the claim-check blob store (blobs gc)"),
+    "blobs": ("common.app.blobs", "garbage-collect the claim-check blob store (blobs gc)"),
 }
 
 

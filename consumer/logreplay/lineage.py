@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from consumer.checkpoint import AUDIT, CheckpointManager, CheckpointState
+from consumer.checkpoint import AUDIT, STATE, CheckpointManager, CheckpointState
 from consumer.logreplay import ReplayError
 
 
@@ -61,3 +61,15 @@ def _parse(raw: bytes) -> dict | None:
     except ValueError:
         return None  # blank, or torn by a kill mid-write
     return e if isinstance(e, dict) and isinstance(e.get("step"), int) else None
+
+
+def resume_floors(dirs: list[Path]) -> dict[int, int]:
+    """partition -> the lowest offset a committed checkpoint in `dirs` (consumers' checkpoint
+    directories) resumes from: the records a restart or a replay from any of them reads lie at
+    or above it (a partition some checkpoint does not name: 0). ReplayError if none has one."""
+    states = [CheckpointState.from_json((p / STATE).read_text())
+              for d in dirs for p in sorted(Path(d).glob("step-*")) if (p / STATE).is_file()]
+    if not states:
+        raise ReplayError(f"no committed checkpoint in {[str(d) for d in dirs]}: pass consumers' checkpoint_dir")
+    parts = {p for st in states for p in st.offsets}
+    return {p: min(st.offsets.get(p, 0) for st in states) for p in parts}
