@@ -22,15 +22,16 @@ from common.record import Rollout
 EXPORT_SCHEMA_VERSION = 1
 """In every file's key-value metadata (`rlstream.export_schema`); bumped when a column changes meaning."""
 
-_LISTS = {"prompt_ids": pa.int32(), "response_ids": pa.int32(), "logprobs": pa.float32(),
-          "loss_mask": pa.uint8(), "token_versions": pa.int64()}
+_LISTS = {"prompt_ids": np.int32, "response_ids": np.int32, "logprobs": np.float32, "loss_mask": np.uint8,
+          "token_versions": np.int64}
+"""The list columns and their element type."""
 
 SCHEMA = pa.schema([
     ("partition", pa.int32()), ("offset", pa.int64()), ("kafka_timestamp", pa.timestamp("ms")),
     ("rollout_id", pa.string()), ("group_id", pa.string()), ("sample_idx", pa.int32()),
     ("group_size", pa.int32()), ("record_schema", pa.int8()), ("producer_id", pa.string()),
     ("created_at", pa.float64()), ("policy_version", pa.int64()),
-    *[(k, pa.list_(t)) for k, t in _LISTS.items()],
+    *[(k, pa.list_(pa.from_numpy_dtype(t))) for k, t in _LISTS.items()],
     ("reward", pa.float64()), ("reward_info", pa.string()), ("finish_reason", pa.string()),
     ("temperature", pa.float64()), ("prompt_text", pa.string()),
     ("sampling_digest", pa.string()), ("model_digest", pa.string()),
@@ -67,7 +68,7 @@ class RowBuffer:
             "reward": float(r.reward), "finish_reason": r.finish_reason, "temperature": float(r.temperature),
             "reward_info": None if r.reward_info is None else json.dumps(r.reward_info, sort_keys=True),
             "prompt_text": r.prompt_text, "sampling_digest": r.sampling_digest, "model_digest": r.model_digest,
-            "routed_experts": None if routed is None else np.ascontiguousarray(routed).tobytes(),
+            "routed_experts": None if routed is None else memoryview(np.ascontiguousarray(routed)).cast("B"),
             "routing_dtype": None if routed is None else routed.dtype.name,
             "routing_shape": None if routed is None else list(routed.shape),
             "routing_scope": None if routed is None else r.routing_scope,
@@ -86,7 +87,7 @@ class RowBuffer:
         cols = {}
         for f in SCHEMA:
             if f.name in _LISTS:
-                cols[f.name] = _list_array(self.cols[f.name], np.dtype(_LISTS[f.name].to_pandas_dtype()))
+                cols[f.name] = _list_array(self.cols[f.name], np.dtype(_LISTS[f.name]))
             else:
                 cols[f.name] = pa.array(self.cols[f.name], type=f.type)
         return pa.Table.from_pydict(cols, schema=SCHEMA)

@@ -10,13 +10,15 @@ A part is committed first, the cursor after it, each by an atomic rename: a
 run that stops anywhere leaves either the cursor of the parts on disk, or
 (stopped between the two renames) one committed part beyond it, which a
 resume finds by name and removes before it re-exports those records. So a
-resumed export has every record once. Memory: one row group of rows, bounded
-by `row_group_bytes`; a part rolls over at `part_bytes` of record arrays.
+resumed export has every record once. Memory: the row group being filled
+(`row_group_bytes` of record arrays) and at most one being converted and
+written in a background thread; a part rolls over at `part_bytes`.
 """
 from __future__ import annotations
 
 import json
 import os
+import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -68,6 +70,7 @@ class PartWriter:
         self.out, self.cursor = Path(out), cursor
         self.row_group_bytes, self.part_bytes, self.compression = row_group_bytes, part_bytes, compression
         self.rows = RowBuffer()
+        self._writes = _OneWrite()
         self._writer: pq.ParquetWriter | None = None
         self._part_bytes = 0
         self._part_rows = 0
@@ -92,20 +95,25 @@ class PartWriter:
             self.flush()
 
     def flush(self) -> None:
-        """The buffered rows as one row group of the current part."""
+        """The buffered rows become one row group of the current part, written in the
+        background (Arrow conversion and compression overlap the next rows' reads); at
+        most one row group is in flight."""
         if not len(self.rows):
             return
-        table = self.rows.table()
+        rows, self.rows = self.rows, RowBuffer()
+        self._part_bytes += rows.nbytes
+        self._part_rows += len(rows)
+        self.cursor.bytes += rows.nbytes
+        self._writes.start(lambda: self._write(rows))
+
+    def _write(self, rows: RowBuffer) -> None:
+        table = rows.table()
         if self._writer is None:
             meta = {b"rlstream.export_schema": str(EXPORT_SCHEMA_VERSION).encode(),
                     b"rlstream.topic": self.cursor.topic.encode()}
             self._writer = pq.ParquetWriter(self._path(tmp=True), SCHEMA.with_metadata(meta),
                                             compression=self.compression)
         self._writer.write_table(table, row_group_size=len(table))
-        self._part_bytes += self.rows.nbytes
-        self._part_rows += len(self.rows)
-        self.cursor.bytes += self.rows.nbytes
-        self.rows = RowBuffer()
 
     @property
     def part_full(self) -> bool:
@@ -114,6 +122,7 @@ class PartWriter:
     def commit(self, next_offsets: dict[int, int]) -> None:
         """End the part (rows up to `next_offsets`, exclusive), then move the cursor there."""
         self.flush()
+        self._writes.wait()
         if self._writer is not None:
             self._writer.close()
             self._writer = None
@@ -133,7 +142,40 @@ class PartWriter:
 
     def abort(self) -> None:
         """Drop the part in progress (its records stay beyond the cursor)."""
+        try:
+            self._writes.wait()
+        except Exception:  # noqa: BLE001 - the part is dropped anyway; the caller raises its own error
+            pass
         if self._writer is not None:
             self._writer.close()
             self._writer = None
         self._path(tmp=True).unlink(missing_ok=True)
+
+
+class _OneWrite:
+    """At most one row group being written, in a thread; its error is raised by the next `wait`."""
+
+    def __init__(self):
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def start(self, fn) -> None:
+        self.wait()
+
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as e:  # noqa: BLE001 - raised by wait() in the export's thread
+                self._error = e
+
+        self._thread = threading.Thread(target=run, name="export-write", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise ExportError(f"writing a row group failed ({type(err).__name__}: {err}); the cursor is "
+                              "unchanged: run again to continue") from err
