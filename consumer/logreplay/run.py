@@ -69,7 +69,7 @@ def plan(cfg: RlstreamConfig, run_dir: Path, start: Path | None, to_step: int | 
          allow_settings: bool = False) -> tuple[int, list[StepInputs]]:
     """(the start step, the inputs of every step to replay), checked against `cfg`."""
     st, _ = newest_checkpoint(run_dir)
-    first = 0 if start is None else _state(start).step
+    first = 0 if start is None else _start_in_lineage(_state(start), st, start)
     last = st.step if to_step is None else to_step
     lines = lineage_lines(run_dir, st, first, last)
     steps = [StepInputs.parse(lines[s]) for s in range(first + 1, last + 1)]
@@ -83,6 +83,16 @@ def plan(cfg: RlstreamConfig, run_dir: Path, start: Path | None, to_step: int | 
         log.warning("steps trained by several ranks replay in one process: the same global batch, another "
                     "order of the gradient sums, so not bit for bit")
     return first, steps
+
+
+def _start_in_lineage(start: CheckpointState, st: CheckpointState, path: Path) -> int:
+    """The start checkpoint's step, if its model is one the lineage of `st` passed through:
+    its own lineage is the runs of `st` that began before its step."""
+    if [list(r) for r in start.runs] != [list(r) for r in st.runs if r[1] < start.step]:
+        raise ReplayError(f"{path} (step {start.step}, runs {start.runs}) is not in the lineage of the run's "
+                          f"newest checkpoint (runs {st.runs}): its incarnation's later steps were lost in a "
+                          "crash and redone; start from a checkpoint of the lineage or from step 0")
+    return start.step
 
 
 def replay(cfg: RlstreamConfig, out_dir: Path, run_dir: Path | None = None, start: Path | None = None,
@@ -128,7 +138,11 @@ def samples(s: StepInputs, rollouts: list) -> list:
     from consumer.batch import TrainSample
     from consumer.staleness import gate_group
 
-    control = ControlSettings(**s.control)
+    try:
+        control = ControlSettings(**s.control)
+    except ValueError as e:  # pydantic's ValidationError: a setting this rlstream does not know
+        raise ReplayError(f"step {s.step}: recorded control settings {s.control} are not valid here ({e}); "
+                          "replay with the rlstream version that wrote the run") from None
     stale = {r.rollout_id: st for r, st in zip(rollouts, s.staleness)}
     out = []
     for group in _groups(s, rollouts):

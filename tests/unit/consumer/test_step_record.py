@@ -84,3 +84,13 @@ def test_settings_digest_follows_the_trainer_settings_only():
     assert settings_digest(base) == settings_digest(base.model_copy(update={"checkpoint_dir": "elsewhere"}))
     assert settings_digest(base) != settings_digest(ConsumerSettings(num_minibatches=2))
     assert compared_metrics({"loss": 1.0, "time_total": 3.0, "step_overhead_share": 0.1}) == {"loss": 1.0}
+
+
+def test_a_start_checkpoint_must_lie_on_the_lineage():
+    from consumer.logreplay.run import _start_in_lineage
+
+    newest = CheckpointState(8, 9, {}, runs=[["a", 0], ["b", 4]])  # a died after its checkpoint of step 4
+    assert _start_in_lineage(CheckpointState(4, 4, {}, runs=[["a", 0]]), newest, "c4") == 4
+    assert _start_in_lineage(CheckpointState(6, 7, {}, runs=[["a", 0], ["b", 4]]), newest, "c6") == 6
+    with pytest.raises(ReplayError, match="not in the lineage"):  # a's checkpoint of a step it lost
+        _start_in_lineage(CheckpointState(6, 6, {}, runs=[["a", 0]]), newest, "c6-dead")
