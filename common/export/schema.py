@@ -68,7 +68,9 @@ class RowBuffer:
             "reward": float(r.reward), "finish_reason": r.finish_reason, "temperature": float(r.temperature),
             "reward_info": None if r.reward_info is None else json.dumps(r.reward_info, sort_keys=True),
             "prompt_text": r.prompt_text, "sampling_digest": r.sampling_digest, "model_digest": r.model_digest,
-            "routed_experts": None if routed is None else memoryview(np.ascontiguousarray(routed)).cast("B"),
+            # bytes, not a memoryview of the array: pyarrow 26 never releases a memoryview it converts
+            # (measured: +32 MB per 41 MB of rows, for good), so the export's memory grew with the topic
+            "routed_experts": None if routed is None else np.ascontiguousarray(routed).tobytes(),
             "routing_dtype": None if routed is None else routed.dtype.name,
             "routing_shape": None if routed is None else list(routed.shape),
             "routing_scope": None if routed is None else r.routing_scope,
