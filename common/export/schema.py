@@ -39,6 +39,14 @@ SCHEMA = pa.schema([
     ("routing_scope", pa.string()), ("num_experts", pa.int32()), ("claim_check", pa.string()),
 ])
 
+DICTIONARY_COLUMNS = ["group_id", "producer_id", "finish_reason", "sampling_digest", "model_digest",
+                      "routing_dtype", "routing_scope"]
+"""Columns worth a dictionary (few distinct values). Arrays and ids are written plain: a dictionary
+attempt over token ids and routing bytes costs time and falls back anyway."""
+STATISTICS_COLUMNS = ["partition", "offset", "kafka_timestamp", "sample_idx", "created_at", "policy_version",
+                      "reward", "temperature", "num_experts"]
+"""Columns with min/max statistics (what a reader filters on); none for the arrays."""
+
 
 def token_versions(r: Rollout) -> np.ndarray:
     """int64[T]: the policy version of each response token."""

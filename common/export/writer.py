@@ -25,7 +25,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from common.export import ExportError
-from common.export.schema import EXPORT_SCHEMA_VERSION, SCHEMA, RowBuffer
+from common.export.schema import DICTIONARY_COLUMNS, EXPORT_SCHEMA_VERSION, SCHEMA, STATISTICS_COLUMNS, RowBuffer
 from common.fsutil import fsync_path
 
 CURSOR = "_export.json"
@@ -112,7 +112,8 @@ class PartWriter:
             meta = {b"rlstream.export_schema": str(EXPORT_SCHEMA_VERSION).encode(),
                     b"rlstream.topic": self.cursor.topic.encode()}
             self._writer = pq.ParquetWriter(self._path(tmp=True), SCHEMA.with_metadata(meta),
-                                            compression=self.compression)
+                                            compression=self.compression, use_dictionary=DICTIONARY_COLUMNS,
+                                            write_statistics=STATISTICS_COLUMNS)
         self._writer.write_table(table, row_group_size=len(table))
 
     @property

@@ -136,19 +136,24 @@ def bench_replay(args, broker, tmp: Path) -> dict:
 
 # ------------------------------------------------------------------ export
 
+DISTINCT = 256
+"""Distinct records a topic cycles through (~12 MB: beyond zstd's window and a dictionary page, so
+the Parquet writer compresses nothing it would not compress on a real topic)."""
+
+
 def fill_topic(kafka, n: int) -> int:
-    """`n` records of one production-like rollout's bytes (distinct ids do not matter to an export)."""
+    """`n` records of production-like shape (group ids do not matter to an export)."""
     from common.kafka.publisher import RolloutPublisher
     from common.record import encode
     from tests.fixtures.kafka import realistic_rollout
 
-    value = encode(realistic_rollout(response_tokens=1024, prompt_tokens=128, layers=8, top_k=4, num_experts=64,
-                                     vocab=64, group_size=1))
+    values = [encode(realistic_rollout(response_tokens=1024, prompt_tokens=128, layers=8, top_k=4, num_experts=64,
+                                       vocab=151_936, group_size=1, seed=i)) for i in range(min(n, DISTINCT))]
     with RolloutPublisher(kafka) as pub:
-        futs = [pub.publish_bytes(f"g-{i}".encode(), value, timeout=60) for i in range(n)]
+        futs = [pub.publish_bytes(f"g-{i}".encode(), values[i % len(values)], timeout=60) for i in range(n)]
         for f in futs:
             f.result(timeout=120)
-    return len(value)
+    return len(values[0])
 
 
 def raw_decode(kafka) -> tuple[float, float]:
