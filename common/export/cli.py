@@ -30,7 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-records", type=int, help="stop after this many records (a later run continues)")
     p.add_argument("--row-group-mb", type=int, default=64, help="record bytes per row group (memory bound)")
     p.add_argument("--part-mb", type=int, default=1024, help="record bytes per part file")
-    p.add_argument("--compression", default="zstd", choices=["zstd", "snappy", "lz4", "gzip", "none"])
+    p.add_argument("--compression", default="snappy", choices=["snappy", "zstd", "lz4", "gzip", "none"],
+                   help="Parquet compression (default snappy: zstd writes ~15%% smaller files at half the speed)")
 
 
 def main(cfg: RlstreamConfig, args: argparse.Namespace) -> int:

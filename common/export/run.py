@@ -48,7 +48,7 @@ class ExportOptions:
     max_records: int | None = None
     row_group_bytes: int = 64 << 20
     part_bytes: int = 1 << 30
-    compression: str = "zstd"
+    compression: str = "snappy"
     progress_s: float = 5.0
 
 
