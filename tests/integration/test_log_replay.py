@@ -4,8 +4,9 @@ The real consumer (the service's loop, Megatron-core, the tiny model) trains N s
 staleness settings change on the control topic (decay and max_staleness),
 so the second half's sample weights differ from the first's. Some records
 travel as claim checks. `rlstream replay` (in this process) trains the same
-steps again from the audit log's step records; the test compares every step's
-metrics and every model and optimizer tensor with the run's own, exactly.
+steps again from the audit log's step records, from step 0 and from a
+checkpoint of the run; the test compares every step's metrics and every model
+and optimizer tensor with the run's own, exactly.
 Then one claim-checked record's blob is deleted: the replay fails with an
 error naming the record and the blob.
 """
@@ -124,6 +125,19 @@ def test_replay_equals_the_live_run(live_run, capsys):
     theirs = torch.load(ckpt / f"step-{N:08d}" / "trainer.pt", weights_only=True)["model"]
     assert set(mine) == set(theirs) and mine
     assert all(torch.equal(mine[k], theirs[k]) for k in mine), [k for k in mine if not torch.equal(mine[k], theirs[k])]
+
+
+@pytest.mark.timeout(600)
+def test_replay_from_a_checkpoint_of_the_run(live_run, capsys):
+    from common.app.cli import main
+
+    cfg, path, tmp = live_run
+    start = Path(cfg.consumer.checkpoint_dir) / f"step-{N - 2:08d}"  # every_steps 2: the one before the last
+    capsys.readouterr()
+    code = main(["replay", "-c", str(path), "--out", str(tmp / "replay-from"), "--from", str(start)])
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0 and summary["replay_equal"] and summary["params_equal"] is True, summary
+    assert (summary["first_step"], summary["steps"]) == (N - 2, 2)
 
 
 @pytest.mark.timeout(600)
