@@ -270,15 +270,21 @@ class ConsumerService:
 
     def train_step(self, batch: list[ReadyGroup]) -> dict:
         from consumer.batch import TrainSample
+        from consumer.logreplay.record import step_inputs
 
         samples = [TrainSample.from_rollout(r, w) for rg in batch for r, w in zip(rg.group.rollouts(), rg.weights)]
         out = self.leader.train(samples)
         self.liveness.beat("train_step")
         self.intake.stepped()
+        # what a replay needs (consumer/logreplay/record.py): the gate's staleness is taken at the
+        # step the batch was gated at, before it counts this one
+        inputs = step_inputs(batch, self.clock.staleness(self.step), self.control, self.ccfg,
+                             self.kafka.topics.rollouts, out, self.leader.world)
         self.step += 1
         self.version += 1
         trained = self.ledger.trained()
-        self.leader.ckpt.audit({"step": self.step, "version": self.version, "trained": trained, "run": self.run_id})
+        self.leader.ckpt.audit({"step": self.step, "version": self.version, "trained": trained, "run": self.run_id,
+                                "inputs": inputs})
         self.clock.trained(trained)
         return out
 

@@ -16,11 +16,11 @@ from typing import Any, Callable
 from common import metrics
 from common.config import KafkaSettings
 from common.errors import BrokerError, InvalidRecordError, OffsetError
-from common.kafka.claimcheck import AbstractBlobStore, open_blob_store
+from common.kafka.claimcheck import AbstractBlobStore, open_blob_store, resolve
 from common.kafka.client import FETCH_OVERHEAD_BYTES, end_offsets, make_consumer
 from common.kafka.dlq import H_FIELD, H_REASON, H_SOURCE, DeadLetterWriter  # noqa: F401 - H_*: re-exported
 from common.kafka.fetch_wait import FETCH_WAIT_CAP_MS, FetchWait
-from common.record import DEFAULT_LIMITS, ClaimPointer, RecordLimits, Rollout, decode, decode_any
+from common.record import DEFAULT_LIMITS, RecordLimits, Rollout
 
 log = logging.getLogger("rlstream.reader")
 
@@ -203,19 +203,10 @@ class RolloutReader:
         return items
 
     def _decode(self, m) -> tuple[Rollout, bool]:
-        if m.value is None:
-            raise InvalidRecordError("<bytes>", "empty message (null value)")
-        out = decode_any(m.value, self.limits)
-        claim = isinstance(out, ClaimPointer)
-        if claim:
-            if self._blobs is None:
-                self._blobs = open_blob_store(self.kafka.blob_dir)
-            r = decode(self._blobs.get(out.uri, out.sha256, out.nbytes), self.limits)
-            if (r.rollout_id, r.group_id) != (out.rollout_id, out.group_id):
-                raise InvalidRecordError("claim_check", f"blob holds rollout {r.rollout_id!r}/{r.group_id!r}, "
-                                         f"pointer names {out.rollout_id!r}/{out.group_id!r}")
-        else:
-            r = out
+        if self._blobs is None:
+            self._blobs = open_blob_store(self.kafka.blob_dir)
+        r, pointer = resolve(m.value, self._blobs, self.limits)
+        claim = pointer is not None
         if m.key != r.group_id.encode():
             raise InvalidRecordError("key", f"Kafka key {m.key[:80] if m.key else m.key!r} != group_id "
                                      f"{r.group_id!r} (a group must stay in one partition)")
