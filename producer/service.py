@@ -28,6 +28,7 @@ import time
 from common import metrics, runfile
 from common.config import ControlSettings, RlstreamConfig
 from common.control.liveness import ProgressMonitor, Readiness
+from common.control.signing import signing_key
 from common.lifecycle import close_attrs
 from producer import telemetry
 from producer.admission import AdmissionView, TopicEnds, admission_block
@@ -59,7 +60,6 @@ class ProducerService:
         import torch
 
         from common.control.plane import ControlFollower
-        from common.control.signing import signing_key
         from common.kafka.claimcheck import BlobStore
         from common.kafka.client import ensure_topics
         from common.kafka.publisher import RolloutPublisher
@@ -91,7 +91,6 @@ class ProducerService:
     def _start_http(self) -> None:
         from common.control.http import start_service_http
         from common.control.plane import ControlPlaneWriter
-        from common.control.signing import signing_key
 
         self._writer = ControlPlaneWriter(self.kafka, signing_key(self.pcfg.http.admin_token))
         # /healthz: live unless an engine step or a weight update overruns its bound (producer.liveness);
