@@ -48,6 +48,9 @@ BENCHES = {
                          ("vllm", "megatron", "broker")),
     "cluster": (("versions_trained", "seconds_per_version", "collective_share", "trainer_egress_over_model_bytes"),
                 480, ("vllm", "megatron", "broker")),
+    # the first run in a checkout also builds .venv-peers (`make peers-install`, ~15-60 s)
+    "peers": (("time_to_target_over_trl", "samples_per_s_over_trl", "heldout_at_equal_time", "trl_mode",
+               "trl_modes_tried", "runs"), 420, ("vllm", "megatron", "broker")),
     "episodes": (("lost_generation_seconds_per_crash", "lost_ratio_on_over_off", "episodes_published_twice"), 600,
                  ("vllm", "broker")),
 }
@@ -96,6 +99,8 @@ def extra_args(name: str, tmp_path: Path, shared_warm: list[str]) -> list[str]:
         return ["--models-dir", str(tmp_path / "models")]
     if name == "soak":
         return ["--work-dir", str(tmp_path / "soak")]
+    if name == "peers":
+        return ["--work-dir", str(tmp_path / "peers")]
     if name in ("e2e_async", "dynamic_sampling"):
         return shared_warm
     return []
