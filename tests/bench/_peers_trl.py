@@ -37,11 +37,14 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 MODES = ("async_grpo", "vllm_server", "vllm_colocate", "transformers")
+CHECKS = ("nccl_endpoint",)
+"""`nccl_endpoint`: open, alone, the trainer's end of the NCCL weight-transfer group that async GRPO
+and server mode open once their vLLM server is up (what they would meet next on this machine)."""
 
 
 def parse(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--mode", choices=MODES, required=True)
+    ap.add_argument("--mode", choices=MODES + CHECKS, required=True)
     ap.add_argument("--model", required=True, help="the SFT warm start (HF directory)")
     ap.add_argument("--train", required=True)
     ap.add_argument("--heldout", required=True)
@@ -100,6 +103,7 @@ def grpo_config(a: argparse.Namespace, out_dir: str, **mode_kw):
         weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=a.grad_clip,
         # loss: mean-centred advantages, token sum over a constant normaliser, no KL term
         beta=0.0, scale_rewards="none", loss_type="dr_grpo", epsilon=a.eps_low, epsilon_high=a.eps_high,
+        router_aux_loss_coef=0.0,  # rlstream trains without the load-balancing loss (consumer/model.py)
         max_steps=1_000_000, disable_dropout=True, shuffle_dataset=True, **mode_kw)
 
 
@@ -248,6 +252,14 @@ def score(a: argparse.Namespace, model, snapshots: list[dict]) -> list[dict]:
     return rows
 
 
+def nccl_endpoint() -> None:
+    """TRL's async GRPO weight-transfer trainer endpoint (the same call `WeightTransferClient` makes)."""
+    from trl.experimental.async_grpo.weight_transfer import open_trainer_endpoint
+
+    open_trainer_endpoint({"master_address": "127.0.0.1", "master_port": 29591, "rank_offset": 1,
+                           "world_size": 1, "packed": True})
+
+
 def main(argv=None) -> int:
     a = parse(argv)
     import torch
@@ -261,6 +273,10 @@ def main(argv=None) -> int:
 
         result["trl_version"] = trl.__version__
         clock.install()
+        if a.mode == "nccl_endpoint":
+            nccl_endpoint()
+            result.update(ok=True)
+            return _write(a, result)
         if a.mode == "async_grpo":
             got = run_async_grpo(a, clock)
         else:
@@ -277,6 +293,10 @@ def main(argv=None) -> int:
     except BaseException as e:  # noqa: BLE001 - the bench reports why a mode did not run
         result["error"] = f"{type(e).__name__}: {e}"[:2000]
         result["traceback_tail"] = traceback.format_exc()[-3000:]
+    return _write(a, result)
+
+
+def _write(a: argparse.Namespace, result: dict) -> int:
     Path(a.out).write_text(json.dumps(result))
     print(json.dumps({k: v for k, v in result.items() if k != "traceback_tail"})[:4000], flush=True)
     return 0

@@ -80,8 +80,8 @@ def _free_port() -> int:
 
 
 def _last_error(log: Path) -> str:
-    lines = [x for x in log.read_text(errors="replace").splitlines() if x.strip()]
-    errs = [x for x in lines if "Error" in x or "error:" in x]
+    lines = [x for x in log.read_text(errors="replace").splitlines() if x.strip() and " WARNING " not in x]
+    errs = [x for x in lines if "Error" in x or "error:" in x or x.startswith("Exception")]
     return (errs[-1] if errs else (lines[-1] if lines else "no output")).strip()[:600]
 
 
@@ -136,7 +136,8 @@ def run_trl(mode: str, warm, a, work: Path, label: str) -> dict:
         if mode in ("async_grpo", "vllm_server"):
             server, url, err = start_vllm_server(str(warm.model_dir), work / f"{label}.server.log", a.server_timeout_s)
             if err:
-                return {"mode": mode, "ok": False, "error": f"vLLM server: {err}"}
+                return {"mode": mode, "ok": False, "error": f"vLLM server: {err}; then, on the trainer's side, "
+                        f"TRL's NCCL weight-transfer endpoint alone: {nccl_endpoint_error(env, work)}"}
             env["TRL_VLLM_URL"] = url
         cmd = [str(PEERS_PY), "-W", "ignore", str(ROOT / "tests" / "bench" / "_peers_trl.py"), "--mode", mode,
                "--model", str(warm.model_dir), "--train", str(warm.train_path), "--heldout", str(warm.heldout_path),
@@ -156,6 +157,20 @@ def run_trl(mode: str, warm, a, work: Path, label: str) -> dict:
         stop(server)
         if server is not None:
             print(f"{label}: vLLM server stopped after {time.monotonic() - t0:.0f} s", file=sys.stderr)
+
+
+def nccl_endpoint_error(env: dict, work: Path) -> str:
+    """What async GRPO and server mode meet once their server is up: TRL's trainer end of the
+    NCCL weight-transfer group, opened alone (`_peers_trl.py --mode nccl_endpoint`)."""
+    out = work / "nccl-endpoint.json"
+    cmd = [str(PEERS_PY), "-W", "ignore", str(ROOT / "tests" / "bench" / "_peers_trl.py"), "--mode", "nccl_endpoint",
+           "--model", "-", "--train", "-", "--heldout", "-", "--out", str(out)]
+    try:
+        subprocess.run(cmd, env=env, capture_output=True, timeout=300)
+        r = json.loads(out.read_text())
+        return "opened (no error)" if r.get("ok") else r.get("error", "no result")
+    except (subprocess.TimeoutExpired, OSError, ValueError) as e:
+        return f"could not run the check: {e}"
 
 
 def pick_trl_mode(modes: list[str], warm, a, work: Path) -> tuple[str | None, dict, dict | None]:
