@@ -31,6 +31,7 @@ import time
 import traceback
 from collections import defaultdict
 from pathlib import Path
+from types import SimpleNamespace
 
 T0 = time.monotonic()
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,22 +50,18 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--train", required=True)
     ap.add_argument("--heldout", required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--seconds", type=float, default=240.0, help="training wall-time budget from process start")
+    ap.add_argument("--seconds", type=float, default=240.0, help="training seconds after the first step (rlstream's arm: RL seconds after its services are up)")
     ap.add_argument("--eval-every-s", type=float, default=15.0)
-    ap.add_argument("--group-size", type=int, default=8)
-    ap.add_argument("--groups-per-batch", type=int, default=32)
-    ap.add_argument("--max-tokens", type=int, default=8)
-    ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--lr", type=float, default=2e-4)
-    ap.add_argument("--grad-clip", type=float, default=1.0)
-    ap.add_argument("--eps-low", type=float, default=0.2)
-    ap.add_argument("--eps-high", type=float, default=0.27)
-    ap.add_argument("--is-cap", type=float, default=5.0)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--settings", type=json.loads, default=None,
+                    help="the shared settings as JSON (tests/bench/peers.py `shared_settings`: from rlstream's config)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--metric", default="avg@8")
     ap.add_argument("--eval-limit", type=int, default=None)
-    return ap.parse_args(argv)
+    a = ap.parse_args(argv)
+    if a.mode in MODES and not a.settings:
+        ap.error("--settings is required to train")
+    a.settings = SimpleNamespace(**(a.settings or {}))
+    return a
 
 
 # ------------------------------------------------------------------ the shared task
@@ -90,19 +87,21 @@ def grpo_config(a: argparse.Namespace, out_dir: str, **mode_kw):
     """GRPOConfig set as close to rlstream's MiniRL run (configs/tiny-cpu.yaml) as TRL's options allow."""
     from trl import GRPOConfig
 
-    n = a.group_size * a.groups_per_batch
+    c = a.settings
+    n = c.group_size * c.groups_per_batch
     return GRPOConfig(
-        output_dir=out_dir, report_to="none", save_strategy="no", logging_steps=1, seed=a.seed,
+        output_dir=out_dir, report_to="none", save_strategy="no", logging_steps=1, seed=c.seed,
         use_cpu=True, bf16=False, fp16=False, dataloader_num_workers=0, gradient_checkpointing=False,
         # batch: B groups x G samples per optimizer step, one update per batch (on-policy)
-        per_device_train_batch_size=n, gradient_accumulation_steps=1, num_generations=a.group_size,
+        per_device_train_batch_size=n, gradient_accumulation_steps=1, num_generations=c.group_size,
         steps_per_generation=1, num_iterations=1,
-        max_completion_length=a.max_tokens, temperature=a.temperature, top_p=1.0, top_k=0,
+        max_completion_length=c.max_tokens, temperature=c.temperature, top_p=1.0, top_k=0,
         # optimizer: AdamW, constant lr, no warm-up, no weight decay, global grad-norm clip
-        optim="adamw_torch", learning_rate=a.lr, lr_scheduler_type="constant", warmup_steps=0,
-        weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=a.grad_clip,
+        optim="adamw_torch", learning_rate=c.lr, lr_scheduler_type="constant", warmup_steps=0,
+        weight_decay=c.weight_decay, adam_beta1=c.betas[0], adam_beta2=c.betas[1], adam_epsilon=c.adam_eps,
+        max_grad_norm=c.grad_clip,
         # loss: mean-centred advantages, token sum over a constant normaliser, no KL term
-        beta=0.0, scale_rewards="none", loss_type="dr_grpo", epsilon=a.eps_low, epsilon_high=a.eps_high,
+        beta=0.0, scale_rewards="none", loss_type="dr_grpo", epsilon=c.eps_low, epsilon_high=c.eps_high,
         router_aux_loss_coef=0.0,  # rlstream trains without the load-balancing loss (consumer/model.py)
         max_steps=1_000_000, disable_dropout=True, shuffle_dataset=True, **mode_kw)
 
@@ -110,7 +109,7 @@ def grpo_config(a: argparse.Namespace, out_dir: str, **mode_kw):
 def vllm_kw(a: argparse.Namespace, mode: str) -> dict:
     """GRPOConfig's vLLM settings: IS correction against the rollout log-probs, per token, truncated at C."""
     kw = dict(use_vllm=True, vllm_mode=mode, vllm_importance_sampling_correction=True,
-              vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=a.is_cap,
+              vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=a.settings.is_cap,
               vllm_max_model_length=128)
     if mode == "server":
         kw.update(vllm_server_base_url=os.environ.get("TRL_VLLM_URL", "http://127.0.0.1:8000"),
@@ -183,7 +182,7 @@ def callback(clock: Clock, samples_per_step: int):
             now = time.monotonic() - T0
             if now - clock.last_snap >= clock.every:
                 clock.snapshot(model, state.global_step)
-            if now >= clock.deadline:
+            if now - clock.first_step_at >= clock.deadline:  # as rlstream's RL seconds: after start-up
                 clock.snapshot(model, state.global_step)
                 control.should_training_stop = True
             return control
@@ -202,7 +201,7 @@ def run_grpo(a: argparse.Namespace, clock: Clock, mode_kw: dict) -> dict:
     with tempfile.TemporaryDirectory(prefix="trl-peers-") as out:
         trainer = GRPOTrainer(model=model, reward_funcs=exact_match_reward(), args=grpo_config(a, out, **mode_kw),
                               train_dataset=train_dataset(a.train), processing_class=tok,
-                              callbacks=[callback(clock, a.group_size * a.groups_per_batch)])
+                              callbacks=[callback(clock, a.settings.group_size * a.settings.groups_per_batch)])
         clock.timed(trainer, "_generate_and_score_completions", "generate_and_score")
         clock.timed(trainer, "training_step", "training_step")
         trainer.train()
@@ -215,14 +214,15 @@ def run_async_grpo(a: argparse.Namespace, clock: Clock) -> dict:
     import torch
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
-    n = a.group_size * a.groups_per_batch
+    c = a.settings
+    n = c.group_size * c.groups_per_batch
     with tempfile.TemporaryDirectory(prefix="trl-peers-") as out:
         cfg = AsyncGRPOConfig(
-            output_dir=out, report_to="none", save_strategy="no", seed=a.seed, use_cpu=True, bf16=False,
+            output_dir=out, report_to="none", save_strategy="no", seed=c.seed, use_cpu=True, bf16=False,
             dtype="float32", gradient_checkpointing=False, per_device_train_batch_size=n,
-            num_generations=a.group_size, max_completion_length=a.max_tokens, temperature=a.temperature,
-            learning_rate=a.lr, max_grad_norm=a.grad_clip, epsilon=a.eps_low, epsilon_high=a.eps_high,
-            max_staleness=2, max_steps=1_000_000,
+            num_generations=c.group_size, max_completion_length=c.max_tokens, temperature=c.temperature,
+            learning_rate=c.lr, max_grad_norm=c.grad_clip, epsilon=c.eps_low, epsilon_high=c.eps_high,
+            max_staleness=c.max_staleness, max_steps=1_000_000,
             vllm_server_base_url=os.environ.get("TRL_VLLM_URL", "http://127.0.0.1:8000"), vllm_server_timeout=60.0)
         trainer = AsyncGRPOTrainer(model=a.model, reward_funcs=exact_match_reward(), args=cfg,
                                    train_dataset=train_dataset(a.train),
@@ -246,7 +246,7 @@ def score(a: argparse.Namespace, model, snapshots: list[dict]) -> list[dict]:
     rows = []
     for s in snapshots:
         model.load_state_dict(s["state"])
-        r = heldout_scores(model, tok, problems, a.metric, a.temperature, a.max_tokens)
+        r = heldout_scores(model, tok, problems, a.metric, a.settings.temperature, a.settings.max_tokens)
         rows.append({"time": s["time"], "step": s["step"], "heldout_accuracy": r["accuracy"],
                      "heldout_greedy": r["greedy"], "eval_seconds": round(r["seconds"], 2)})
     return rows
@@ -265,7 +265,7 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(a.threads)
-    torch.manual_seed(a.seed)
+    torch.manual_seed(getattr(a.settings, "seed", 0))
     clock = Clock(deadline=a.seconds, every=a.eval_every_s)
     result: dict = {"mode": a.mode, "ok": False, "threads": a.threads}
     try:

@@ -126,6 +126,18 @@ def stop(proc: subprocess.Popen | None) -> None:
         proc.wait()
 
 
+def shared_settings(cfg) -> dict:
+    """The settings TRL's arm takes from rlstream's configuration, so the two cannot drift apart."""
+    o, loss = cfg.consumer.optimizer, cfg.consumer.loss
+    if o.name != "adamw":
+        raise SystemExit(f"the TRL arm mirrors AdamW only, not {o.name!r}")
+    return {"group_size": cfg.consumer.group_size, "groups_per_batch": cfg.consumer.groups_per_batch,
+            "max_tokens": cfg.producer.max_tokens, "temperature": cfg.producer.temperature, "lr": o.lr,
+            "betas": list(o.betas), "adam_eps": o.eps, "weight_decay": o.weight_decay, "grad_clip": o.grad_clip,
+            "eps_low": loss.eps_low, "eps_high": loss.eps_high, "is_cap": loss.is_cap,
+            "max_staleness": cfg.staleness.max_staleness, "seed": cfg.producer.prompts.seed}
+
+
 def run_trl(mode: str, warm, a, work: Path, label: str) -> dict:
     """One TRL run in its own process (and its vLLM server for the server modes)."""
     out = work / f"{label}.json"
@@ -142,7 +154,7 @@ def run_trl(mode: str, warm, a, work: Path, label: str) -> dict:
         cmd = [str(PEERS_PY), "-W", "ignore", str(ROOT / "tests" / "bench" / "_peers_trl.py"), "--mode", mode,
                "--model", str(warm.model_dir), "--train", str(warm.train_path), "--heldout", str(warm.heldout_path),
                "--out", str(out), "--seconds", str(a.seconds), "--eval-every-s", str(a.eval_every_s),
-               "--threads", str(a.threads), "--metric", warm.metric,
+               "--threads", str(a.threads), "--metric", warm.metric, "--settings", json.dumps(a.shared),
                *(["--eval-limit", str(a.eval_limit)] if a.eval_limit else [])]
         with open(work / f"{label}.log", "w") as log:
             p = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=a.seconds + 600)
@@ -285,6 +297,7 @@ def bench(a, work: Path) -> dict:
     if a.smoke:  # the smoke's one-step warm start scores ~0: nothing to filter, small batches, greedy scoring
         cfg = load_config(a.config, sets + a.set + ["consumer.dynamic_sampling=off", "demo.eval_metric=greedy"])
     warm = prepare_warm(cfg)
+    a.shared = shared_settings(cfg)
     target = min(1.0, warm.accuracy + cfg.demo.target_gain)
     mode, tried, _ = pick_trl_mode([m for m in a.modes.split(",") if m], warm, a, work)
     runs: list[dict] = []
@@ -301,7 +314,7 @@ def bench(a, work: Path) -> dict:
             runs.append({"system": "trl", "run": i + 1, "load_before": load0, **r, "load_after": load_avg()})
     rl = [r for r in runs if r["system"] == "rlstream"]
     trl = [r for r in runs if r["system"] == "trl" and r.get("ok")]
-    out = {"smoke": a.smoke, "ok": all(r.get("ok") for r in runs) and mode is not None,
+    out = {"smoke": a.smoke, "ok": all(r.get("ok") for r in runs) and mode is not None, "settings": a.shared,
            "trl_mode": mode, "trl_modes_tried": tried, "warm_accuracy": warm.accuracy, "metric": warm.metric,
            "install_seconds": round(install_s, 1), "seconds_per_run": a.seconds, "runs_each": a.runs,
            **summarize(rl, trl, target),
