@@ -17,9 +17,11 @@ docs/benchmarks.md, "Against TRL".
              with vLLM server, then colocate; GRPOTrainer with transformers
              generation), each failure reported with its error text
 
-Runs interleave (rlstream, TRL, rlstream, TRL, ...), `--runs` each. Both are
-timed from launch (start-up counts) and scored by the same evaluator every
-`--eval-every-s` (avg@8 on the 256 held-out prompts, seed 0). JSON:
+Runs interleave (rlstream, TRL, rlstream, TRL, ...), `--runs` each. Each trains
+for `--seconds` after its start-up; timelines run from launch (start-up counts)
+and are scored by the same evaluator every `--eval-every-s` (avg@8 on the 256
+held-out prompts, seed 0). TRL's settings come from the same config
+(`shared_settings`). JSON:
   time_to_target_over_trl   rlstream's median seconds to the demo's target (warm +
                             demo.target_gain, two evaluations in a row) over TRL's;
                             null if either missed it: see heldout_at_equal_time
