@@ -213,7 +213,11 @@ class VersionEvaluator:
         self.last_at = 0.0
 
     def due(self, min_interval_s: float) -> bool:
-        return time.monotonic() - self.last_at >= min_interval_s
+        return self.seconds_until_due(min_interval_s) <= 0.0
+
+    def seconds_until_due(self, min_interval_s: float) -> float:
+        """Seconds until the next evaluation is due (<= 0: now); the interval runs from the last one's start."""
+        return self.last_at + min_interval_s - time.monotonic()
 
     def evaluate_newest(self) -> tuple[int, dict] | None:
         """(version, scores) of the newest version not evaluated yet, else None."""
