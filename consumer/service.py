@@ -308,7 +308,7 @@ def _weight_backend(backend: str) -> str:
         return backend
     import torch
 
-    return "nccl" if torch.cuda.is_available() else "rlstream_gloo"
+    return "nccl" if torch.cuda.is_available() else "rlstream_gloo"  # the stand-ins: set nccl explicitly
 
 
 def main(cfg: RlstreamConfig) -> int:

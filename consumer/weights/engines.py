@@ -52,8 +52,8 @@ class SnapshotSource(WeightSource):
     """A filled snapshot as a vLLM WeightSource (vLLM's nccl trainer engine), each tensor
     copied to `device` as it is sent."""
 
-    def __init__(self, snapshot: Snapshot, device: str = "cuda"):
-        self.snapshot, self.device = snapshot, device
+    def __init__(self, snapshot: Snapshot, device: str | None = None):
+        self.snapshot, self.device = snapshot, device or transfer_device()
 
     def metadata(self) -> list[ParamMeta]:
         return [ParamMeta(n, getattr(torch, d), tuple(s)) for g in self.snapshot.header.groups
@@ -70,6 +70,13 @@ class SnapshotSource(WeightSource):
 
     def fold_digest(self) -> str:
         return self.fold.hexdigest()
+
+
+def transfer_device() -> torch.device:
+    """The device vLLM's nccl trainer engine binds its communicator to (its
+    `torch.accelerator.current_device_index()`): the tensors it sends must be there."""
+    index = torch.accelerator.current_device_index()
+    return torch.device(f"cuda:{index}" if isinstance(index, int) else index)
 
 
 # ---------------------------------------------------------------- the control channel

@@ -95,9 +95,18 @@ class FanoutClient:
         self._each("ping", lambda i, m: m.client.channel.call("ping", m.client.timeout_s))
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """The trainer engine's worker payload, with each member's own rank offset (and, for the
+        gloo twin, whose payload names a link, its link id). Nothing else is added: vLLM's worker
+        parses the payload into its init-info dataclass, which refuses unknown keys."""
         offsets = self.layout.rank_offsets
-        self._each("init", lambda i, m: m.client.init_weight_transfer_engine(
-            {**init_info, "rank_offset": offsets[i], "link": m.n}))
+
+        def payload(i: int, m: "_Link") -> dict[str, Any]:
+            own = {"rank_offset": offsets[i]}
+            if "link" in init_info:
+                own["link"] = m.n
+            return {**init_info, **own}
+
+        self._each("init", lambda i, m: m.client.init_weight_transfer_engine(payload(i, m)))
 
     def start_weight_update(self) -> None:
         self._each("start", lambda i, m: self._versioned(m).start_weight_update())

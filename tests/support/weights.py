@@ -95,12 +95,13 @@ class TrainerSide:
         msg = trainer.publish(1, tensors, durable=True)   # WeightsReady(transport=collective, ...)
     """
 
-    def __init__(self, store_dir: Path, model_dir, timeout_s: float = 20.0, writer=None):
+    def __init__(self, store_dir: Path, model_dir, timeout_s: float = 20.0, writer=None,
+                 backend: str = "rlstream_gloo"):
         from common.config import WeightSyncSettings
         from common.weights.store import WeightStore
         from consumer.weights.sender import WeightSender
 
-        self.sender = WeightSender(WeightSyncSettings(timeout_s=timeout_s))
+        self.sender = WeightSender(WeightSyncSettings(timeout_s=timeout_s), backend=backend)
         self.store = WeightStore(store_dir, keep=20)
         self.model_dir, self.writer = model_dir, writer
         self.snapshot = None
