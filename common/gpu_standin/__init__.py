@@ -24,6 +24,7 @@ spawned test and bench children call it themselves. Nothing is installed unless
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 
 ENV = "RLSTREAM_GPU_STANDIN"
@@ -61,9 +62,12 @@ def install() -> None:
     _patch(torch.cuda, "stream", cuda.stream)
     _patch(torch.cuda, "cudart", cuda.cudart)
     _patch(torch.accelerator, "current_device_index", cuda.current_device_index)
+    _patch(torch.accelerator, "synchronize", cuda.synchronize)
     _patch(torch.Tensor, "pin_memory", cuda.pin_memory)
     _patch(torch, "empty", _empty_pinnable(torch.empty))
     _install_vllm()
+    logging.getLogger("rlstream").info("GPU stand-ins installed in process %d (libnccl over gloo, CUDA streams, "
+                                       "pinned memory): not a GPU run", os.getpid())
 
 
 def _install_vllm() -> None:

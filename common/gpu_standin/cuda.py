@@ -141,6 +141,12 @@ def current_device_index():
     return DEVICE
 
 
+def synchronize(device=None) -> None:
+    """`torch.accelerator.synchronize`: every stream's queued work has ended."""
+    for s in list(Stream._all.values()):
+        s.synchronize()
+
+
 # ---------------------------------------------------------------- pinned host memory
 
 

@@ -104,7 +104,6 @@ class GlooNccl:
 
     def ncclGetUniqueId(self):
         from torch.distributed import TCPStore
-        from vllm.distributed.device_communicators.pynccl_wrapper import ncclUniqueId
 
         host = bootstrap_address()
         store = TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=STORE_TIMEOUT, multi_tenant=True)
@@ -142,6 +141,9 @@ class GlooNccl:
 
     def ncclCommAbort(self, comm) -> None:
         c = _comm(comm, abort=True)
+        if os.environ.get("RLSTREAM_STANDIN_DEBUG"):
+            import traceback
+            print(f"ABORT pid={os.getpid()} handle={comm.value} rank={c.rank}", "".join(traceback.format_stack(limit=12)), flush=True)
         c.aborted.set()
         try:
             c.pg.abort()

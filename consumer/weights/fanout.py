@@ -196,16 +196,9 @@ class Fanout(threading.Thread):
                  layout.world_size, ", ".join(f"{m.producer}@{o}" for m, o in zip(members, layout.rank_offsets)))
 
     def _send(self, snap) -> None:
-        from consumer.weights.engines import SnapshotSource
+        from consumer.weights.engines import send
 
-        if self.sender.backend == "nccl":
-            snap.wait()
-            source = self.engine.source = SnapshotSource(snap)  # one upload to the GPU per version
-            self.engine.client.fold = source.fold_digest  # this version's fold, not the first one's
-        else:
-            self.engine.source = snap
-        self.engine.client.version = snap.version
-        self.engine.send_weights()
+        send(self.engine, snap, self.sender.backend, self.sender.settings.timeout_s)
 
     def _disband(self) -> None:
         if self.engine is not None:

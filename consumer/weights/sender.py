@@ -36,7 +36,7 @@ from common.errors import RlstreamError
 from common.weights import link as wlink
 from consumer import telemetry
 from consumer.weights.engines import (LinkClient, RlstreamGlooTrainerInitInfo, Snapshot, SnapshotSource, open_nccl_link,
-                                     register)
+                                     register, send)
 from consumer.weights.fanout import Fanout
 
 log = logging.getLogger("rlstream.consumer")
@@ -222,14 +222,7 @@ class _Link(threading.Thread):
             self.engine = self._own = self._open(snap)
             telemetry.WEIGHT_LINKS.set(len(self.sender.links))
             log.info("weight link %d: producer %s joined (%d workers)", self.n, self.producer, self.workers)
-        if self.sender.backend == "nccl":
-            snap.wait()
-            source = self._own.source = SnapshotSource(snap)
-            self.client.fold = source.fold_digest  # the finish carries this version's fold
-        else:
-            self._own.source = snap
-        self.client.version = snap.version
-        self._own.send_weights()
+        send(self._own, snap, self.sender.backend, self.sender.settings.timeout_s)
         with self.sender._cond:
             self.sent, self.count = snap.version, self.count + 1
             self.sender._cond.notify_all()
