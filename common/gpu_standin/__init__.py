@@ -3,7 +3,7 @@
     RLSTREAM_GPU_STANDIN=1 rlstream producer ...   # every process of the run installs them
     with installed(): ...                          # in a test, for a block
 
-Only the bottom is replaced: libnccl (vLLM's `NCCLLibrary`, over gloo: `nccl.py`),
+Only the bottom is replaced: libnccl (vLLM's `NCCLLibrary`, over TCP: `nccl.py`, `ring.py`),
 CUDA streams and events, the current device, and pinned or registered host memory
 (`cuda.py`). Everything above runs as it does on a GPU cluster: vLLM's
 `PyNcclCommunicator` and its weight-transfer engines (`nccl`: trainer init,
@@ -17,7 +17,7 @@ workers); rlstream's CLI calls `install_if_requested` before it starts a role;
 spawned test and bench children call it themselves. Nothing is installed unless
 `RLSTREAM_GPU_STANDIN` is set: a GPU machine never runs it.
 
-- `nccl.py`  GlooNccl: ncclGetUniqueId / ncclCommInitRank / ncclBroadcast / ... /
+- `nccl.py`  StandinNccl: ncclGetUniqueId / ncclCommInitRank / ncclBroadcast / ... /
              ncclCommAbort with NCCL's blocking and abort behaviour.
 - `cuda.py`  Stream, Event, current_stream, stream(), cudart(), pin_memory.
 """
@@ -66,7 +66,7 @@ def install() -> None:
     _patch(torch.Tensor, "pin_memory", cuda.pin_memory)
     _patch(torch, "empty", _empty_pinnable(torch.empty))
     _install_vllm()
-    logging.getLogger("rlstream").info("GPU stand-ins installed in process %d (libnccl over gloo, CUDA streams, "
+    logging.getLogger("rlstream").info("GPU stand-ins installed in process %d (libnccl over TCP, CUDA streams, "
                                        "pinned memory): not a GPU run", os.getpid())
 
 
@@ -77,9 +77,9 @@ def _install_vllm() -> None:
     except ImportError:  # a trainer without vLLM never reaches NCCL through it
         return
     from common.gpu_standin import cuda
-    from common.gpu_standin.nccl import GlooNccl
+    from common.gpu_standin.nccl import StandinNccl
 
-    _patch(pynccl, "NCCLLibrary", GlooNccl)
+    _patch(pynccl, "NCCLLibrary", StandinNccl)
     _patch(pynccl, "current_stream", cuda.current_stream)
     _patch(torch_utils, "current_stream", cuda.current_stream)
 

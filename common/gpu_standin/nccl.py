@@ -1,6 +1,6 @@
-"""`NCCLLibrary` (vLLM's ctypes binding of libnccl) over gloo, for CPU processes.
+"""`NCCLLibrary` (vLLM's ctypes binding of libnccl) for CPU processes.
 
-    lib = GlooNccl()                         # what vLLM's PyNcclCommunicator gets
+    lib = StandinNccl()                         # what vLLM's PyNcclCommunicator gets
     uid = lib.ncclGetUniqueId()              # rank 0: a bootstrap store on this host
     comm = lib.ncclCommInitRank(world, uid, rank)
     lib.ncclBroadcast(send, recv, count, dtype, root, comm, stream)   # on `stream`, in order
@@ -17,8 +17,8 @@ What NCCL does and this does too:
   queued there before it (common/gpu_standin/cuda.py `Stream`): a transfer stuck on a
   cached stream blocks every later one on that stream, as on a GPU.
 - **A dead or silent peer blocks.** NCCL has no timeout: a collective whose peer died
-  waits until the communicator is aborted. Here gloo's error (its peer's socket closed,
-  or its own timeout) does not end the operation either: it waits for `ncclCommAbort`.
+  waits until the communicator is aborted. Here a peer's closed connection does not end
+  the operation either: it waits for `ncclCommAbort`.
 - **Abort ends it.** `ncclCommAbort` releases every operation blocked in the
   communicator with an NCCL error; any later call on it fails ("invalid usage").
 
@@ -43,21 +43,19 @@ from datetime import timedelta
 import torch
 
 from common.gpu_standin import cuda
+from common.gpu_standin.ring import PeerLost, Ring
 
 VERSION = 22805
 """The NCCL version reported (2.28.5: the nvidia-nccl-cu13 torch 2.13 pins)."""
 STORE_TIMEOUT = timedelta(seconds=300)
 """The bootstrap's rendezvous bound (NCCL's own bootstrap waits about as long)."""
-GLOO_TIMEOUT = timedelta(hours=1)
-"""Gloo's own bound on one operation; when it passes, the operation still waits for an abort."""
-POLL_S = 0.05
-"""How often a blocked operation looks for an abort."""
 
 DTYPES = {0: torch.int8, 1: torch.uint8, 2: torch.int32, 3: torch.int32, 4: torch.int64, 5: torch.int64,
           6: torch.float16, 7: torch.float32, 8: torch.float64, 9: torch.bfloat16, 10: torch.float8_e4m3fn}
 """ncclDataType_t -> a torch dtype of the same width (unsigned ones as their signed twin:
 broadcast, send and receive move bytes; sums of unsigned ints are not used here)."""
-OPS = {0: "SUM", 1: "PRODUCT", 2: "MAX", 3: "MIN", 4: "AVG"}
+REDUCE = {0: torch.add, 1: torch.mul, 2: torch.maximum, 3: torch.minimum, 4: torch.add}
+"""ncclRedOp_t -> how two contributions combine (4, avg: summed, then divided)."""
 
 
 class NcclStandinError(RuntimeError):
@@ -69,12 +67,19 @@ class NcclStandinError(RuntimeError):
 
 @dataclass
 class Comm:
-    """One communicator: a gloo group of `world_size` ranks."""
+    """One communicator: its ranks' connections (ring.py), one operation at a time."""
 
-    pg: object
-    rank: int
-    world_size: int
+    ring: Ring
     aborted: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def rank(self) -> int:
+        return self.ring.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.ring.world_size
 
 
 _comms: dict[int, Comm] = {}
@@ -82,7 +87,7 @@ _roots: dict[bytes, object] = {}  # rank 0's bootstrap stores, kept alive for th
 _lock = threading.Lock()
 
 
-class GlooNccl:
+class StandinNccl:
     """The methods of vLLM's `NCCLLibrary` that its communicators call."""
 
     def __init__(self, so_file: str | None = None):
@@ -98,7 +103,7 @@ class GlooNccl:
         return VERSION
 
     def ncclGetVersion(self) -> str:
-        return "2.28.5 (CPU stand-in over gloo)"
+        return "2.28.5 (CPU stand-in)"
 
     # -- communicators
 
@@ -122,33 +127,24 @@ class GlooNccl:
         return uid
 
     def ncclCommInitRank(self, world_size: int, unique_id, rank: int):
-        from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
+        from torch.distributed import PrefixStore, TCPStore
 
         host, port, nonce = decode_id(bytes(unique_id.internal))
-        store = _roots.get(nonce) or TCPStore(host, port, is_master=False, timeout=STORE_TIMEOUT)
-        opts = ProcessGroupGloo._Options()
-        opts._timeout = GLOO_TIMEOUT
-        opts._devices = [ProcessGroupGloo.create_device(hostname=local_address(host))]
-        try:
-            pg = ProcessGroupGloo(PrefixStore(f"nccl-standin/{nonce.hex()}/", store), rank, world_size, opts)
+        try:  # a connection of this rank's own: ranks may share a process (threads of a test)
+            store = PrefixStore(f"nccl-standin/{nonce.hex()}/", TCPStore(host, port, is_master=False,
+                                                                          timeout=STORE_TIMEOUT))
+            ring = Ring.open(store, rank, world_size, local_address(host), STORE_TIMEOUT)
         except (RuntimeError, OSError) as e:  # ncclCommInitRank fails when the bootstrap does
-            raise NcclStandinError(f"ncclCommInitRank: rendezvous failed ({e})") from None
-        comm = Comm(pg, rank, world_size)
+            raise NcclStandinError(f"ncclCommInitRank: bootstrap failed ({e})") from None
         with _lock:
             handle = max(_comms, default=0) + 1
-            _comms[handle] = comm
+            _comms[handle] = Comm(ring)
         return ctypes.c_void_p(handle)
 
     def ncclCommAbort(self, comm) -> None:
         c = _comm(comm, abort=True)
-        if os.environ.get("RLSTREAM_STANDIN_DEBUG"):
-            import traceback
-            print(f"ABORT pid={os.getpid()} handle={comm.value} rank={c.rank}", "".join(traceback.format_stack(limit=12)), flush=True)
         c.aborted.set()
-        try:
-            c.pg.abort()
-        except (RuntimeError, AttributeError):
-            pass
+        c.ring.close()
 
     def ncclCommDestroy(self, comm) -> None:
         self.ncclCommAbort(comm)
@@ -163,40 +159,50 @@ class GlooNccl:
 
     def ncclBroadcast(self, sendbuff, recvbuff, count, datatype, root, comm, stream) -> None:
         c = _comm(comm)
-        t = _view(recvbuff, count, datatype)
+        buf = _bytes(recvbuff, count, datatype)
         if c.rank == root and sendbuff.value not in (None, recvbuff.value):
-            t.copy_(_view(sendbuff, count, datatype))
-        from torch.distributed import BroadcastOptions
-
-        opts = BroadcastOptions()
-        opts.rootRank, opts.rootTensor = int(root), 0
-        _on_stream(stream, c, lambda: c.pg.broadcast([t], opts))
+            buf[:] = _bytes(sendbuff, count, datatype)
+        _on_stream(stream, c, lambda: c.ring.broadcast(buf, int(root)))
 
     def ncclAllReduce(self, sendbuff, recvbuff, count, datatype, op, comm, stream) -> None:
-        from torch.distributed import AllreduceOptions, ReduceOp
-
         c = _comm(comm)
-        t = _view(recvbuff, count, datatype)
+        out = _view(recvbuff, count, datatype)
         if sendbuff.value != recvbuff.value:
-            t.copy_(_view(sendbuff, count, datatype))
-        opts = AllreduceOptions()
-        opts.reduceOp = getattr(ReduceOp, OPS[int(op)])
-        _on_stream(stream, c, lambda: c.pg.allreduce([t], opts))
+            out.copy_(_view(sendbuff, count, datatype))
+        _on_stream(stream, c, lambda: _all_reduce(c.ring, out, int(op)))
 
     def ncclAllGather(self, sendbuff, recvbuff, count, datatype, comm, stream) -> None:
         c = _comm(comm)
-        src, out = _view(sendbuff, count, datatype), _view(recvbuff, count * c.world_size, datatype)
-        _on_stream(stream, c, lambda: c.pg._allgather_base(out, src))
+        width = int(count) * DTYPES[int(datatype)].itemsize
+        out = _bytes(recvbuff, int(count) * c.world_size, datatype)
+        out[c.rank * width:(c.rank + 1) * width] = _bytes(sendbuff, count, datatype)
+        _on_stream(stream, c, lambda: [c.ring.broadcast(out[r * width:(r + 1) * width], r)
+                                       for r in range(c.world_size)])
 
     def ncclSend(self, sendbuff, count, datatype, dest, comm, stream) -> None:
         c = _comm(comm)
-        t = _view(sendbuff, count, datatype)
-        _on_stream(stream, c, lambda: c.pg.send([t], int(dest), 0))
+        buf = _bytes(sendbuff, count, datatype)
+        _on_stream(stream, c, lambda: c.ring.send(buf, int(dest)))
 
     def ncclRecv(self, recvbuff, count, datatype, src, comm, stream) -> None:
         c = _comm(comm)
-        t = _view(recvbuff, count, datatype)
-        _on_stream(stream, c, lambda: c.pg.recv([t], int(src), 0))
+        buf = _bytes(recvbuff, count, datatype)
+        _on_stream(stream, c, lambda: c.ring.recv(buf, int(src)))
+
+
+def _all_reduce(ring: Ring, out: torch.Tensor, op: int) -> None:
+    """Rank 0 combines every rank's contribution, then the result goes round the ring."""
+    raw = memoryview(out.view(torch.uint8).numpy())
+    if ring.rank == 0:
+        part = torch.empty_like(out)
+        for r in range(1, ring.world_size):
+            ring.recv(memoryview(part.view(torch.uint8).numpy()), r)
+            out.copy_(REDUCE[op](out, part))
+        if op == 4:
+            out.div_(ring.world_size)
+    else:
+        ring.send(raw, 0)
+    ring.broadcast(raw, 0)
 
 
 def _comm(handle, abort: bool = False) -> Comm:
@@ -218,34 +224,30 @@ def _view(buff, count: int, datatype: int) -> torch.Tensor:
     return torch.frombuffer(raw, dtype=torch.uint8).view(dtype)
 
 
-def _on_stream(stream, c: Comm, start) -> None:
-    cuda.stream_of(stream).run(lambda: _complete(c, start))
+def _bytes(buff, count: int, datatype: int) -> memoryview:
+    nbytes = int(count) * DTYPES[int(datatype)].itemsize
+    if nbytes == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * nbytes).from_address(int(buff.value))).cast("B")
 
 
-def _complete(c: Comm, start) -> None:
-    """Run one gloo operation to its end, as an NCCL kernel would: a peer's death or
-    gloo's own timeout is not an end (NCCL reports neither to the stream); an abort is."""
+def _on_stream(stream, c: Comm, op) -> None:
+    cuda.stream_of(stream).run(lambda: _complete(c, op))
+
+
+def _complete(c: Comm, op) -> None:
+    """Run one operation to its end, as an NCCL kernel would: a peer's death is not an end
+    (NCCL reports it to nobody who waits on the stream): it waits for an abort, which is."""
     if c.aborted.is_set():
         raise NcclStandinError("invalid usage (the communicator was aborted)")
-    done = threading.Event()
-    failed: list[BaseException] = []
-    try:
-        work = start()
-        fut = work.get_future()
-        fut.add_done_callback(lambda f: (failed.extend(_error(f)), done.set()))
-    except RuntimeError as e:  # the group broke before the operation started: it waits all the same
-        failed.append(e)
-    while not (done.is_set() and not failed):
-        if c.aborted.wait(POLL_S):
-            raise NcclStandinError("remote process exited or there was a network error (communicator aborted)")
-
-
-def _error(fut) -> list[BaseException]:
-    try:
-        fut.value()
-        return []
-    except Exception as e:  # noqa: BLE001 - any failure of gloo's: the operation hangs, as on NCCL
-        return [e]
+    with c.lock:
+        try:
+            op()
+            return
+        except PeerLost:
+            pass
+    c.aborted.wait()
+    raise NcclStandinError("remote process exited or there was a network error (communicator aborted)")
 
 
 # ---------------------------------------------------------------- the unique id
@@ -295,7 +297,7 @@ def bootstrap_address() -> str:
 
 
 def local_address(peer: str) -> str:
-    """This host's address on the route to `peer` (the one gloo's peers can reach)."""
+    """This host's address on the route to `peer` (the one the other ranks can reach)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
             s.connect((peer, 9))
