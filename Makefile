@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.rlstream-installed-$(EXTRA)
 PY     := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast test-gpu demo bench broker clean
+.PHONY: install test test-loaded test-fast test-gpu demo bench broker clean
 
 install: $(STAMP)
 
@@ -30,6 +30,13 @@ $(STAMP): pyproject.toml
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The suite with two CPU-bound processes beside it (tests/fixtures/load.py): CI may run on a
+# busy machine, and a test must wait on progress, not on a quiet machine's clock. The
+# terminal summary reports the load average of the session. BUSY=N for another count.
+BUSY ?= 2
+test-loaded: install
+	$(PY) -m pytest --busy $(BUSY) $(PYTEST_ARGS)
 
 # Unit tests only (no broker, no engine): seconds.
 test-fast: install

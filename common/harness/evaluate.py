@@ -110,10 +110,14 @@ def _decode_loop(model, prompts: list[list[int]], max_new_tokens: int, eos_id: i
 
 def generate_text(model, tok, prompts: list[str], max_new_tokens: int = 8, batch_size: int = 256,
              temperature: float = 0.0, seed: int = 0) -> list[str]:
-    """Responses (text, without `<eos>`) for `prompts`; greedy unless temperature > 0."""
+    """Responses (text, without `<eos>`) for `prompts`; greedy unless temperature > 0. A prompt is
+    tokenised as the producer's engine does: a special token's text in it stays text
+    (producer/text_tokens.py)."""
     import torch
 
-    ids = [tok.encode(p, add_special_tokens=False) for p in prompts]
+    from producer.text_tokens import encode_text
+
+    ids = [encode_text(tok, p) for p in prompts]
     responses: list[str] = [""] * len(prompts)
     gen = torch.Generator().manual_seed(seed)
     with torch.inference_mode():

@@ -111,8 +111,8 @@ class Watch:
         from producer.journal.topic import JournalTopic
 
         class Topic(JournalTopic):
-            def _fold(inner, key, value):  # noqa: N805 - the bench's view of the fold
-                super()._fold(key, value)
+            def _fold(inner, key, value, *rest):  # noqa: N805 - the bench's view of the fold
+                super()._fold(key, value, *rest)
                 if key in inner.entries and key not in self.first:
                     self.first[key] = inner.entries[key].written_at
 

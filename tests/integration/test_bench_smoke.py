@@ -48,8 +48,11 @@ BENCHES = {
                          ("vllm", "megatron", "broker")),
     "cluster": (("versions_trained", "seconds_per_version", "collective_share", "trainer_egress_over_model_bytes"),
                 480, ("vllm", "megatron", "broker")),
+    "replay": (("replay_equal", "replay_over_original", "export_over_raw_decode", "export_memory_ratio"), 240,
+               ("megatron", "broker")),
     "episodes": (("lost_generation_seconds_per_crash", "lost_ratio_on_over_off", "episodes_published_twice"), 600,
                  ("vllm", "broker")),
+    "journal_start": (("start_read_s", "ratio_10x_over_1x", "records_read", "without_checkpoints"), 90, ("broker",)),
 }
 
 
