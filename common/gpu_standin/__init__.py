@@ -63,6 +63,7 @@ def install() -> None:
     _patch(torch.cuda, "cudart", cuda.cudart)
     _patch(torch.accelerator, "current_device_index", cuda.current_device_index)
     _patch(torch.accelerator, "synchronize", cuda.synchronize)
+    _patch(torch.cuda, "synchronize", cuda.synchronize)
     _patch(torch.Tensor, "pin_memory", cuda.pin_memory)
     _patch(torch, "empty", _empty_pinnable(torch.empty))
     _install_vllm()
