@@ -256,3 +256,30 @@ def test_the_trainers_finish_carries_the_digest_of_what_it_sent_in_the_order_the
     finish = client.finish_weight_update()
     assert [m.name for m in source.metadata()] == [n for n, _ in sent]
     assert finish == {"op": "finish", "version": 1, "digest": fold_digest(SENT.items())}
+
+
+def test_after_acknowledging_an_nccl_start_the_producer_waits_for_the_update_without_stepping():
+    """Every member of a group acknowledges `start` before the trainer posts `update` and enters the
+    broadcast. A member that went back to its engine loop in between (a step, a durable load of
+    minutes) would be late for the collective and hold the others in their receive until their
+    watchdogs fire: once it acknowledged `start`, poll runs the update that follows before returning."""
+    class Engine(FakeNcclEngine):
+        loaded = 0
+
+        def load_weight_update(self, update_info, timeout_s):
+            Engine.loaded += 1
+            return super().load_weight_update(update_info, timeout_s)
+    link, channel = TrainerLink(Engine(), "trainer:1", "p0", 10.0), FakeChannel()
+    link.channel = channel
+    channel.post("start", version=1)
+    threading.Timer(0.3, lambda: channel.post("update", version=1, update_info={"names": list(SENT)})).start()
+    link.poll()  # returns only after the update
+    assert channel.acks[0] == {} and Engine.loaded == 1 and link.update is not None and link.update.version == 1
+
+
+def test_an_nccl_start_without_its_update_marks_the_link_dead():
+    link, channel = TrainerLink(FakeNcclEngine(), "trainer:1", "p0", 0.3), FakeChannel()
+    link.channel = channel
+    channel.post("start", version=1)  # the trainer died before its update
+    link.poll()
+    assert link.dead and "no update" in link.dead
