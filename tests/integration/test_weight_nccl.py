@@ -43,9 +43,13 @@ def version_tensors(v: int) -> dict[str, torch.Tensor]:
 
 @pytest.fixture
 def standin():
+    """The CPU stand-ins; on a GPU machine (docs/gpu.md "First multi-GPU run") the real NCCL:
+    the trainer on device 0, p1's workers on 1 and 2, p2's on 3."""
+    import contextlib
+
     from common import gpu_standin
 
-    with gpu_standin.installed():
+    with contextlib.nullcontext() if torch.cuda.is_available() else gpu_standin.installed():
         yield
 
 
@@ -120,7 +124,10 @@ def held_back(gate: threading.Event):
 
 def test_the_fanout_forms_over_vllms_nccl_engine_and_a_producer_killed_mid_version_costs_the_others_one_timeout(
         tmp_path, standin):
-    engines = {"p1": WorkerProcesses(2, backend="nccl"), "p2": WorkerProcesses(1, backend="nccl")}
+    if torch.cuda.is_available() and torch.cuda.device_count() < 4:
+        pytest.skip(f"the trainer and three workers need 4 GPUs, found {torch.cuda.device_count()}")
+    engines = {"p1": WorkerProcesses(2, backend="nccl", device_base=1),
+               "p2": WorkerProcesses(1, backend="nccl", device_base=3)}
     trainer = TrainerSide(tmp_path / "store", model_dir=None, timeout_s=TIMEOUT_S, backend="nccl")
     for e in engines.values():
         e.ready()

@@ -71,7 +71,11 @@ if __name__ == "__main__":
     cpus = sorted(os.sched_getaffinity(0))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"{cpus[0]}|{cpus[-1]}")
     transport = sys.argv[3] if len(sys.argv) > 3 else "gloo"
-    if transport == "nccl":
+    import torch
+
+    if transport == "nccl" and torch.cuda.is_available():  # a GPU machine: vLLM's workers on 0 and 1
+        torch.cuda.set_device(torch.cuda.device_count() - 1)  # the trainer's rank on a GPU of its own
+    elif transport == "nccl":
         from common import gpu_standin
 
         os.environ[gpu_standin.ENV] = "1"  # the engine's worker processes install them too (vLLM plugin)

@@ -152,7 +152,7 @@ class WorkerProcesses:
             link = TrainerLink(engine, endpoint, "p0", timeout_s)
     """
 
-    def __init__(self, n: int, timeout_s: float = 60.0, backend: str = "rlstream_gloo"):
+    def __init__(self, n: int, timeout_s: float = 60.0, backend: str = "rlstream_gloo", device_base: int = 1):
         import multiprocessing as mp
 
         # spawn, not fork: libgomp is not fork-safe. After earlier tests of the session started
@@ -164,7 +164,8 @@ class WorkerProcesses:
         main = _nccl_worker_main if backend == "nccl" else _worker_main
         for rank in range(n):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=main, args=(child, rank, n), daemon=True)
+            args = (child, rank, n, device_base) if backend == "nccl" else (child, rank, n)
+            p = ctx.Process(target=main, args=args, daemon=True)
             p.start()
             self._conns.append(parent)
             self._procs.append(p)
@@ -271,7 +272,7 @@ class _KeepingModel(torch.nn.Module):
 
     def load_weights(self, weights):
         for name, t in weights:
-            self.received[name] = t.clone()
+            self.received[name] = t.to("cpu", copy=True)
         return set()
 
 
@@ -292,16 +293,22 @@ class _LightWorker:
         pass
 
 
-def _nccl_worker_main(conn, rank: int, n: int) -> None:
-    """One worker: vLLM's NCCLWeightTransferEngine over the CPU stand-ins (TP n, this rank)."""
+def _nccl_worker_main(conn, rank: int, n: int, device_base: int = 1) -> None:
+    """One worker: vLLM's NCCLWeightTransferEngine (TP n, this rank), over the CPU stand-ins, or
+    on a GPU machine on CUDA device `device_base + rank` (the trainer holds device 0)."""
     import os
     from types import SimpleNamespace
 
-    os.environ["RLSTREAM_GPU_STANDIN"] = "1"
     torch.set_num_threads(1)
     from common import gpu_standin
 
-    gpu_standin.install()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(device_base + rank)
+        device = torch.device("cuda", device_base + rank)
+    else:
+        os.environ[gpu_standin.ENV] = "1"
+        gpu_standin.install()
+        device = torch.device("cpu")
     from vllm.config.weight_transfer import WeightTransferConfig
     from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
@@ -310,7 +317,7 @@ def _nccl_worker_main(conn, rank: int, n: int) -> None:
     parallel = SimpleNamespace(world_size=n, rank=rank, data_parallel_index=0)
     engine = NCCLWeightTransferEngine(WeightTransferConfig(backend="nccl"),
                                       SimpleNamespace(parallel_config=parallel, model_config=None),
-                                      torch.device("cpu"), _KeepingModel())
+                                      device, _KeepingModel())
     worker = _LightWorker(engine)
     _serve(conn, rank, {
         "init": lambda init_info: engine.init_transfer_engine(engine.parse_init_info(init_info)),
