@@ -974,6 +974,9 @@ ENV_ALIASES: tuple[EnvAlias, ...] = (
              "keep it in the environment (a Kubernetes Secret, an env file), not in a config file."),
     EnvAlias("RLSTREAM_ADMIN_URL", ("cli.admin_url",), "The service `rlstream ctl` calls."),
     EnvAlias("RLSTREAM_LOG_LEVEL", ("cli.log_level",), "Log level of every rlstream process."),
+    EnvAlias("RLSTREAM_GPU_STANDIN", (), "Tests and the cluster twin only: every process of the run "
+             "replaces libnccl, CUDA streams and pinned memory by CPU stand-ins (common/gpu_standin/), so "
+             "vLLM's nccl weight-transfer engine runs on CPU. Sets no setting; never set it on a GPU machine."),
 )
 """Every `RLSTREAM_*` variable rlstream reads besides the generic RLSTREAM__SECTION__KEY form
 (the harness's experiment knobs use the generic form). An empty value counts as unset."""

@@ -151,10 +151,11 @@ class ConsumerService:
                              limits=limits, fetch_max_wait_ms=20, check=VersionBound(self.newest_version))
 
     def newest_version(self) -> int:
-        """The newest policy version announced: ours, or a newer one on the policy topic (a restore
-        from an older checkpoint). No record may carry a later one (consumer/intake.py)."""
-        announced = self.follower.view.weights if getattr(self, "follower", None) is not None else None
-        return max(self.version, announced.version if announced is not None else 0)
+        """The newest policy version there can be: this trainer's own. No record may carry a later
+        one (consumer/intake.py). Not the policy topic's newest: an announcement is a Kafka message,
+        and one a million versions ahead would have let records from the future through. (After a
+        restore from an older checkpoint `_continue_versions` moved ours above every announced one.)"""
+        return self.version
 
     def _health(self) -> tuple[bool, dict]:
         """GET /healthz (the HTTP thread): live unless a full batch waits and no step trained it in time."""
@@ -329,7 +330,7 @@ def _weight_backend(backend: str) -> str:
         return backend
     import torch
 
-    return "nccl" if torch.cuda.is_available() else "rlstream_gloo"
+    return "nccl" if torch.cuda.is_available() else "rlstream_gloo"  # the stand-ins: set nccl explicitly
 
 
 def main(cfg: RlstreamConfig) -> int:

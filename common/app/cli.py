@@ -25,6 +25,7 @@ import logging
 import os
 import sys
 
+from common import gpu_standin
 from common.config import RlstreamConfig, dump_config, load_config
 from common.errors import RlstreamError
 
@@ -146,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             from common.harness.experiments import run_experiment
             return run_experiment(args.name, cfg)
         prepare_toy_world(args.command, cfg)
+        gpu_standin.install_if_requested()  # RLSTREAM_GPU_STANDIN: tests and the twin only
         if args.command == "broker":
             return run_broker(cfg)
         module = importlib.import_module(SERVICES[args.command][0])

@@ -90,7 +90,8 @@ class ControlFollower:
         self._refusals = _RefusalLog()
         if signing_key is None:
             log.warning("control: no admin token configured, so control records cannot be verified: none is "
-                        "applied and the settings stay as configured (set RLSTREAM_ADMIN_TOKEN on every service)")
+                        "applied and the settings stay as configured; weight announcements cannot be verified "
+                        "either and are taken unsigned (set RLSTREAM_ADMIN_TOKEN on every service)")
         self._topics = {kafka.topics.control: "control", kafka.topics.policy: "policy"}
         # the wait rises when tansu's listing of a long policy log outlasts it (common/kafka/fetch_wait.py)
         self.fetch_wait = FetchWait("control", fetch_wait_ms, request_timeout_ms=kafka.request_timeout_ms)
@@ -161,6 +162,8 @@ class ControlFollower:
     def _apply(self, kind: str, key: bytes | None, value: bytes | None, headers=None):
         try:
             if kind == "policy":
+                if self._key is not None:  # without a token unsigned announcements pass (the start-up warning)
+                    signing.verify(self._key, key, value, headers)
                 return self._apply_policy(parse_policy_message(value or b""))
             signing.verify(self._key, key, value, headers)
             k = (key or b"").decode()
@@ -251,9 +254,13 @@ class ControlPlaneWriter:
         return json.loads(v)["value"]
 
     def announce(self, msg: WeightsReady | TrainerProgress) -> None:
-        """Send one policy-topic message (keyed by its kind) and wait for the ack."""
-        self._p.send(self.kafka.topics.policy, key=msg.kind.encode(),
-                     value=msg.model_dump_json().encode()).get(timeout=30)
+        """Send one policy-topic message (keyed by its kind), signed like a control record when
+        there is a key (followers with a key apply only signed announcements), and wait for the ack."""
+        key, value = msg.kind.encode(), msg.model_dump_json().encode()
+        if self._key is None:
+            self._p.send(self.kafka.topics.policy, key=key, value=value).get(timeout=30)
+        else:
+            signing.publish(self._p, self.kafka.topics.policy, key, value, self._key).get(timeout=30)
 
     def close(self) -> None:
         self._p.close(timeout=10)

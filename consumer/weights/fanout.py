@@ -95,9 +95,18 @@ class FanoutClient:
         self._each("ping", lambda i, m: m.client.channel.call("ping", m.client.timeout_s))
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """The trainer engine's worker payload, with each member's own rank offset (and, for the
+        gloo twin, whose payload names a link, its link id). Nothing else is added: vLLM's worker
+        parses the payload into its init-info dataclass, which refuses unknown keys."""
         offsets = self.layout.rank_offsets
-        self._each("init", lambda i, m: m.client.init_weight_transfer_engine(
-            {**init_info, "rank_offset": offsets[i], "link": m.n}))
+
+        def payload(i: int, m: "_Link") -> dict[str, Any]:
+            own = {"rank_offset": offsets[i]}
+            if "link" in init_info:
+                own["link"] = m.n
+            return {**init_info, **own}
+
+        self._each("init", lambda i, m: m.client.init_weight_transfer_engine(payload(i, m)))
 
     def start_weight_update(self) -> None:
         self._each("start", lambda i, m: self._versioned(m).start_weight_update())
@@ -187,16 +196,9 @@ class Fanout(threading.Thread):
                  layout.world_size, ", ".join(f"{m.producer}@{o}" for m, o in zip(members, layout.rank_offsets)))
 
     def _send(self, snap) -> None:
-        from consumer.weights.engines import SnapshotSource
+        from consumer.weights.engines import send
 
-        if self.sender.backend == "nccl":
-            snap.wait()
-            source = self.engine.source = SnapshotSource(snap)  # one upload to the GPU per version
-            self.engine.client.fold = source.fold_digest  # this version's fold, not the first one's
-        else:
-            self.engine.source = snap
-        self.engine.client.version = snap.version
-        self.engine.send_weights()
+        send(self.engine, snap, self.sender.backend, self.sender.settings.timeout_s)
 
     def _disband(self) -> None:
         if self.engine is not None:

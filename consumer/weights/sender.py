@@ -32,11 +32,11 @@ import threading
 import time
 
 from common.config import WeightSyncSettings
-from common.errors import RlstreamError
+from common.errors import ConfigError, RlstreamError
 from common.weights import link as wlink
 from consumer import telemetry
 from consumer.weights.engines import (LinkClient, RlstreamGlooTrainerInitInfo, Snapshot, SnapshotSource, open_nccl_link,
-                                     register)
+                                     register, send)
 from consumer.weights.fanout import Fanout
 
 log = logging.getLogger("rlstream.consumer")
@@ -52,7 +52,7 @@ class WeightSender:
         self.settings, self.backend, self.topology = settings, backend, topology
         self.store = wlink.open_store(settings.host, settings.port, settings.timeout_s, master=True)
         wildcard = settings.host in ("0.0.0.0", "::", "")
-        self.host = settings.advertised_host()  # what producers dial
+        self.host = dialable_host(settings)  # what producers dial
         self.local_host = "127.0.0.1" if wildcard else settings.host
         self.endpoint = f"{self.host}:{self.store.port}"
         """What producers dial (announced in WeightsReady)."""
@@ -170,6 +170,29 @@ class WeightSender:
             log.warning("weight link %d (%s) dropped after %d versions: %s", lk.n, lk.producer, lk.count, error)
 
 
+def dialable_host(settings: WeightSyncSettings) -> str:
+    """The host producers dial, refused when it names this machine's loopback while the endpoint
+    listens on every interface (producers elsewhere): with `advertise_host` unset that is the FQDN,
+    which /etc/hosts maps to 127.0.1.1 on many installs (Ubuntu, cloud-init `manage_etc_hosts`). The
+    NCCL rendezvous would then listen where no other host reaches it, and every init time out."""
+    import ipaddress
+    import socket
+
+    host = settings.advertised_host()
+    if settings.advertise_host or settings.host not in ("0.0.0.0", "::", ""):
+        return host
+    try:
+        addrs = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError as e:
+        raise ConfigError(f"this host's name {host!r} does not resolve ({e}); set it to an address the producers "
+                          "can dial", key="consumer.weights.advertise_host") from None
+    if all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs):
+        raise ConfigError(f"this host's name {host!r} resolves only to loopback ({', '.join(sorted(addrs))}): producers "
+                          "on other hosts could not reach the weight endpoint or the NCCL rendezvous; set it to an "
+                          "address they can dial", key="consumer.weights.advertise_host")
+    return host
+
+
 class _Link(threading.Thread):
     """One producer's link: open it, send the current version, then every newer one until it
     holds the newest (chain topology: then the fan-out group sends; star: forever)."""
@@ -222,14 +245,7 @@ class _Link(threading.Thread):
             self.engine = self._own = self._open(snap)
             telemetry.WEIGHT_LINKS.set(len(self.sender.links))
             log.info("weight link %d: producer %s joined (%d workers)", self.n, self.producer, self.workers)
-        if self.sender.backend == "nccl":
-            snap.wait()
-            source = self._own.source = SnapshotSource(snap)
-            self.client.fold = source.fold_digest  # the finish carries this version's fold
-        else:
-            self._own.source = snap
-        self.client.version = snap.version
-        self._own.send_weights()
+        send(self._own, snap, self.sender.backend, self.sender.settings.timeout_s)
         with self.sender._cond:
             self.sent, self.count = snap.version, self.count + 1
             self.sender._cond.notify_all()

@@ -100,3 +100,42 @@ def test_only_signed_fresh_control_records_apply(kafka_settings, caplog):
             keyless_writer.set_control("paused", True, by="admin")
     finally:
         keyless_writer.close()
+
+
+@pytest.mark.timeout(120)
+def test_only_signed_weight_announcements_apply(kafka_settings):
+    """The policy topic too: a WeightsReady a plain client writes (a version a million ahead, a
+    foreign endpoint, a durable copy anywhere) is not taken by a service holding the token; the
+    trainer's signed announcement is. (Producers also take durable copies only from their
+    weight store, producer/weights/reload.py; the consumer bounds record versions by its own.)"""
+    from common.control.messages import WeightsReady
+
+    kafka = kafka_settings
+    forged = WeightsReady(version=1_000_000, transport="collective", digest="f" * 64, endpoint="10.9.9.9:1",
+                          durable_version=1_000_000, durable_uri="file:///tmp/evil", durable_sha256="0" * 64,
+                          durable_bytes=1)
+    before = _unverified("unsigned")
+    follower, writer = ControlFollower(kafka, ControlSettings(), KEY), ControlPlaneWriter(kafka, KEY)
+    try:
+        _write_policy(kafka, forged)
+        follower.catch_up()
+        assert follower.view.weights is None and _unverified("unsigned") == before + 1
+        real = WeightsReady(version=3, transport="collective", digest="a" * 64, endpoint="trainer:29600")
+        writer.announce(real)
+        follower.catch_up()
+        assert follower.view.weights == real
+    finally:
+        writer.close()
+        follower.close()
+
+
+def _write_policy(kafka, msg) -> None:
+    from kafka import KafkaProducer
+
+    from common.kafka.client import client_kwargs
+
+    p = KafkaProducer(**client_kwargs(kafka), acks="all")
+    try:
+        p.send(kafka.topics.policy, key=msg.kind.encode(), value=msg.model_dump_json().encode()).get(timeout=30)
+    finally:
+        p.close(timeout=10)

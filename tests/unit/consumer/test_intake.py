@@ -82,3 +82,16 @@ def test_intake_starved_only_when_polls_return_nothing_while_records_wait_and_no
     w.read(0, 866)
     clock.t += 59
     assert w.reasons() == []
+
+
+def test_the_version_bound_is_the_trainers_own_not_the_policy_topics():
+    """A WeightsReady a million versions ahead on the policy topic (anyone who can write it) must not
+    open the reader to records from that future: the bound is the version this trainer has made."""
+    from types import SimpleNamespace
+
+    from common.control.messages import WeightsReady
+    from consumer.service import ConsumerService
+
+    forged = WeightsReady(version=1_000_000, transport="collective", digest="f" * 64, endpoint="10.9.9.9:1")
+    service = SimpleNamespace(version=7, follower=SimpleNamespace(view=SimpleNamespace(weights=forged)))
+    assert ConsumerService.newest_version(service) == 7
