@@ -21,9 +21,12 @@ What NCCL does and this does too:
   the operation either: it waits for `ncclCommAbort`.
 - **Abort ends it.** `ncclCommAbort` releases every operation blocked in the
   communicator with an NCCL error; any later call on it fails ("invalid usage").
+- **A lost peer shows as an asynchronous error.** `ncclCommGetAsyncError` (the CDLL
+  symbol, `lib`) reports ncclRemoteError once a peer's connection was lost, as NCCL's
+  network transports do; nothing tells the waiting operation.
 
-What it does not model: NCCL's asynchronous error reporting (ncclCommGetAsyncError),
-bandwidth, and the GPU's own memory. The unique id carries `host:port` of a
+What it does not model: bandwidth, the GPU's own memory, and NCCL's shared-memory and
+NVLink transports (which do not detect a lost peer: only the watchdog's bound ends those). The unique id carries `host:port` of a
 TCPStore on rank 0's host (NCCL's carries the address of its bootstrap socket), on
 the interface `NCCL_SOCKET_IFNAME` names, else the first one that is up and not
 loopback, as NCCL picks its own.
@@ -72,6 +75,8 @@ class Comm:
     ring: Ring
     aborted: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    async_error: int = 0
+    """What ncclCommGetAsyncError reports: ncclRemoteError (6) once a peer's connection was lost."""
 
     @property
     def rank(self) -> int:
@@ -87,8 +92,26 @@ _roots: dict[bytes, object] = {}  # rank 0's bootstrap stores, kept alive for th
 _lock = threading.Lock()
 
 
+REMOTE_ERROR = 6
+"""ncclRemoteError: NCCL's asynchronous error when a peer's connection is lost."""
+
+
+class _Symbols:
+    """`NCCLLibrary.lib` (the CDLL): the symbols rlstream calls beyond vLLM's binding."""
+
+    @staticmethod
+    def ncclCommGetAsyncError(comm, result) -> int:
+        c = _comms.get(int(getattr(comm, "value", comm) or 0))
+        if c is None:
+            return 4  # ncclInvalidArgument
+        result._obj.value = c.async_error
+        return 0
+
+
 class StandinNccl:
     """The methods of vLLM's `NCCLLibrary` that its communicators call."""
+
+    lib = _Symbols()
 
     def __init__(self, so_file: str | None = None):
         self.so_file = so_file
@@ -245,7 +268,7 @@ def _complete(c: Comm, op) -> None:
             op()
             return
         except PeerLost:
-            pass
+            c.async_error = REMOTE_ERROR  # reported to whoever polls ncclCommGetAsyncError, not to the stream
     c.aborted.wait()
     raise NcclStandinError("remote process exited or there was a network error (communicator aborted)")
 

@@ -37,11 +37,16 @@ block until CUDA graphs that captured the communicator are released)."""
 
 
 class Watchdog:
-    def __init__(self, timeout_s: float, abort: Callable[[], None], what: str = "weight transfer"):
+    """`abort()` once no `beat()` came for `timeout_s`, or at once when `errored()` (polled with
+    the bound: at most every second) says the transport failed (NCCL's asynchronous error)."""
+
+    def __init__(self, timeout_s: float, abort: Callable[[], None], what: str = "weight transfer",
+                 errored: Callable[[], int] = lambda: 0):
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        self.timeout_s, self.abort, self.what = timeout_s, abort, what
+        self.timeout_s, self.abort, self.what, self.errored = timeout_s, abort, what, errored
         self.fired = False
+        self.why = ""
         self._last = time.monotonic()
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="rlstream-weights-watchdog", daemon=True)
@@ -57,20 +62,48 @@ class Watchdog:
     def __exit__(self, exc_type, exc, tb) -> None:
         self._done.set()
         self._thread.join()
-        if self.fired:  # whatever the blocked call raised, the cause is the missing progress
-            raise WeightTransferError(f"{self.what}: no progress for {self.timeout_s:.0f} s (a dead or hung "
-                                      "peer?); the transport was aborted") from exc
+        if self.fired:  # whatever the blocked call raised, the cause is the one the watchdog saw
+            raise WeightTransferError(f"{self.what}: {self.why}; the transport was aborted") from exc
 
     def _watch(self) -> None:
         while not self._done.wait(min(1.0, self.timeout_s / 4)):
             if time.monotonic() - self._last > self.timeout_s:
-                self.fired = True
-                log.error("%s made no progress for %.0f s; aborting it", self.what, self.timeout_s)
-                try:
-                    self.abort()
-                except Exception:  # noqa: BLE001 - the abort is best effort; the caller raises anyway
-                    log.exception("aborting %s failed", self.what)
+                self._fire(f"no progress for {self.timeout_s:.0f} s (a dead or hung peer?)")
                 return
+            if code := self._error():
+                self._fire(f"the transport reported an error (NCCL {code}: a peer's connection was lost)")
+                return
+
+    def _error(self) -> int:
+        try:
+            return self.errored()
+        except Exception:  # noqa: BLE001 - a failing poll is not a failed transfer
+            return 0
+
+    def _fire(self, why: str) -> None:
+        self.fired, self.why = True, why
+        log.error("%s: %s; aborting it", self.what, why)
+        try:
+            self.abort()
+        except Exception:  # noqa: BLE001 - the abort is best effort; the caller raises anyway
+            log.exception("aborting %s failed", self.what)
+
+
+def nccl_async_error(comm) -> int:
+    """NCCL's asynchronous error of vLLM's PyNcclCommunicator `comm` (ncclCommGetAsyncError),
+    0 when there is none, the communicator is gone, or the library lacks the symbol. A peer
+    whose connection is lost shows here: the collective waiting on it never returns (vLLM's
+    binding does not expose the symbol: it is called on the library itself)."""
+    import ctypes
+
+    if comm is None or getattr(comm, "disabled", True):
+        return 0
+    fn = getattr(getattr(comm.nccl, "lib", None), "ncclCommGetAsyncError", None)
+    if fn is None:
+        return 0
+    result = ctypes.c_int(0)
+    rc = fn(comm.comm, ctypes.byref(result))
+    return int(result.value) if rc == 0 else 0
 
 
 def abort_nccl(comm) -> None:

@@ -31,7 +31,7 @@ from common.errors import WeightTransferError
 from common.weights.chain import ChainLink
 from common.weights.digest import Fold
 from common.weights.link import Channel, GlooPair, GroupLayout, open_store, send_version
-from common.weights.watchdog import Watchdog, abort_nccl
+from common.weights.watchdog import Watchdog, abort_nccl, nccl_async_error
 from consumer.weights.snapshot import Snapshot
 from consumer.weights.export import MegatronSource
 
@@ -95,8 +95,9 @@ receive for its turn."""
 def send(engine, snap: Snapshot, backend: str, timeout_s: float) -> None:
     """Send `snap` over a link's or the fan-out group's trainer engine. nccl: one transfer at
     a time (`NCCL_SENDS`), under a watchdog that aborts the communicator when no tensor goes
-    out for `timeout_s` (common/weights/watchdog.py): a dead or hung producer then costs the
-    others at most that bound, and this raises, so its caller drops the link or group.
+    out for `timeout_s`, or at once when NCCL reports a lost peer (common/weights/watchdog.py):
+    a dead or hung producer then costs the others at most that bound, and this raises, so its
+    caller drops the link or group.
     gloo: every op of the link is bounded by its group timeout already."""
     engine.client.version = snap.version
     if backend != "nccl":
@@ -107,7 +108,8 @@ def send(engine, snap: Snapshot, backend: str, timeout_s: float) -> None:
     source = engine.source = SnapshotSource(snap)  # one upload to the device per version
     engine.client.fold = source.fold_digest  # the finish carries this version's fold
     with NCCL_SENDS, Watchdog(timeout_s, lambda: abort_nccl(engine.model_update_group),
-                              what=f"the nccl send of version {snap.version}") as dog:
+                              what=f"the nccl send of version {snap.version}",
+                              errored=lambda: nccl_async_error(engine.model_update_group)) as dog:
         source.beat = dog.beat
         engine.send_weights()
 

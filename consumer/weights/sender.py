@@ -156,6 +156,17 @@ class WeightSender:
         lk.release_own()
         self._dropped(lk, error)
 
+    def _supersede(self, lk: "_Link") -> None:
+        """`lk`'s producer registered anew: it never reads its older links again (it marked them
+        dead), so they are dropped now, not found out by a command's timeout at the next round."""
+        with self._cond:
+            old = [o for o in self.links.values() if o is not lk and o.producer == lk.producer and o.n < lk.n]
+        for o in old:
+            o._close_remote(f"superseded by link {lk.n}")
+            o.release_own()
+            self._dropped(o, None)
+            log.info("weight link %d (%s) superseded by its producer's link %d", o.n, o.producer, lk.n)
+
     def _dropped(self, lk: "_Link", error: BaseException | None) -> None:
         with self._cond:
             if self.links.get(lk.n) is not lk:
@@ -219,6 +230,7 @@ class _Link(threading.Thread):
             self.client = LinkClient(store, self.n, self.sender.settings.timeout_s)
             reg = wlink.read_registration(store, self.n, self.sender.settings.timeout_s)
             self.producer, self.workers = reg.producer, reg.workers
+            self.sender._supersede(self)
             while (snap := self.sender._next(self)) is not None:
                 try:
                     self._send(snap)

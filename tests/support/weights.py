@@ -59,18 +59,36 @@ class corrupting:
     `thread`: only that thread's sends, e.g. the fan-out group's ("rlstream-weights-fanout"), so
     the copies re-sent over the producers' own links afterwards go out intact."""
 
-    def __init__(self, on: bool, thread: str | None = None):
-        self.on, self.thread, self.sent = on, thread, {}
+    def __init__(self, on: bool, thread: str | None = None, transport: str = "gloo"):
+        self.on, self.thread, self.sent, self.transport = on, thread, {}, transport
 
     def __enter__(self):
+        from common.gpu_standin.ring import Ring
         from common.weights.chain import ChainLink
         from common.weights.link import GlooPair
 
-        self.saved = [(cls, cls.send) for cls in (GlooPair, ChainLink)]  # a link's own, the fan-out group's
+        # the wire: gloo's pairs (a link's own, the fan-out group's), or the NCCL stand-in's sockets
+        classes = (Ring,) if self.transport == "nccl-standin" else (GlooPair, ChainLink)
+        self.saved = [(cls, cls.send if cls is not Ring else cls._send) for cls in classes]
         if self.on:
             for cls, orig in self.saved:
-                cls.send = self._flipping(orig)
+                if cls is Ring:
+                    cls._send = self._flipping_bytes(orig)
+                else:
+                    cls.send = self._flipping(orig)
         return self
+
+    def _flipping_bytes(self, orig):
+        def send(ring, peer, buf):
+            me = threading.current_thread().name
+            if len(buf) > 1024 and self.thread in (None, me):  # a chunk of the packed version
+                self.sent[me] = self.sent.get(me, 0) + 1
+                if self.sent[me] == 2:
+                    b = bytearray(buf)
+                    b[len(b) // 2] ^= 0xFF
+                    buf = memoryview(b)
+            return orig(ring, peer, buf)
+        return send
 
     def _flipping(self, orig):
         def send(pair, t):
@@ -84,8 +102,10 @@ class corrupting:
         return send
 
     def __exit__(self, *exc):
+        from common.gpu_standin.ring import Ring
+
         for cls, orig in self.saved:
-            cls.send = orig
+            setattr(cls, "_send" if cls is Ring else "send", orig)
 
 
 class TrainerSide:
@@ -311,6 +331,8 @@ def _nccl_worker_main(conn, rank: int, n: int, device_base: int = 1) -> None:
         device = torch.device("cpu")
     from vllm.config.weight_transfer import WeightTransferConfig
     from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+    # what the receive imports, imported now as a vLLM worker has (it loaded a model at start)
+    from vllm.model_executor.model_loader import mtp_validation  # noqa: F401
 
     from producer.weights.verified_update import update_weights_folded
 

@@ -217,6 +217,23 @@ def test_a_trainer_dying_mid_transfer_ends_the_workers_wait_within_the_bound(ncc
     group.broadcast(torch.zeros(4), src=0)  # returns at once: nothing is left to block on
 
 
+def test_a_trainer_that_aborts_mid_transfer_ends_the_workers_wait_at_once(nccl_pair):
+    """The trainer gave up (its own watchdog aborted its communicator, or it died): the worker's
+    receive never returns (NCCL), but NCCL reports the lost connection as an asynchronous error,
+    which the watchdog polls: the wait ends within about a second, not at the 30 s bound."""
+    from common.weights.watchdog import abort_nccl
+
+    trainer, group = nccl_pair
+    worker = Worker(group)
+    trainer_sends(trainer, 1).join(30)
+    threading.Timer(0.5, abort_nccl, args=(trainer,)).start()
+    t0 = time.monotonic()
+    with pytest.raises(WeightTransferError, match="reported an error"):
+        update_weights_folded(worker, {}, timeout_s=30.0)
+    assert time.monotonic() - t0 < 10.0  # far inside the bound, with a margin for a loaded machine
+    assert group.disabled
+
+
 def test_a_link_whose_update_was_aborted_is_dead(nccl_pair):
     """After the abort the communicator is disabled: an update over it would "receive" at
     once and load empty buffers. The link is marked dead, so the reloader registers anew."""
