@@ -86,13 +86,12 @@ def generation(kafka_dump: dict, groups_per_s: float, stop) -> None:
 
 
 def bench_replay(args, broker, tmp: Path) -> dict:
-    from common.control.plane import ControlPlaneWriter
     from common.toy.tinymodel import build_tiny_model
     from consumer.logreplay.run import replay
     from consumer.service import ConsumerService
     from tests.fixtures.kafka import make_kafka_settings
     from tests.support.audit import audit_lines
-    from tests.support.configs import service_config
+    from tests.support.configs import service_config, trainer_writer
 
     kafka = make_kafka_settings(broker.bootstrap, tmp / "blobs", rollouts_partitions=2)
     cfg = service_config(kafka, build_tiny_model(tmp / "model"), tmp, G=G, B=B,
@@ -114,7 +113,7 @@ def bench_replay(args, broker, tmp: Path) -> dict:
             for s in range(len(seen) + 1, n + 1):
                 seen[s] = time.perf_counter()
             if not changed and n >= args.steps // 2:
-                w = ControlPlaneWriter(kafka)
+                w = trainer_writer(kafka)  # services apply only signed control changes
                 w.set_control("decay", 0.9, by="bench")
                 w.close()
                 changed = True

@@ -451,7 +451,6 @@ def summarize(run: SizeRun, rows: dict, tamper: dict | None) -> dict:
 
 def measure_delta(steps: int) -> dict:
     """Changed fraction of bf16 elements per optimizer step (fp32 master weights), tiny trainer."""
-    import torch
 
     from common.config import ConsumerSettings
     from common.toy.tinymodel import build_tiny_model

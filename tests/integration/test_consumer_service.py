@@ -16,7 +16,6 @@ A synthetic producer publishes valid records with known policy versions:
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess

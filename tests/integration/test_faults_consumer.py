@@ -50,7 +50,7 @@ import pytest
 from common.harness.census import read_dlq
 from common.harness.supervisor import Service, wait_until
 from tests.fixtures.kafka import make_kafka_settings
-from tests.support.audit import audit_lines, audit_steps, committed_checkpoint, lineage_entries
+from tests.support.audit import audit_lines, committed_checkpoint, lineage_entries
 from tests.support.configs import service_config, write_config
 from tests.support.feeder import PolicyVersion, SyntheticFeeder, flush_half_batch
 from tests.support.progress import working

@@ -45,7 +45,7 @@ from common.harness.census import read_rollouts
 from common.harness.supervisor import Service, wait_until
 from tests.fixtures.kafka import make_kafka_settings
 from tests.support.audit import audit_steps
-from tests.support.configs import ensure_prompts, service_config, write_config
+from tests.support.configs import ensure_prompts, service_config, trainer_writer, write_config
 from tests.support.progress import working
 from tests.support.topics import latest_policy
 
@@ -80,9 +80,7 @@ class Stack:
 
     def announce(self, version: int, manifest: dict, offsets: dict) -> None:
         from common.control.messages import TrainerProgress, WeightsReady
-        from common.control.plane import ControlPlaneWriter
-
-        w = ControlPlaneWriter(self.kafka_w)
+        w = trainer_writer(self.kafka_w)
         try:  # "the trainer" read everything up to `offsets` and published `version`
             w.announce(WeightsReady(version=version, uri=manifest["uri"], sha256=manifest["sha256"],
                                     bytes=manifest["bytes"]))
@@ -119,7 +117,10 @@ def stack(tiny_model_dir, tmp_path_factory):
                          producer={"producer_id": PRODUCER_ID, "max_groups_in_flight": 4})
     ensure_prompts(cfg)
     kafka_w = make_kafka_settings(broker.bootstrap, tmp / "blobs", rollouts_partitions=2)
-    cfg_w = cfg.model_copy(update={"kafka": kafka_w})
+    # phase 1's "trainer" writes its versions into phase 1's own store: the one its producer
+    # takes durable copies from (consumer.weight_store_dir)
+    cfg_w = cfg.model_copy(update={"kafka": kafka_w, "consumer": cfg.consumer.model_copy(
+        update={"weight_store_dir": str(tmp / "trainer-weights")})})
     s = Stack(broker, kafka, cfg, tmp, kafka_w, cfg_w)
     try:
         yield s
@@ -148,7 +149,7 @@ def test_corrupt_weights_are_refused_and_the_previous_version_keeps_serving(stac
     p = stack.weights_producer.start()
     wait_until(lambda: p.try_metric("rlstream_producer_samples_total", 0) > 0, 120, "first samples", [p],
                progress=working(p))
-    stack.forged = WeightStore(stack.tmp / "trainer-weights", keep=10)
+    stack.forged = WeightStore(stack.tmp / "trainer-weights", keep=10)  # phase 1's weight_store_dir
 
     def version():
         return p.metric("rlstream_producer_policy_version")

@@ -18,12 +18,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common.control.plane import ControlPlaneWriter
 from common.harness.supervisor import wait_until
 from common.kafka.publisher import RolloutPublisher
 from tests.fixtures.kafka import make_kafka_settings
 from tests.support.audit import audit_lines, lineage_entries
-from tests.support.configs import service_config, write_config
+from tests.support.configs import service_config, trainer_writer, write_config
 from tests.support.synthetic import publish_groups, synthetic_group
 
 pytestmark = [pytest.mark.broker, pytest.mark.megatron]
@@ -63,7 +62,7 @@ def live_run(broker, tiny_model_dir, tmp_path_factory):
             with RolloutPublisher(kafka) as pub:
                 publish_groups(pub, _groups("first", rng, B * N // 2))
                 wait_until(lambda: audit_lines(ckpt) >= N // 2 or svc._stop, 240, "the first half's steps")
-                writer = ControlPlaneWriter(kafka)  # half-way: acknowledged before the next batch boundary
+                writer = trainer_writer(kafka)  # half-way: acknowledged before the next batch boundary
                 writer.set_control("decay", 0.5, by="test")
                 writer.set_control("max_staleness", 6, by="test")
                 writer.close()
