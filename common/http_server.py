@@ -21,7 +21,9 @@ bounds, all in `HttpLimits` (docs/operations.md "HTTP endpoints"):
 - request_deadline_s: a request from its first byte to the end of its answer
   (the agent endpoint's is its call timeout plus 30 s).
 - max_head_bytes: the request line and headers (httptools sets no limit).
-- max_connections: connections open at once; more are closed at accept.
+- max_connections: connections open at once; a connection beyond them is
+  answered at accept with 503 and Retry-After (without reading its request:
+  the answer costs no handler) and closed.
 - max_requests: handlers running at once on threads (blocking work: the
   admin API's broker write, an agent's chat call); more get 503 at once, with
   Retry-After, instead of queueing behind them.
@@ -91,10 +93,11 @@ class _GuardedProtocol(HttpToolsProtocol):
             REFUSED.labels(reason="connections").inc()
             if self.loop.time() - type(self)._warned_at > 10.0:  # a flood logs a line per 10 s, not per connection
                 type(self)._warned_at = self.loop.time()
-                log.warning("http: %d connections open; closing new ones at accept (counted in "
-                            "rlstream_http_refused_total)", len(self.connections))
-            # FIN now, close later: closing a socket whose request is still unread sends a reset,
-            # which the client sees instead of a clean end
+                log.warning("http: %d connections open; answering new ones 503 at accept and closing them "
+                            "(counted in rlstream_http_refused_total)", len(self.connections))
+            # the answer, then FIN now and close later: closing a socket whose request is still
+            # unread sends a reset, which the client would see instead of the answer
+            transport.write(_OVER_CAP)
             transport.write_eof()
             self.loop.call_later(1.0, transport.abort)
             return
@@ -181,6 +184,11 @@ class _GuardedProtocol(HttpToolsProtocol):
         log.info("http: closing the connection of %s: %s", self.client, _CUT_WHY[why].format(l=self.limits))
         self.transport.close()
 
+
+_OVER_CAP_BODY = b'{"error": "too many connections open; retry shortly"}'
+_OVER_CAP = (b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Type: application/json\r\n"
+             b"Content-Length: " + str(len(_OVER_CAP_BODY)).encode() + b"\r\nConnection: close\r\n\r\n" + _OVER_CAP_BODY)
+"""What a connection beyond max_connections gets at accept, before its request is read."""
 
 _CUT_WHY = {
     "idle": "silent for {l.client_timeout_s:g} s mid-request",

@@ -34,6 +34,8 @@ little-endian buffers (msgpack `bin`) and decode zero-copy with
 | finish_reason    | str                         | "stop", "length", "abort"                       |
 | sampling_digest  | str                         | digest of the sampling parameters               |
 | model_digest     | str                         | digest of the model files                       |
+| claim_epoch      | int in [0, 2**31) (optional)| the journal claim epoch the episode was         |
+|                  |                             | published under (absent: 0); see below          |
 
 Schema 2 (multi-turn, docs/multi-turn.md): the response is the model's and the
 environment's turns in order, `response_ids` = model turn 1, environment turn 1,
@@ -54,6 +56,13 @@ The routing keys (`routed_experts`, `routing_dtype`, `routing_shape`,
 unique: a map (or nested map) that repeats a key is refused (msgpack would
 otherwise keep the last value). Unknown keys are ignored, so optional keys can
 be added without a new schema version (`temperature` was: absent means 1.0).
+`claim_epoch` (fencing, docs/multi-turn.md "Durable episodes"): a journaled episode's
+record carries the epoch of the journal claim its producer held it under (0 for its
+first holder, one more each time a peer took it over). The consumer trains a rollout id
+only from its newest epoch and sends an older epoch's copy to the DLQ (field
+`claim_epoch`), so a producer cut off past its lease cannot get its copy trained beside
+the peer's. Written only when above 0: other records are byte-identical to before.
+
 Generic limits are `RecordLimits` (P <= 65,536, T <= 131,072, layers <= 256,
 top_k <= 64); a consumer adds its model's (vocabulary, layers, top_k, experts,
 P + T <= positions) and its group size (consumer/intake.py).
@@ -107,6 +116,8 @@ MAX_TEMPERATURE = 100.0
 """Far above any useful sampling temperature (at 100 the softmax of a model's logits,
 a few tens apart, is already near uniform); above it a record is garbage or hostile, and
 1e300 made the trainer's logits / t underflow to an exactly uniform distribution."""
+MAX_CLAIM_EPOCH = 2**31 - 1
+"""Claims of one episode a journal can count (one per peer takeover: never near it)."""
 MIN_LOGPROB = -1000.0
 """A sampled token had a non-zero probability in the sampler's float type: at least
 2**-1074 even in float64 (log = -744.4), 2**-149 in float32 (log = -103.3). Anything
@@ -181,6 +192,8 @@ class Rollout:
     loss_mask: np.ndarray | None = None
     """bool[T]: True on model tokens, False on environment tokens (schema 2);
     None: every response token is the model's (schema 1, single-turn)."""
+    claim_epoch: int = 0
+    """The journal claim epoch the episode was published under (0: first holder, or not journaled)."""
 
     @property
     def num_tokens(self) -> int:
@@ -265,6 +278,8 @@ def encode(r: Rollout) -> bytes:
         m["num_experts"] = int(r.num_experts)
     if r.reward_info is not None:
         m["reward_info"] = r.reward_info
+    if r.claim_epoch:
+        m["claim_epoch"] = int(r.claim_epoch)
     return msgpack.packb(m, use_bin_type=True)
 
 
@@ -281,7 +296,7 @@ _KEYS = frozenset(("schema", "rollout_id", "group_id", "sample_idx", "group_size
                    "prompt_ids", "response_ids", "prompt_text", "logprobs", "temperature", "policy_version",
                    "token_versions", "routed_experts", "routing_dtype", "routing_shape", "routing_scope",
                    "num_experts", "reward", "reward_info", "finish_reason", "sampling_digest", "model_digest",
-                   "claim_check", "uri", "sha256", "bytes", "loss_mask"))
+                   "claim_check", "uri", "sha256", "bytes", "loss_mask", "claim_epoch"))
 """Every key the schema names (a DLQ field label is one of these, never a sender's string)."""
 
 
@@ -407,6 +422,7 @@ def _from_map(m: dict, limits: RecordLimits) -> Rollout:
         sampling_digest=_str(m, "sampling_digest", limits),
         model_digest=_str(m, "model_digest", limits),
         temperature=_float(m, "temperature") if "temperature" in m else 1.0,
+        claim_epoch=_int(m, "claim_epoch", 0, MAX_CLAIM_EPOCH) if "claim_epoch" in m else 0,
     )
     r.loss_mask = _loss_mask_from_map(m)
     tv = _array(m, "token_versions", _I64, optional=True)
@@ -498,6 +514,8 @@ def validate(r: Rollout, limits: RecordLimits = DEFAULT_LIMITS) -> None:
     _validate_scalars(r, limits)
     if r.policy_version < 0:
         raise InvalidRecordError("policy_version", "must be >= 0")
+    if isinstance(r.claim_epoch, bool) or not isinstance(r.claim_epoch, int) or not 0 <= r.claim_epoch <= MAX_CLAIM_EPOCH:
+        raise InvalidRecordError("claim_epoch", f"must be an integer in [0, {MAX_CLAIM_EPOCH}], got {r.claim_epoch!r}")
     _validate_loss_mask(r, T)
     _validate_token_versions(r, T)
     _validate_routing(r, P, T, limits)

@@ -33,6 +33,15 @@ each sample its own first observation, so the prompt does not), and a
 producer's own ids never repeat (`{producer_id}-{incarnation}-{seq}`,
 producer/groups.py).
 
+Fencing (docs/multi-turn.md "Durable episodes"). A journaled episode's record carries the
+epoch of the journal claim it was published under (`claim_epoch`); a producer cut off past
+its lease may publish a copy of an episode a peer took over, under the same rollout_id and
+an older epoch. The dedup window keeps each id's newest epoch: a copy with an older epoch
+is refused (`fenced`, the DLQ with the reason, field `claim_epoch`); a copy with a newer
+epoch replaces an older one still held in an open group (the older goes to the DLQ the
+same way, `AddResult.superseded`). A newer copy that arrives after the older one's group
+completed is a duplicate: the episode is trained once, from the copy that came first.
+
 Closed ids are remembered in a bounded window (`closed_window` ids once their
 group is done; ids of complete groups still held are kept until `retire`), and
 a checkpoint carries the window (`closed_groups`, consumer/ledger.py), so a
@@ -55,6 +64,8 @@ class Held:
     rollout: Rollout
     partition: int
     offset: int
+    source: object = None
+    """What the caller read it as (the ledger's ReadRecord: a superseded copy's dead letter)."""
 
 
 @dataclass
@@ -81,10 +92,12 @@ class Group:
 class AddResult:
     """What `add` did with one record."""
 
-    outcome: str  # "held", "completed", "duplicate", "reused", "timed_out" (a late sample of a timed-out group)
+    outcome: str  # "held", "completed", "duplicate", "reused", "fenced", "timed_out" (a late sample of a timed-out group)
     group: Group | None = None
     reason: str = ""
-    """Why a `reused` record is refused (the DLQ reason)."""
+    """Why a `reused` or `fenced` record is refused (the DLQ reason), or why `superseded` was."""
+    superseded: Held | None = None
+    """An older claim's copy of this record that it replaced in its open group (to the DLQ)."""
 
 
 class GroupAssembler:
@@ -94,9 +107,10 @@ class GroupAssembler:
                  dedup_window: int = 200_000, closed_window: int = 20_000):
         self.group_size, self.timeout_s, self.clock = group_size, timeout_s, clock
         self._open: dict[str, Group] = {}
-        # rollout_ids already held/trained/dropped, oldest first; bounded so a
-        # service running for weeks keeps flat memory (~100 B per id).
-        self._seen: dict[str, None] = {}
+        # rollout_ids already held/trained/dropped -> the newest claim epoch seen (-1: a
+        # checkpoint's, unknown), oldest first; bounded so a service running for weeks keeps
+        # flat memory (~100 B per id).
+        self._seen: dict[str, int] = {}
         self.dedup_window = dedup_window
         # group ids whose group is done -> (owner, outcome), oldest first; bounded, and
         # checkpointed (~70 B of JSON per id: 1.4 MB at the default window)
@@ -107,10 +121,10 @@ class GroupAssembler:
     def mark_seen(self, rollout_ids) -> None:
         """Rollout ids a checkpoint says were already processed (skip on re-read)."""
         for rid in rollout_ids:
-            self._remember(rid)
+            self._remember(rid, -1)
 
-    def _remember(self, rid: str) -> None:
-        self._seen[rid] = None
+    def _remember(self, rid: str, epoch: int) -> None:
+        self._seen[rid] = epoch
         while len(self._seen) > self.dedup_window:
             del self._seen[next(iter(self._seen))]
 
@@ -134,25 +148,45 @@ class GroupAssembler:
         while len(self._closed) > self.closed_window:
             del self._closed[next(iter(self._closed))]
 
-    def add(self, r: Rollout, partition: int, offset: int) -> AddResult:
+    def add(self, r: Rollout, partition: int, offset: int, source: object = None) -> AddResult:
         if r.group_size != self.group_size:  # a bug: the reader's limits refuse these (DLQ, field group_size)
             raise InvalidSampleError(f"record {r.rollout_id!r} has group_size {r.group_size}, this consumer "
                                      f"{self.group_size}; build the reader with consumer.intake.record_limits")
         if r.rollout_id in self._seen:
-            return AddResult("duplicate")
-        self._remember(r.rollout_id)
+            return self._again(r, Held(r, partition, offset, source))
+        self._remember(r.rollout_id, r.claim_epoch)
         g = self._open.get(r.group_id)
         refusal = self._refusal(r, g)
         if refusal is not None:
             return refusal
         if g is None:
             g = self._open[r.group_id] = Group(r.group_id, r.group_size, self.clock(), r.producer_id)
-        g.samples[r.sample_idx] = Held(r, partition, offset)
+        g.samples[r.sample_idx] = Held(r, partition, offset, source)
         if g.complete:
             del self._open[r.group_id]
             self._taken[r.group_id] = g.producer_id
             return AddResult("completed", g)
         return AddResult("held", g)
+
+    def _again(self, r: Rollout, new: Held) -> AddResult:
+        """A rollout id seen before: a retry (same claim epoch), a fenced copy (older), or a newer
+        claim's copy, which replaces the older one if that is still held in an open group."""
+        seen = self._seen[r.rollout_id]
+        if r.claim_epoch < seen:
+            return AddResult("fenced", reason=f"rollout {r.rollout_id!r} was published under claim epoch "
+                             f"{r.claim_epoch}, a peer's epoch {seen} took it over (a producer that lost its "
+                             "journal claim: fenced)")
+        if r.claim_epoch == seen or seen < 0:
+            return AddResult("duplicate")
+        self._remember(r.rollout_id, r.claim_epoch)
+        g = self._open.get(r.group_id)
+        old = g.samples.get(r.sample_idx) if g is not None else None
+        if old is None or old.rollout.rollout_id != r.rollout_id:
+            return AddResult("duplicate")  # the older copy's group completed: it is the one trained
+        g.samples[r.sample_idx] = new
+        return AddResult("held", g, reason=f"rollout {r.rollout_id!r} of claim epoch {old.rollout.claim_epoch} is "
+                         f"superseded by epoch {r.claim_epoch} (a peer took the episode over: fenced)",
+                         superseded=old)
 
     def _refusal(self, r: Rollout, g: Group | None) -> AddResult | None:
         """Why `r` (no duplicate) may not join group `g` (None: not open), or None if it may."""

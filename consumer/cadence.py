@@ -63,29 +63,42 @@ class Cadence:
 
 def host_copy(obj: Any) -> Any:
     """`obj` (dicts, lists, tuples, tensors, plain values) with every tensor copied
-    to host memory that nothing else references."""
+    to host memory that nothing else references. Device tensors go into one pinned
+    slab registered for exactly their bytes (consumer/weights/snapshot.py HostSlab), not
+    through torch's caching host allocator, which rounds each block up to a power of two
+    and keeps its high-water mark pinned (a checkpoint's copy of a 30B model's state)."""
     import torch
 
-    cuda: list[bool] = []
+    from consumer.weights.snapshot import HostSlab
 
-    def copy(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            x = x.detach()
-            if x.is_cuda:
-                cuda.append(True)
-                out = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=True)
-                return out.copy_(x, non_blocking=True)
+    device: list[torch.Tensor] = []
+    _walk(obj, lambda x: device.append(x) if x.is_cuda else None)
+    slab = HostSlab([x.numel() * x.element_size() for x in device], pin=True) if device else None
+    views = iter(slab.views if slab is not None else [])
+
+    def copy(x: torch.Tensor) -> torch.Tensor:
+        if not x.is_cuda:
             return x.clone()
-        if isinstance(x, dict):
-            return {k: copy(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return type(x)(copy(v) for v in x)
-        return x
+        out = next(views).view(x.dtype).view(x.shape)
+        return out.copy_(x, non_blocking=True)
 
-    out = copy(obj)
-    if cuda:
+    out = _walk(obj, copy)
+    if device:
         torch.cuda.synchronize()
     return out
+
+
+def _walk(x: Any, leaf) -> Any:
+    """`x` with `leaf(tensor)` in place of each (detached) tensor."""
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return leaf(x.detach())
+    if isinstance(x, dict):
+        return {k: _walk(v, leaf) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_walk(v, leaf) for v in x)
+    return x
 
 
 class BackgroundWrite:

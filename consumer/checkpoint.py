@@ -256,8 +256,9 @@ class CheckpointManager:
 
     def audit(self, entry: dict[str, Any]) -> None:
         """Append `entry` to <root>/trained.jsonl: one line per trained step,
-        {step, version, trained: [rollout ids], run}, written when the step is
-        trained (before any checkpoint holds it).
+        {step, version, trained: [rollout ids], run, inputs}, written when the step
+        is trained (before any checkpoint holds it); `inputs` is the step record a
+        replay follows (consumer/logreplay/record.py).
 
         A step whose checkpoint never committed is redone after a restart and
         logged again under the same step number by another run: the lineage

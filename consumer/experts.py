@@ -51,8 +51,16 @@ _KEY = "consumer.memory.experts"
 
 
 def te_available() -> bool:
-    """Transformer Engine imports and CUDA is present (its GroupedLinear is CUDA-only)."""
-    return importlib.util.find_spec("transformer_engine") is not None and torch.cuda.is_available()
+    """Transformer Engine imports, CUDA is present (its GroupedLinear is CUDA-only), and Megatron
+    found TE's grouped linear layers (TE >= 1.7). With an older TE Megatron's spec provider falls
+    back to the legacy GroupedMLP, which asserts the `grouped_gemm` package when it is built."""
+    if importlib.util.find_spec("transformer_engine") is None or not torch.cuda.is_available():
+        return False
+    try:
+        from megatron.core.extensions import transformer_engine as te_layers
+    except ImportError:
+        return False
+    return getattr(te_layers, "TEColumnParallelGroupedLinear", None) is not None
 
 
 def torch_grouped_mm_works(hidden: int, ffn: int, dtype: torch.dtype,

@@ -19,6 +19,8 @@ A reused group id is refused here, when read, before any group reaches the
 trainer: the record is counted `dlq` and handed to the service
 (`take_refused`), which stores it in the DLQ with its reason (field
 `group_id`) before it reads on, so no checkpoint covers a refusal not stored.
+A fenced copy (an older journal claim's, consumer/assembler.py) goes the same way
+(field `claim_epoch`), also when a newer claim's copy replaces it in an open group.
 
 So, at any moment, records read = sum(counters) + held_records().
 
@@ -79,6 +81,7 @@ class Ledger:
         self._done: dict[tuple[int, int], str] = {}  # (partition, offset) -> rollout_id, since the checkpoint
         self._on_count = on_count or (lambda outcome, n: None)
         self._refused: list[tuple[ReadRecord, str]] = []  # counted `dlq`, for the service to store in the DLQ
+        self._fenced: list[tuple[ReadRecord, str]] = []  # the same, fenced copies (field claim_epoch)
 
     # ------------------------------------------------------------ records in
 
@@ -92,14 +95,23 @@ class Ledger:
             if (rid := self._done.get((it.partition, it.offset))) is not None:
                 self.assembler.mark_seen([rid])  # re-read after a restart: it has its outcome
                 continue
-            res = self.assembler.add(it.rollout, it.partition, it.offset)
+            res = self.assembler.add(it.rollout, it.partition, it.offset, it)
             if res.outcome in ("duplicate", "timed_out"):  # timed_out: a late sample of a timed-out group
                 self._finish([(it.partition, it.offset, it.rollout.rollout_id)], res.outcome)
-            elif res.outcome == "reused":
+            elif res.outcome in ("reused", "fenced"):
                 self._finish([(it.partition, it.offset, it.rollout.rollout_id)], "dlq")
-                self._refused.append((it, res.reason))
+                (self._refused if res.outcome == "reused" else self._fenced).append((it, res.reason))
             elif res.outcome == "completed":
                 self.complete.append(res.group)
+            if (old := res.superseded) is not None:
+                self._finish([(old.partition, old.offset, old.rollout.rollout_id)], "dlq")
+                self._fenced.append((old.source, res.reason))
+
+    def take_fenced(self) -> list[tuple[ReadRecord, str]]:
+        """(record, reason) of the copies fenced since the last call (an older journal claim's:
+        consumer/assembler.py): counted `dlq`, for the caller to store in the DLQ (field `claim_epoch`)."""
+        out, self._fenced = self._fenced, []
+        return out
 
     def take_refused(self) -> list[tuple[ReadRecord, str]]:
         """(record, reason) of the records refused for a reused group id since the last

@@ -38,6 +38,8 @@ import functools
 import torch
 from torch.overrides import TorchFunctionMode
 
+from common.gpu_standin import device as standin_device
+
 TE_SHIMS = ("te_general_gemm",)
 NORM_SHIMS = ("l2_norm",)
 CPU_SHIMS = ("current_device", "rng_fork", "cuda_rng_state", "cuda_as_cpu")
@@ -141,6 +143,8 @@ class CudaAsCpu(TorchFunctionMode):
     checks (`param.type() == 'torch.cuda.FloatTensor'`, distrib_optimizer.py)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if standin_device.active():  # the GPU stand-in's device memory places tensors itself
+            return func(*args, **(kwargs or {}))
         kwargs = dict(kwargs or {})
         name = getattr(func, "__name__", "")
         if "device" in kwargs:

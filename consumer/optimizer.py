@@ -162,6 +162,7 @@ class TrainerOptimizer:
                 opt.load_state_dict({k: v for k, v in sd.items() if not k.startswith("param_state")})
                 load = _load_own_param_state if sharding == PER_RANK else _load_gathered_param_state
                 _keeping_steps(opt, partial(load, opt), sd["param_state"])
+                _resync_offload(opt)
 
 
 def split_rank_state(state: dict) -> tuple[dict, list]:
@@ -202,6 +203,40 @@ def _load_gathered_param_state(opt, param_state) -> None:
     opt.load_parameter_state_from_dp_zero(param_state)
 
 
+def _resync_offload(opt) -> None:
+    """With the optimizer CPU offload (Megatron's HybridDeviceOptimizer), after a load:
+    - the loaded state goes to each sub-optimizer and the fp32 copies they update take the
+      checkpoint's masters (`_sync_hdo_state_to_sub_optimizers`: Megatron's dp_zero loader
+      calls it, its dp_reshardable one does not, so the masters were rebuilt from the bf16
+      weights and the GPU-resident parameters got the checkpoint's host tensors as moments);
+    - every state tensor is moved to its parameter's device. HDO's own move tells its two
+      optimizers apart by class, and without Transformer Engine or Apex both are torch's
+      AdamW: it would put the GPU optimizer's state on the host too (a device mismatch at
+      the first step after every resume);
+    - the model's parameters are written back from the masters: loading ran HDO's
+      `dummy_step` on random gradients after the weights were loaded, one Adam step off."""
+    from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+
+    hdo = opt.optimizer
+    if not isinstance(hdo, HybridDeviceOptimizer):
+        return
+    hdo._sync_hdo_state_to_sub_optimizers()
+    for sub in hdo.sub_optimizers:
+        for param, state in sub.state.items():
+            for k, v in state.items():
+                if isinstance(v, torch.Tensor):
+                    state[k] = _on_device_of(v, param)
+    for param, inner in hdo.param_to_inner_param.items():
+        if inner is not param:
+            param.data.copy_(inner.data)
+
+
+def _on_device_of(v: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    if v.is_cuda == param.is_cuda and v.device == param.device:
+        return v
+    return v.cuda(param.device) if param.is_cuda else v.cpu()
+
+
 def _keeping_steps(opt, load, param_state) -> None:
     """`load(param_state)`, working around two things megatron-core 0.16.1 gets wrong with
     torch's AdamW (no TE/Apex optimizer): its loaders copy every key of the per-parameter
@@ -236,7 +271,9 @@ def _check_offload_device(cfg: OptimizerSettings) -> None:
     """megatron-core's HybridDeviceOptimizer needs CUDA (it takes CUDA streams when built,
     and offloads only CUDA tensors): refuse the offload without a GPU, before the model
     is wrapped, instead of its AssertionError."""
-    if cfg.cpu_offload_fraction > 0 and not torch.cuda.is_available():
+    from common import gpu_standin
+
+    if cfg.cpu_offload_fraction > 0 and not (torch.cuda.is_available() or gpu_standin.active()):
         raise ConfigError(f"consumer.optimizer.cpu_offload_fraction is {cfg.cpu_offload_fraction:g} but no "
                           "CUDA device is visible: the optimizer offload moves GPU state to the host; "
                           "set it to 0 on CPU", key="consumer.optimizer.cpu_offload_fraction")

@@ -46,6 +46,7 @@ from common.control.messages import ControlChange
 from common.lifecycle import close_attrs
 from consumer import telemetry
 from consumer.assembler import GroupAssembler
+from consumer.intake import IntakeWatch
 from consumer.ledger import OUTCOMES, Ledger  # noqa: F401 - OUTCOMES: for importers of its old home
 from consumer.parallel import launch_rank, launch_world_size
 from consumer.stability.auto import AutoStaleness
@@ -70,7 +71,10 @@ class ConsumerService:
         self._stop = False
         # live while a full batch waiting gets trained within the bound; ready once started
         self.liveness = ProgressMonitor(self.ccfg.liveness.stall_after_s)
-        self.readiness = Readiness(self.kafka.bootstrap_servers)
+        # ready while the broker answers and delivers what waits on it (consumer/intake.py IntakeWatch)
+        self.readiness = Readiness(self.kafka)
+        self.intake = IntakeWatch(self.ccfg.liveness.intake_stall_after_s, self.kafka.topics.rollouts)
+        self.readiness.add_check(self.intake.reasons)
         self.auto = AutoStaleness(cfg.staleness.auto, lambda *a: self._writer.set_control(*a))
         """`max_staleness: auto`: its controller, fed after every step (consumer/stability/)."""
 
@@ -78,6 +82,7 @@ class ConsumerService:
 
     def start(self) -> None:
         from common.control.plane import ControlFollower, ControlPlaneWriter
+        from common.control.signing import signing_key
         from common.kafka.client import ensure_topics
         from common.weights.store import WeightStore
         from consumer.weights.announce import PolicyAnnouncer
@@ -89,11 +94,12 @@ class ConsumerService:
         ensure_topics(self.kafka)
         offsets = self._restore(latest)
         self.cadence = Cadence(self.ccfg.checkpoint, self.step)
-        self.follower = ControlFollower(self.kafka, self.control)
+        key = signing_key(self.ccfg.http.admin_token)  # control records: signed and verified with it
+        self.follower = ControlFollower(self.kafka, self.control, key)
         self.follower.catch_up()  # settings and the newest announcement, before any record is read
         self.control = self.follower.view.state
         self.reader = self._open_reader(offsets)
-        self._writer = ControlPlaneWriter(self.kafka)
+        self._writer = ControlPlaneWriter(self.kafka, key)
         self.announcer = PolicyAnnouncer(self._writer, WeightStore(self.ccfg.weight_store_dir, self.ccfg.keep_versions),
                                          self.cfg.model.path, self.ccfg.groups_per_batch, self.ccfg.group_size,
                                          self.ccfg.weights, _weight_backend(self.ccfg.weights.backend))
@@ -141,17 +147,19 @@ class ConsumerService:
 
         # records this consumer cannot take go to the DLQ, not the trainer (consumer/intake.py)
         limits = record_limits(self.leader.trainer.model.hf_dims, self.ccfg.group_size)
-        # fetch_max_wait 20 ms: tansu 0.6 answers a long-poll fetch only when the wait
-        # expires, not when records arrive (measured: latency ~ half the wait), so the
-        # default 100 ms added ~50 ms to every global step of a synchronous pipeline
+        # fetch_max_wait 20 ms at first: tansu 0.6 sees records that arrive during a fetch only
+        # after about half its wait, so the default 100 ms added ~50 ms to every global step of
+        # a synchronous pipeline; the reader raises it when tansu's log outgrows it
+        # (common/kafka/fetch_wait.py)
         return RolloutReader(self.kafka, start_offsets=offsets, blobs=BlobStore(self.kafka.blob_dir),
                              limits=limits, fetch_max_wait_ms=20, check=VersionBound(self.newest_version))
 
     def newest_version(self) -> int:
-        """The newest policy version announced: ours, or a newer one on the policy topic (a restore
-        from an older checkpoint). No record may carry a later one (consumer/intake.py)."""
-        announced = self.follower.view.weights if getattr(self, "follower", None) is not None else None
-        return max(self.version, announced.version if announced is not None else 0)
+        """The newest policy version there can be: this trainer's own. No record may carry a later
+        one (consumer/intake.py). Not the policy topic's newest: an announcement is a Kafka message,
+        and one a million versions ahead would have let records from the future through. (After a
+        restore from an older checkpoint `_continue_versions` moved ours above every announced one.)"""
+        return self.version
 
     def _health(self) -> tuple[bool, dict]:
         """GET /healthz (the HTTP thread): live unless a full batch waits and no step trained it in time."""
@@ -170,6 +178,7 @@ class ConsumerService:
             if getattr(self, "leader", None) is not None:
                 self.leader.stop()  # waits for the checkpoint write in flight
         finally:
+            self.readiness.close()
             close_attrs(self, ("announcer", "reader", "follower", "_writer", "http"), log)
 
     # ----------------------------------------------------------------- loop
@@ -249,28 +258,41 @@ class ConsumerService:
 
     def _read(self, poll_s: float) -> None:
         items = self.reader.poll(max_records=512, timeout_s=poll_s)
-        self.ledger.read(items, self.reader.take_dead())
+        dead = self.reader.take_dead()
+        self.ledger.read(items, dead)
         refused = self.ledger.take_refused()  # a reused group id (consumer/assembler.py)
-        if refused:  # stored before anything is read on, so no checkpoint covers a refusal not stored
-            self.reader.refuse([(it, "group_id", why) for it, why in refused])
+        fenced = self.ledger.take_fenced()  # an older journal claim's copy (consumer/assembler.py)
+        if refused or fenced:  # stored before anything is read on, so no checkpoint covers a refusal not stored
+            self.reader.refuse([(it, "group_id", why) for it, why in refused]
+                               + [(it, "claim_epoch", why) for it, why in fenced])
             telemetry.count_reused(len(refused))
         for g in self.ledger.expire():
             log.warning("group %s timed out with %d/%d samples", g.group_id, len(g.samples), g.group_size)
         self.announce_progress()
-        telemetry.observe_read(self.reader.lag(), self.ledger.assembler.num_open, self.ledger.held_records())
+        lag = self.reader.lag()
+        self.intake.fetch_wait_ms = self.reader.fetch_wait.ms
+        self.intake.read(len(items) + len(dead), lag)
+        telemetry.observe_read(lag, self.ledger.assembler.num_open, self.ledger.held_records())
 
     def train_step(self, batch: list[ReadyGroup]) -> dict:
         from consumer.batch import TrainSample
+        from consumer.logreplay.record import step_inputs
 
         scale = self.ccfg.stress.logprob_temperature_scale
         samples = [TrainSample.from_rollout(r, w, a, scale) for rg in batch
                    for r, w, a in zip(rg.group.rollouts(), rg.weights, rg.ages)]
         out = self.leader.train(samples)
         self.liveness.beat("train_step")
+        self.intake.stepped()
+        # what a replay needs (consumer/logreplay/record.py): the gate's staleness is taken at the
+        # step the batch was gated at, before it counts this one
+        inputs = step_inputs(batch, self.clock.staleness(self.step), self.control, self.ccfg,
+                             self.kafka.topics.rollouts, out, self.leader.world)
         self.step += 1
         self.version += 1
         trained = self.ledger.trained()
-        self.leader.ckpt.audit({"step": self.step, "version": self.version, "trained": trained, "run": self.run_id})
+        self.leader.ckpt.audit({"step": self.step, "version": self.version, "trained": trained, "run": self.run_id,
+                                "inputs": inputs})
         self.clock.trained(trained)
         return out
 
@@ -315,7 +337,7 @@ def _weight_backend(backend: str) -> str:
         return backend
     import torch
 
-    return "nccl" if torch.cuda.is_available() else "rlstream_gloo"
+    return "nccl" if torch.cuda.is_available() else "rlstream_gloo"  # the stand-ins: set nccl explicitly
 
 
 def main(cfg: RlstreamConfig) -> int:

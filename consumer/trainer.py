@@ -302,10 +302,17 @@ class Trainer:
         (consumer/optimizer.py)."""
         return {"model": convert.local_megatron_state_dict(self.model),
                 "optimizer": self.optimizer.state_dict(), "step": self.step,
-                "config": self.cfg.model_dump(include=TRAINING_KEYS)}
+                "config": self.cfg.model_dump(include=TRAINING_KEYS), "experts": self.model.experts}
 
     def load_state_dict(self, state: dict) -> None:
         """Inverse of `state_dict` (collective for checkpoints of the older gathered form)."""
+        saved = state.get("experts")  # absent before checkpoints named it
+        if saved is not None and saved != self.model.experts:
+            raise CheckpointError(
+                f"consumer.memory.experts: the checkpoint was written with the {saved} experts kernel, this "
+                f"trainer built {self.model.experts} ('auto' depends on the host: Transformer Engine, CUDA). "
+                f"Their weights and optimizer buckets are laid out differently; resume where the setting "
+                f"gives {saved} (sequential, or grouped where that is {saved})")
         own = convert.local_megatron_state_dict(self.model)
         if set(own) != set(state["model"]):
             raise CheckpointError("the checkpoint's tensors do not match this model and parallel "

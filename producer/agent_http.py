@@ -4,9 +4,18 @@ Starlette, bounded by common/http_server.py) with other routes: the token checke
 before a byte of the body is read, a declared Content-Length of at most
 `max_body_bytes`, JSON at most `max_json_depth` deep, head and body timeouts, a
 per-request deadline (the call timeout plus 30 s), at most `max_connections`
-connections and as many calls waiting on the engine at once (503 beyond). Requests
-run on producer/rollout/agents.py's `AgentEpisodes` (engine thread); this module only routes,
-reads and answers.
+connections. Requests run on producer/rollout/agents.py's `AgentEpisodes` (engine
+thread); this module only routes, reads and answers.
+
+Calls hold no thread. A command is queued for the engine's thread and its
+answer awaited on the event loop (a chat call waits for its turn to be
+generated: up to `call_timeout_s`), so a thousand waiting calls cost a thousand
+futures, not a thousand threads. At most `max_calls` wait at once: the next one
+is answered at once with 503, `Retry-After: 1` and the OpenAI error type
+`unavailable` ("N calls are waiting on the engine"), counted in
+`rlstream_http_refused_total{reason="calls"}` and
+`rlstream_producer_agent_refused_total{kind="unavailable"}`; nothing of it
+reached the engine, so the agent retries it as it was.
 
     POST /v1/groups                                 open a group of G episodes
     POST /v1/episodes/{id}/chat/completions         one model turn (OpenAI chat.completions)
@@ -17,6 +26,7 @@ reads and answers.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 
@@ -26,7 +36,7 @@ from starlette.routing import Route
 
 from common.config import AgentEndpointSettings
 from common.control.http import ServiceHttp
-from common.http_server import Refused, json_response, parse_json_object, read_body
+from common.http_server import REFUSED, Refused, json_response, parse_json_object, read_body
 from producer import telemetry
 from producer.rollout.agents import AgentEpisodes, error_body
 
@@ -46,9 +56,10 @@ class AgentHttp(ServiceHttp):
         self.settings, self.agents = settings, agents
         super().__init__(settings.host, settings.port, lambda: (True, {}), admin_token=settings.token,
                          client_timeout_s=10.0, request_deadline_s=settings.call_timeout_s + 30.0,
-                         max_connections=settings.max_connections, max_requests=settings.max_connections,
-                         max_body_bytes=settings.max_body_bytes)
+                         max_connections=settings.max_connections, max_body_bytes=settings.max_body_bytes)
         agents.base_url = self.url
+        self.waiting = 0
+        """Calls waiting on the engine now (changed on the event loop only)."""
 
     def routes(self) -> list[Route]:
         return [Route("/{path:path}", self._route, methods=["GET", "POST"])]
@@ -82,7 +93,7 @@ class AgentHttp(ServiceHttp):
         m = _EPISODE.match(path)
         if m is None or m.group(2):
             raise Refused(404, f"no such path {path}", "not_found")
-        return await self.slots.run(self.agents.call, "describe", m.group(1), {}, _QUICK_S)
+        return await self._call("describe", m.group(1), {}, _QUICK_S)
 
     async def _post(self, request: Request) -> tuple[int, dict]:
         kind, eid, wait = self._command(request.url.path)
@@ -91,7 +102,21 @@ class AgentHttp(ServiceHttp):
         if raw is None:  # the client went away mid-body
             return 400, error_body("the body did not arrive", "invalid_request_error")
         body = parse_json_object(raw, self.limits.max_json_depth)
-        return await self.slots.run(self.agents.call, kind, eid, body, wait)
+        return await self._call(kind, eid, body, wait)
+
+    async def _call(self, kind: str, eid: str | None, body: dict, timeout_s: float) -> tuple[int, dict]:
+        """Queue a command for the engine's thread and await its answer on the event loop; 503 at once
+        when `max_calls` are waiting already."""
+        if self.waiting >= self.settings.max_calls:
+            REFUSED.labels(reason="calls").inc()
+            raise Refused(503, f"{self.waiting} calls are waiting on the engine (producer.agent_endpoint."
+                               "max_calls); retry shortly", "calls")
+        self.waiting += 1
+        try:
+            fut = self.agents.submit(kind, eid, body)
+            return await self.agents.answer(fut, timeout_s)
+        finally:
+            self.waiting -= 1
 
     def _command(self, path: str) -> tuple[str, str | None, float]:
         """(kind, episode id, seconds to wait) of a POST path; Refused (404) for any other."""

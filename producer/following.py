@@ -39,7 +39,8 @@ class Following:
         before generating."""
         from producer.weights.reload import Reloader
 
-        self.reloader = Reloader(engine, cfg.model.path, producer_id, cfg.producer.engine.weight_transfer_timeout_s)
+        self.reloader = Reloader(engine, cfg.model.path, producer_id, cfg.producer.engine.weight_transfer_timeout_s,
+                                 store_dir=cfg.consumer.weight_store_dir)
         self.follow(None, 0.0, weights=False)
         if self.follower.view.weights is not None:
             self.reloader.catch_up(self.follower.view.weights)

@@ -1,7 +1,6 @@
 """The producer service: keep vLLM busy, score, publish, follow the trainer.
 
     rlstream producer -c configs/tiny-cpu.yaml        (also: python -m producer)
-
 One thread drives everything, so a weight reload always falls between two
 engine steps. Each iteration of the loop:
 
@@ -28,6 +27,7 @@ import time
 from common import metrics, runfile
 from common.config import ControlSettings, RlstreamConfig
 from common.control.liveness import ProgressMonitor, Readiness
+from common.control.signing import signing_key
 from common.lifecycle import close_attrs
 from producer import telemetry
 from producer.admission import AdmissionView, TopicEnds, admission_block
@@ -50,7 +50,7 @@ class ProducerService:
         self._stop, self.stats = False, telemetry.SampleStats()
         # live while requests in the engine get engine steps and a weight update ends in time
         self.liveness = ProgressMonitor(self.pcfg.liveness.stall_after_s)
-        self.readiness = Readiness(self.kafka.bootstrap_servers)
+        self.readiness = Readiness(self.kafka)  # a Kafka request, TLS where the cluster uses it
 
     # ------------------------------------------------------------ lifecycle
 
@@ -70,7 +70,8 @@ class ProducerService:
         ensure_topics(self.kafka)
         verify = get_verifier(self.pcfg.verifier)
         self.prompts = open_prompt_source(self.pcfg.prompts, self.kafka, verify)
-        control = ControlFollower(self.kafka, ControlSettings.from_settings(self.cfg.staleness))
+        key = signing_key(self.pcfg.http.admin_token)  # control records verify against it
+        control = ControlFollower(self.kafka, ControlSettings.from_settings(self.cfg.staleness), key)
         self.following = Following(control, self.pcfg.group_size)
         torch.set_num_threads(self.pcfg.num_threads)
         self.engine = engine or RolloutEngine(self.pcfg.engine, self.cfg.model.path, version=0)
@@ -90,9 +91,8 @@ class ProducerService:
         from common.control.http import start_service_http
         from common.control.plane import ControlPlaneWriter
 
-        self._writer = ControlPlaneWriter(self.kafka)
-        # /healthz: live unless an engine step or a weight update overruns its bound (producer.liveness);
-        # /readyz: the engine loaded and caught up to the announced version, the broker reachable
+        self._writer = ControlPlaneWriter(self.kafka, signing_key(self.pcfg.http.admin_token))
+        # /healthz: live unless an engine step or weight update overruns its bound; /readyz: loaded, caught up, broker up
         self.http = start_service_http(self.pcfg.http, self._health, lambda: self.following.control, self._writer,
                                        by=f"admin@{self.producer_id}", ready=lambda: self.readiness.check(self._status()))
 

@@ -81,13 +81,30 @@ class SampleStats:
 JOURNAL_WRITES = metrics.counter("rlstream_producer_journal_writes_total",
                                  "Episode states written to the journal (one per completed turn, producer/journal/)")
 JOURNAL_BYTES = metrics.counter("rlstream_producer_journal_bytes_total", "Bytes of episode states journaled")
-JOURNAL_BAD_ENTRIES = metrics.counter("rlstream_producer_journal_bad_entries_total",
-                                      "Journal entries that could not be decoded (skipped, with a warning)")
+JOURNAL_REFUSED = metrics.counter("rlstream_producer_journal_refused_total",
+                                  "Journal records refused (skipped, never resumed; an episode's entry copied to "
+                                  "the DLQ): key (not UTF-8), lease (not {incarnation, at}), entry (malformed), "
+                                  "key_mismatch (stored under another episode's key), limits (outside the record "
+                                  "schema's limits or this engine's model), checkpoint (a malformed checkpoint)",
+                                  ["reason"])
+JOURNAL_FUTURE_TIMES = metrics.counter("rlstream_producer_journal_future_times_total",
+                                       "Journal times (leases, entries, claims) further ahead of this producer's "
+                                       "clock than producer.journal.max_clock_skew_s: judged at now + the skew")
+JOURNAL_CHECKPOINTS = metrics.counter("rlstream_producer_journal_checkpoints_total",
+                                      "Checkpoints of the journal's live state written (a starting producer "
+                                      "reads the newest and the journal after it)")
+EPISODES_FENCED = metrics.counter("rlstream_producer_episodes_fenced_total",
+                                  "Episodes run here that a peer took over (this producer's lease lapsed in the "
+                                  "journal while it ran: a partition or a pause): ended here unpublished, by where "
+                                  "it was found: running, ended (its record not published)", ["at"])
+FENCED_SECONDS = metrics.counter("rlstream_producer_fenced_generation_seconds_total",
+                                 "Generation time of fenced episodes after the state the peer resumed from (wasted)")
 RESUMED = metrics.counter("rlstream_producer_resumed_episodes_total",
                           "Orphaned episodes claimed from the journal, by outcome: resumed, not_resumable "
                           "(the environment cannot replay, or the prompt had its own scorer), stale "
                           "(too stale to finish within max_staleness), published (its record was in the "
-                          "rollouts topic already), claimed_by_peer (another producer's claim came first)",
+                          "rollouts topic already), claimed_by_peer (another producer's claim came first), "
+                          "invalid (refused: rlstream_producer_journal_refused_total)",
                           ["outcome"])
 RESUMED_TOKENS = metrics.counter("rlstream_producer_resumed_tokens_total",
                                  "Response tokens of resumed episodes taken from the journal, not generated again")

@@ -7,6 +7,7 @@
     rlstream ctl get|set KEY [VALUE] --url URL      # runtime control client
     rlstream build-model -c configs/tiny-cpu.yaml   # the tiny MoE + tokenizer + task data
     rlstream twin up|down|exec ...                  # a cluster twin on this machine (network namespaces)
+    rlstream replay|export|blobs -c ...             # tools on the rollout log (TOOLS; docs/log.md)
 
 Every subcommand validates its configuration (defaults < file < declared
 RLSTREAM_* aliases < RLSTREAM__SECTION__KEY < --set < dedicated flags; see
@@ -24,6 +25,7 @@ import logging
 import os
 import sys
 
+from common import gpu_standin
 from common.config import RlstreamConfig, dump_config, load_config
 from common.errors import RlstreamError
 
@@ -34,6 +36,13 @@ SERVICES = {
     "consumer": ("consumer.service", "run the Megatron trainer (consumer) service"),
     "demo": ("common.harness.demo", "run the whole pipeline end to end on CPU"),
     "build-model": ("common.toy.build", "build the tiny MoE model, tokenizer and task data"),
+}
+
+TOOLS = {
+    # subcommand -> (module with add_arguments(parser) and main(cfg, args) -> int, one-line help)
+    "replay": ("consumer.logreplay.cli", "train a run again from its log and compare it with the original"),
+    "export": ("common.export.cli", "write a rollouts topic to Parquet files (resumable)"),
+    "blobs": ("common.app.blobs", "garbage-collect the claim-check blob store (blobs gc)"),
 }
 
 
@@ -66,8 +75,10 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rlstream", description=__doc__.split("\n\n")[0])
     p.add_argument("--log-level", help="setting cli.log_level (env RLSTREAM_LOG_LEVEL; default INFO)")
     sub = p.add_subparsers(dest="command", required=True)
-    for name, (_, help_) in SERVICES.items():
+    for name, (module, help_) in {**SERVICES, **TOOLS}.items():
         s = sub.add_parser(name, help=help_)
+        if name in TOOLS:
+            importlib.import_module(module).add_arguments(s)
         s.add_argument("-c", "--config", help="YAML file (see configs/)")
         s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override one setting, e.g. --set staleness.max_staleness=4")
@@ -130,10 +141,13 @@ def main(argv: list[str] | None = None) -> int:
             if args.command == "consumer":
                 _print_memory_check(cfg)
             return 0
+        if args.command in TOOLS:
+            return int(importlib.import_module(TOOLS[args.command][0]).main(cfg, args))
         if args.command == "experiment":
             from common.harness.experiments import run_experiment
             return run_experiment(args.name, cfg)
         prepare_toy_world(args.command, cfg)
+        gpu_standin.install_if_requested()  # RLSTREAM_GPU_STANDIN: tests and the twin only
         if args.command == "broker":
             return run_broker(cfg)
         module = importlib.import_module(SERVICES[args.command][0])

@@ -21,22 +21,36 @@ trainer rank) is seen by a thread that still runs. Not live means one of:
 
 Readiness (`/readyz`) is separate: `Readiness` answers ready once the
 service called `initialised()` (engine loaded / model built, topics caught
-up), while the broker accepts a TCP connection, and until the service stops.
-A not-ready service is taken out of load balancing, never restarted.
+up), while the broker answers, while every check the service added passes
+(the consumer's: records wait on the broker and none arrive, consumer/intake.py),
+and until the service stops. Whether the broker answers is a real Kafka
+request: a background thread sends an ApiVersions request every
+`probe_every_s` (TLS when the cluster uses it), since a frozen broker (a
+SIGSTOPped or wedged process) still accepts TCP connections: the kernel
+completes the handshake. Its loss and its return are each logged once.
+A not-ready service is taken out of load balancing, never restarted: a
+dependency that cannot be reached is no reason to restart the loop, which
+waits for it.
 
 Metrics, evaluated at each scrape (so they move while the loop is wedged):
-`rlstream_live` (1/0) and `rlstream_loop_seconds_since_progress{activity}`.
+`rlstream_live` (1/0), `rlstream_loop_seconds_since_progress{activity}`,
+`rlstream_ready` (1/0) and `rlstream_dependency_up{dependency="broker"}` (1/0,
+the last probe).
 """
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from common import metrics
+
+if TYPE_CHECKING:
+    import ssl
+
+    from common.config import KafkaSettings
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +58,9 @@ _LIVE = metrics.gauge("rlstream_live", "1 while the service's loop makes progres
 _SINCE = metrics.gauge("rlstream_loop_seconds_since_progress",
                        "Seconds an activity with work has gone without advancing (a bounded operation: "
                        "how long it has run); 0 while idle", ["activity"])
+_READY = metrics.gauge("rlstream_ready", "1 while the service is ready (GET /readyz 200), else 0")
+_DEPENDENCY = metrics.gauge("rlstream_dependency_up", "1 while a dependency answers (the broker: a Kafka "
+                            "ApiVersions request, probed every few seconds), else 0", ["dependency"])
 
 
 class ProgressMonitor:
@@ -156,17 +173,45 @@ class ProgressMonitor:
 
 
 class Readiness:
-    """Ready = initialised, the broker reachable, not stopping (GET /readyz)."""
+    """Ready = initialised, the broker answers, every added check passes, not stopping (GET /readyz).
 
-    def __init__(self, bootstrap_servers: str, connect_timeout_s: float = 1.0):
-        self.bootstrap_servers, self.connect_timeout_s = bootstrap_servers, connect_timeout_s
+    `kafka`: the service's KafkaSettings (bootstrap servers and TLS settings), or
+    bootstrap servers alone (plaintext). `check()` never blocks: the broker's
+    state is the last probe's, made by a daemon thread from `initialised()` to
+    `stopping()` / `close()`. `add_check(fn)`: `fn()` returns the reasons the
+    service is not ready (a list of strings, empty when fine); it runs on the
+    HTTP worker thread and at each scrape, so it must be cheap.
+    """
+
+    def __init__(self, kafka: "KafkaSettings | str", timeout_s: float = 1.0, probe_every_s: float = 2.0,
+                 export: bool = True):
+        self.bootstrap_servers = kafka if isinstance(kafka, str) else kafka.bootstrap_servers
+        self._ssl = None if isinstance(kafka, str) else probe_ssl_context(kafka)
+        self.timeout_s, self.probe_every_s = timeout_s, probe_every_s
         self._initialised = self._stopping = False
+        self._broker_why: str | None = None  # the last probe's reason (None: it answered)
+        self._checks: list[Callable[[], list[str]]] = []
+        self._quit = threading.Event()
+        self._prober: threading.Thread | None = None
+        if export:  # the newest readiness of the process answers the scrape
+            _READY.set_function(lambda: 1.0 if self.check()[0] else 0.0)
+            _DEPENDENCY.labels(dependency="broker").set_function(lambda: 0.0 if self._broker_why else 1.0)
+
+    def add_check(self, fn: Callable[[], list[str]]) -> None:
+        self._checks.append(fn)
 
     def initialised(self) -> None:
         self._initialised = True
+        if self._prober is None:
+            self._probe_once()  # a known state before the first /readyz
+            self._prober = threading.Thread(target=self._probe_loop, name="readiness-probe", daemon=True)
+            self._prober.start()
 
     def stopping(self) -> None:
         self._stopping = True
+        self._quit.set()
+
+    close = stopping
 
     def check(self, details: dict | None = None) -> tuple[bool, dict]:
         reasons = []
@@ -174,25 +219,60 @@ class Readiness:
             reasons.append("initialising")
         if self._stopping:
             reasons.append("stopping")
-        if self._initialised and not self._stopping and not broker_reachable(self.bootstrap_servers,
-                                                                             self.connect_timeout_s):
-            reasons.append(f"broker {self.bootstrap_servers} does not accept connections")
+        if self._initialised and not self._stopping:
+            if self._broker_why is not None:
+                reasons.append(self._broker_why)
+            for fn in self._checks:
+                reasons += fn()
         return not reasons, {**(details or {}), **({"reasons": reasons} if reasons else {})}
 
+    def _probe_loop(self) -> None:
+        while not self._quit.wait(self.probe_every_s):
+            self._probe_once()
 
-def broker_reachable(bootstrap_servers: str, timeout_s: float = 1.0) -> bool:
-    """Whether any bootstrap server accepts a TCP connection within `timeout_s`.
+    def _probe_once(self) -> None:
+        why = broker_unanswered(self.bootstrap_servers, self.timeout_s, self._ssl)
+        if (why is None) != (self._broker_why is None):  # once per change, not per probe
+            log.log(logging.INFO if why is None else logging.ERROR, "readiness: %s",
+                    "the broker answers again" if why is None else why)
+        self._broker_why = why
 
-    A connect, not a Kafka request: the HTTP thread must not share the loop's
-    (not thread-safe) Kafka clients, and a refused or unroutable address is
-    what makes a service unready; a broker that accepts but does not answer
-    shows up as the loop's lack of progress instead.
-    """
+
+def broker_unanswered(bootstrap_servers: str, timeout_s: float = 1.0,
+                      ssl_context: "ssl.SSLContext | None" = None) -> str | None:
+    """None when any bootstrap server answers a Kafka ApiVersions request within `timeout_s`;
+    else the reason, naming each server. A raw request on a socket of its own: the HTTP thread
+    must not share the loop's (not thread-safe) Kafka clients."""
+    from common.kafka.broker import probe_broker
+
+    whys = []
     for server in bootstrap_servers.split(","):
         host, _, port = server.strip().split("://")[-1].rpartition(":")
         try:
-            with socket.create_connection((host.strip("[]") or "localhost", int(port)), timeout=timeout_s):
-                return True
-        except (OSError, ValueError):
-            continue
-    return False
+            why = probe_broker(host.strip("[]") or "localhost", int(port), timeout_s, ssl_context)
+        except ValueError:
+            why = "is not host:port"
+        if why is None:
+            return None
+        whys.append(f"{server.strip()} {why}")
+    return "broker unreachable: " + "; ".join(whys)
+
+
+def broker_reachable(bootstrap_servers: str, timeout_s: float = 1.0) -> bool:
+    """Whether any bootstrap server answers a Kafka request within `timeout_s` (plaintext)."""
+    return broker_unanswered(bootstrap_servers, timeout_s) is None
+
+
+def probe_ssl_context(kafka: "KafkaSettings") -> "ssl.SSLContext | None":
+    """The TLS context of the readiness probe, from the settings kafka-python's clients get
+    (common/kafka/client.py `client_kwargs`); None for a plaintext protocol. An SASL listener
+    answers ApiVersions before authentication, so the probe needs no credentials."""
+    import ssl
+
+    if kafka.security_protocol not in ("SSL", "SASL_SSL"):
+        return None
+    ctx = ssl.create_default_context(cafile=kafka.ssl_cafile)
+    if kafka.ssl_certfile:
+        ctx.load_cert_chain(kafka.ssl_certfile, kafka.ssl_keyfile)
+    ctx.check_hostname = kafka.ssl_check_hostname
+    return ctx

@@ -110,10 +110,14 @@ def _decode_loop(model, prompts: list[list[int]], max_new_tokens: int, eos_id: i
 
 def generate_text(model, tok, prompts: list[str], max_new_tokens: int = 8, batch_size: int = 256,
              temperature: float = 0.0, seed: int = 0) -> list[str]:
-    """Responses (text, without `<eos>`) for `prompts`; greedy unless temperature > 0."""
+    """Responses (text, without `<eos>`) for `prompts`; greedy unless temperature > 0. A prompt is
+    tokenised as the producer's engine does: a special token's text in it stays text
+    (producer/text_tokens.py)."""
     import torch
 
-    ids = [tok.encode(p, add_special_tokens=False) for p in prompts]
+    from producer.text_tokens import encode_text
+
+    ids = [encode_text(tok, p) for p in prompts]
     responses: list[str] = [""] * len(prompts)
     gen = torch.Generator().manual_seed(seed)
     with torch.inference_mode():
@@ -209,7 +213,11 @@ class VersionEvaluator:
         self.last_at = 0.0
 
     def due(self, min_interval_s: float) -> bool:
-        return time.monotonic() - self.last_at >= min_interval_s
+        return self.seconds_until_due(min_interval_s) <= 0.0
+
+    def seconds_until_due(self, min_interval_s: float) -> float:
+        """Seconds until the next evaluation is due (<= 0: now); the interval runs from the last one's start."""
+        return self.last_at + min_interval_s - time.monotonic()
 
     def evaluate_newest(self) -> tuple[int, dict] | None:
         """(version, scores) of the newest version not evaluated yet, else None."""

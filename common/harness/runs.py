@@ -209,12 +209,18 @@ def run_rl(cfg: RlstreamConfig, warm: Warm, label: str, stop: StopRule,
     return res
 
 
+_MIN_SLEEP_S = 1.0
+"""Shortest wait between two scrapes (when an evaluation is due but no new version exists yet)."""
+
+
 def _watch(pipe: Pipeline, evaluator: VersionEvaluator, stop: StopRule, rows: list[dict],
            res: RunResult, tick_s: float, eval_every_s: float) -> None:
     obs = Observer()
     hits, acc = 0, None
     while True:
-        time.sleep(tick_s)
+        # wake for the next progress row or the next evaluation, whichever comes first: evaluations
+        # on a tick grid would come every ceil(eval_every_s / tick_s) ticks (15 s -> 20 s at 5 s ticks)
+        time.sleep(min(tick_s, max(_MIN_SLEEP_S, evaluator.seconds_until_due(eval_every_s))))
         pipe.check_alive()
         row = obs.row(pipe.scrape_all())
         rows.append(row)

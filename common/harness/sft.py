@@ -104,7 +104,11 @@ def _encode_examples(tok, problems: list[Problem], tool: ToolSft | None = None,
                      seed: int = 0) -> list[tuple[list[int], list[bool]]]:
     """(token ids, loss mask) per problem: prompt + answer + eos with the loss on the
     answer and eos; with `tool`, a seeded share of them as worked tool episodes
-    (loss on the model turns and eos only)."""
+    (loss on the model turns and eos only). Text is tokenised as the producer does
+    (producer/text_tokens.py): a special token's text in a prompt, an answer or an
+    observation stays text, so the warm start learns the sequences RL will train on."""
+    from producer.text_tokens import encode_text
+
     rng = random.Random(seed)
     turns_of = _reference_turns(tool)
     out = []
@@ -120,7 +124,7 @@ def _encode_examples(tok, problems: list[Problem], tool: ToolSft | None = None,
             segments.append((pr.answer, True))
         ids, mask = [], []
         for text, learn in segments:
-            t = tok.encode(text, add_special_tokens=False)
+            t = encode_text(tok, text)
             ids += t
             mask += [learn] * len(t)
         out.append((ids + [tok.eos_token_id], mask + [True]))

@@ -71,12 +71,16 @@ def rlstream_argv(command: str, config: Path, sets: Iterable[str] = ()) -> list[
 
 
 def wait_until(pred: Callable[[], object], timeout_s: float, what: str, services: Iterable["Service"] = (),
-               interval_s: float = 0.2):
+               interval_s: float = 0.2, progress: Callable[[], object] | None = None):
     """Poll `pred()` until it is truthy and return that value.
 
-    PipelineError if one of `services` exits meanwhile, or after `timeout_s`.
+    PipelineError if one of `services` exits meanwhile, or after `timeout_s`. With
+    `progress` (a callable whose value changes while the awaited work advances, e.g.
+    tests/support/progress.py `working`), `timeout_s` bounds the time without
+    progress instead of the whole wait: a loaded machine is slow, not stuck.
     """
     services = list(services)
+    mark = progress() if progress is not None else None
     deadline = time.monotonic() + timeout_s
     while True:
         value = pred()
@@ -86,9 +90,12 @@ def wait_until(pred: Callable[[], object], timeout_s: float, what: str, services
             if s.started and not s.alive:
                 raise PipelineError(f"{s.name} exited ({s.returncode}) while waiting for {what}; "
                                     f"log tail ({s.log_path()}):\n{s.log_tail()}")
+        if progress is not None and (now := progress()) != mark:
+            mark, deadline = now, time.monotonic() + timeout_s
         if time.monotonic() > deadline:
             tails = "".join(f"\n--- {s.name} ({s.log_path()}):\n{s.log_tail(1500)}" for s in services)
-            raise PipelineError(f"timed out after {timeout_s:.0f} s waiting for {what}{tails}")
+            without = " without progress" if progress is not None else ""
+            raise PipelineError(f"timed out after {timeout_s:.0f} s{without} waiting for {what}{tails}")
         time.sleep(interval_s)
 
 
@@ -203,11 +210,12 @@ class Service:
                 url = url.replace(wildcard, f"//{self.address}:")
         return url
 
-    def wait_ready(self, timeout_s: float = 240.0) -> str:
-        """The HTTP address, once the run file has it (PipelineError if the service died)."""
+    def wait_ready(self, timeout_s: float = 240.0, progress: Callable[[], object] | None = None) -> str:
+        """The HTTP address, once the run file has it (PipelineError if the service died).
+        `progress`: as `wait_until`'s (then `timeout_s` bounds a start that makes no progress)."""
         if self.command not in RUN_FILE_COMMANDS:
             raise PipelineError(f"{self.name}: `rlstream {self.command}` writes no run file to wait for")
-        return wait_until(lambda: self.url, timeout_s, f"{self.name} to serve HTTP", [self])
+        return wait_until(lambda: self.url, timeout_s, f"{self.name} to serve HTTP", [self], progress=progress)
 
     def log_text(self, incarnation: int | None = None) -> str:
         """The whole log of an incarnation: for people and error messages, not for state."""

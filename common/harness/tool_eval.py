@@ -12,8 +12,11 @@ model turn -> `env.step` -> observation appended -> next model turn, until the
 environment says done (its reward is the task's exact match of the final
 answer) or a limit ends it (reward 0). Decoding is HF fp32 on CPU with a KV
 cache (common/harness/evaluate.py `_decode_loop`), all live episodes of a turn
-batched by length; observations are tokenised with the plain tokenizer (the
-tiny model has no chat template, as in the producer). Environment steps run
+batched by length; prompts and observations are tokenised as the producer does
+(producer/text_tokens.py, the episode runner's `ObservationEncoder`): a special
+token's text in them ("<eos>" from a tool) is ordinary text, never the token
+itself, so the harness scores the episodes the producer would generate.
+Environment steps run
 inline: the calculator is pure and instant (the producer's step timeout and
 failure handling are not exercised here).
 
@@ -67,11 +70,12 @@ def _stop_ids(tok, env_cls) -> frozenset[int]:
 
 def _start(env_cls, tok, problem: Problem) -> _Live:
     from producer.rollout.task import Task
+    from producer.text_tokens import encode_text
 
     env = env_cls()
     task = Task(problem.prompt, problem.answer, lambda text, a=problem.answer: (float(is_correct(text, a)), {}))
     prompt = env.reset(task)
-    return _Live(env, list(tok.encode(prompt, add_special_tokens=False)), prompt)
+    return _Live(env, encode_text(tok, prompt), prompt)
 
 
 def _end(ep: _Live, reward: float, end: str) -> None:
@@ -82,6 +86,7 @@ def _take_turn(ep: _Live, out: list[int], tok, settings: EpisodeSettings, stops:
     """Append one model turn (`out` as decoded: an ending EOS was dropped and is put back), step the
     environment, append its observation or end the episode."""
     from producer.rollout.environment import ModelTurn
+    from producer.rollout.episodes import ObservationEncoder
 
     if len(out) < settings.max_turn_tokens and not (out and out[-1] in stops):
         out = out + [tok.eos_token_id]  # ended by EOS, which the producer's turn includes
@@ -96,7 +101,7 @@ def _take_turn(ep: _Live, out: list[int], tok, settings: EpisodeSettings, stops:
     result = ep.env.step(turn)
     if result.done or result.observation is None:
         return _end(ep, float(result.reward), "done")
-    obs = list(tok.encode(result.observation, add_special_tokens=False))
+    obs = ObservationEncoder(tok)(result.observation, out[-1])  # the producer's encoding of it
     if ep.response_len + len(obs) + 1 > settings.max_episode_tokens:
         return _end(ep, 0.0, "max_tokens")
     ep.ids += obs

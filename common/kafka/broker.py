@@ -22,6 +22,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import struct
 import subprocess
 import tempfile
@@ -55,28 +56,62 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def broker_api_keys(host: str, port: int, timeout_s: float = 1.0) -> dict[int, tuple[int, int]] | None:
-    """One Kafka ApiVersions (v0) round trip over plaintext TCP.
+def broker_api_keys(host: str, port: int, timeout_s: float = 1.0,
+                    ssl_context: ssl.SSLContext | None = None) -> dict[int, tuple[int, int]] | None:
+    """One Kafka ApiVersions (v0) round trip over TCP (TLS with `ssl_context`).
 
     Returns {api_key: (min_version, max_version)} the broker supports, or None
     if it did not answer correctly (not up yet, not Kafka, TLS-only listener).
     """
-    client_id = b"rlstream-ping"
-    body = struct.pack(">hhih", 18, 0, 0x5EED, len(client_id)) + client_id
     try:
-        with socket.create_connection((host, port), timeout=timeout_s) as s:
-            s.settimeout(timeout_s)
-            s.sendall(struct.pack(">i", len(body)) + body)
-            (size,) = struct.unpack(">i", _recv_exact(s, 4))
-            if not 10 <= size <= 1 << 20:
-                return None
-            resp = _recv_exact(s, size)
-        corr, err, n = struct.unpack(">ihi", resp[:10])
-        if corr != 0x5EED or err != 0 or not 0 <= n <= 10_000 or len(resp) < 10 + 6 * n:
-            return None
-        return {k: (lo, hi) for k, lo, hi in struct.iter_unpack(">hhh", resp[10:10 + 6 * n])}
+        with _connect(host, port, timeout_s, ssl_context) as s:
+            return _api_versions(s)
     except (OSError, struct.error):
         return None
+
+
+def probe_broker(host: str, port: int, timeout_s: float = 1.0, ssl_context: ssl.SSLContext | None = None) -> str | None:
+    """None when the broker answers an ApiVersions request within `timeout_s`, else why not:
+    it refuses the connection, or accepts it and answers nothing (a frozen or overloaded broker:
+    the kernel still accepts connections of a SIGSTOPped process)."""
+    try:
+        s = _connect(host, port, timeout_s, ssl_context)
+    except OSError as e:
+        return f"does not accept connections ({e.strerror or type(e).__name__})"
+    try:
+        with s:
+            if _api_versions(s) is not None:
+                return None
+            return "answered an ApiVersions request with something that is not Kafka"
+    except (OSError, struct.error) as e:
+        return (f"accepts connections but answered no Kafka request within {timeout_s:g} s "
+                f"({e.strerror or type(e).__name__}: frozen, overloaded or not a Kafka listener)")
+
+
+def _connect(host: str, port: int, timeout_s: float, ssl_context: ssl.SSLContext | None) -> socket.socket:
+    s = socket.create_connection((host, port), timeout=timeout_s)
+    s.settimeout(timeout_s)
+    if ssl_context is None:
+        return s
+    try:
+        return ssl_context.wrap_socket(s, server_hostname=host)
+    except BaseException:
+        s.close()
+        raise
+
+
+def _api_versions(s: socket.socket) -> dict[int, tuple[int, int]] | None:
+    client_id = b"rlstream-ping"
+    body = struct.pack(">hhih", 18, 0, 0x5EED, len(client_id)) + client_id
+    s.sendall(struct.pack(">i", len(body)) + body)
+    (size,) = struct.unpack(">i", recv_exact(s, 4))
+    if not 10 <= size <= 1 << 20:
+        return None
+    resp = recv_exact(s, size)
+    corr, err, n = struct.unpack(">ihi", resp[:10])
+    if corr != 0x5EED or err != 0 or not 0 <= n <= 10_000 or len(resp) < 10 + 6 * n:
+        return None
+    return {k: (lo, hi) for k, lo, hi in struct.iter_unpack(">hhh", resp[10:10 + 6 * n])}
 
 
 def kafka_ping(host: str, port: int, timeout_s: float = 1.0) -> bool:
@@ -97,7 +132,8 @@ def _check_port_free(host: str, port: int) -> None:
                               "Set broker.port to a free port, or 0 to pick one") from None
 
 
-def _recv_exact(s: socket.socket, n: int) -> bytes:
+def recv_exact(s: socket.socket, n: int) -> bytes:
+    """Exactly `n` bytes from `s`; ConnectionError if it closes first."""
     buf = bytearray()
     while len(buf) < n:
         chunk = s.recv(n - len(buf))

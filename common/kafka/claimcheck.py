@@ -25,8 +25,12 @@ directory implementation; `open_blob_store(url)`
 picks the implementation by scheme (only `file` exists today; an `s3://`
 store would implement put/get the same way).
 
-Garbage collection of blobs whose records were trained is not done here yet
-(see docs/kafka.md).
+Listing and deleting (`BlobStore.blobs`, `delete`) are for the garbage
+collector (common/kafka/blobgc.py), which deletes only blobs no retained record
+points to. `put` of bytes already stored refreshes the blob's mtime, so a
+publisher retry of an old record cannot lose its blob to the collector's
+age grace. `resolve` turns a message value (record or pointer) into the
+rollout, for every reader of the topic.
 """
 from __future__ import annotations
 
@@ -38,7 +42,11 @@ import tempfile
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
+from dataclasses import dataclass
+from typing import Iterator
+
 from common.errors import BlobStoreError, ConfigError, InvalidRecordError
+from common.record import DEFAULT_LIMITS, ClaimPointer, RecordLimits, Rollout, decode, decode_any
 
 
 class AbstractBlobStore(abc.ABC):
@@ -80,7 +88,9 @@ class BlobStore(AbstractBlobStore):
             raise BlobStoreError(f"{path.parent} is a link or leaves the store {self.root}; remove it "
                                  "(blob directories must be plain directories)")
         st = os.lstat(path) if os.path.lexists(path) else None
-        if not (st is not None and stat.S_ISREG(st.st_mode) and st.st_size == n):  # a planted link is replaced
+        if st is not None and stat.S_ISREG(st.st_mode) and st.st_size == n:
+            os.utime(path)  # stored again now: the collector's age grace starts over
+        else:  # absent, or a planted link: (re)written
             fd, tmp = tempfile.mkstemp(prefix=f".{sha[:16]}.", suffix=".tmp", dir=path.parent)
             try:
                 with os.fdopen(fd, "wb") as f:
@@ -134,6 +144,62 @@ class BlobStore(AbstractBlobStore):
                 raise InvalidRecordError("claim_check", f"blob {sha256[:12]} has {st.st_size} bytes, "
                                          f"pointer says {nbytes}")
             return f.read(nbytes + 1)
+
+
+    def blobs(self) -> Iterator["BlobFile"]:
+        """Every blob in the store (plain files named by their digest), and the temporary
+        files a crashed `put` left (`temporary`: True). Links and foreign files are skipped."""
+        if not self.root.is_dir():
+            return
+        for d in sorted(self.root.iterdir()):
+            if len(d.name) != 2 or d.is_symlink() or not d.is_dir():
+                continue
+            for f in sorted(d.iterdir()):
+                st = os.lstat(f)
+                if not stat.S_ISREG(st.st_mode):
+                    continue
+                if _is_digest(f.name) and f.name[:2] == d.name:
+                    yield BlobFile(f.name, f, st.st_size, st.st_mtime, False)
+                elif f.name.startswith(".") and f.name.endswith(".tmp"):
+                    yield BlobFile(f.name, f, st.st_size, st.st_mtime, True)
+
+    def delete(self, blob: "BlobFile") -> None:
+        """Remove one blob (or temporary file) listed by `blobs`; gone already is fine."""
+        blob.path.unlink(missing_ok=True)
+
+
+@dataclass(frozen=True)
+class BlobFile:
+    name: str
+    """The sha256 of a blob; the file name of a temporary file."""
+    path: Path
+    nbytes: int
+    mtime: float
+    temporary: bool
+
+
+def _is_digest(name: str) -> bool:
+    return len(name) == 64 and all(c in "0123456789abcdef" for c in name)
+
+
+def resolve(value: bytes | None, blobs: AbstractBlobStore | None,
+            limits: RecordLimits = DEFAULT_LIMITS) -> tuple[Rollout, ClaimPointer | None]:
+    """A message value as its rollout, and the claim-check pointer it came through (None: inline).
+    InvalidRecordError for anything undecodable, a blob that is gone or fails its check, or
+    a blob holding another rollout than its pointer names (field `claim_check`)."""
+    if value is None:
+        raise InvalidRecordError("<bytes>", "empty message (null value)")
+    out = decode_any(value, limits)
+    if not isinstance(out, ClaimPointer):
+        return out, None
+    if blobs is None:
+        raise InvalidRecordError("claim_check", f"is a claim check (blob {out.sha256[:12]}) and no blob "
+                                 "store is configured (kafka.blob_dir)")
+    r = decode(blobs.get(out.uri, out.sha256, out.nbytes), limits)
+    if (r.rollout_id, r.group_id) != (out.rollout_id, out.group_id):
+        raise InvalidRecordError("claim_check", f"blob holds rollout {r.rollout_id!r}/{r.group_id!r}, "
+                                 f"pointer names {out.rollout_id!r}/{out.group_id!r}")
+    return r, out
 
 
 def open_blob_store(url_or_dir: str | os.PathLike) -> AbstractBlobStore:

@@ -16,10 +16,11 @@ from typing import Any, Callable
 from common import metrics
 from common.config import KafkaSettings
 from common.errors import BrokerError, InvalidRecordError, OffsetError
-from common.kafka.claimcheck import AbstractBlobStore, open_blob_store
+from common.kafka.claimcheck import AbstractBlobStore, open_blob_store, resolve
 from common.kafka.client import FETCH_OVERHEAD_BYTES, end_offsets, make_consumer
 from common.kafka.dlq import H_FIELD, H_REASON, H_SOURCE, DeadLetterWriter  # noqa: F401 - H_*: re-exported
-from common.record import DEFAULT_LIMITS, ClaimPointer, RecordLimits, Rollout, decode, decode_any
+from common.kafka.fetch_wait import FETCH_WAIT_CAP_MS, FetchWait
+from common.record import DEFAULT_LIMITS, RecordLimits, Rollout
 
 log = logging.getLogger("rlstream.reader")
 
@@ -71,12 +72,20 @@ class RolloutReader:
     the record's group_id (the partitioning invariant), and `check` (the
     caller's own rules, e.g. the consumer's version bound, consumer/intake.py)
     returns instead of raising InvalidRecordError. Single-threaded.
+
+    Fetch wait: `fetch_max_wait_ms` is the floor; a poll that returns nothing
+    while the broker's high watermark says records wait doubles it, up to
+    `max_fetch_wait_ms` (common/kafka/fetch_wait.py: tansu answers such fetches
+    empty once a partition's log is longer than the wait can list), and the
+    reader goes on with a new consumer at the same positions. `fetch_wait`
+    says where it stands.
     """
 
     def __init__(self, kafka: KafkaSettings, partitions: list[int] | None = None,
                  start_offsets: dict[int, int] | None = None, blobs: AbstractBlobStore | None = None,
                  limits: RecordLimits = DEFAULT_LIMITS, *, topic: str | None = None,
-                 fetch_max_wait_ms: int = 100, check: Callable[[Rollout], None] | None = None):
+                 fetch_max_wait_ms: int = 100, check: Callable[[Rollout], None] | None = None,
+                 max_fetch_wait_ms: int = FETCH_WAIT_CAP_MS):
         from kafka import TopicPartition
 
         self.kafka = kafka
@@ -88,12 +97,9 @@ class RolloutReader:
         self.dlq_total = 0
         """Records this reader stored in the DLQ (broker-acknowledged)."""
         self._dead_since_take: list[tuple[int, int]] = []
-        per_partition = kafka.max_message_bytes + FETCH_OVERHEAD_BYTES
-        fetch_max = max(52_428_800, per_partition)
-        self._consumer = make_consumer(
-            kafka, auto_offset_reset="earliest", fetch_max_bytes=fetch_max, max_partition_fetch_bytes=per_partition,
-            receive_message_max_bytes=fetch_max + FETCH_OVERHEAD_BYTES, fetch_max_wait_ms=fetch_max_wait_ms,
-            check_crcs=True)
+        self.fetch_wait = FetchWait("rollouts", fetch_max_wait_ms, max_fetch_wait_ms,
+                                    kafka.request_timeout_ms)
+        self._consumer = self._new_consumer()
         known = self._partitions_for_topic()
         parts = sorted(known) if partitions is None else sorted(set(partitions))
         missing = set(parts) - known
@@ -116,6 +122,27 @@ class RolloutReader:
                 self._consumer.seek_to_beginning(tp)
             self._positions[p] = int(self._consumer.position(tp))
 
+    def _new_consumer(self):
+        """A consumer with this reader's fetch sizes and its current fetch wait (not yet assigned)."""
+        per_partition = self.kafka.max_message_bytes + FETCH_OVERHEAD_BYTES
+        fetch_max = max(52_428_800, per_partition)
+        return make_consumer(
+            self.kafka, auto_offset_reset="earliest", fetch_max_bytes=fetch_max, max_partition_fetch_bytes=per_partition,
+            receive_message_max_bytes=fetch_max + FETCH_OVERHEAD_BYTES, fetch_max_wait_ms=self.fetch_wait.ms,
+            check_crcs=True)
+
+    def _adapt_fetch_wait(self, raw) -> None:
+        """After a poll that returned nothing while records wait: the next fetches wait longer
+        (common/kafka/fetch_wait.py), through a new consumer at the same positions."""
+        at = {tp: self._positions[p] for p, tp in self._tps.items()}
+        if not self.fetch_wait.raise_for(self.fetch_wait.starved(self._consumer, raw, at), at):
+            return
+        old, self._consumer = self._consumer, self._new_consumer()
+        old.close()
+        self._consumer.assign(list(self._tps.values()))
+        for tp, offset in at.items():
+            self._consumer.seek(tp, offset)
+
     def _partitions_for_topic(self) -> set[int]:
         deadline = time.monotonic() + self.kafka.request_timeout_ms / 1000
         while True:
@@ -135,6 +162,8 @@ class RolloutReader:
         Invalid records are sent to the DLQ and confirmed before this returns.
         """
         raw = self._consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
+        if not raw:
+            self._adapt_fetch_wait(raw)
         items: list[ReadItem] = []
         dead: list[tuple[str, int, int]] = []  # (field, partition, offset) sent to the DLQ, not yet confirmed
         advance: dict[int, int] = {}
@@ -174,19 +203,10 @@ class RolloutReader:
         return items
 
     def _decode(self, m) -> tuple[Rollout, bool]:
-        if m.value is None:
-            raise InvalidRecordError("<bytes>", "empty message (null value)")
-        out = decode_any(m.value, self.limits)
-        claim = isinstance(out, ClaimPointer)
-        if claim:
-            if self._blobs is None:
-                self._blobs = open_blob_store(self.kafka.blob_dir)
-            r = decode(self._blobs.get(out.uri, out.sha256, out.nbytes), self.limits)
-            if (r.rollout_id, r.group_id) != (out.rollout_id, out.group_id):
-                raise InvalidRecordError("claim_check", f"blob holds rollout {r.rollout_id!r}/{r.group_id!r}, "
-                                         f"pointer names {out.rollout_id!r}/{out.group_id!r}")
-        else:
-            r = out
+        if self._blobs is None:
+            self._blobs = open_blob_store(self.kafka.blob_dir)
+        r, pointer = resolve(m.value, self._blobs, self.limits)
+        claim = pointer is not None
         if m.key != r.group_id.encode():
             raise InvalidRecordError("key", f"Kafka key {m.key[:80] if m.key else m.key!r} != group_id "
                                      f"{r.group_id!r} (a group must stay in one partition)")

@@ -124,6 +124,26 @@ def stage_version(uri: str, dest: str | os.PathLike) -> Path:
     return out
 
 
+def vouched(uri: str, root: str | os.PathLike, version: int, sha256: str, nbytes: int) -> Path:
+    """The version directory `uri` names, if it is a version of the store at `root` whose
+    manifest (written by the trainer with the weights) names this version, digest and size.
+    An announcement is a Kafka message: one naming a directory elsewhere, or another version's
+    bytes, is refused (WeightStoreError) before anything is read from it."""
+    d, store = uri_to_path(uri).resolve(), Path(root).resolve()
+    if d.parent != store or not d.name.startswith("v"):
+        raise WeightStoreError(f"{uri} is not a version directory of the weight store {store} "
+                               "(consumer.weight_store_dir); refusing it")
+    try:
+        m = json.loads((d / MANIFEST).read_text())
+    except (OSError, ValueError) as e:
+        raise WeightStoreError(f"{d} has no readable {MANIFEST} ({e}); refusing it") from None
+    if (m.get("version"), m.get("sha256"), m.get("bytes")) != (version, sha256, nbytes):
+        raise WeightStoreError(f"{d}: the store's manifest names version {m.get('version')} "
+                               f"({str(m.get('sha256'))[:12]}..., {m.get('bytes')} bytes), the announcement "
+                               f"version {version} ({sha256[:12]}..., {nbytes} bytes); refusing it")
+    return d
+
+
 def verify(uri: str, sha256: str, nbytes: int) -> Path:
     """Check that the version at `uri` is complete and untampered; return its dir.
 

@@ -17,6 +17,7 @@ source (`SnapshotSource`, groups copied to the device one tensor at a time).
 """
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from common.errors import WeightTransferError
 from common.weights.chain import ChainLink
 from common.weights.digest import Fold
 from common.weights.link import Channel, GlooPair, GroupLayout, open_store, send_version
+from common.weights.watchdog import Watchdog, abort_nccl, nccl_async_error
 from consumer.weights.snapshot import Snapshot
 from consumer.weights.export import MegatronSource
 
@@ -52,8 +54,10 @@ class SnapshotSource(WeightSource):
     """A filled snapshot as a vLLM WeightSource (vLLM's nccl trainer engine), each tensor
     copied to `device` as it is sent."""
 
-    def __init__(self, snapshot: Snapshot, device: str = "cuda"):
-        self.snapshot, self.device = snapshot, device
+    def __init__(self, snapshot: Snapshot, device: str | None = None):
+        self.snapshot, self.device = snapshot, device or transfer_device()
+        self.beat = lambda: None
+        """Called as each tensor goes out (the trainer's watchdog, `send`)."""
 
     def metadata(self) -> list[ParamMeta]:
         return [ParamMeta(n, getattr(torch, d), tuple(s)) for g in self.snapshot.header.groups
@@ -64,12 +68,50 @@ class SnapshotSource(WeightSource):
         # finish command carries the digest, the producer compares it with what it folded
         self.fold = Fold()
         for name, t in self.snapshot.tensors().items():
+            self.beat()
             t = t.to(self.device, non_blocking=True)
             self.fold.add(name, t)
             yield name, t
 
     def fold_digest(self) -> str:
         return self.fold.hexdigest()
+
+
+def transfer_device() -> torch.device:
+    """The device vLLM's nccl trainer engine binds its communicator to (its
+    `torch.accelerator.current_device_index()`): the tensors it sends must be there."""
+    index = torch.accelerator.current_device_index()
+    return torch.device(f"cuda:{index}" if isinstance(index, int) else index)
+
+
+NCCL_SENDS = threading.Lock()
+"""One nccl transfer at a time on the trainer. vLLM's packed broadcasts run on two CUDA
+streams cached per process (packed_tensor.py `_get_streams`), shared by every sender: a
+transfer stuck on them (a dead producer: NCCL never returns) would hold every later one
+behind it. Taken before the producers are told to start receiving, so nobody waits in a
+receive for its turn."""
+
+
+def send(engine, snap: Snapshot, backend: str, timeout_s: float) -> None:
+    """Send `snap` over a link's or the fan-out group's trainer engine. nccl: one transfer at
+    a time (`NCCL_SENDS`), under a watchdog that aborts the communicator when no tensor goes
+    out for `timeout_s`, or at once when NCCL reports a lost peer (common/weights/watchdog.py):
+    a dead or hung producer then costs the others at most that bound, and this raises, so its
+    caller drops the link or group.
+    gloo: every op of the link is bounded by its group timeout already."""
+    engine.client.version = snap.version
+    if backend != "nccl":
+        engine.source = snap
+        engine.send_weights()
+        return
+    snap.wait()
+    source = engine.source = SnapshotSource(snap)  # one upload to the device per version
+    engine.client.fold = source.fold_digest  # the finish carries this version's fold
+    with NCCL_SENDS, Watchdog(timeout_s, lambda: abort_nccl(engine.model_update_group),
+                              what=f"the nccl send of version {snap.version}",
+                              errored=lambda: nccl_async_error(engine.model_update_group)) as dog:
+        source.beat = dog.beat
+        engine.send_weights()
 
 
 # ---------------------------------------------------------------- the control channel

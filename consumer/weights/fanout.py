@@ -19,7 +19,8 @@ GPU per version instead of one per producer. Both run through `FanoutClient`, vL
 `VLLMWeightSyncClient` fanned out to every member's command channel, so the trainer
 engines are the same classes a single link uses.
 
-Failures (each blocking call bounded by `consumer.weights.timeout_s`):
+Failures (each blocking call bounded by `consumer.weights.timeout_s`; on nccl the trainer's
+send also runs under a watchdog that aborts it once NCCL reports a lost peer, engines.py `send`):
 - before the stream (ping, init, start): members that did not answer are dropped and
   the round is re-formed with the rest and re-sent at once (nobody received anything);
 - during the stream: a dead member fails the ranks after it in the chain (the ranks
@@ -27,7 +28,15 @@ Failures (each blocking call bounded by `consumer.weights.timeout_s`):
   those are dropped (told to re-register) and the others keep their version. A
   dropped producer that is alive re-registers (producer/weights/reload.py) and gets
   the version over a link of its own, then re-enters the group: the others lose at
-  most the one timeout of the finish round, never a re-send.
+  most the one timeout of the finish round, never a re-send;
+- nccl: each member commits as soon as it holds the whole version (its finish follows
+  its own update: `FanoutClient.commit_early`), so a member that dies, or that a dead
+  one cuts off in NCCL's ring, costs those that received nothing; those after it fail
+  their receive once NCCL reports the lost peer, register anew and take the version
+  over their own links; the trainer's send ends at its watchdog.
+
+A producer that registers anew supersedes its older links (sender.py `_supersede`): the
+next round re-forms without them instead of waiting for their commands to time out.
 """
 from __future__ import annotations
 
@@ -64,11 +73,23 @@ class FanoutClient:
     the init payload gets each member's own rank offset (vLLM's trainer engines hand
     every worker `rank_offset=1`: right for one producer, not for a group)."""
 
-    def __init__(self, members: list["_Link"], layout: wlink.GroupLayout):
+    def __init__(self, members: list["_Link"], layout: wlink.GroupLayout, commit_early: bool = False):
         self.members, self.layout = members, layout
         self.version: int | None = None
         self.fold = None
         """nccl: the sent version's digest getter (`SnapshotSource.fold_digest`), carried by every finish."""
+        self.commit_early = commit_early
+        """nccl: each member gets its finish as soon as its update returned (it holds the whole version,
+        so the trainer had iterated every tensor: the fold is complete), not once every member has:
+        a member that received commits, whatever happens to the others (`committed`)."""
+        self.committed: dict[int, dict] = {}
+        """Members whose finish was acknowledged this round (their acks)."""
+        self.settled = threading.Event()
+        """The round's update calls have all returned or failed."""
+
+    def new_round(self) -> None:
+        self.committed = {}
+        self.settled.clear()
 
     def _each(self, op: str, call: Callable[[int, "_Link"], Any]) -> dict[int, Any]:
         results, failed, silent = {}, {}, set()
@@ -95,19 +116,38 @@ class FanoutClient:
         self._each("ping", lambda i, m: m.client.channel.call("ping", m.client.timeout_s))
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """The trainer engine's worker payload, with each member's own rank offset (and, for the
+        gloo twin, whose payload names a link, its link id). Nothing else is added: vLLM's worker
+        parses the payload into its init-info dataclass, which refuses unknown keys."""
         offsets = self.layout.rank_offsets
-        self._each("init", lambda i, m: m.client.init_weight_transfer_engine(
-            {**init_info, "rank_offset": offsets[i], "link": m.n}))
+
+        def payload(i: int, m: "_Link") -> dict[str, Any]:
+            own = {"rank_offset": offsets[i]}
+            if "link" in init_info:
+                own["link"] = m.n
+            return {**init_info, **own}
+
+        self._each("init", lambda i, m: m.client.init_weight_transfer_engine(payload(i, m)))
 
     def start_weight_update(self) -> None:
         self._each("start", lambda i, m: self._versioned(m).start_weight_update())
 
     def update_weights(self, update_info) -> None:
-        self._each("update", lambda i, m: self._versioned(m).update_weights(update_info))
+        def update(i: int, m: "_Link") -> None:
+            self._versioned(m).update_weights(update_info)
+            if self.commit_early:
+                self.committed[m.n] = self._versioned(m).finish_weight_update()
+        try:
+            self._each("update", update)
+        finally:
+            self.settled.set()
 
     def finish_weight_update(self, weight_version: str | None = None) -> dict:
         """Every member's finish; returns {"digest": d} when all received the same digest d
-        (gloo), else raises FanoutFailure naming those that differ."""
+        (gloo), else raises FanoutFailure naming those that differ. Committed early (nccl):
+        every member's finish came with its update."""
+        if self.commit_early:
+            return {"digest": self.fold() if self.fold is not None else None}
         acks = self._each("finish", lambda i, m: self._versioned(m).finish_weight_update(weight_version))
         digests = {n: a.get("digest") for n, a in acks.items()}
         common = max(set(digests.values()), key=list(digests.values()).count)
@@ -146,28 +186,49 @@ class Fanout(threading.Thread):
         try:
             if self.engine is None or tuple(m.n for m in members) != self.formed:
                 self._reform(snap, members)
+            self.engine.client.new_round()
             self._send(snap)
         except FanoutFailure as f:
-            self._disband()
-            # Before the stream, a silent member fails the rendezvous for everyone: drop only
-            # it when there is one, and re-form with the others (they answered, so they live).
-            # After the stream, whoever did not confirm the version is dropped: its link is
-            # broken (the producer re-registers it).
-            lost = f.silent if f.silent and f.op != "finish" else set(f.failed)
-            for m in members:
-                if m.n in lost:
-                    self.sender._drop(m, WeightTransferError(f.failed[m.n]))
-            if f.op == "finish":  # the stream went out: the others have the version
-                self.sender._delivered([m for m in members if m.n not in lost], snap.version)
-            return  # ping/init/start: nobody received; the next round re-forms with the rest
-        except (RlstreamError, RuntimeError, OSError) as e:  # the stream broke at rank 0
-            self._disband()
-            for m in members:
-                self.sender._drop(m, e)
+            early = self.engine is not None and self.engine.client.commit_early
+            committed = self._disband_after_failure()
+            if f.op in ("ping", "init", "start"):  # nobody received. A silent member fails the rendezvous for
+                lost = f.silent or set(f.failed)  # everyone: drop it, re-form with those that answered (they live)
+            elif early:  # nccl: the members that committed have the version; the rest do not
+                lost = {m.n for m in members} - committed
+            else:  # gloo: the stream went out; whoever did not confirm it is dropped
+                lost = set(f.failed)
+            self._settle(snap, members, lost, {n: WeightTransferError(why) for n, why in f.failed.items()},
+                         WeightTransferError(f"the group's {f.op} failed"))
+            return
+        except (RlstreamError, RuntimeError, OSError) as e:  # the stream broke at rank 0 (nccl: aborted)
+            committed = self._disband_after_failure()
+            if committed:
+                log.warning("weight fan-out: the send of version %d failed (%s); %d of %d members had it",
+                            snap.version, e, len(committed), len(members))
+            self._settle(snap, members, {m.n for m in members} - committed, {}, e)
             return
         self.sender._delivered(members, snap.version)
         self.last = {"seconds": time.perf_counter() - t0, "members": len(members)}
         telemetry.WEIGHT_SEND_SECONDS.observe(self.last["seconds"])
+
+    def _settle(self, snap, members: list["_Link"], lost: set[int], why: dict[int, BaseException],
+                default: BaseException) -> None:
+        """Members in `lost` are dropped (their links broken: the producers re-register), the others
+        hold `snap`'s version."""
+        for m in members:
+            if m.n in lost:
+                self.sender._drop(m, why.get(m.n, default))
+        self.sender._delivered([m for m in members if m.n not in lost], snap.version)
+
+    def _disband_after_failure(self) -> set[int]:
+        """Disband after a failed round; the members that committed the version (nccl) once the
+        round's update calls have settled (within their timeout: a dead member's never answers)."""
+        client = self.engine.client if self.engine is not None else None
+        self._disband()
+        if client is None or not client.commit_early:
+            return set()
+        client.settled.wait(self.sender.settings.timeout_s * 2)
+        return set(client.committed)
 
     def _reform(self, snap, members: list["_Link"]) -> None:
         """A new epoch of the group for `members` (ranks in their order, `group_layout`)."""
@@ -175,7 +236,7 @@ class Fanout(threading.Thread):
 
         self._disband()
         layout = wlink.group_layout([m.workers for m in members])
-        client = FanoutClient(members, layout)
+        client = FanoutClient(members, layout, commit_early=self.sender.backend == "nccl")
         client.ping()
         self.epoch += 1
         self.engine = open_fanout_engine(self.sender, client, snap, layout, group_prefix(self.epoch))
@@ -187,16 +248,9 @@ class Fanout(threading.Thread):
                  layout.world_size, ", ".join(f"{m.producer}@{o}" for m, o in zip(members, layout.rank_offsets)))
 
     def _send(self, snap) -> None:
-        from consumer.weights.engines import SnapshotSource
+        from consumer.weights.engines import send
 
-        if self.sender.backend == "nccl":
-            snap.wait()
-            source = self.engine.source = SnapshotSource(snap)  # one upload to the GPU per version
-            self.engine.client.fold = source.fold_digest  # this version's fold, not the first one's
-        else:
-            self.engine.source = snap
-        self.engine.client.version = snap.version
-        self.engine.send_weights()
+        send(self.engine, snap, self.sender.backend, self.sender.settings.timeout_s)
 
     def _disband(self) -> None:
         if self.engine is not None:

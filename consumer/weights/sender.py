@@ -32,11 +32,11 @@ import threading
 import time
 
 from common.config import WeightSyncSettings
-from common.errors import RlstreamError
+from common.errors import ConfigError, RlstreamError
 from common.weights import link as wlink
 from consumer import telemetry
 from consumer.weights.engines import (LinkClient, RlstreamGlooTrainerInitInfo, Snapshot, SnapshotSource, open_nccl_link,
-                                     register)
+                                     register, send)
 from consumer.weights.fanout import Fanout
 
 log = logging.getLogger("rlstream.consumer")
@@ -52,7 +52,7 @@ class WeightSender:
         self.settings, self.backend, self.topology = settings, backend, topology
         self.store = wlink.open_store(settings.host, settings.port, settings.timeout_s, master=True)
         wildcard = settings.host in ("0.0.0.0", "::", "")
-        self.host = settings.advertised_host()  # what producers dial
+        self.host = dialable_host(settings)  # what producers dial
         self.local_host = "127.0.0.1" if wildcard else settings.host
         self.endpoint = f"{self.host}:{self.store.port}"
         """What producers dial (announced in WeightsReady)."""
@@ -156,6 +156,17 @@ class WeightSender:
         lk.release_own()
         self._dropped(lk, error)
 
+    def _supersede(self, lk: "_Link") -> None:
+        """`lk`'s producer registered anew: it never reads its older links again (it marked them
+        dead), so they are dropped now, not found out by a command's timeout at the next round."""
+        with self._cond:
+            old = [o for o in self.links.values() if o is not lk and o.producer == lk.producer and o.n < lk.n]
+        for o in old:
+            o._close_remote(f"superseded by link {lk.n}")
+            o.release_own()
+            self._dropped(o, None)
+            log.info("weight link %d (%s) superseded by its producer's link %d", o.n, o.producer, lk.n)
+
     def _dropped(self, lk: "_Link", error: BaseException | None) -> None:
         with self._cond:
             if self.links.get(lk.n) is not lk:
@@ -168,6 +179,29 @@ class WeightSender:
         if error is not None:
             telemetry.WEIGHT_LINK_FAILURES.inc()
             log.warning("weight link %d (%s) dropped after %d versions: %s", lk.n, lk.producer, lk.count, error)
+
+
+def dialable_host(settings: WeightSyncSettings) -> str:
+    """The host producers dial, refused when it names this machine's loopback while the endpoint
+    listens on every interface (producers elsewhere): with `advertise_host` unset that is the FQDN,
+    which /etc/hosts maps to 127.0.1.1 on many installs (Ubuntu, cloud-init `manage_etc_hosts`). The
+    NCCL rendezvous would then listen where no other host reaches it, and every init time out."""
+    import ipaddress
+    import socket
+
+    host = settings.advertised_host()
+    if settings.advertise_host or settings.host not in ("0.0.0.0", "::", ""):
+        return host
+    try:
+        addrs = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError as e:
+        raise ConfigError(f"this host's name {host!r} does not resolve ({e}); set it to an address the producers "
+                          "can dial", key="consumer.weights.advertise_host") from None
+    if all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs):
+        raise ConfigError(f"this host's name {host!r} resolves only to loopback ({', '.join(sorted(addrs))}): producers "
+                          "on other hosts could not reach the weight endpoint or the NCCL rendezvous; set it to an "
+                          "address they can dial", key="consumer.weights.advertise_host")
+    return host
 
 
 class _Link(threading.Thread):
@@ -196,6 +230,7 @@ class _Link(threading.Thread):
             self.client = LinkClient(store, self.n, self.sender.settings.timeout_s)
             reg = wlink.read_registration(store, self.n, self.sender.settings.timeout_s)
             self.producer, self.workers = reg.producer, reg.workers
+            self.sender._supersede(self)
             while (snap := self.sender._next(self)) is not None:
                 try:
                     self._send(snap)
@@ -222,14 +257,7 @@ class _Link(threading.Thread):
             self.engine = self._own = self._open(snap)
             telemetry.WEIGHT_LINKS.set(len(self.sender.links))
             log.info("weight link %d: producer %s joined (%d workers)", self.n, self.producer, self.workers)
-        if self.sender.backend == "nccl":
-            snap.wait()
-            source = self._own.source = SnapshotSource(snap)
-            self.client.fold = source.fold_digest  # the finish carries this version's fold
-        else:
-            self._own.source = snap
-        self.client.version = snap.version
-        self._own.send_weights()
+        send(self._own, snap, self.sender.backend, self.sender.settings.timeout_s)
         with self.sender._cond:
             self.sent, self.count = snap.version, self.count + 1
             self.sender._cond.notify_all()

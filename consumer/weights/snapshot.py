@@ -31,6 +31,7 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
+import numpy as np
 import torch
 
 from common.errors import WeightTransferError
@@ -158,26 +159,31 @@ class HostSlab:
     """One host allocation for a whole version, a uint8 view per group (see the module doc).
 
     Pinned slabs are registered with CUDA for exactly their bytes and unregistered
-    when the last view is gone (each view keeps the base tensor alive)."""
+    when the memory is freed: the slab is a numpy allocation that every tensor on it
+    keeps alive (torch.from_numpy), so a view (of a view) outliving the slab object keeps
+    it registered. (A weakref to the base tensor's Python object did not: it dies with
+    the slab object while views still use the memory.)"""
 
     def __init__(self, sizes: list[int], pin: bool = False):
         self.sizes = list(sizes)
         offsets, self.nbytes = slab_plan(self.sizes)
-        self.tensor = torch.empty(self.nbytes, dtype=torch.uint8)
+        memory = np.empty(self.nbytes, dtype=np.uint8)
+        self.tensor = torch.from_numpy(memory)
         self.pinned = pin and self.nbytes > 0
         if self.pinned:
-            _register_pinned(self.tensor)
+            _register_pinned(memory)
         self.views = [self.tensor[o:o + n] for o, n in zip(offsets, self.sizes)]
 
 
-def _register_pinned(t: torch.Tensor) -> None:
-    """Page-lock `t`'s memory for fast device copies, unlocked when `t` is freed."""
+def _register_pinned(memory: np.ndarray) -> None:
+    """Page-lock `memory` for fast device copies, unlocked when it is freed."""
     cudart = torch.cuda.cudart()
-    err = int(cudart.cudaHostRegister(t.data_ptr(), t.numel(), 0))
+    ptr = memory.ctypes.data
+    err = int(cudart.cudaHostRegister(ptr, memory.nbytes, 0))
     if err != 0:
-        raise WeightTransferError(f"pinning the {t.numel() / 1e9:.1f} GB weight snapshot failed (cudaError "
+        raise WeightTransferError(f"pinning the {memory.nbytes / 1e9:.1f} GB weight snapshot failed (cudaError "
                                   f"{err}): not enough lockable host memory? (ulimit -l, the pod's memory limit)")
-    weakref.finalize(t, _unregister_pinned, t.data_ptr())
+    weakref.finalize(memory, _unregister_pinned, ptr)
 
 
 def _unregister_pinned(ptr: int) -> None:

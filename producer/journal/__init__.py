@@ -2,11 +2,14 @@
 
 With `producer.episodes` and `producer.journal.enabled`, each unfinished episode's
 state is written after every completed turn to a compacted topic keyed by episode
-(`snapshot.py` the format, `topic.py` the topic), and tombstoned once its record is
-acknowledged. A producer that starts, or sees a peer's lease lapse, claims the orphaned
-episodes (`claims.py`; the first claim in the journal wins), skips those whose record
-is already in the rollouts topic (`published.py`) and resumes the others from their
-last durable turn (`resume.py`).
+(`snapshot.py` the format and its checks, `topic.py` the topic and its fold), and
+tombstoned once its record is acknowledged. A producer that starts (from the newest
+checkpoint of the live state: `checkpoint.py`), or sees a peer's lease lapse, claims the
+orphaned episodes (`claims.py`; the first claim in the journal wins, at the next claim
+epoch, with times judged by the reader's clock within a bounded skew), refuses those
+the record schema would refuse, skips those whose record is already in the rollouts
+topic (`published.py`) and resumes the others from their last durable turn
+(`resume.py`). A producer whose episodes a peer took over stops them (fenced).
 `journal.py` is the one object the runner and the service call.
 """
 from producer.journal.journal import EpisodeJournal

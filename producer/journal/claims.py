@@ -21,6 +21,17 @@ and, by the leases before the claim in the log, that entry is orphaned (`applies
 of two claims of one entry only the first takes effect, a claim behind a renewal none,
 and each claimant learns which by reading its own claim back (journal.py `take`). A write by a process that no longer holds an entry (a claim
 lost, or a holder taken for dead that still runs) is ignored the same way.
+
+Epochs (fencing tokens). An episode's first entry has epoch 0; a claim that applies holds
+the entry at the epoch after the one it takes over, and its holder's later writes carry
+that epoch (any other epoch is ignored). Every record the episode publishes carries it
+(common/record.py `claim_epoch`): the consumer trains an episode only from its newest
+claim, so a holder cut off past its lease (alive, still publishing) is fenced there too.
+
+Time. Every time these rules compare is the reader's judgement of a journal time
+(`trusted`): at most `skew_s` ahead of the reader's own clock. A claim or a lease dated
+further ahead counts as dated now + skew, so it can neither make a live holder look dead
+(the claim would need lease_s of lead) nor keep a dead producer alive past lease_s + skew.
 """
 from __future__ import annotations
 
@@ -43,30 +54,63 @@ class Held:
     holder: str
     incarnation: str
     written_at: float
+    epoch: int = 0
+    at: float | None = None
+    """`written_at` as this reader trusts it (`trusted`); None: as written."""
+    claimed_from: str = ""
+    """On a claim: the token of the entry it takes over; else empty."""
+    resumed_from: str = ""
+    """The token of the entry this epoch's claim took over (empty at epoch 0)."""
 
     @property
     def token(self) -> str:
         """Names this very entry: what a claim of it carries (`applies`)."""
         return f"{self.holder}/{self.incarnation}/{self.written_at!r}"
 
+    @property
+    def when(self) -> float:
+        return self.written_at if self.at is None else self.at
 
-def applies(current: Held | None, holder: str, incarnation: str, claimed_from: str, at: float,
-            leases: dict[str, Lease], lease_s: float) -> bool:
+
+def token_time(token: str) -> float | None:
+    """The write time a claim's `claimed_from` token names (None if it names none)."""
+    try:
+        return float(token.rsplit("/", 1)[1])
+    except (IndexError, ValueError):
+        return None
+
+
+def skew_bound(lease_s: float, max_skew_s: float) -> float:
+    """The skew a reader grants a journal time: `max_clock_skew_s`, at most lease_s / 4 (a
+    claim dated skew ahead must stay short of making a lease renewed lease_s / 4 ago lapse)."""
+    return max(0.0, min(max_skew_s, lease_s / 4))
+
+
+def trusted(t: float, now: float, skew_s: float) -> float:
+    """A journal time as a reader whose clock reads `now` trusts it."""
+    return min(t, now + skew_s)
+
+
+def applies(current: Held | None, new: Held, leases: dict[str, Lease], lease_s: float) -> bool:
     """Whether a write to an episode's key takes effect in every reader's view (they fold
-    the one partition in the same order, so they all agree). A claim (written at `at`)
-    only if it names the entry the key holds now and that entry is orphaned by the leases
-    folded before the claim: a claimant whose view of the journal lagged (it missed a
-    renewal) loses to the renewal, whatever it saw. Any other write only by that entry's
-    holder, or to a new key."""
-    if claimed_from:
-        return current is not None and current.token == claimed_from and is_orphan(current, leases, at, lease_s)
-    return current is None or (current.holder, current.incarnation) == (holder, incarnation)
+    the one partition in the same order, so they agree wherever their clocks do). A claim
+    (`new.claimed_from` set, judged at `new.when`) only if it names the entry the key holds
+    now, at the next epoch, and that entry is orphaned by the leases folded before the
+    claim: a claimant whose view of the journal lagged (it missed a renewal) loses to the
+    renewal, whatever it saw. Any other write only by that entry's holder at its epoch, or
+    to a new key."""
+    if new.claimed_from:
+        return (current is not None and current.token == new.claimed_from and new.epoch == current.epoch + 1
+                and is_orphan(current, leases, new.when, lease_s))
+    if current is None:
+        return True
+    return (current.holder, current.incarnation, current.epoch) == (new.holder, new.incarnation, new.epoch)
 
 
 def is_orphan(entry: Held, leases: dict[str, Lease], now: float, lease_s: float) -> bool:
     lease = leases.get(entry.holder)
     if lease is None:
-        return now - entry.written_at > lease_s
+        return now - entry.when > lease_s
     if lease.incarnation != entry.incarnation:
         return True
     return now - lease.at > lease_s

@@ -1,5 +1,11 @@
 """Resume a claimed episode from its last durable turn.
 
+    0. before it is claimed, refuse an entry whose record the schema would refuse
+       (snapshot.py `validate`, under `engine_limits`: token ids in this model's
+       vocabulary, lengths within the record's limits and this engine's context, finite
+       log-probs, ids of at most 256 characters, routing of this model's shape): counted
+       `outcome="invalid"` and by reason in `rlstream_producer_journal_refused_total`,
+       copied to the DLQ, tombstoned;
     1. refuse what cannot finish: an environment that does not declare `resumable`, a
        prompt with its own scorer (not journaled), an episode already too stale to be
        trained (common/staleness.py): tombstoned, counted `rlstream_producer_resumed_episodes_total{outcome}`;
@@ -12,19 +18,24 @@
        (`Snapshot.partial`) ends with that turn's tokens so far: the runner continues the same
        turn, and the environment, replayed without it, sees it whole once it ends.
 The record is then built as for any episode; its first tokens are the journaled ones.
+Each pass also abandons the episodes running here that a peer took over (journal.py
+`taken_over`: this producer's lease had lapsed); their group slots are freed.
 """
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
-from common.staleness import is_stale, staleness_of
 import numpy as np
 
+from common.record import DEFAULT_LIMITS, RecordLimits
+from common.staleness import is_stale, staleness_of
 from producer import telemetry
 from producer.groups import GroupInfo
-from producer.journal.snapshot import Snapshot
+from producer.journal.snapshot import JournalError, Snapshot, validate
 from producer.rollout.environment import ModelTurn
 from producer.rollout.task import Task
 from producer.rollout.trajectory import Trajectory, _add_run
@@ -36,6 +47,22 @@ log = logging.getLogger("rlstream.producer.journal")
 class StalenessView:
     trainer_version: int
     max_staleness: int
+
+
+def engine_limits(engine) -> RecordLimits:
+    """What a resumed episode's record must meet on `engine`: the record schema's limits
+    with this model's vocabulary and MoE routing shape (from its config.json) and the
+    engine's context (`max_model_len`), as the consumer's limits add the model's."""
+    path = Path(getattr(engine, "model_dir", "") or "", "config.json")
+    cfg = json.loads(path.read_text()) if path.is_file() else {}
+    experts = int(getattr(engine, "num_experts", 0) or 0)
+    every_layer_moe = not cfg.get("mlp_only_layers") and cfg.get("decoder_sparse_step", 1) == 1
+    settings = getattr(engine, "settings", None)
+    return RecordLimits(
+        max_token_id=int(cfg.get("vocab_size", DEFAULT_LIMITS.max_token_id + 1)) - 1,
+        model_layers=cfg.get("num_hidden_layers") if experts and every_layer_moe else None,
+        model_top_k=cfg.get("num_experts_per_tok") if experts else None, model_experts=experts or None,
+        max_sequence_tokens=getattr(settings, "max_model_len", None))
 
 
 def refusal(s: Snapshot, env, view: StalenessView) -> str | None:
@@ -71,6 +98,7 @@ class Resumer:
     def __init__(self, journal, runner, groups, env_factory: Callable[[], object], verify):
         self.journal, self.runner, self.groups = journal, runner, groups
         self.env_factory, self.verify = env_factory, verify
+        self.limits = engine_limits(runner.engine)
         self._groups: dict[str, GroupInfo] = {}  # resumed groups' infos (shared with `groups`)
 
     def tick(self, trainer_version: int, max_staleness: int) -> int:
@@ -78,17 +106,34 @@ class Resumer:
         An episode whose record its dead holder already published is not resumed (counted
         `published`): only its journal entry was left behind."""
         n, view = 0, StalenessView(trainer_version, max_staleness)
-        won = self.journal.take(self.journal.claim())
+        orphans = [s for s in self.journal.claim() if self.valid(s)]
+        for key in self.journal.taken_over():
+            group_id = self.runner.abandon(key)
+            if group_id is not None:
+                self.journal.fenced(key)
+                if self.groups.get(group_id) is not None:
+                    self.groups.finish_sample(group_id)
+        won = self.journal.take(orphans) + self.journal.confirmed()
         done = self.journal.published(won)
         for s in won:
             if s.rollout_id in done:
                 telemetry.RESUMED.labels(outcome="published").inc()
-                log.info("episode %s (held by %s) was published before its holder died: not resumed",
-                         s.key, s.holder)
+                log.info("episode %s (of %s) was published before its holder died: not resumed", s.key, s.owner)
                 self.journal.drop(s)
                 continue
             n += self.resume(s, view)
         return n
+
+    def valid(self, s: Snapshot) -> bool:
+        """Whether orphan `s` may be claimed: one whose record the schema would refuse is
+        refused before it is claimed (counted, copied to the DLQ, tombstoned)."""
+        try:
+            validate(s, self.limits)
+        except JournalError as e:
+            telemetry.RESUMED.labels(outcome="invalid").inc()
+            self.journal.refuse(s, e)
+            return False
+        return True
 
     def resume(self, s: Snapshot, view: StalenessView) -> bool:
         env = self.env_factory()
@@ -102,13 +147,13 @@ class Resumer:
                 why = "not_resumable"
         telemetry.RESUMED.labels(outcome=why or "resumed").inc()
         if why is not None:
-            log.info("episode %s (held by %s) not resumed: %s", s.key, s.holder, why)
+            log.info("episode %s (of %s) not resumed: %s", s.key, s.owner, why)
             self.journal.drop(s)
             return False
         self.journal.adopt(s)
         self._add_to_group(s, ep.task)
         telemetry.RESUMED_TOKENS.inc(int(s.response.size))
-        log.info("resuming episode %s of %s after %d turns (%d tokens)", s.key, s.holder, s.turns, s.response.size)
+        log.info("resuming episode %s of %s after %d turns (%d tokens)", s.key, s.owner, s.turns, s.response.size)
         self.runner.resume(ep)
         return True
 

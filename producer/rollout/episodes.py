@@ -191,17 +191,32 @@ class EpisodeRunner:
         aborted, environment calls abandoned, journal entries tombstoned. Returns how many."""
         n = 0
         for ep in [ep for ep in self._running() if ep.group_id == group_id]:
-            if self._turns.pop(ep.tag, None) is not None:
-                self.engine.abort_tag(ep.tag)
-                self._journaled.pop(ep.tag, None)
-            for fut in [f for f, (e, _, _) in self._pending.items() if e is ep]:
-                fut.cancel()
-                del self._pending[fut]
-            self.active -= 1
+            self._stop(ep)
             if self.journal is not None:
                 self.journal.on_end(ep, recorded=False)
             n += 1
         return n
+
+    def abandon(self, key: str) -> str | None:
+        """Stop the running episode of journal key `key` (a peer took it over: producer/journal/),
+        its journal entry left alone; returns its group id, None if it does not run here."""
+        from producer.journal.snapshot import episode_key
+
+        for ep in self._running():
+            if episode_key(ep.group_id, ep.sample_idx) == key:
+                self._stop(ep)
+                return ep.group_id
+        return None
+
+    def _stop(self, ep: Trajectory) -> None:
+        """End `ep` unpublished: its engine request aborted, its environment call abandoned."""
+        if self._turns.pop(ep.tag, None) is not None:
+            self.engine.abort_tag(ep.tag)
+            self._journaled.pop(ep.tag, None)
+        for fut in [f for f, (e, _, _) in self._pending.items() if e is ep]:
+            fut.cancel()
+            del self._pending[fut]
+        self.active -= 1
 
     def _running(self) -> list[Trajectory]:
         return list(self._turns.values()) + [ep for ep, _, _ in self._pending.values()]
@@ -378,7 +393,10 @@ class Episodes(RolloutDriver):
         for ep in self.runner.advance(samples, wait_s=0.0 if samples else 0.02):
             task = self.groups.finish_sample(ep.group_id).task
             record = ep.to_rollout(self.producer_id, self.runner.sampling, prompt_text=task.prompt)
-            records.append(self.runner.journal.stamp(record) if self.runner.journal is not None else record)
+            if self.runner.journal is not None:  # None: a peer took the episode over (fenced, counted)
+                record = self.runner.journal.stamp(record)
+            if record is not None:
+                records.append(record)
         for gid in self.runner.take_unrecorded():  # ended before a model turn: nothing to publish
             self.groups.finish_sample(gid)
         return records

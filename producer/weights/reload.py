@@ -89,16 +89,33 @@ class ReloadableEngine(Protocol):
     def discard_weights(self) -> None: ...
 
 
+def staging_root(store_dir: Path | None, producer_id: str) -> Path:
+    """Where durable copies are staged: beside the weight store, on its file system, so staging
+    is hard links and no bytes (a 61 GB model, two slots) land on the container's disk;
+    a temporary directory where the store is not given or not writable."""
+    if store_dir is not None:
+        root = store_dir / ".staging" / "".join(c if c.isalnum() or c in "-_." else "_" for c in producer_id)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            return root
+        except OSError as e:
+            log.warning("cannot stage durable copies beside the weight store (%s): staging in %s instead, "
+                        "as copies where it is another file system", e, tempfile.gettempdir())
+    return Path(tempfile.mkdtemp(prefix="rlstream-weights-"))
+
+
 class Reloader:
     """Takes announced versions into `engine`, which serves `base_dir` (the model
     directory, version 0) until the first one."""
 
     def __init__(self, engine: ReloadableEngine, base_dir: str | Path, producer_id: str = "producer",
-                 timeout_s: float = 30.0):
+                 timeout_s: float = 30.0, store_dir: str | Path | None = None):
         self.engine, self.producer_id, self.timeout_s = engine, producer_id, timeout_s
         self.loaded: Path | None = Path(base_dir)
         """The directory of the version the engine serves (None: it came over the link)."""
-        self.stage_root = Path(tempfile.mkdtemp(prefix="rlstream-weights-"))
+        self.store_dir = None if store_dir is None else Path(store_dir)
+        """The weight store (consumer.weight_store_dir): durable copies are taken from it only."""
+        self.stage_root = staging_root(self.store_dir, producer_id)
         self.newest: WeightsReady | None = None
         self.link: TrainerLink | None = None
         self._digests: dict[int, str] = {}  # announced collective versions -> their digest
@@ -194,6 +211,7 @@ class Reloader:
         a link across two backends would fail at its first init, every _REJOIN_EVERY_S)."""
         mine = self.engine.weight_transfer
         if msg.backend is None or mine is None or msg.backend == mine:
+            self._backend_refused = None  # what /healthz reports is the newest announcement's
             return False
         if self._backend_refused != (msg.backend, mine):
             self._backend_refused = (msg.backend, mine)
@@ -324,10 +342,12 @@ class Reloader:
 
     def _stage_and_verify(self, copy: DurableCopy) -> Path | None:
         """The staged, verified copy of `copy`'s version, or None (refused, logged, counted)."""
-        from common.weights.store import stage_version, verify
+        from common.weights.store import stage_version, verify, vouched
 
         slot = self.stage_root / ("a" if self.loaded != self.stage_root / "a" else "b")  # not what is loaded
         try:
+            if self.store_dir is not None:
+                vouched(copy.uri, self.store_dir, copy.version, copy.sha256, copy.bytes)
             staged = stage_version(copy.uri, slot)
             verify(staged.as_uri(), copy.sha256, copy.bytes)
         except Exception as e:  # noqa: BLE001 - a bad version must never take the service down

@@ -29,10 +29,18 @@ registration reports the engine's receiving workers (`engine.weight_workers`,
 vLLM's TP x PP): the trainer sizes the link's group from it (1 + workers, every
 worker at rank_offset + its rank), so a TP=2 producer's second worker has a rank.
 Any failure marks the link dead (`dead` says why); the reloader drops it and
-registers a new one (a failed gloo group is not reusable). One exception: a fan-out
-group's init that failed (another member never joined the rendezvous) is refused
-and the link kept: the trainer re-forms the group without the missing member, on
-this same link.
+registers a new one (a failed gloo group is not reusable; an aborted NCCL
+communicator is disabled, and updates over it would load empty buffers). One
+exception, on gloo only: a fan-out group's init that failed (another member never
+joined the rendezvous) is refused and the link kept, and the trainer re-forms the
+group without the missing member on this same link. On nccl a failed init leaves
+no usable communicator either: the link is dropped and registered anew.
+
+Once it acknowledged an nccl `start`, the producer waits here (at most `timeout_s`)
+for the `update` that follows at once, without stepping its engine: every member of
+a group has acknowledged `start` before anyone enters the broadcast, so none can be
+late for it (a member busy elsewhere, in a durable load, fails `start` and is left
+out, instead of holding the others in their receive until their watchdogs fire).
 """
 from __future__ import annotations
 
@@ -79,6 +87,7 @@ class TrainerLink:
         """(version, digest) the reloader last swapped in from this link: a finish that
         arrives (or is answered) after the swap acknowledges it."""
         self._started = False  # a background receive started since the reloader last asked
+        self._started_nccl = False  # an nccl start acknowledged: its update comes next
         self.update: TrainerLink.Update | None = None
         """An nccl update loaded and not yet verified (the reloader takes it right after `poll`)."""
 
@@ -107,6 +116,8 @@ class TrainerLink:
         try:
             while (cmd := self.channel.next_command()) is not None:
                 self._run(*cmd)
+                if self._started_nccl:
+                    self._await_update()
             if self._finish is not None:
                 self._answer_finish()
             if self.update is not None and self.update.received and self.update.finish is None:
@@ -115,6 +126,16 @@ class TrainerLink:
             self.dead = f"link {self.channel.link}: {e}"
             if self.update is not None and self.update.error is None and self.update.finish is None:
                 self.update.error = self.dead  # loaded, never verified: the reloader restores
+
+    def _await_update(self) -> None:
+        """nccl: `start` acknowledged; run the `update` the trainer posts next (within `timeout_s`)."""
+        self._started_nccl = False
+        deadline = time.monotonic() + self.timeout_s
+        while (cmd := self.channel.next_command()) is None:
+            if time.monotonic() > deadline:
+                raise WeightTransferError(f"no update from the trainer within {self.timeout_s:.0f} s of its start")
+            time.sleep(0.001)
+        self._run(*cmd)
 
     def _await_nccl_finish(self) -> None:
         """An nccl update is loaded but unverified: no engine step may run on it, so wait here
@@ -165,6 +186,8 @@ class TrainerLink:
             elif op == "start" and self.engine.weight_transfer == "rlstream_gloo":
                 self.engine.receive_weights()
                 self._started = True
+            elif op == "start" and self.engine.weight_transfer == "nccl":
+                self._started_nccl = True
             elif op == "update" and self.engine.weight_transfer == "nccl":
                 self.update = TrainerLink.Update(int(cmd["version"]), time.perf_counter())
                 self.update.received = self.engine.load_weight_update(cmd["update_info"], self.timeout_s)
@@ -183,11 +206,11 @@ class TrainerLink:
             if op == "update" and self.update is not None:
                 self.update.error = f"the update failed while loading: {e}"  # half-loaded: restore
             self.channel.ack(k, error=str(e)[:2000])
-            # a fan-out group that did not form (another member was missing): the trainer
-            # re-forms it without that member, on this same link
-            if op == "init" and not cmd["init_info"].get("group"):  # no group: this link is done,
-                # the reloader registers a new one
+            if op == "init" and not cmd["init_info"].get("group"):  # a gloo fan-out group that did not form
+                # is re-formed without its missing member on this link; anything else: the link is done
                 raise e if isinstance(e, RlstreamError) else WeightTransferError(f"joining the link failed: {e}") from e
+            if op == "update":  # nccl: an aborted or broken communicator is disabled; the link is done
+                raise WeightTransferError(f"the update failed: {e}") from e
             return
         self.channel.ack(k)
 

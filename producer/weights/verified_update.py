@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from common.weights.digest import Fold
-from producer.weights.watchdog import Watchdog
+from common.weights.watchdog import Watchdog, abort_nccl, nccl_async_error
 
 
 def update_weights_folded(worker, update_info: dict[str, Any], timeout_s: float) -> str:
@@ -28,12 +28,13 @@ def update_weights_folded(worker, update_info: dict[str, Any], timeout_s: float)
     fold = Fold()
     load = model.load_weights
 
-    def abort():
-        group = getattr(engine, "model_update_group", None)
-        if group is not None:
-            group.destroy()  # the link is dead now: the producer registers a new one
+    def abort():  # the link is dead now: the producer registers a new one (trainer_link.py)
+        abort_nccl(getattr(engine, "model_update_group", None))
 
-    with Watchdog(timeout_s, abort, what="nccl weight update") as dog:
+    def errored() -> int:  # the trainer's connection lost (it aborted, or died): no need to wait for the bound
+        return nccl_async_error(getattr(engine, "model_update_group", None))
+
+    with Watchdog(timeout_s, abort, what="nccl weight update", errored=errored) as dog:
         def folding_load(weights):
             def folded():
                 for name, tensor in weights:

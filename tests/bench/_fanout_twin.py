@@ -38,11 +38,14 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 log = logging.getLogger("bench.fanout")
 TIMEOUT_S = 60.0
+BACKENDS = {"gloo": "rlstream_gloo", "nccl-standin": "nccl"}
+"""The bench's transports: the gloo chain, or vLLM's own NCCL engines over the GPU stand-ins."""
 GROUPS = 8
 
 
@@ -62,13 +65,13 @@ def _say(obj: dict) -> None:
 # ====================================================================== the trainer child
 
 
-def trainer_main(host: str, model_mb: int) -> None:
+def trainer_main(host: str, model_mb: int, transport: str, timeout_s: float) -> None:
     from common.config import WeightSyncSettings
     from consumer.weights.engines import Snapshot
     from consumer.weights.sender import WeightSender
     from tests.support.weights import corrupting, dict_source
 
-    sender, version, snap = None, 0, None
+    sender, version, snap, pending = None, 0, None, None
     versions = [_tensors(1, model_mb), _tensors(2, model_mb)]
 
     def publish(corrupt: bool = False) -> float:
@@ -76,10 +79,10 @@ def trainer_main(host: str, model_mb: int) -> None:
         version += 1
         t0 = time.perf_counter()
         snap = Snapshot(version, dict_source(versions[version % 2]), reuse=snap)
-        with corrupting(corrupt, thread="rlstream-weights-fanout"):
+        with corrupting(corrupt, thread="rlstream-weights-fanout", transport=transport):
             sender.publish(snap)
             snap.fill()
-            sender.wait_delivered(version, TIMEOUT_S * 3)
+            sender.wait_delivered(version, timeout_s * 3)
         return time.perf_counter() - t0
 
     for line in sys.stdin:
@@ -87,10 +90,11 @@ def trainer_main(host: str, model_mb: int) -> None:
         if cmd["op"] == "sender":
             if sender is not None:
                 sender.close()
-            sender = WeightSender(WeightSyncSettings(host=host, timeout_s=TIMEOUT_S), topology=cmd["topology"])
+            sender = WeightSender(WeightSyncSettings(host=host, timeout_s=timeout_s), topology=cmd["topology"],
+                                  backend=BACKENDS[transport])
             _say({"endpoint": sender.endpoint})
         elif cmd["op"] == "warm":  # every producer registered, then a version over their own links
-            deadline = time.monotonic() + TIMEOUT_S * 3
+            deadline = time.monotonic() + timeout_s * 3
             while len(sender.links) < cmd["producers"] and time.monotonic() < deadline:
                 time.sleep(0.05)
             publish()
@@ -99,11 +103,17 @@ def trainer_main(host: str, model_mb: int) -> None:
         elif cmd["op"] == "round":
             secs = [publish() for _ in range(cmd["reps"])]
             _say({"seconds": secs, "failures": sender.failures, "links": len(sender.links)})
+        elif cmd["op"] == "start":  # a version the bench kills a producer in the middle of
+            coming = version + 1
+            pending = ThreadPoolExecutor(1).submit(publish)
+            _say({"version": coming})
+        elif cmd["op"] == "finish":
+            _say({"seconds": pending.result(), "failures": sender.failures, "links": len(sender.links)})
         elif cmd["op"] == "tamper":
             publish(corrupt=True)
             # every producer refused the group's copy, was dropped and re-registered: wait until
             # all are back and hold the version (links is empty for a moment in between)
-            deadline = time.monotonic() + TIMEOUT_S * 2
+            deadline = time.monotonic() + timeout_s * 2
             while time.monotonic() < deadline and not (len(sender.links) >= cmd["producers"]
                                                        and sender.wait_delivered(version, 0.1)):
                 time.sleep(0.05)
@@ -149,12 +159,61 @@ class InProcessEngine:
         self.engine.receive_weights(self._info(op="discard"))
 
 
-def producer_main(name: str) -> None:
+class InProcessNcclEngine:
+    """The producer engine with vLLM's NCCLWeightTransferEngine (one worker, in this process, over
+    the GPU stand-ins), driven as producer.engine.RolloutEngine drives it: the update is rlstream's
+    folded update under its watchdog, into a model that keeps nothing (as tests/support/weights.py)."""
+
+    weight_transfer = "nccl"
+    weight_workers = 1
+
+    def __init__(self):
+        from types import SimpleNamespace
+
+        import torch
+        from vllm.config.weight_transfer import WeightTransferConfig
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+        # what the receive imports, imported now as a vLLM worker has (it loaded a model at start):
+        # on a loaded machine the first update's import outlasted the watchdogs' bound
+        from vllm.model_executor.model_loader import mtp_validation  # noqa: F401
+
+        class Model(torch.nn.Module):
+            def load_weights(self, weights):
+                for _ in weights:
+                    pass
+                return set()
+        parallel = SimpleNamespace(world_size=1, rank=0, data_parallel_index=0)
+        self.engine = NCCLWeightTransferEngine(WeightTransferConfig(backend="nccl"), SimpleNamespace(
+            parallel_config=parallel, model_config=None), torch.device("cpu"), Model())
+        self.weight_transfer_engine = self.engine
+
+    def init_weight_link(self, init_info: dict) -> None:
+        self.engine.init_transfer_engine(self.engine.parse_init_info(init_info))
+
+    def close_weight_link(self) -> None:
+        self.engine.shutdown()
+
+    def load_weight_update(self, update_info: dict, timeout_s: float) -> str:
+        from producer.weights.verified_update import update_weights_folded
+
+        return update_weights_folded(self, update_info, timeout_s)
+
+    def start_weight_update(self) -> None:
+        pass
+
+    def update_weights(self, update_info: dict) -> None:
+        self.engine.update_weights(update_info)
+
+    def finish_weight_update(self) -> None:
+        pass
+
+
+def producer_main(name: str, transport: str, timeout_s: float) -> None:
     """Poll the link as the reloader does: serve each verified version (discard its staging:
     no model here), re-register a broken link, count refusals."""
     from producer.weights.trainer_link import TrainerLink
 
-    engine = InProcessEngine()
+    engine = InProcessNcclEngine() if transport == "nccl-standin" else InProcessEngine()
     commands: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [commands.put(json.loads(line)) for line in sys.stdin], daemon=True).start()
     link, endpoint = None, None
@@ -167,7 +226,7 @@ def producer_main(name: str) -> None:
         if cmd is not None:
             if cmd["op"] == "connect":
                 endpoint = cmd["endpoint"]
-                link = TrainerLink.connect(engine, endpoint, name, TIMEOUT_S)
+                link = TrainerLink.connect(engine, endpoint, name, timeout_s)
             elif cmd["op"] == "disconnect":
                 link, endpoint = None, None
             elif cmd["op"] == "report":
@@ -181,6 +240,17 @@ def producer_main(name: str) -> None:
         link.poll()
         poll_s += time.perf_counter() - t0
         poll_max = max(poll_max, time.perf_counter() - t0)
+        if transport == "nccl-standin":
+            if (u := link.take_update()) is not None:  # as Reloader._take_update
+                why = u.error or (None if u.received == u.expected else f"digest {u.received} != sent {u.expected}")
+                link.answer_update(u, why)
+                if why is None:
+                    served = u.version
+                elif u.error is None:
+                    refused.append(why[:200])
+            if link.dead:
+                link = TrainerLink.connect(engine, endpoint, name, timeout_s)
+            continue
         st = engine.weight_status()
         if st["state"] == "ready" and st["version"] > served:
             served = st["version"]
@@ -193,15 +263,17 @@ def producer_main(name: str) -> None:
             else:
                 link.dead = link.dead or st["error"]
         if link.dead:
-            link = TrainerLink.connect(engine, endpoint, name, TIMEOUT_S)
+            link = TrainerLink.connect(engine, endpoint, name, timeout_s)
 
 
 # ====================================================================== the bench side
 
 
 class Child:
-    def __init__(self, twin, host: str, argv: list[str]):
+    def __init__(self, twin, host: str, argv: list[str], transport: str = "gloo"):
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+        if transport == "nccl-standin":
+            env["RLSTREAM_GPU_STANDIN"] = "1"  # libnccl, CUDA streams, pinned memory: common/gpu_standin/
         self.p = twin.popen(host, [sys.executable, __file__, *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             env=env, text=True, bufsize=1)
 
@@ -218,7 +290,8 @@ class Child:
 
 
 def measure_fanout(producers: list[int], rate_mbit: float, model_mb: int, reps: int,
-                   topologies=("chain", "star")) -> dict:
+                   topologies=("chain", "star"), transport: str = "gloo", timeout_s: float = TIMEOUT_S,
+                   dead_member: bool = True) -> dict:
     from common.cluster.twin import ClusterTwin, Host, unavailable_reason
 
     why = unavailable_reason()
@@ -226,10 +299,12 @@ def measure_fanout(producers: list[int], rate_mbit: float, model_mb: int, reps: 
         return {"skipped": f"no cluster twin here: {why}"}
     hosts = [Host("trainer", rate_mbit=rate_mbit)] + [Host(f"p{i}", rate_mbit=rate_mbit) for i in range(max(producers))]
     model_bytes = model_mb * (1 << 20)
-    out: dict = {"rate_mbit": rate_mbit, "model_bytes": model_bytes, "reps": reps, "groups": GROUPS}
+    out: dict = {"transport": transport, "rate_mbit": rate_mbit, "model_bytes": model_bytes, "reps": reps,
+                 "groups": GROUPS, "timeout_s": timeout_s}
     with ClusterTwin(hosts) as twin:
-        trainer = Child(twin, "trainer", ["--trainer", twin.address("trainer"), str(model_mb)])
-        prods = [Child(twin, f"p{i}", ["--producer", f"p{i}"]) for i in range(max(producers))]
+        common = [transport, str(timeout_s)]
+        trainer = Child(twin, "trainer", ["--trainer", twin.address("trainer"), str(model_mb), *common], transport)
+        prods = [Child(twin, f"p{i}", ["--producer", f"p{i}", *common], transport) for i in range(max(producers))]
         for topology in topologies:
             rows = out[topology] = {}
             for n in producers:
@@ -258,6 +333,11 @@ def measure_fanout(producers: list[int], rate_mbit: float, model_mb: int, reps: 
                     # then took the version, intact, over its own link
                     out["tamper_refused"] = all(len(a["refused"]) > len(b["refused"]) and a["served"] == v
                                                 for a, b in zip(after, before))
+                if dead_member and topology == topologies[0] and n == max(producers) and n > 1:
+                    out["dead_member"] = _dead_member(twin, trainer, prods[:n], rows[f"p{n}"]["delivery_seconds"],
+                                                      timeout_s)
+                    prods = prods[:n - 1] + [Child(twin, f"p{n - 1}", ["--producer", f"p{n - 1}", *common],
+                                                   transport)] + prods[n:]
                 for p in prods[:n]:
                     p.tell(op="disconnect")
         trainer.tell(op="exit")
@@ -274,7 +354,30 @@ def measure_fanout(producers: list[int], rate_mbit: float, model_mb: int, reps: 
         out["star_delivery_p4_over_p1"] = round(star[f"p{hi}"]["delivery_seconds"] / star[f"p{lo}"]["delivery_seconds"], 3)
         out["star_trainer_egress_over_model_bytes"] = star[f"p{hi}"]["egress_over_model"]
     out["producers"] = producers
+    out["dead_member_cost_s"] = out.get("dead_member", {}).get("cost_s")
     return out
+
+
+def _dead_member(twin, trainer: Child, prods: list[Child], normal_s: float, timeout_s: float) -> dict:
+    """A version during which the last producer is SIGKILLed, once every member is receiving
+    it: how much longer the others take to hold it than a version without a death."""
+    t0 = time.monotonic()
+    v = trainer.ask(op="start")["version"]
+    time.sleep(min(0.5, normal_s / 3))  # the group is in the version's transfer
+    victim = prods[-1]
+    os.killpg(victim.p.pid, 9)
+    victim.p.wait(30)
+    held = None
+    while time.monotonic() - t0 < 4 * timeout_s + normal_s:
+        if all(p.ask(op="report")["served"] >= v for p in prods[:-1]):
+            held = time.monotonic() - t0
+            break
+        time.sleep(0.05)
+    r = trainer.ask(op="finish")
+    cost = None if held is None else round(held - normal_s, 3)
+    return {"version": v, "others_held_after_s": None if held is None else round(held, 3),
+            "normal_seconds": normal_s, "cost_s": cost,
+            "cost_over_timeout": None if cost is None else round(cost / timeout_s, 3), "failures": r["failures"]}
 
 
 if __name__ == "__main__":
@@ -284,7 +387,12 @@ if __name__ == "__main__":
     import torch
 
     torch.set_num_threads(1)
+    transport, timeout_s = sys.argv[-2], float(sys.argv[-1])
+    if transport == "nccl-standin":
+        from common import gpu_standin
+
+        gpu_standin.install()
     if sys.argv[1] == "--trainer":
-        trainer_main(sys.argv[2], int(sys.argv[3]))
+        trainer_main(sys.argv[2], int(sys.argv[3]), transport, timeout_s)
     else:
-        producer_main(sys.argv[2])
+        producer_main(sys.argv[2], transport, timeout_s)

@@ -111,8 +111,8 @@ class Watch:
         from producer.journal.topic import JournalTopic
 
         class Topic(JournalTopic):
-            def _fold(inner, key, value):  # noqa: N805 - the bench's view of the fold
-                super()._fold(key, value)
+            def _fold(inner, key, value, *rest):  # noqa: N805 - the bench's view of the fold
+                super()._fold(key, value, *rest)
                 if key in inner.entries and key not in self.first:
                     self.first[key] = inner.entries[key].written_at
 
@@ -129,10 +129,9 @@ def setup(args, tmp: Path):
     from common.config import BrokerSettings
     from common.control.messages import TrainerProgress
     from common.kafka.broker import EmbeddedBroker
-    from common.kafka.client import make_producer
     from common.toy.tinymodel import build_tiny_model
     from tests.fixtures.kafka import make_kafka_settings
-    from tests.support.configs import ensure_prompts, service_config, write_config
+    from tests.support.configs import ensure_prompts, service_config, trainer_writer, write_config
 
     G, T, N = args.group_size, 2 * args.turns, args.turn_tokens  # T: the longest episode's turns
     model = build_tiny_model(tmp / "tiny-model")
@@ -145,9 +144,9 @@ def setup(args, tmp: Path):
         "engine": {"kv_cache_memory_bytes": 64 << 20, "max_model_len": 256}})
     ensure_prompts(cfg, n_train=4096)
     progress = TrainerProgress(trainer_version=0, groups_per_batch=1024, group_size=G)  # no trainer: never held back
-    p = make_producer(kafka, "control")
-    p.send(kafka.topics.policy, key=progress.kind.encode(), value=progress.model_dump_json().encode()).get(timeout=10)
-    p.close()
+    w = trainer_writer(kafka)  # the producers apply only signed announcements
+    w.announce(progress)
+    w.close()
     paths = {}
     for pid in ("p1", "p2"):
         c = cfg.model_copy(deep=True)

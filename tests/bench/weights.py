@@ -3,12 +3,17 @@ delivery to 1, 2, 4 producers on the cluster twin's shaped NICs, fan-out chain v
 
     .venv/bin/python tests/bench/weights.py [--sizes tiny,s50,m200,l1g] [--producers 2] [--reps 5] [--smoke]
     .venv/bin/python tests/bench/weights.py --only-fanout [--fanout-producers 1,2,4] [--rate-mbit 300]
+                                            [--transport gloo,nccl-standin] [--fanout-timeout-s 20]
 
 Fan-out on the twin (tests/bench/_fanout_twin.py: lightweight receivers running the real receive,
-relay and verify code, one network namespace each): `delivery_p4_over_p1` (goal <= 1.3),
+relay and verify code, one network namespace each), per transport: `gloo` (the CPU chain) and
+`nccl-standin` (vLLM's own NCCL engines on both sides over the GPU stand-ins of libnccl, CUDA
+streams and pinned memory: no figure of it is a GPU figure). `delivery_p4_over_p1` (goal <= 1.3),
 `trainer_egress_over_model_bytes` at the largest P (goal <= 1.25, from the trainer host's NIC
-counters), `producer_stall_seconds`, `tamper_refused` (here: both the vLLM producers below and
-the twin's receivers refused a flipped byte), `star_*`: the same with one link per producer.
+counters), `dead_member_cost_s` (a producer SIGKILLed mid-version: how much longer the others
+take to hold it than a version without a death; goal <= 1 timeout, `--fanout-timeout-s`),
+`producer_stall_seconds`, `tamper_refused` (here: both the vLLM producers below and the twin's
+receivers refused a flipped byte), `star_*`: gloo with one link per producer.
 Needs root for the twin; otherwise `fanout` is {"skipped": why}.
 
 `--smoke`: the tiny model, one producer, one round, one delta step (one engine start); the twin
@@ -70,7 +75,8 @@ from tests.bench._smoke import parse_args  # noqa: E402
 
 log = logging.getLogger("bench.weights")
 
-SMOKE = dict(sizes="tiny", producers=1, reps=1, delta_steps=1, fanout_producers="1,2", fanout_mb=4, fanout_reps=1)
+SMOKE = dict(sizes="tiny", producers=1, reps=1, delta_steps=1, fanout_producers="1,2", fanout_mb=4, fanout_reps=1,
+             fanout_timeout_s=10.0)
 SIZES = {  # TinyModelSpec overrides (fp32 bytes: 2 MB, 54 MB, 214 MB, 1.07 GB)
     "tiny": {},
     "s50": dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=512, num_hidden_layers=1,
@@ -445,7 +451,6 @@ def summarize(run: SizeRun, rows: dict, tamper: dict | None) -> dict:
 
 def measure_delta(steps: int) -> dict:
     """Changed fraction of bf16 elements per optimizer step (fp32 master weights), tiny trainer."""
-    import torch
 
     from common.config import ConsumerSettings
     from common.toy.tinymodel import build_tiny_model
@@ -500,7 +505,7 @@ def main() -> None:
     _send(out_fd, {"bench": "weights", "date": time.strftime("%Y-%m-%d"), "sizes": sizes,
                    "largest": names[-1], "collective_vs_file_speedup": largest["collective_vs_file_speedup"],
                    "collective_vs_raw_broadcast": largest["collective_vs_raw_broadcast"],
-                   "tamper_refused": largest.get("tamper_refused") and fanout.get("tamper_refused", True),
+                   "tamper_refused": largest.get("tamper_refused") and _fanout_keys(fanout)["tamper_refused"] is not False,
                    **{k: v for k, v in _fanout_keys(fanout).items() if k != "tamper_refused"}, "fanout": fanout,
                    "delta": measure_delta(args.delta_steps) if args.delta_steps else None,
                    "reps": args.reps, "threads": args.threads, "smoke": args.smoke,
@@ -509,21 +514,35 @@ def main() -> None:
 
 
 def measure_fanout_on_twin(args) -> dict:
-    """Delivery to 1..4 producers on shaped NICs, the fan-out chain against the star of links
-    (tests/bench/_fanout_twin.py); {"skipped": why} where the twin cannot run (no root)."""
+    """Delivery to 1..4 producers on shaped NICs for each of `--transport` (tests/bench/_fanout_twin.py):
+    the gloo chain against the star of links, and vLLM's own NCCL engines over the GPU stand-ins;
+    {"skipped": why} where the twin cannot run (no root)."""
     from tests.bench._fanout_twin import measure_fanout
 
     if not args.fanout_producers:
         return {"skipped": "--fanout-producers ''"}
-    return measure_fanout([int(p) for p in args.fanout_producers.split(",")], args.rate_mbit, args.fanout_mb,
-                          args.fanout_reps)
+    producers = [int(p) for p in args.fanout_producers.split(",")]
+    out = {}
+    for transport in args.transport.split(","):
+        out[transport] = measure_fanout(producers, args.rate_mbit, args.fanout_mb, args.fanout_reps,
+                                        topologies=("chain", "star") if transport == "gloo" else ("chain",),
+                                        transport=transport, timeout_s=args.fanout_timeout_s)
+        if "skipped" in out[transport]:
+            return out[transport]
+    return out
+
+
+FANOUT_KEYS = ("delivery_p4_over_p1", "trainer_egress_over_model_bytes", "dead_member_cost_s", "tamper_refused",
+               "producer_stall_seconds", "producer_stall_max_seconds",
+               "star_delivery_p4_over_p1", "star_trainer_egress_over_model_bytes")
 
 
 def _fanout_keys(fanout: dict) -> dict:
-    keys = ("delivery_p4_over_p1", "trainer_egress_over_model_bytes", "producer_stall_seconds",
-            "producer_stall_max_seconds", "tamper_refused",
-            "star_delivery_p4_over_p1", "star_trainer_egress_over_model_bytes")
-    return {k: fanout.get(k) for k in keys}
+    """Each figure per transport ({transport: value}); `tamper_refused` true only if every one refused."""
+    per = {t: r for t, r in fanout.items() if isinstance(r, dict)}
+    out = {k: {t: r.get(k) for t, r in per.items() if r.get(k) is not None} for k in FANOUT_KEYS}
+    out["tamper_refused"] = all(r.get("tamper_refused") for r in per.values()) if per else None
+    return out
 
 
 def _args() -> argparse.Namespace:
@@ -539,6 +558,11 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--fanout-mb", type=int, default=32, help="the twin fan-out's version size (MiB)")
     ap.add_argument("--fanout-reps", type=int, default=3, help="measured versions per topology and producer count")
     ap.add_argument("--only-fanout", action="store_true", help="the twin fan-out only (no vLLM producers)")
+    ap.add_argument("--transport", default="gloo,nccl-standin",
+                    help="the twin fan-out's transports: gloo (the CPU chain) and/or nccl-standin (vLLM's NCCL "
+                         "engines over the GPU stand-ins, common/gpu_standin/)")
+    ap.add_argument("--fanout-timeout-s", type=float, default=20.0,
+                    help="consumer.weights.timeout_s of the twin fan-out (the dead member's bound)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)

@@ -173,11 +173,12 @@ def max_abs_diff(a: dict, b: dict) -> float:
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
-@pytest.mark.parametrize("dtype,distributed", [("float32", True), ("bfloat16", True),
-                                               ("bfloat16", False)])
-def test_checkpoint_round_trip_on_cuda(sharp_model_dir, bf16_rollouts, tmp_path, dtype, distributed):
+@pytest.mark.parametrize("dtype,distributed,offload", [("float32", True, 0.0), ("bfloat16", True, 0.0),
+                                                       ("bfloat16", False, 0.0), ("bfloat16", True, 0.5)])
+def test_checkpoint_round_trip_on_cuda(sharp_model_dir, bf16_rollouts, tmp_path, dtype, distributed, offload):
     """As test_trainer_step.py's round trip: saved on CUDA, loaded into a fresh
-    trainer, the fp32 masters and Adam moments are bit-exact; the next step of
+    trainer, the fp32 masters and Adam moments are bit-exact (with the optimizer offload too:
+    the step after the resume ran at all is the check the CPU stand-ins cannot make); the next step of
     both agrees. Not bit-exact here: the CUDA MoE dispatch accumulates with
     atomics, so the two continued steps agree to 1 % of the update they make
     (a lost or stale moment changes Adam's second update by O(1))."""
@@ -186,6 +187,7 @@ def test_checkpoint_round_trip_on_cuda(sharp_model_dir, bf16_rollouts, tmp_path,
 
     cfg = settings(lr=1e-3, num_minibatches=2, replay="R2", dtype=dtype)
     cfg.optimizer.distributed = distributed
+    cfg.optimizer.cpu_offload_fraction = offload  # 0.5: Megatron's HybridDeviceOptimizer, half the state on the host
     a = Trainer.from_hf(sharp_model_dir, cfg)
     assert a.device.type == "cuda"
     gb = a.build_batch(bf16_rollouts, 4)

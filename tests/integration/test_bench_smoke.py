@@ -49,8 +49,14 @@ BENCHES = {
     "stability": (("losses", "arms", "warm_accuracy", "targets_met"), 600, ("vllm", "megatron", "broker")),
     "cluster": (("versions_trained", "seconds_per_version", "collective_share", "trainer_egress_over_model_bytes"),
                 480, ("vllm", "megatron", "broker")),
+    "replay": (("replay_equal", "replay_over_original", "export_over_raw_decode", "export_memory_ratio"), 240,
+               ("megatron", "broker")),
+    # the first run in a checkout also builds .venv-peers (`make peers-install`, ~15-60 s)
+    "peers": (("time_to_target_over_trl", "samples_per_s_over_trl", "heldout_at_equal_time", "trl_mode",
+               "trl_modes_tried", "runs"), 420, ("vllm", "megatron", "broker")),
     "episodes": (("lost_generation_seconds_per_crash", "lost_ratio_on_over_off", "episodes_published_twice"), 600,
                  ("vllm", "broker")),
+    "journal_start": (("start_read_s", "ratio_10x_over_1x", "records_read", "without_checkpoints"), 90, ("broker",)),
 }
 
 
@@ -97,6 +103,8 @@ def extra_args(name: str, tmp_path: Path, shared_warm: list[str]) -> list[str]:
         return ["--models-dir", str(tmp_path / "models")]
     if name == "soak":
         return ["--work-dir", str(tmp_path / "soak")]
+    if name == "peers":
+        return ["--work-dir", str(tmp_path / "peers")]
     if name in ("e2e_async", "dynamic_sampling", "stability"):
         return shared_warm
     return []

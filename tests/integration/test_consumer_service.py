@@ -16,7 +16,6 @@ A synthetic producer publishes valid records with known policy versions:
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -31,7 +30,9 @@ import yaml
 from common.config import RlstreamConfig
 from common.control.messages import encode_control
 from common.control.plane import ControlPlaneWriter
+from common.control.signing import publish, signing_key
 from tests.fixtures.kafka import make_kafka_settings
+from tests.support.configs import ADMIN_TOKEN
 from tests.support.synthetic import publish_groups, synthetic_group
 
 pytestmark = [pytest.mark.broker, pytest.mark.megatron]
@@ -41,7 +42,8 @@ G, B = 4, 2
 
 def consumer_config(kafka, tiny_model_dir, tmp: Path, **consumer) -> RlstreamConfig:
     c = {"group_size": G, "groups_per_batch": B, "optimizer": {"lr": 1e-3}, "checkpoint_dir": str(tmp / "ckpt"),
-         "weight_store_dir": str(tmp / "weights"), "group_timeout_s": 30.0, **consumer}
+         "weight_store_dir": str(tmp / "weights"), "group_timeout_s": 30.0,
+         "http": {"admin_token": ADMIN_TOKEN}, **consumer}
     return RlstreamConfig.model_validate({
         "kafka": kafka.model_dump(), "model": {"path": str(tiny_model_dir), "build_tiny": False},
         "staleness": {"max_staleness": 1, "mode": "drop"},
@@ -107,7 +109,7 @@ def test_reweight_mode_via_control_topic(service):
     p = KafkaProducer(**client_kwargs(kafka), acks="all")
     for key, value in (("mode", "reweight"), ("decay", 0.5), ("max_staleness", 3)):
         k, v = encode_control(key, value, by="test")
-        p.send(kafka.topics.control, key=k, value=v).get(timeout=10)
+        publish(p, kafka.topics.control, k, v, signing_key(ADMIN_TOKEN)).get(timeout=10)
     p.close()
     V = svc.version
     rng = np.random.default_rng(1)
@@ -197,7 +199,7 @@ def test_announced_version_opens_in_transformers_with_same_logprobs(service):
 def test_read_ahead_groups_are_gated_at_the_optimizer_step(service):
     """Groups read ahead of their batch are judged at the version they train at."""
     svc, pub, kafka = service
-    writer = ControlPlaneWriter(kafka)
+    writer = ControlPlaneWriter(kafka, signing_key(ADMIN_TOKEN))
     writer.set_control("mode", "drop", by="test")
     writer.set_control("max_staleness", 0, by="test")
     writer.close()
@@ -228,7 +230,7 @@ def test_a_change_on_an_idle_consumer_applies_to_its_next_batch(service):
     import threading
 
     svc, pub, kafka = service
-    writer = ControlPlaneWriter(kafka)
+    writer = ControlPlaneWriter(kafka, signing_key(ADMIN_TOKEN))
     writer.set_control("mode", "drop", by="test")
     writer.set_control("max_staleness", 1, by="test")
     V = svc.version
@@ -372,14 +374,18 @@ def test_sigkill_between_checkpoints_resumes_exactly_once(broker, tiny_model_dir
     assert versions[-5:] == [4, 5, 6, 7, 8] and final.version == 8
 
 
-def _torchrun_consumer(cfg_path: Path) -> subprocess.CompletedProcess:
+def _torchrun_consumer(cfg_path: Path) -> str:
+    """Two ranks under torchrun until they exit (waited on while they make progress: a loaded
+    machine is slow, not stuck); their output."""
+    from tests.support.progress import run_to_exit
+
     torchrun = Path(sys.executable).with_name("torchrun")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "consumer",
-                           "-c", str(cfg_path)], env=env, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "rank 1 stopping with rank 0" in proc.stderr
-    return proc
+    rc, out = run_to_exit([str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "consumer",
+                           "-c", str(cfg_path)], env)
+    assert rc == 0, out[-4000:]
+    assert "rank 1 stopping with rank 0" in out
+    return out
 
 
 # layout -> consumer settings; world size 2 (dp = 2 / tp)
@@ -435,8 +441,8 @@ def _two_rank_run(kafka, pub, tiny_model_dir, tmp_path, layout, cfg_path):
     more = publish_groups(pub, [synthetic_group(f"mr2-{i}", G, 2, np.random.default_rng(100 + i))
                                 for i in range(B)])
     cfg3 = consumer_config(kafka, tiny_model_dir, tmp_path, max_steps=3, **TWO_RANK_LAYOUTS[layout])
-    proc = _torchrun_consumer(_write_config(tmp_path / "consumer3.yaml", cfg3))
-    assert f"resumed from {path.name}" in proc.stderr
+    out = _torchrun_consumer(_write_config(tmp_path / "consumer3.yaml", cfg3))
+    assert f"resumed from {path.name}" in out
     steps = _committed_steps(tmp_path / "ckpt")
     assert sorted(steps) == [1, 2, 3]
     assert sorted(steps[3]) == sorted(more)

@@ -50,18 +50,22 @@ import pytest
 from common.harness.census import read_dlq
 from common.harness.supervisor import Service, wait_until
 from tests.fixtures.kafka import make_kafka_settings
-from tests.support.audit import audit_lines, audit_steps, committed_checkpoint, lineage_entries
+from tests.support.audit import audit_lines, committed_checkpoint, lineage_entries
 from tests.support.configs import service_config, write_config
 from tests.support.feeder import PolicyVersion, SyntheticFeeder, flush_half_batch
+from tests.support.progress import working
 from tests.support.synthetic import publish_groups, synthetic_group
 from tests.support.topics import announced_versions, latest_policy, weights_announcements
 
-pytestmark = [pytest.mark.broker, pytest.mark.megatron, pytest.mark.slow]
+# One timeout for every test: the module's scenario (7 SIGKILLs, 8 consumer incarnations) runs in
+# whichever test asks for it first, the first in file order or the one a rerun (-k, --lf) selects.
+pytestmark = [pytest.mark.broker, pytest.mark.megatron, pytest.mark.slow, pytest.mark.timeout(1500)]
 
 G, B, MAX_STALENESS, TIMEOUT_S = 4, 2, 1, 6.0
 CADENCE = 3  # consumer.checkpoint.every_steps
 KILL_PLAN = ("fetch", "train", "checkpoint", "publish", "between", "between", "random")
-START_TIMEOUT = 300
+STALL_S = 120
+"""The longest wait without the consumer's progress (tests/support/progress.py): a loaded machine is slow."""
 
 
 def _audit_lines(ckpt: Path) -> list[dict]:
@@ -107,8 +111,9 @@ class Scenario:
         n_lines = audit_lines(self.ckpt)
         self.consumer.start()
         # resumed (or started) and trained at least one more step
-        wait_until(lambda: audit_lines(self.ckpt) > n_lines, START_TIMEOUT,
-                   f"a step of consumer incarnation {self.consumer.incarnation}", [self.consumer])
+        wait_until(lambda: audit_lines(self.ckpt) > n_lines, STALL_S,
+                   f"a step of consumer incarnation {self.consumer.incarnation}", [self.consumer],
+                   progress=working(self.consumer))
         # the run file's start record (written before the first step): the step and version it resumed at
         self.start_steps.append(self.consumer.status()["step"])
         self.start_versions.append(self.consumer.status()["version"])
@@ -127,7 +132,8 @@ class Scenario:
         if phase == "fetch":
             self.feeder.hold()
             # the consumer reads everything there is, then waits in next_batch
-            wait_until(lambda: c.try_metric("rlstream_consumer_lag_records") == 0, 120, "lag 0", [c])
+            wait_until(lambda: c.try_metric("rlstream_consumer_lag_records") == 0, STALL_S, "lag 0", [c],
+                       progress=working(c))
             stable = {"n": -1, "since": time.monotonic()}
 
             def no_step_for_2s():
@@ -135,7 +141,8 @@ class Scenario:
                 if n_now != stable["n"]:
                     stable.update(n=n_now, since=time.monotonic())
                 return time.monotonic() - stable["since"] > 2.0
-            wait_until(no_step_for_2s, 120, "the consumer to wait for data", [c], interval_s=0.1)
+            wait_until(no_step_for_2s, STALL_S, "the consumer to wait for data", [c], interval_s=0.1,
+                       progress=working(c))
             n = audit_lines(self.ckpt)
             states = []
             for _ in range(60):  # 3 s: mostly asleep in the Kafka fetch (state S), no step taken
@@ -152,7 +159,8 @@ class Scenario:
             time.sleep(rng.uniform(0.0, 4.0))
             observed = "random"
         elif phase == "between":
-            wait_until(self.between_checkpoints, 120, "a step after the last checkpoint", [c], interval_s=0.01)
+            wait_until(self.between_checkpoints, STALL_S, "a step after the last checkpoint", [c], interval_s=0.01,
+                       progress=working(c))
             observed = "between"
         elif phase != "fetch":
             while time.monotonic() < deadline:
@@ -194,7 +202,8 @@ class Scenario:
         self.feeder.stop()
         assert self.feeder.error is None, self.feeder.error
         wait_until(lambda: c.try_metric("rlstream_consumer_lag_records") == 0
-                   and c.try_metric("rlstream_consumer_open_groups") == 0, 120, "drained", [c], interval_s=0.5)
+                   and c.try_metric("rlstream_consumer_open_groups") == 0, STALL_S, "drained", [c], interval_s=0.5,
+                   progress=working(c))
         # flush a possible half batch: fillers until one step consumed them (then ready is empty)
         def note(fill):
             for r in fill:
@@ -204,7 +213,8 @@ class Scenario:
         flush_half_batch(self.kafka, self.ckpt, c, G, B, on_publish=note, version_of=version)
         version.close()
         wait_until(lambda: c.try_metric("rlstream_consumer_lag_records") == 0
-                   and c.try_metric("rlstream_consumer_open_groups") == 0, 60, "drained", [c], interval_s=0.5)
+                   and c.try_metric("rlstream_consumer_open_groups") == 0, STALL_S, "drained", [c], interval_s=0.5,
+                   progress=working(c))
         time.sleep(1.0)
         rc = c.stop(timeout_s=120)
         assert rc == 0, c.log_tail()
@@ -239,7 +249,8 @@ def scenario(broker, tiny_model_dir, tmp_path_factory):
         sc.feeder.start()
         krng = random.Random(8)
         for phase in KILL_PLAN:  # each restart must have a checkpoint to resume from
-            wait_until(lambda: committed_checkpoint(sc.ckpt) is not None, 120, "a checkpoint", [sc.consumer])
+            wait_until(lambda: committed_checkpoint(sc.ckpt) is not None, STALL_S, "a checkpoint", [sc.consumer],
+                       progress=working(sc.consumer))
             sc.aim_and_kill(phase, krng)
             sc.start_consumer()
             assert sc.start_steps[-1] >= 1, sc.consumer.log_tail()  # resumed from a checkpoint
@@ -260,7 +271,6 @@ def scenario(broker, tiny_model_dir, tmp_path_factory):
     return sc
 
 
-@pytest.mark.timeout(1200)
 def test_each_kill_was_a_real_crash_and_every_restart_resumed(scenario):
     assert len(scenario.kills) == len(KILL_PLAN)
     for k in scenario.kills:
@@ -278,7 +288,6 @@ def test_each_kill_was_a_real_crash_and_every_restart_resumed(scenario):
     assert observed & {"checkpoint", "publish"}, scenario.kills
 
 
-@pytest.mark.timeout(60)
 def test_kills_between_checkpoints_redid_the_lost_steps(scenario):
     """With a cadence of CADENCE steps, kills left trained steps without a checkpoint;
     the lineage took those step numbers from a later run."""
@@ -292,7 +301,6 @@ def test_kills_between_checkpoints_redid_the_lost_steps(scenario):
         assert dead, f"step {k['trained_step']} was lost at a kill but never redone by another run"
 
 
-@pytest.mark.timeout(60)
 def test_no_rollout_trained_twice_and_steps_contiguous(scenario):
     """In the lineage of the final model: steps 1..N, each once, nothing trained twice."""
     steps = {s: e["trained"] for s, e in lineage_entries(scenario.ckpt).items()}
@@ -307,7 +315,6 @@ def test_no_rollout_trained_twice_and_steps_contiguous(scenario):
     assert all(len(ids) == B * G for ids in steps.values())
 
 
-@pytest.mark.timeout(60)
 def test_every_published_record_is_accounted_for(scenario):
     """published = trained + dropped_stale + filtered + timed_out (+ the undecodable ones in the DLQ)."""
     o, out = scenario.outcomes, scenario.feeder.out
@@ -322,7 +329,6 @@ def test_every_published_record_is_accounted_for(scenario):
     assert all(d.reason and d.field == "<bytes>" for d in scenario.dlq)
 
 
-@pytest.mark.timeout(60)
 def test_consumer_dlq_counter_counts_each_dead_letter_once(scenario):
     """Re-reads after a restart put a record in the DLQ topic again; the counter stays exact."""
     assert scenario.outcomes["dlq"] == scenario.feeder.out.bad
@@ -346,7 +352,6 @@ def _step_of(scenario):
     return lambda v: next(s + v - sv for sv, s in reversed(starts) if sv <= v)
 
 
-@pytest.mark.timeout(60)
 def test_staleness_bound_holds_at_the_optimizer_step(scenario):
     """Staleness = the trainer's step at the optimizer step - the step whose model sampled the
     record (docs/algorithm.md; equal to the versions' difference until a crash renumbers the
@@ -358,7 +363,6 @@ def test_staleness_bound_holds_at_the_optimizer_step(scenario):
     assert max(worst.values()) <= MAX_STALENESS, {s: w for s, w in worst.items() if w > MAX_STALENESS}
 
 
-@pytest.mark.timeout(60)
 def test_the_steps_lost_at_a_kill_are_trained_again_into_the_final_model(scenario):
     """Issue 24.2: every group a step trained, also a step a kill lost (it died before its
     checkpoint), is trained exactly once, whole, into the final model's lineage: none of them
@@ -378,7 +382,6 @@ def test_the_steps_lost_at_a_kill_are_trained_again_into_the_final_model(scenari
     assert set(Counter(group_of[rid] for rid in in_lineage).values()) == {G}  # whole groups, once
 
 
-@pytest.mark.timeout(60)
 def test_versions_are_never_reused_and_producers_end_on_the_final_version(scenario):
     """Every announced version is new (announced again only with its durable copy: the same weights); a restart whose checkpoint is older than what
     the dead incarnation announced continues above it; the policy topic ends on the

@@ -1,7 +1,11 @@
 """Issue #8.5 (weight corruption), #8.2 (producer crash) and #8.3 (broker outage), end to end.
 
 One module-scoped set of real services (vLLM engine starts are the expensive
-part), run in phases by the tests below, in file order:
+part), run in phases: phase 1 in its test, phase 2 in the module fixture
+`crash` (so every test that needs the crash gets the phase's own error if it
+failed, and runs alone too), phase 3 in its test after it. Every wait follows
+the services' progress (tests/support/progress.py): on a machine at load 15 a
+start takes minutes, which is slow, not stuck.
 
 1. weight corruption: a vLLM producer alone on topics of its own, the test
    acting as the trainer (real WeightStore, real announcements; it stops at
@@ -41,7 +45,8 @@ from common.harness.census import read_rollouts
 from common.harness.supervisor import Service, wait_until
 from tests.fixtures.kafka import make_kafka_settings
 from tests.support.audit import audit_steps
-from tests.support.configs import ensure_prompts, service_config, write_config
+from tests.support.configs import ensure_prompts, service_config, trainer_writer, write_config
+from tests.support.progress import working
 from tests.support.topics import latest_policy
 
 pytestmark = [pytest.mark.broker, pytest.mark.vllm, pytest.mark.megatron, pytest.mark.slow]
@@ -75,9 +80,7 @@ class Stack:
 
     def announce(self, version: int, manifest: dict, offsets: dict) -> None:
         from common.control.messages import TrainerProgress, WeightsReady
-        from common.control.plane import ControlPlaneWriter
-
-        w = ControlPlaneWriter(self.kafka_w)
+        w = trainer_writer(self.kafka_w)
         try:  # "the trainer" read everything up to `offsets` and published `version`
             w.announce(WeightsReady(version=version, uri=manifest["uri"], sha256=manifest["sha256"],
                                     bytes=manifest["bytes"]))
@@ -114,7 +117,10 @@ def stack(tiny_model_dir, tmp_path_factory):
                          producer={"producer_id": PRODUCER_ID, "max_groups_in_flight": 4})
     ensure_prompts(cfg)
     kafka_w = make_kafka_settings(broker.bootstrap, tmp / "blobs", rollouts_partitions=2)
-    cfg_w = cfg.model_copy(update={"kafka": kafka_w})
+    # phase 1's "trainer" writes its versions into phase 1's own store: the one its producer
+    # takes durable copies from (consumer.weight_store_dir)
+    cfg_w = cfg.model_copy(update={"kafka": kafka_w, "consumer": cfg.consumer.model_copy(
+        update={"weight_store_dir": str(tmp / "trainer-weights")})})
     s = Stack(broker, kafka, cfg, tmp, kafka_w, cfg_w)
     try:
         yield s
@@ -141,8 +147,9 @@ def test_corrupt_weights_are_refused_and_the_previous_version_keeps_serving(stac
     from common.weights.store import WEIGHTS_FILE, WeightStore, uri_to_path
 
     p = stack.weights_producer.start()
-    wait_until(lambda: p.try_metric("rlstream_producer_samples_total", 0) > 0, 300, "first samples", [p])
-    stack.forged = WeightStore(stack.tmp / "trainer-weights", keep=10)
+    wait_until(lambda: p.try_metric("rlstream_producer_samples_total", 0) > 0, 120, "first samples", [p],
+               progress=working(p))
+    stack.forged = WeightStore(stack.tmp / "trainer-weights", keep=10)  # phase 1's weight_store_dir
 
     def version():
         return p.metric("rlstream_producer_policy_version")
@@ -152,7 +159,7 @@ def test_corrupt_weights_are_refused_and_the_previous_version_keeps_serving(stac
 
     good1 = _write_version(stack.forged, 1, seed=1, tmp=stack.tmp)
     stack.announce(1, good1, stack.end_offsets())
-    wait_until(lambda: version() == 1, 120, "version 1 loaded", [p])
+    wait_until(lambda: version() == 1, 120, "version 1 loaded", [p], progress=working(p))
     assert failures() == 0
 
     # tampered: same size, one byte range flipped in the middle -> sha256 mismatch
@@ -164,7 +171,7 @@ def test_corrupt_weights_are_refused_and_the_previous_version_keeps_serving(stac
     f.write_bytes(bytes(data))
     t_tamper = time.time()
     stack.announce(2, tampered, stack.end_offsets())
-    wait_until(lambda: failures() == 1, 60, "the tampered version refused", [p])
+    wait_until(lambda: failures() == 1, 60, "the tampered version refused", [p], progress=working(p))
     assert version() == 1
 
     # truncated: half the file -> size mismatch
@@ -172,7 +179,7 @@ def test_corrupt_weights_are_refused_and_the_previous_version_keeps_serving(stac
     f = uri_to_path(truncated["uri"]) / WEIGHTS_FILE
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
     stack.announce(3, truncated, stack.end_offsets())
-    wait_until(lambda: failures() == 2, 60, "the truncated version refused", [p])
+    wait_until(lambda: failures() == 2, 60, "the truncated version refused", [p], progress=working(p))
     assert version() == 1
     assert p.alive
 
@@ -181,7 +188,7 @@ def test_corrupt_weights_are_refused_and_the_previous_version_keeps_serving(stac
     # admission continues up to the staleness budget: the samples below exist)
     late = wait_until(lambda: [r for r in stack.records(stack.kafka_w).values() if r.created_at > t_tamper]
                       if len([r for r in stack.records(stack.kafka_w).values() if r.created_at > t_tamper]) >= G
-                      else None, 120, "samples after the refusals", [p], interval_s=1.0)
+                      else None, 120, "samples after the refusals", [p], interval_s=1.0, progress=working(p))
     assert {r.policy_version for r in late} == {1}, {r.policy_version for r in late}
     log = p.log_text()  # the operator's view: each refusal names its reason (a message check, not state)
     assert "refusing weight version 2" in log and "sha256" in log
@@ -190,7 +197,7 @@ def test_corrupt_weights_are_refused_and_the_previous_version_keeps_serving(stac
     # the next good version is taken
     good4 = _write_version(stack.forged, 4, seed=4, tmp=stack.tmp)
     stack.announce(4, good4, stack.end_offsets())
-    wait_until(lambda: version() == 4, 120, "version 4 loaded", [p])
+    wait_until(lambda: version() == 4, 120, "version 4 loaded", [p], progress=working(p))
     assert failures() == 2
     assert p.stop(timeout_s=120) == 0, p.log_tail()
 
@@ -212,27 +219,33 @@ def _groups(records) -> dict[str, list]:
     return out
 
 
-@pytest.mark.timeout(900)
-def test_producer_sigkill_mid_group_partial_groups_time_out_and_restart_rejoins(stack):
+@pytest.fixture(scope="module")
+def crash(stack):
+    """Phase 2: the consumer trains on the producer's records; the producer is SIGKILLed with a
+    group partly published (`stack.partial_ids`), then restarted while the consumer is frozen
+    (`stack.first_records`). Returns the consumer's timed-out count before the kill."""
     p, c = stack.producer, stack.consumer
     c.start()
     p.start()
     # the consumer trains on the producer's records, the producer follows its versions
-    wait_until(lambda: max(audit_steps(stack.ckpt), default=0) >= 4, 400, "consumer steps", [c, p])
-    wait_until(lambda: p.try_metric("rlstream_producer_policy_version", 0) >= 2, 120, "producer follows", [c, p])
+    wait_until(lambda: max(audit_steps(stack.ckpt), default=0) >= 4, 180, "consumer steps", [c, p],
+               progress=working(c, p))
+    wait_until(lambda: p.try_metric("rlstream_producer_policy_version", 0) >= 2, 120, "producer follows", [c, p],
+               progress=working(c, p))
 
     timed_out0 = c.metric("rlstream_consumer_records_total", outcome="timed_out")
     partial = {}
     for attempt in range(3):  # SIGKILL while generating until a group is caught half-published
-        wait_until(lambda: p.metric("rlstream_producer_inflight_requests") > 0, 120, "generation", [p])
         # A group's G samples usually finish in the same engine step and leave together; the
         # publish buffer (6 records, not a multiple of G) splits groups when it is full. Freezing
-        # the broker for a moment holds that state: samples wait in `pending`, the rest of their
-        # group is in flight to the broker. SIGKILL then lands mid-group.
+        # the broker holds that state: samples wait in `pending`, the rest of their group is in
+        # flight to the broker. SIGKILL then lands mid-group.
+        wait_until(lambda: p.metric("rlstream_producer_inflight_requests") > 0, 120, "generation", [p],
+                   progress=working(p))
         stack.broker.pause()
         try:
             wait_until(lambda: p.metric("rlstream_producer_pending_samples") > 0, 60, "a full buffer", [p],
-                       interval_s=0.05)
+                       interval_s=0.05, progress=working(p))
             assert p.kill() == -9
         finally:
             stack.broker.resume()
@@ -243,22 +256,28 @@ def test_producer_sigkill_mid_group_partial_groups_time_out_and_restart_rejoins(
             break
         stack.version_before_restart = latest_policy(stack.kafka).version
         p.start()
-        p.wait_ready(300)
+        p.wait_ready(120, progress=working(p))
         _unblock(stack)
     assert partial, "no kill landed mid-group in 3 attempts"
     stack.partial_ids = {r.rollout_id for rs in partial.values() for r in rs}
-    n_partial = len(stack.partial_ids)
 
     stack.restart_at = time.time()
     with frozen(c):  # nothing announces a newer version while the producer restarts
         stack.version_before_restart = latest_policy(stack.kafka).version
         p.start()
         stack.first_records = _first_records_of_restarted(stack)
+    return timed_out0
+
+
+@pytest.mark.timeout(1500)
+def test_producer_sigkill_mid_group_partial_groups_time_out_and_restart_rejoins(stack, crash):
+    p, c = stack.producer, stack.consumer
+    timed_out0, n_partial = crash, len(stack.partial_ids)
     # the partial groups time out in the consumer, counted
     wait_until(lambda: c.metric("rlstream_consumer_records_total", outcome="timed_out") - timed_out0 >= n_partial,
-               TIMEOUT_S + 120, "partial groups timed out", [c])
+               TIMEOUT_S + 120, "partial groups timed out", [c], progress=working(c))
     assert c.metric("rlstream_consumer_records_total", outcome="timed_out") - timed_out0 == n_partial
-    p.wait_ready(300)
+    p.wait_ready(120, progress=working(p))
     trained = {rid for ids in audit_steps(stack.ckpt).values() for rid in ids}
     assert not trained & stack.partial_ids, "a partial group was trained"
 
@@ -284,14 +303,15 @@ def _first_records_of_restarted(stack) -> list:
         new = _of_restarted(stack)
         return new[:G] if len(new) >= G else None
     try:
-        p.wait_ready(300)
-        return wait_until(first_group, 120, "records of the restarted producer", [p], interval_s=2.0)
+        p.wait_ready(120, progress=working(p))
+        return wait_until(first_group, 120, "records of the restarted producer", [p], interval_s=2.0,
+                          progress=working(p))
     except PipelineError:
         return []
 
 
-@pytest.mark.timeout(300)
-def test_restarted_producer_rejoins_at_the_latest_version(stack):
+@pytest.mark.timeout(1500)
+def test_restarted_producer_rejoins_at_the_latest_version(stack, crash):
     """Its first records carry at least the version announced before it restarted.
 
     The consumer was frozen from before the restart until these records were on the topic, so
@@ -332,29 +352,30 @@ def _unblock(stack) -> None:
     finally:
         feeder.pub.close()
     wait_until(lambda: p.metric("rlstream_producer_trainer_version") > v, 120, "the producer follows again",
-               [p, stack.consumer])
+               [p, stack.consumer], progress=working(p, stack.consumer))
 
 
-@pytest.mark.timeout(300)
-def test_restarted_producer_does_not_reuse_group_ids(stack):
-    assert stack.old_groups, "the crash phase did not run"
+@pytest.mark.timeout(1500)
+def test_restarted_producer_does_not_reuse_group_ids(stack, crash):
+    assert stack.old_groups  # the crash fixture read them
     _unblock(stack)
     wait_until(lambda: len(_of_restarted(stack)) >= G, 120, "records of the restarted producer", [stack.producer],
-               interval_s=2.0)
+               interval_s=2.0, progress=working(stack.producer))
     new = {r.group_id for r in _of_restarted(stack)}
     assert new and not new & stack.old_groups, sorted(new & stack.old_groups)[:5]
 
 
 # ------------------------------------------------------------------ 3. broker outage
 
-@pytest.mark.timeout(900)
-def test_broker_outage_backpressure_retry_and_nothing_lost(stack):
+@pytest.mark.timeout(1500)
+def test_broker_outage_backpressure_retry_and_nothing_lost(stack, crash):
     from common.kafka.broker import kafka_ping
 
     p, c, broker = stack.producer, stack.consumer, stack.broker
     assert p.alive and c.alive
     _unblock(stack)
-    wait_until(lambda: p.metric("rlstream_producer_samples_total") >= 4 * G, 300, "steady state", [p, c])
+    wait_until(lambda: p.metric("rlstream_producer_samples_total") >= 4 * G, 120, "steady state", [p, c],
+               progress=working(p, c))
     held0 = p.metric("rlstream_producer_held_back_total")
     acked0 = p.metric("rlstream_published_records_total")
     samples0 = p.metric("rlstream_producer_samples_total")
@@ -382,8 +403,9 @@ def test_broker_outage_backpressure_retry_and_nothing_lost(stack):
 
     # after the broker returns: the backlog is delivered, generation and training continue
     wait_until(lambda: p.metric("rlstream_published_records_total") > acked0 + depth, 120,
-               "the backlog delivered", [p, c])
-    wait_until(lambda: max(audit_steps(stack.ckpt), default=0) >= steps0 + 3, 300, "consumer continues", [p, c])
+               "the backlog delivered", [p, c], progress=working(p, c))
+    wait_until(lambda: max(audit_steps(stack.ckpt), default=0) >= steps0 + 3, 120, "consumer continues", [p, c],
+               progress=working(p, c))
     assert c.alive, c.log_tail()
     print("\nbroker outage:", {"held_back": held, "generated_during": generated_during, "buffer_depth": depth,
                                "retries": p.metric("rlstream_publish_retries_total")})
@@ -399,7 +421,8 @@ def test_broker_outage_backpressure_retry_and_nothing_lost(stack):
     assert acked >= samples  # samples finished before the drain; the drain finished the in-flight ones
 
     # the consumer: nothing trained twice across everything, no partial group trained
-    wait_until(lambda: c.try_metric("rlstream_consumer_lag_records") == 0, 120, "consumer caught up", [c])
+    wait_until(lambda: c.try_metric("rlstream_consumer_lag_records") == 0, 120, "consumer caught up", [c],
+               progress=working(c))
     assert c.stop(timeout_s=120) == 0, c.log_tail()
     steps = audit_steps(stack.ckpt)
     trained = [rid for ids in steps.values() for rid in ids]

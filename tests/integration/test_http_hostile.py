@@ -338,10 +338,10 @@ def test_agent_fields_refused_with_value_error_get_a_400_naming_the_field():
     from common.config import AgentEndpointSettings
     from producer.agent_http import AgentHttp
 
-    def call(kind, eid, body, wait):
+    def submit(kind, eid, body):
         raise ValueError(f"temperature: {body.get('temperature')!r} is not a number")
 
-    agents = SimpleNamespace(engine=SimpleNamespace(model_dir=Path("tiny")), base_url="", call=call)
+    agents = SimpleNamespace(engine=SimpleNamespace(model_dir=Path("tiny")), base_url="", submit=submit)
     http = AgentHttp(AgentEndpointSettings(token=TOKEN), agents).start()
     try:
         auth = {"Authorization": f"Bearer {TOKEN}"}
@@ -403,3 +403,58 @@ def test_handlers_beyond_max_requests_get_503_at_once_and_healthz_still_answers(
         for c in conns:
             c.close()
         s.stop()
+
+
+def test_agent_calls_wait_without_threads_and_beyond_max_calls_get_503():
+    """A chat call waits for its turn without a thread (on c99ceb0 each waiting call held a worker
+    thread, up to max_connections = 1024 of them); the call beyond producer.agent_endpoint.max_calls
+    is answered at once with 503, Retry-After and type `unavailable`, and never reaches the engine."""
+    import concurrent.futures as cf
+    from http.client import HTTPConnection
+    from types import SimpleNamespace
+
+    from common import metrics
+    from common.config import AgentEndpointSettings
+    from producer.agent_http import AgentHttp
+    from producer.rollout.agents import AgentEpisodes
+
+    queued: list[cf.Future] = []
+
+    def submit(kind, eid, body):
+        queued.append(cf.Future())
+        return queued[-1]
+
+    agents = SimpleNamespace(engine=SimpleNamespace(model_dir=Path("tiny")), base_url="", closed=False,
+                             submit=submit)
+    agents.answer = AgentEpisodes.answer.__get__(agents)  # the real wait, on a stand-in engine side
+    http = AgentHttp(AgentEndpointSettings(token=TOKEN, max_calls=3), agents).start()
+    auth = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+    body = json.dumps({"messages": [{"role": "user", "content": "1+1="}]})
+    refused0 = metrics.value("rlstream_http_refused_total", reason="calls") or 0
+    conns = []
+    try:
+        threads0 = threading.active_count()
+        for i in range(3):
+            conns.append(HTTPConnection("127.0.0.1", http.port, timeout=10))
+            conns[-1].request("POST", f"/v1/episodes/{i:016x}/chat/completions", body=body, headers=auth)
+        for _ in range(100):
+            if len(queued) == 3:
+                break
+            time.sleep(0.05)
+        assert len(queued) == 3 and http.waiting == 3
+        assert threading.active_count() <= threads0, "a waiting call holds a thread"
+        extra = HTTPConnection("127.0.0.1", http.port, timeout=10)
+        extra.request("POST", "/v1/episodes/00000000000000ff/chat/completions", body=body, headers=auth)
+        r = extra.getresponse()
+        err = json.loads(r.read())["error"]
+        assert (r.status, r.getheader("Retry-After"), err["type"]) == (503, "1", "unavailable"), err
+        assert "3 calls are waiting on the engine" in err["message"] and len(queued) == 3
+        assert metrics.value("rlstream_http_refused_total", reason="calls") - refused0 == 1
+        for i, f in enumerate(queued):
+            f.set_result((200, {"turn": i}))
+        assert [json.loads(c.getresponse().read()) for c in conns] == [{"turn": i} for i in range(3)]
+        assert http.waiting == 0
+    finally:
+        for c in conns:
+            c.close()
+        http.stop()

@@ -89,7 +89,8 @@ def producer(broker, tiny_model_dir, tmp_path_factory):
                      "prompts": {"type": "jsonl", "path": str(tmp / "data" / "train.jsonl")},
                      "http": {"port": port}, "max_groups_in_flight": 8, "run_file": str(tmp / "producer.run.json"),
                      "engine": {"kv_cache_memory_bytes": 64 << 20, "max_model_len": 64}},
-        "consumer": {"group_size": G, "groups_per_batch": B}})
+        # the store the test writes versions into as the trainer: producers take weights only from it
+        "consumer": {"group_size": G, "groups_per_batch": B, "weight_store_dir": str(tmp / "weights")}})
     ensure_data(cfg, n_train=64, n_heldout=8)
     announce_trainer_start(kafka)
     path = tmp / "producer.yaml"

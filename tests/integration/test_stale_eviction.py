@@ -18,6 +18,7 @@ from common import metrics
 from common.config import RlstreamConfig
 from common.control.messages import TrainerProgress
 from tests.fixtures.kafka import make_kafka_settings
+from tests.support.configs import ADMIN_TOKEN
 from tests.integration.test_producer_service import read_all
 
 pytestmark = [pytest.mark.broker, pytest.mark.vllm, pytest.mark.slow]
@@ -27,6 +28,7 @@ G, B, GROUPS, MAX_TOKENS = 2, 2, 4, 120
 
 def _service(broker, tiny_model_dir, tmp_path, engine):
     from common.control.plane import ControlPlaneWriter
+    from common.control.signing import signing_key
     from common.toy.build import ensure_data
     from producer.service import ProducerService
 
@@ -35,10 +37,11 @@ def _service(broker, tiny_model_dir, tmp_path, engine):
         "kafka": kafka.model_dump(), "model": {"path": str(tiny_model_dir), "build_tiny": False},
         "staleness": {"max_staleness": 4},
         "producer": {"group_size": G, "max_groups_in_flight": GROUPS, "max_tokens": MAX_TOKENS,
-                     "prompts": {"type": "jsonl", "path": str(tmp_path / "data" / "train.jsonl")}},
+                     "prompts": {"type": "jsonl", "path": str(tmp_path / "data" / "train.jsonl")},
+                     "http": {"admin_token": ADMIN_TOKEN}},
         "consumer": {"group_size": G, "groups_per_batch": B}})
     ensure_data(cfg, n_train=32, n_heldout=4)
-    writer = ControlPlaneWriter(kafka)
+    writer = ControlPlaneWriter(kafka, signing_key(ADMIN_TOKEN))
     # the trainer at version 2, the engine at 0: within the bound of 4, admission fills the slots
     writer.announce(TrainerProgress(trainer_version=2, groups_per_batch=B, group_size=G))
     svc = ProducerService(cfg, broker.bootstrap)

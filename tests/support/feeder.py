@@ -147,30 +147,35 @@ class PolicyVersion:
 
 def flush_half_batch(kafka: KafkaSettings, checkpoint_dir: Path, consumer: Service, G: int, B: int,
                      seed: int = 99, on_publish=None, version_of=None) -> None:
-    """Publish fresh synthetic groups one at a time until a step takes one.
+    """Publish fresh synthetic groups until a step takes the consumer's last, incomplete batch.
 
-    After the consumer read everything, fewer than B kept groups may wait for
-    their batch; a step that took a filler emptied that wait (each filler is
-    fresh, so kept). `on_publish(rollouts)` sees every filler record;
+    Call it once the consumer read everything and holds no partial group: what it
+    holds (`rlstream_consumer_held_records`) are then kept groups waiting for their
+    batch, so B minus those fresh fillers complete it and one step takes them all
+    (each filler is fresh, so kept). Should a held group be dropped as stale when
+    gated, the step does not come: one more filler is published after 20 s without
+    one, up to B more. `on_publish(rollouts)` sees every filler record;
     `version_of()` gives the fillers' version (default: the step count, which
     is the version while the consumer never restarted).
     """
     from common.kafka.publisher import RolloutPublisher
 
     rng = np.random.default_rng(seed)
+    waiting = int(consumer.try_metric("rlstream_consumer_held_records", 0) or 0) // G % B
+    lines = audit_lines(checkpoint_dir)  # progress is a new audit line: a redo repeats step numbers
     with RolloutPublisher(kafka) as pub:
-        for i in range(B):
-            # progress is a new audit line: after a restart the step numbers of a redo repeat
-            lines = audit_lines(checkpoint_dir)
+        for i in range(B - waiting + B):
             version = max(audit_steps(checkpoint_dir), default=0) if version_of is None else version_of()
             fill = synthetic_group(f"filler-{seed}-{i}", G, version, rng)
             publish_groups(pub, [fill])
             if on_publish is not None:
                 on_publish(fill)
+            if i < B - waiting - 1:
+                continue  # the batch is not complete yet: no step to wait for
             try:
-                wait_until(lambda: audit_lines(checkpoint_dir) > lines,
-                           20 if i < B - 1 else 120, "a step taking the filler", [consumer])
+                wait_until(lambda: audit_lines(checkpoint_dir) > lines, 20 if i < 2 * B - waiting - 1 else 120,
+                           "a step taking the fillers", [consumer])
                 return
             except PipelineError:
-                if i == B - 1:
+                if i == 2 * B - waiting - 1:
                     raise

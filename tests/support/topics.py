@@ -57,3 +57,39 @@ def send_raw(kafka: KafkaSettings, topic: str, key: bytes | None, value: bytes) 
         p.send(topic, key=key, value=value).get(timeout=30)
     finally:
         p.close(timeout=10)
+
+
+def append_batches(bootstrap: str, topic: str, partition: int, n: int, value: bytes = b"x" * 64,
+                   timeout_s: float = 120.0) -> None:
+    """Append `n` one-record batches to `topic`/`partition`: n ProduceRequests (acks=1) written
+    back to back on one connection, then their n answers read. A partition the length of hours
+    of a pipeline's traffic in seconds (a client producer sends a few thousand requests a second:
+    tansu stores one batch per produce request, and its fetch time grows with their number)."""
+    import socket
+    import struct
+
+    from kafka.protocol.producer.produce import ProduceRequest
+    from kafka.record.memory_records import MemoryRecordsBuilder
+
+    from common.kafka.broker import recv_exact
+
+    builder = MemoryRecordsBuilder(magic=2, compression_type=0, batch_size=1 << 20)
+    builder.append(0, None, value, [])
+    builder.close()
+    data = ProduceRequest.TopicProduceData(name=topic, partition_data=[
+        ProduceRequest.TopicProduceData.PartitionProduceData(index=partition, records=builder.buffer())])
+    request = ProduceRequest(transactional_id=None, acks=1, timeout_ms=30_000, topic_data=[data], version=3)
+    request.with_header(correlation_id=0, client_id="rlstream-test")
+    template = bytearray(request.encode(header=True, framed=True))
+    host, port = bootstrap.split(",")[0].strip().rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=timeout_s) as s:
+        for i in range(0, n, 1000):
+            chunk = range(i, min(n, i + 1000))
+            out = bytearray()
+            for j in chunk:  # framed: size, api key, api version, then the correlation id
+                struct.pack_into(">i", template, 8, j)
+                out += template
+            s.sendall(out)
+            for _ in chunk:  # the answers of this thousand before the next
+                (size,) = struct.unpack(">i", recv_exact(s, 4))
+                recv_exact(s, size)

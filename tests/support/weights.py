@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -58,18 +59,36 @@ class corrupting:
     `thread`: only that thread's sends, e.g. the fan-out group's ("rlstream-weights-fanout"), so
     the copies re-sent over the producers' own links afterwards go out intact."""
 
-    def __init__(self, on: bool, thread: str | None = None):
-        self.on, self.thread, self.sent = on, thread, {}
+    def __init__(self, on: bool, thread: str | None = None, transport: str = "gloo"):
+        self.on, self.thread, self.sent, self.transport = on, thread, {}, transport
 
     def __enter__(self):
+        from common.gpu_standin.ring import Ring
         from common.weights.chain import ChainLink
         from common.weights.link import GlooPair
 
-        self.saved = [(cls, cls.send) for cls in (GlooPair, ChainLink)]  # a link's own, the fan-out group's
+        # the wire: gloo's pairs (a link's own, the fan-out group's), or the NCCL stand-in's sockets
+        classes = (Ring,) if self.transport == "nccl-standin" else (GlooPair, ChainLink)
+        self.saved = [(cls, cls.send if cls is not Ring else cls._send) for cls in classes]
         if self.on:
             for cls, orig in self.saved:
-                cls.send = self._flipping(orig)
+                if cls is Ring:
+                    cls._send = self._flipping_bytes(orig)
+                else:
+                    cls.send = self._flipping(orig)
         return self
+
+    def _flipping_bytes(self, orig):
+        def send(ring, peer, buf):
+            me = threading.current_thread().name
+            if len(buf) > 1024 and self.thread in (None, me):  # a chunk of the packed version
+                self.sent[me] = self.sent.get(me, 0) + 1
+                if self.sent[me] == 2:
+                    b = bytearray(buf)
+                    b[len(b) // 2] ^= 0xFF
+                    buf = memoryview(b)
+            return orig(ring, peer, buf)
+        return send
 
     def _flipping(self, orig):
         def send(pair, t):
@@ -83,8 +102,10 @@ class corrupting:
         return send
 
     def __exit__(self, *exc):
+        from common.gpu_standin.ring import Ring
+
         for cls, orig in self.saved:
-            cls.send = orig
+            setattr(cls, "_send" if cls is Ring else "send", orig)
 
 
 class TrainerSide:
@@ -95,12 +116,13 @@ class TrainerSide:
         msg = trainer.publish(1, tensors, durable=True)   # WeightsReady(transport=collective, ...)
     """
 
-    def __init__(self, store_dir: Path, model_dir, timeout_s: float = 20.0, writer=None):
+    def __init__(self, store_dir: Path, model_dir, timeout_s: float = 20.0, writer=None,
+                 backend: str = "rlstream_gloo"):
         from common.config import WeightSyncSettings
         from common.weights.store import WeightStore
         from consumer.weights.sender import WeightSender
 
-        self.sender = WeightSender(WeightSyncSettings(timeout_s=timeout_s))
+        self.sender = WeightSender(WeightSyncSettings(timeout_s=timeout_s), backend=backend)
         self.store = WeightStore(store_dir, keep=20)
         self.model_dir, self.writer = model_dir, writer
         self.snapshot = None
@@ -136,47 +158,58 @@ class TrainerSide:
 
 class WorkerProcesses:
     """A producer engine of `n` workers (tensor_parallel_size n) as the trainer link sees it,
-    without a model: each worker is a process running the real receiving engine
-    (producer/weights/gloo_engine.py RlstreamGlooEngine: its rank from the init info, the
-    gloo group, the background receive and its digests), driven like vLLM's
-    `collective_rpc` (every worker runs each call; the engine's status combines theirs).
+    without a model: each worker is a process running the real receiving engine, driven
+    like vLLM's `collective_rpc` (every worker runs each call; the engine's status
+    combines theirs).
+    - `rlstream_gloo`: producer/weights/gloo_engine.py RlstreamGlooEngine (its rank from the
+      init info, the gloo group, the background receive and its digests);
+    - `nccl`: vLLM's own NCCLWeightTransferEngine over the CPU stand-ins (common/gpu_standin/):
+      vLLM parses the init payload, joins the group at the worker's rank offset and runs its
+      packed receive; the update is rlstream's folded update (producer/weights/verified_update.py)
+      under its watchdog. Only the model is light: it keeps what it is given to load.
 
         with WorkerProcesses(2) as engine:
             link = TrainerLink(engine, endpoint, "p0", timeout_s)
     """
 
-    weight_transfer = "rlstream_gloo"
-
-    def __init__(self, n: int, timeout_s: float = 60.0):
+    def __init__(self, n: int, timeout_s: float = 60.0, backend: str = "rlstream_gloo", device_base: int = 1):
         import multiprocessing as mp
 
         # spawn, not fork: libgomp is not fork-safe. After earlier tests of the session started
         # an OpenMP team (vLLM's CPU worker binds threads and then refuses torch.set_num_threads),
         # a forked worker hung or segfaulted in gomp_team_start at its first parallel copy.
         ctx = mp.get_context("spawn")
-        self.weight_workers, self.timeout_s = n, timeout_s
+        self.weight_workers, self.timeout_s, self.weight_transfer = n, timeout_s, backend
         self._conns, self._procs = [], []
+        main = _nccl_worker_main if backend == "nccl" else _worker_main
         for rank in range(n):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker_main, args=(child, rank, n), daemon=True)
+            args = (child, rank, n, device_base) if backend == "nccl" else (child, rank, n)
+            p = ctx.Process(target=main, args=args, daemon=True)
             p.start()
             self._conns.append(parent)
             self._procs.append(p)
 
-    def _rpc(self, op: str, **kw) -> list:
+    def _rpc(self, op: str, wait_s: float | None = None, **kw) -> list:
+        """Every worker runs `op`; their answers. Calls are numbered: an answer that comes
+        after its call timed out is dropped, never taken for the next call's."""
+        self._seq = getattr(self, "_seq", 0) + 1
         for c in self._conns:
-            c.send((op, kw))
-        out = []
-        for c in self._conns:
-            if not c.poll(self.timeout_s):
-                raise TimeoutError(f"worker did not answer {op!r} within {self.timeout_s} s")
-            ok, value = c.recv()
+            c.send((self._seq, op, kw))
+        return [self._answer(c, op, wait_s or self.timeout_s) for c in self._conns]
+
+    def _answer(self, c, op: str, wait_s: float):
+        deadline = time.monotonic() + wait_s
+        while c.poll(max(0.0, deadline - time.monotonic())):
+            seq, ok, value = c.recv()
+            if seq != self._seq:
+                continue
             if not ok:
                 from common.errors import WeightTransferError
 
                 raise WeightTransferError(value)
-            out.append(value)
-        return out
+            return value
+        raise TimeoutError(f"worker did not answer {op!r} within {wait_s} s")
 
     # what producer/weights/trainer_link.py calls on producer.engine.RolloutEngine
     def init_weight_link(self, init_info: dict) -> None:
@@ -193,6 +226,22 @@ class WorkerProcesses:
     def discard_weights(self) -> None:
         self._rpc("discard")
 
+    def load_weight_update(self, update_info: dict, timeout_s: float) -> str:
+        """nccl: receive and load now, as producer.engine.RolloutEngine does (the workers must agree)."""
+        from common.errors import WeightTransferError
+
+        digests = self._rpc("update", update_info=update_info, timeout_s=timeout_s)
+        if len(set(digests)) != 1:
+            raise WeightTransferError(f"the engine's workers received different bytes: {sorted(set(digests))}")
+        return digests[0]
+
+    def close_weight_link(self) -> None:
+        self._rpc("shutdown")
+
+    def ready(self, timeout_s: float = 600.0) -> None:
+        """Every worker has started (spawned: each imports vLLM first, 10-60 s on a busy machine)."""
+        self._rpc("ready" if self.weight_transfer == "nccl" else "status", wait_s=timeout_s)
+
     def received(self) -> list[dict[str, torch.Tensor]]:
         """Each worker's received tensors (clones)."""
         return self._rpc("tensors")
@@ -207,7 +256,7 @@ class WorkerProcesses:
     def close(self) -> None:
         for c in self._conns:
             try:
-                c.send(("close", {}))
+                c.send((-1, "close", {}))
             except (OSError, BrokenPipeError):
                 pass
         for p in self._procs:
@@ -222,6 +271,86 @@ class WorkerProcesses:
         self.close()
 
 
+def _serve(conn, rank: int, calls: dict) -> None:
+    """A worker's RPC loop: run each numbered call the parent sends, answer (number, ok, value)."""
+    while True:
+        seq, op, kw = conn.recv()
+        try:
+            conn.send((seq, True, calls[op](**kw)))
+        except Exception as e:  # noqa: BLE001 - reported to the parent, as collective_rpc does
+            conn.send((seq, False, f"worker {rank}: {e}"))
+        if op == "close":
+            return
+
+
+class _KeepingModel(torch.nn.Module):
+    """A model that keeps what it is given to load (clones: the packed buffers are reused)."""
+
+    def __init__(self):
+        super().__init__()
+        self.received: dict[str, torch.Tensor] = {}
+
+    def load_weights(self, weights):
+        for name, t in weights:
+            self.received[name] = t.to("cpu", copy=True)
+        return set()
+
+
+class _LightWorker:
+    """vLLM's Worker weight-update calls on `engine`, without a model runner: start, update
+    and finish go to the engine as the Worker's do, less its layerwise reload of a real model."""
+
+    def __init__(self, engine):
+        self.weight_transfer_engine = engine
+
+    def start_weight_update(self) -> None:
+        self.weight_transfer_engine.model.received.clear()
+
+    def update_weights(self, update_info: dict) -> None:
+        self.weight_transfer_engine.update_weights(update_info)  # vLLM's parse + packed receive
+
+    def finish_weight_update(self) -> None:
+        pass
+
+
+def _nccl_worker_main(conn, rank: int, n: int, device_base: int = 1) -> None:
+    """One worker: vLLM's NCCLWeightTransferEngine (TP n, this rank), over the CPU stand-ins, or
+    on a GPU machine on CUDA device `device_base + rank` (the trainer holds device 0)."""
+    import os
+    from types import SimpleNamespace
+
+    torch.set_num_threads(1)
+    from common import gpu_standin
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(device_base + rank)
+        device = torch.device("cuda", device_base + rank)
+    else:
+        os.environ[gpu_standin.ENV] = "1"
+        gpu_standin.install()
+        device = torch.device("cpu")
+    from vllm.config.weight_transfer import WeightTransferConfig
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+    # what the receive imports, imported now as a vLLM worker has (it loaded a model at start)
+    from vllm.model_executor.model_loader import mtp_validation  # noqa: F401
+
+    from producer.weights.verified_update import update_weights_folded
+
+    parallel = SimpleNamespace(world_size=n, rank=rank, data_parallel_index=0)
+    engine = NCCLWeightTransferEngine(WeightTransferConfig(backend="nccl"),
+                                      SimpleNamespace(parallel_config=parallel, model_config=None),
+                                      device, _KeepingModel())
+    worker = _LightWorker(engine)
+    _serve(conn, rank, {
+        "init": lambda init_info: engine.init_transfer_engine(engine.parse_init_info(init_info)),
+        "update": lambda update_info, timeout_s: update_weights_folded(worker, update_info, timeout_s),
+        "shutdown": engine.shutdown,
+        "tensors": lambda: dict(engine.model.received),
+        "ready": lambda: True,
+        "close": engine.shutdown,
+    })
+
+
 def _worker_main(conn, rank: int, n: int) -> None:
     """One worker: the real RlstreamGlooEngine on a stub vLLM config (TP n, this rank)."""
     from types import SimpleNamespace
@@ -233,22 +362,11 @@ def _worker_main(conn, rank: int, n: int) -> None:
     parallel = SimpleNamespace(world_size=n, rank=rank, data_parallel_index=0)
     engine = RlstreamGlooEngine(None, SimpleNamespace(parallel_config=parallel, model_config=None), "cpu",
                                 torch.nn.Module())
-    while True:
-        op, kw = conn.recv()
-        try:
-            if op == "close":
-                engine.shutdown()
-                return
-            if op == "init":
-                value = engine.init_transfer_engine(engine.parse_init_info(kw["init_info"]))
-            elif op == "receive":
-                value = engine.receive_weights(RlstreamGlooUpdateInfo(op="receive"))
-            elif op == "discard":
-                value = engine.receive_weights(RlstreamGlooUpdateInfo(op="discard"))
-            elif op == "status":
-                value = engine.status()
-            elif op == "tensors":
-                value = {name: t.clone() for name, t in engine._staged.tensors()}
-            conn.send((True, value))
-        except Exception as e:  # noqa: BLE001 - reported to the parent, as collective_rpc does
-            conn.send((False, f"worker {rank}: {e}"))
+    _serve(conn, rank, {
+        "init": lambda init_info: engine.init_transfer_engine(engine.parse_init_info(init_info)),
+        "receive": lambda: engine.receive_weights(RlstreamGlooUpdateInfo(op="receive")),
+        "discard": lambda: engine.receive_weights(RlstreamGlooUpdateInfo(op="discard")),
+        "status": engine.status,
+        "tensors": lambda: {name: t.clone() for name, t in engine._staged.tensors()},
+        "close": engine.shutdown,
+    })

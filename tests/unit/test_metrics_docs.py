@@ -24,6 +24,7 @@ DOC = ROOT / "docs" / "metrics.md"
 DECLARING_MODULES = {
     "common.kafka.publisher": "producer",
     "common.kafka.reader": "consumer",
+    "common.kafka.fetch_wait": "both",
     "common.control.plane": "both",
     "common.control.http": "both",
     "common.control.liveness": "both",
@@ -32,6 +33,7 @@ DECLARING_MODULES = {
     "producer.prompts": "producer",
     "producer.mathjudge": "producer",
     "consumer.telemetry": "consumer",
+    "consumer.intake": "consumer",
 }
 KINDS = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
 NON_BASE_UNITS = ("_ms", "_milliseconds", "_microseconds", "_us", "_ns", "_minutes", "_hours",

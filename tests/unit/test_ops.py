@@ -44,8 +44,13 @@ def load_yaml_docs(path: Path) -> list:
 
 @functools.lru_cache(maxsize=1)
 def k8s_docs() -> tuple[dict, ...]:
-    return tuple(d for p in sorted(K8S.glob("*.yaml")) if p.name != "kustomization.yaml"
-                 for d in load_yaml_docs(p))
+    """The base's documents and the monitoring overlay's."""
+    return tuple(d for p in sorted([*K8S.glob("*.yaml"), *K8S.glob("monitoring/*.yaml")])
+                 if p.name != "kustomization.yaml" for d in load_yaml_docs(p))
+
+
+def k8s_container_env(workload: dict) -> dict[str, str]:
+    return {e["name"]: str(e.get("value", "x")) for e in _container(workload).get("env", [])}
 
 
 def find(kind: str, name: str) -> dict:
@@ -111,6 +116,12 @@ def test_k8s_documents_are_well_formed():
             assert d["metadata"].get("namespace") == "rlstream", d["metadata"]["name"]
     kust = yaml.safe_load((K8S / "kustomization.yaml").read_text())
     assert set(kust["resources"]) == {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
+    # `kubectl apply -k ops/k8s` must work without the Prometheus Operator: no ServiceMonitor in the
+    # base; the monitoring overlay adds them on top of it
+    base = [d for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml" for d in load_yaml_docs(p)]
+    assert "ServiceMonitor" not in {d["kind"] for d in base}
+    overlay = yaml.safe_load((K8S / "monitoring" / "kustomization.yaml").read_text())
+    assert overlay["resources"] == ["..", "servicemonitor.yaml"]
 
 
 def test_k8s_configmap_holds_a_valid_rlstream_config(tmp_path):
@@ -425,6 +436,19 @@ def test_dockerfile_builds_the_gpu_image():
     assert re.search(r"^FROM \$\{CUDA_IMAGE\}", text, re.M) and "nvidia/cuda:" in text
     assert 'pip install ".[gpu,tasks]"' in text and 'ENTRYPOINT ["rlstream"]' in text
     assert "python3.11" in text  # pyproject: requires-python >=3.11,<3.12
+
+
+def test_the_image_has_verbs_wherever_a_manifest_asks_for_rdma():
+    """NCCL's IB transport dlopens libibverbs and silently falls back to sockets without it: a
+    manifest that requests an rdma/ device or enables NCCL's IB needs it (and the mlx5 provider)
+    in the image, or the RDMA settings do nothing."""
+    wants_rdma = [d["metadata"]["name"] for d in k8s_docs() if d["kind"] in ("Deployment", "JobSet")
+                  if any(k.startswith("rdma/") for k in _container(d).get("resources", {}).get("requests", {}))
+                  or k8s_container_env(d).get("NCCL_IB_DISABLE") == "0"]
+    assert wants_rdma, "no manifest asks for RDMA: drop this test"
+    apt = " ".join(re.findall(r"apt-get install[^&]*", (OPS / "Dockerfile").read_text().replace("\\\n", " ")))
+    for package in ("libibverbs1", "ibverbs-providers"):
+        assert package in apt, f"{wants_rdma} ask for RDMA but the image installs no {package}"
 
 
 def test_dockerfile_cuda_base_matches_the_pinned_torch_build():

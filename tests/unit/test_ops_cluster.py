@@ -104,6 +104,29 @@ def test_advertised_host_is_what_the_sender_announces(monkeypatch):
     assert WeightSyncSettings(host="0.0.0.0", advertise_host="consumer").advertised_host() == "consumer"
 
 
+def test_a_wildcard_endpoint_whose_name_resolves_to_loopback_is_refused_at_start(monkeypatch):
+    """Where /etc/hosts maps this machine's FQDN to 127.0.1.1 (Ubuntu, cloud-init), announcing it
+    would put the NCCL rendezvous where no producer on another host reaches it: every init would
+    time out. The sender refuses to start and names the setting; a name that resolves elsewhere,
+    or an explicit advertise_host, is taken."""
+    import socket
+
+    from common.config import WeightSyncSettings
+    from common.errors import ConfigError
+    from consumer.weights.sender import dialable_host
+
+    resolves = {"trainer-0.example": "127.0.1.1", "trainer-1.example": "10.0.0.7"}
+    monkeypatch.setattr(socket, "getaddrinfo", lambda host, *a, **k: [(2, 1, 6, "", (resolves[host], 0))])
+    monkeypatch.setattr(socket, "getfqdn", lambda: "trainer-0.example")
+    with pytest.raises(ConfigError, match="loopback") as e:
+        dialable_host(WeightSyncSettings(host="0.0.0.0"))
+    assert e.value.key == "consumer.weights.advertise_host"
+    assert dialable_host(WeightSyncSettings(host="0.0.0.0", advertise_host="trainer-0.example")) == "trainer-0.example"
+    assert dialable_host(WeightSyncSettings()) == "127.0.0.1"  # the default listens on loopback only: one host
+    monkeypatch.setattr(socket, "getfqdn", lambda: "trainer-1.example")
+    assert dialable_host(WeightSyncSettings(host="0.0.0.0")) == "trainer-1.example"
+
+
 def k8s_container_env(workload: dict) -> dict[str, str]:
     """The container's literal env values, secrets replaced by a placeholder."""
     return {e["name"]: e.get("value", "x") for e in _container(workload)["env"]}

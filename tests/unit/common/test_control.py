@@ -303,20 +303,61 @@ def test_slow_clients_are_timed_out_and_others_are_served_meanwhile(strict_http)
     assert calls == []
 
 
-def test_connections_beyond_the_limit_are_closed_at_accept(strict_http):
+def test_connections_beyond_the_limit_get_503_with_retry_after(strict_http):
+    """On c99ceb0 the connection was closed without an answer (the client saw an empty reply)."""
     import socket
     import time
 
+    from common import metrics
+
     s, _ = strict_http
+    refused0 = metrics.value("rlstream_http_refused_total", reason="connections") or 0
     held = [socket.create_connection(("127.0.0.1", s.port), timeout=5) for _ in range(4)]
     try:
         time.sleep(0.3)
         with socket.create_connection(("127.0.0.1", s.port), timeout=5) as extra:
-            extra.sendall(b"GET /healthz HTTP/1.1\r\n\r\n")
-            assert extra.recv(100) == b""  # closed without an answer
+            extra.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            answer = b""
+            while chunk := extra.recv(4096):
+                answer += chunk
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503 ") and b"\r\nRetry-After: 1" in head, answer
+        assert json.loads(body) == {"error": "too many connections open; retry shortly"}
+        assert metrics.value("rlstream_http_refused_total", reason="connections") - refused0 == 1
     finally:
         for c in held:
             c.close()
     time.sleep(1.5)  # the held ones time out and free their slots
     with urllib.request.urlopen(s.url + "/healthz", timeout=5) as r:
         assert r.status == 200
+
+
+# ---------------------------------------------------------------- signed control records
+
+def test_control_records_verify_only_with_the_deployments_key_and_unchanged():
+    from common.control.signing import HEADER, UnverifiedRecord, publish, signature, signing_key, verify
+
+    key, other = signing_key("tok"), signing_key("another")
+    assert signing_key(None) is None and signing_key("") is None and key != other and b"tok" not in key
+    k, v = encode_control("paused", True, by="admin")
+    sent = []
+
+    class Producer:
+        def send(self, topic, key, value, headers):
+            sent.append((topic, key, value, headers))
+            return "future"
+
+    assert publish(Producer(), "t.control", k, v, key) == "future"
+    (_, k2, v2, headers), = sent
+    verify(key, k2, v2, headers)  # passes
+    cases = {"no_key": (None, k, v, headers), "unsigned": (key, k, v, []),
+             "bad_signature": (other, k, v, headers)}
+    cases["bad_signature "] = (key, b"max_staleness", v, headers)  # the signature moved to another key
+    cases["bad_signature  "] = (key, k, v.replace(b"true", b"false"), headers)  # the value changed
+    cases["bad_signature   "] = (key, k, v, [(HEADER, b"v1:" + b"0" * 64)])
+    cases["bad_signature    "] = (key, k, v, headers * 2)  # two signatures: refused, not "any of them"
+    for reason, args in cases.items():
+        with pytest.raises(UnverifiedRecord) as e:
+            verify(*args)
+        assert e.value.reason == reason.strip()
+    assert signature(key, b"ab", b"c") != signature(key, b"a", b"bc")  # length-prefixed parts

@@ -153,22 +153,62 @@ def test_metrics_are_evaluated_at_scrape_time(clock):
 
 # ----------------------------------------------------------------- readiness
 
-def test_readiness_needs_initialised_a_reachable_broker_and_not_stopping():
-    with socket.socket() as srv:
-        srv.bind(("127.0.0.1", 0))
-        srv.listen()
-        up = f"127.0.0.1:{srv.getsockname()[1]}"
-        r = Readiness(f"PLAINTEXT://127.0.0.1:1, {up}")  # any bootstrap server will do
+class ApiVersionsServer:
+    """A socket that answers each connection's ApiVersions request as a Kafka broker does
+    (`answer`), or accepts and stays silent (a frozen broker: the kernel accepts for it)."""
+
+    def __init__(self, answer: bool):
+        import struct
+
+        self.srv = socket.create_server(("127.0.0.1", 0))
+        self.bootstrap = f"127.0.0.1:{self.srv.getsockname()[1]}"
+        body = struct.pack(">ihi", 0x5EED, 0, 1) + struct.pack(">hhh", 18, 0, 3)  # correlation id, no error, 1 api
+        self._reply = struct.pack(">i", len(body)) + body if answer else b""
+        self._held: list[socket.socket] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                c, _ = self.srv.accept()
+            except OSError:
+                return
+            self._held.append(c)
+            if self._reply:
+                c.recv(1024)
+                c.sendall(self._reply)
+
+    def close(self) -> None:
+        self.srv.close()
+        for c in self._held:
+            c.close()
+
+
+def test_readiness_needs_initialised_a_broker_that_answers_every_check_and_not_stopping():
+    up, silent = ApiVersionsServer(answer=True), ApiVersionsServer(answer=False)
+    problems: list[str] = []
+    try:
+        r = Readiness(f"PLAINTEXT://127.0.0.1:1, {up.bootstrap}", timeout_s=0.5, export=False)  # any server will do
+        r.add_check(lambda: list(problems))
         assert r.check() == (False, {"reasons": ["initialising"]})
         r.initialised()
         assert r.check({"v": 1}) == (True, {"v": 1})
+        problems.append("intake starved")
+        assert r.check() == (False, {"reasons": ["intake starved"]})
         r.stopping()
         assert r.check() == (False, {"reasons": ["stopping"]})
-    down = Readiness(up)
-    down.initialised()
-    ok, details = down.check()
-    assert not ok and "does not accept connections" in details["reasons"][0]
-    assert not broker_reachable("nonsense")
+        for bootstrap, why in ((silent.bootstrap, "accepts connections but answered no Kafka request within 0.5 s"),
+                               ("127.0.0.1:1", "does not accept connections")):
+            down = Readiness(bootstrap, timeout_s=0.5, export=False)
+            down.initialised()
+            ok, details = down.check()
+            down.close()
+            assert not ok and details["reasons"][0].startswith(f"broker unreachable: {bootstrap} {why}"), details
+        assert broker_reachable(up.bootstrap) and not broker_reachable(silent.bootstrap, 0.5)
+        assert not broker_reachable("nonsense")
+    finally:
+        up.close()
+        silent.close()
 
 
 def get(url: str) -> tuple[int, dict]:

@@ -76,3 +76,29 @@ def test_one_write_in_flight_and_its_error_surfaces_at_wait():
     with pytest.raises(CheckpointError, match="no space left"):
         writes.wait()
     writes.wait()  # reported once
+
+
+def test_host_copy_of_device_tensors_pins_one_slab_of_exactly_their_bytes():
+    """Over the GPU stand-ins (common/gpu_standin/: device memory, cudaHostRegister): the copies of
+    device tensors share one registered slab of exactly their bytes, and nothing is pinned through
+    the caching host allocator (`pin_memory=True`, which rounds to powers of two and stays pinned)."""
+    import torch
+
+    from common import gpu_standin
+    from common.gpu_standin import cuda
+    from common.gpu_standin.device import device_memory, on_device, place
+    from consumer.cadence import host_copy
+    from consumer.weights.snapshot import slab_plan
+
+    with gpu_standin.installed(), device_memory():
+        state = {"w": torch.randn(300, 7), "m": [torch.arange(5, dtype=torch.int64), torch.ones(3, dtype=torch.bfloat16)],
+                 "host": torch.zeros(2), "step": 4}
+        place([state["w"], *state["m"]])
+        registered, pinned = dict(cuda.pinned.registered), cuda.pinned.pinned_bytes
+        out = host_copy(state)
+        new = {p: n for p, n in cuda.pinned.registered.items() if p not in registered}
+        assert cuda.pinned.pinned_bytes == pinned, "pinned through the caching allocator"
+        assert list(new.values()) == [slab_plan([300 * 7 * 4, 5 * 8, 3 * 2])[1]]  # one slab: the bytes, aligned
+        assert torch.equal(out["w"], state["w"]) and not on_device(out["w"]) and out["step"] == 4
+        assert all(torch.equal(a, b) for a, b in zip(out["m"], state["m"]))
+        assert out["w"].data_ptr() != state["w"].data_ptr() and torch.equal(out["host"], state["host"])

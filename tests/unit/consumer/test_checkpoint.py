@@ -88,3 +88,17 @@ def test_rank_files_of_another_world_size_are_refused_with_what_to_do(tmp_path):
     path = write_new_form(ckpt, world=2)
     with pytest.raises(CheckpointError, match=r"optim-rank00000-of00002.pt.*another number of ranks"):
         ckpt.load_trainer_state(path, "trainer.pt", rank_shard_name(0, 4))
+
+
+def test_a_checkpoint_of_another_experts_kernel_is_refused_naming_the_setting():
+    """`consumer.memory.experts: auto` depends on the host (TE, CUDA): a checkpoint written with the
+    sequential experts, resumed where auto gives a grouped kernel, must say so (not fail in an
+    assertion on Megatron's bucket sizes), before any tensor is touched."""
+    from types import SimpleNamespace
+
+    from common.errors import CheckpointError
+    from consumer.trainer import Trainer
+
+    trainer = SimpleNamespace(model=SimpleNamespace(experts="torch_grouped"))
+    with pytest.raises(CheckpointError, match="consumer.memory.experts.*sequential experts kernel"):
+        Trainer.load_state_dict(trainer, {"experts": "sequential", "model": {}, "optimizer": {}, "step": 3})

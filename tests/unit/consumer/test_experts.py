@@ -25,6 +25,25 @@ def test_sequential_on_request_and_grouped_where_the_probe_passes():
         assert kernel_metric()["torch_grouped"] == 1.0 and kernel_metric()["sequential"] == 0.0
 
 
+def test_an_old_transformer_engine_is_not_taken_for_te_grouped(monkeypatch):
+    """TE importable and CUDA present, but a TE older than 1.7: Megatron has no TE grouped linear
+    layers and would build the legacy GroupedMLP, which asserts the grouped_gemm package."""
+    import importlib.util
+
+    from megatron.core.extensions import transformer_engine as te_layers
+
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "transformer_engine" else found(name, *a))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(experts, "torch_grouped_mm_works", lambda *a, **k: None)  # the probe needs no GPU here
+    monkeypatch.setattr(te_layers, "TEColumnParallelGroupedLinear", None)
+    assert not experts.te_available()
+    assert experts.resolve("auto", 128, 64, torch.bfloat16) != "te_grouped"
+    monkeypatch.setattr(te_layers, "TEColumnParallelGroupedLinear", object)  # TE >= 1.7
+    assert experts.te_available()
+
+
 def test_grouped_refused_with_a_reason_auto_falls_back(monkeypatch):
     """Rows of 6 fp32 (24 bytes) break torch._grouped_mm's 16-byte stride rule."""
     monkeypatch.setattr(experts, "te_available", lambda: False)

@@ -49,3 +49,49 @@ def test_record_limits_carry_the_models_positions_and_the_group_size():
         with pytest.raises(InvalidRecordError) as e:
             decode(encode(r), limits)
         assert e.value.field == field
+
+
+class Clock:
+    t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_intake_starved_only_when_polls_return_nothing_while_records_wait_and_no_step():
+    from consumer.intake import IntakeWatch
+
+    clock = Clock()
+    w = IntakeWatch(60.0, "rlstream.rollouts", clock=clock, export=False)
+    w.fetch_wait_ms = 5000
+    w.read(0, 0)  # nothing waits: idle, never starved
+    clock.t += 600
+    assert w.reasons() == [] and w.starved_s() == 0.0
+    w.read(0, 869)  # records wait, the poll got none: the clock starts
+    clock.t += 30
+    w.read(0, 869)
+    assert w.starved_s() == 30.0 and w.reasons() == []
+    clock.t += 31
+    (why,) = w.reasons()
+    assert "869 records wait in rlstream.rollouts" in why and "61 s" in why and "fetch wait 5000 ms" in why
+    w.read(3, 866)  # records arrive: not starved
+    assert w.reasons() == []
+    w.read(0, 866)
+    clock.t += 600  # a long train step between two empty polls starts no clock of its own ...
+    w.stepped()  # ... and a step clears it
+    w.read(0, 866)
+    clock.t += 59
+    assert w.reasons() == []
+
+
+def test_the_version_bound_is_the_trainers_own_not_the_policy_topics():
+    """A WeightsReady a million versions ahead on the policy topic (anyone who can write it) must not
+    open the reader to records from that future: the bound is the version this trainer has made."""
+    from types import SimpleNamespace
+
+    from common.control.messages import WeightsReady
+    from consumer.service import ConsumerService
+
+    forged = WeightsReady(version=1_000_000, transport="collective", digest="f" * 64, endpoint="10.9.9.9:1")
+    service = SimpleNamespace(version=7, follower=SimpleNamespace(view=SimpleNamespace(weights=forged)))
+    assert ConsumerService.newest_version(service) == 7

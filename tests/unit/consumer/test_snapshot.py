@@ -82,3 +82,26 @@ def test_a_slab_that_cannot_be_pinned_says_why(monkeypatch):
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
     with pytest.raises(snapshot_mod.WeightTransferError, match="pinning .* failed"):
         HostSlab([4096], pin=True)
+
+
+def test_a_pinned_slab_stays_registered_while_any_view_of_it_lives():
+    """cudaHostRegister (the GPU stand-in's, common/gpu_standin/cuda.py): registered for the slab's
+    bytes, unregistered only when the last tensor on its memory is gone, not with the slab object."""
+    import gc
+
+    import torch
+
+    from common import gpu_standin
+    from common.gpu_standin import cuda
+    from consumer.weights.snapshot import HostSlab
+
+    with gpu_standin.installed():
+        before = dict(cuda.pinned.registered)
+        slab = HostSlab([100, 200], pin=True)
+        view = slab.views[1].view(torch.float32)
+        del slab
+        gc.collect()
+        assert len(cuda.pinned.registered) == len(before) + 1, "unregistered while a view still uses it"
+        del view
+        gc.collect()
+        assert cuda.pinned.registered == before

@@ -4,7 +4,6 @@ scripted stand-in engine, and its HTTP hardening over a real socket;
 tests/integration/test_agent_endpoint.py runs a real agent against the real engine."""
 from __future__ import annotations
 
-import concurrent.futures as cf
 import socket
 import threading
 import time
@@ -76,10 +75,8 @@ def make(replies, group_size=2, take=None, **limits):
 
 
 def command(agents, kind, eid, body):
-    """Queue a command as an HTTP thread would; the caller runs poll() / steps."""
-    fut = cf.Future()
-    agents.inbox.put((kind, eid, body, fut))
-    return fut
+    """Queue a command as the HTTP server does; the caller runs poll() / steps."""
+    return agents.submit(kind, eid, body)
 
 
 def serve(eng, agents, fut, n=20):
@@ -214,7 +211,7 @@ def test_shutdown_answers_waiting_calls_and_ends_every_episode():
     agents.shutdown()
     assert waiting.result()[0] == 503 and agents.episodes == {} and len(groups) == 0
     assert agents.claim(eng.step()) == []  # the turn still in the engine is dropped, not mistaken for a group
-    assert agents.call("open", None, {}, 1.0)[0] == 503
+    assert agents.submit("open", None, {}).result(timeout=1.0)[0] == 503
 
 
 def test_the_first_call_goes_through_the_chat_template_and_tool_messages_as_deltas():

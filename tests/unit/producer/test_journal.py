@@ -26,7 +26,8 @@ def snapshot(**kw) -> Snapshot:
     base = dict(group_id="p-1-7", sample_idx=2, group_size=4, owner="p", holder="p", incarnation="i1",
                 rollout_id="r" * 32, written_at=100.0, prompt_text="37+48-19=", answer="66", own_score=False,
                 prompt_ids=np.arange(9, dtype=np.int32), response=np.arange(12, dtype=np.int32),
-                mask=np.array([True] * 8 + [False] * 4), logprobs=-rng.random(12).astype(np.float32),
+                mask=np.array([True] * 8 + [False] * 4),
+                logprobs=np.concatenate([-rng.random(8), np.zeros(4)]).astype(np.float32),
                 versions=np.array([3] * 8 + [4] * 4, dtype=np.int64),
                 routing=rng.integers(0, 8, (20, 2, 2)).astype(np.uint8), num_experts=8, turns=1, reward=0.0,
                 info={"tool_calls": 1, "nested": {"dropped": True}},
@@ -85,9 +86,10 @@ def test_each_orphan_goes_to_exactly_one_live_producer():
 class MemoryTopic(JournalTopic):
     """The journal topic's fold without a broker: every write is read back at once."""
 
-    def __init__(self):
-        self.entries, self.snapshots, self.leases, self.writes, self.newest_at = {}, {}, {}, [], 0.0
-        self.lease_s = 10.0
+    def __init__(self, clock=lambda: float("inf")):
+        self.init_view(10.0, clock=clock)  # by default every time is in the reader's past (trusted as written)
+        self.topic = "journal"
+        self.writes, self.sent = [], []
 
     def put(self, s):
         self.writes.append(s)
@@ -104,6 +106,9 @@ class MemoryTopic(JournalTopic):
 
     def flush(self, timeout_s=10.0):
         pass
+
+    def send_letters(self, letters):
+        self.sent += letters
 
     def poll(self, timeout_ms=0, until_end=False):
         pass
@@ -169,7 +174,9 @@ def test_a_crashed_producers_episode_is_resumed_by_a_peer_from_its_last_turn():
         assert (record.producer_id, record.rollout_id) == ("a", before[i].rollout_id)  # a's copy, one id
         groups_b.finish_sample("g")
         journal_b.on_delivered(Ack(record.rollout_id))
-    assert topic.entries == {} and len(groups_b) == 0  # tombstoned once acknowledged
+    now[0] += 5
+    journal_b.claim()  # the next pass tombstones what was acknowledged
+    assert topic.entries == {} and len(groups_b) == 0
 
 
 def test_unresumable_and_stale_episodes_are_dropped_and_tombstoned():
@@ -225,9 +232,11 @@ def test_an_episode_finished_here_is_not_claimed_again_from_an_entry_read_back_l
     now[0] += 5
     assert journal.claim() == []  # a's old entry is still what b sees: not a second resume
     journal.on_delivered(Ack(s.rollout_id))
+    now[0] += 5
+    assert journal.claim() == []  # this pass tombstones the acknowledged episode's entry
     topic.catch_up()
     now[0] += 5
-    assert journal.claim() == [] and journal._ended == set() and topic.entries == {}
+    assert journal.claim() == [] and journal._ended == {} and topic.entries == {}
 
 
 def test_a_reader_behind_the_journal_does_not_take_a_live_peer_for_dead():
@@ -302,7 +311,8 @@ def test_claims_not_read_back_in_an_outage_are_resumed_at_the_next_claim():
     assert topic.entries["ep:g#0"].holder == "b"  # ... so no peer will take it: b must
     topic.down = False
     journal._next_claim = 0.0
-    assert [s.key for s in journal.take(journal.claim())] == ["ep:g#0"]
+    assert journal.take(journal.claim()) == []  # not claimed again: it is b's
+    assert [s.key for s in journal.confirmed()] == ["ep:g#0"]
 
 
 def test_a_claim_from_a_view_behind_the_holders_renewal_does_not_take_a_live_episode():
@@ -326,6 +336,6 @@ def test_an_entry_whose_arrays_do_not_decode_is_skipped_when_claimed_not_a_crash
     assert topic.entries["ep:g#0"].holder == "a"
     journal = EpisodeJournal(topic, "b", JournalSettings(lease_s=10), clock=lambda: 50.0)
     lease(topic, "b", journal.incarnation, 50.0)
-    bad0 = metrics.value("rlstream_producer_journal_bad_entries_total") or 0
+    bad0 = metrics.value("rlstream_producer_journal_refused_total", reason="entry") or 0
     assert journal.claim() == [] and "ep:g#0" not in topic.entries
-    assert (metrics.value("rlstream_producer_journal_bad_entries_total") or 0) - bad0 == 1
+    assert (metrics.value("rlstream_producer_journal_refused_total", reason="entry") or 0) - bad0 == 1

@@ -16,7 +16,7 @@ from producer.journal.snapshot import JournalError, decode, encode
 from producer.rollout.environment import StepResult
 from producer.rollout.episodes import EpisodeRunner
 from producer.sample import FinishedSample, SamplingConfig
-from tests.unit.producer.test_episodes import TOK, TextCodec, task
+from tests.unit.producer.test_episodes import TextCodec, task
 from tests.unit.producer.test_journal import MemoryTopic, lease, snapshot
 
 L, K, E = 2, 2, 8

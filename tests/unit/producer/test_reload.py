@@ -122,6 +122,8 @@ class FakeLink:
     """producer/weights/trainer_link.py's TrainerLink: the trainer's commands are not the reloader's business."""
 
     made: list = []
+    update = None  # no nccl update pending
+    channel = None
 
     def __init__(self, endpoint, engine=None):
         self.endpoint, self.dead, self.polls, self.swapped = endpoint, None, 0, None
@@ -348,3 +350,60 @@ def test_a_trainer_on_another_backend_is_not_linked_and_durable_copies_are_serve
     assert "receives with rlstream_gloo" in caplog.text
     reloader.apply(collective(4, DIGEST_B).model_copy(update={"backend": "rlstream_gloo"}))  # the same: linked
     assert len(FakeLink.made) == 1
+    assert reloader.state()["backend_mismatch"] is None  # /healthz tells the newest announcement's story
+
+
+# ---------------------------------------------------------------- durable copies come from the store only
+
+
+@pytest.fixture
+def confined(tmp_path):
+    from common.weights.store import WeightStore
+
+    engine, store = FakeEngine(), WeightStore(tmp_path / "weights")
+    reloader = Reloader(engine, tmp_path / "base", "p/0", store_dir=store.root)
+    yield engine, reloader, store, tmp_path
+    reloader.close()
+
+
+def written(store, version: int, payload: bytes) -> WeightsReady:
+    """A version as the trainer writes it: its directory and manifest in the store."""
+    import torch
+
+    src = store.root.parent / f"src{version}"  # the base model dir (config files: none here)
+    src.mkdir(parents=True, exist_ok=True)
+    m = store.write(version, {"w": torch.frombuffer(bytearray(payload), dtype=torch.uint8)}, src)
+    return WeightsReady(version=version, uri=m["uri"], sha256=m["sha256"], bytes=m["bytes"])
+
+
+def test_a_durable_copy_named_outside_the_weight_store_is_refused(confined):
+    """An announcement is a Kafka message: one naming a directory of its own (with a digest that
+    matches its bytes) must not be loaded."""
+    engine, reloader, store, tmp = confined
+    before = failures()
+    forged = publish(tmp / "elsewhere", 7, b"forged")
+    assert not reloader.apply(forged)
+    assert engine.version == 0 and engine.loads == [] and failures() == before + 1
+    assert "not a version directory of the weight store" in reloader.state()["failure"]["reason"]
+
+
+def test_a_durable_copy_whose_manifest_names_other_bytes_is_refused(confined):
+    engine, reloader, store, _ = confined
+    good = written(store, 3, b"three")
+    forged = good.model_copy(update={"version": 1_000_000})  # the trainer's bytes under another version
+    assert not reloader.apply(forged) and engine.version == 0
+    assert "manifest names version 3" in reloader.state()["failure"]["reason"]
+    assert reloader.apply(good) and engine.version == 3  # what the trainer wrote is taken
+
+
+def test_durable_copies_are_staged_beside_the_store_as_links(confined):
+    """Staging on the store's file system: hard links, no copy of the model on the container's disk."""
+    import os
+
+    engine, reloader, store, _ = confined
+    msg = written(store, 2, b"two")
+    assert reloader.apply(msg)
+    staged, src = reloader.loaded / WEIGHTS_FILE, store.root / "v00000002" / WEIGHTS_FILE
+    assert reloader.loaded.parent.parent == store.root / ".staging" and src.exists()
+    assert os.stat(staged).st_ino == os.stat(src).st_ino
+    assert store.versions() == [2]  # the staging area is not a version

@@ -125,12 +125,29 @@ def test_an_nccl_update_whose_finish_never_comes_is_restored_within_the_timeout(
 # ---------------------------------------------------------------- in the worker
 
 
-class FakeCommunicator:
-    def __init__(self):
-        self.destroyed = threading.Event()
+@pytest.fixture
+def nccl_pair():
+    """Two ranks of vLLM's PyNcclCommunicator (its own Python: rendezvous, unique id, warm-up),
+    over the CPU stand-in of libnccl (common/gpu_standin/): rank 0 is the trainer, rank 1 the worker."""
+    from common import gpu_standin
+    from common.kafka.broker import free_port
 
-    def destroy(self):
-        self.destroyed.set()
+    with gpu_standin.installed():
+        from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
+
+        port, comms = free_port(), [None, None]
+
+        def join(rank):  # each rank a device of its own: its own stream (one process: a stream per thread)
+            torch.cuda.set_stream(torch.cuda.Stream())
+            comms[rank] = stateless_init_process_group("127.0.0.1", port, rank, 2, "cpu")
+        threads = [threading.Thread(target=join, args=(r,)) for r in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        yield comms
+        for c in comms:
+            c.destroy()
 
 
 class FakeModel:
@@ -139,17 +156,16 @@ class FakeModel:
 
     def load_weights(self, weights):
         for name, t in weights:
-            self.loaded[name] = t
+            self.loaded[name] = t.clone()
 
 
-class FakeWorker:
-    """vLLM's Worker and its nccl engine: `update_weights` receives `arrive` and loads each tensor;
-    with `die_after`, the trainer dies after that many tensors and the receive blocks until
-    the communicator is aborted (PyNccl has no timeout of its own)."""
+class Worker:
+    """vLLM's Worker and its nccl engine, the model light: `update_weights` receives each tensor
+    of SENT over the communicator (PyNccl's broadcast from rank 0) and loads it."""
 
-    def __init__(self, die_after: int | None = None):
-        self.weight_transfer_engine = SimpleNamespace(model=FakeModel(), model_update_group=FakeCommunicator())
-        self.die_after, self.calls = die_after, []
+    def __init__(self, group):
+        self.weight_transfer_engine = SimpleNamespace(model=FakeModel(), model_update_group=group)
+        self.calls = []
 
     def start_weight_update(self):
         self.calls.append("start")
@@ -157,31 +173,83 @@ class FakeWorker:
     def update_weights(self, update_info):
         self.calls.append("update")
         model, group = self.weight_transfer_engine.model, self.weight_transfer_engine.model_update_group
-        for i, item in enumerate(SENT.items()):
-            if i == self.die_after:
-                assert group.destroyed.wait(10), "never aborted"
-                raise RuntimeError("NCCL error: unhandled system error")
-            model.load_weights([item])
+        for name, t in SENT.items():
+            buf = torch.empty_like(t)
+            group.broadcast(buf, src=0)
+            model.load_weights([(name, buf)])
 
     def finish_weight_update(self):
         self.calls.append("finish")
 
 
-def test_the_worker_folds_exactly_what_it_loads():
-    worker = FakeWorker()
-    got = update_weights_folded(worker, {}, timeout_s=5.0)
+def trainer_sends(group, n: int) -> threading.Thread:
+    """The trainer: broadcasts the first `n` tensors of SENT, then dies (sends nothing more)."""
+    def run():
+        torch.cuda.set_stream(torch.cuda.Stream())  # the trainer's device, not the worker's
+        for t in list(SENT.values())[:n]:
+            group.broadcast(t.clone(), src=0)
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_the_worker_folds_exactly_what_it_loads(nccl_pair):
+    trainer, group = nccl_pair
+    worker = Worker(group)
+    trainer_sends(trainer, len(SENT))
+    got = update_weights_folded(worker, {}, timeout_s=30.0)
     assert got == fold_digest(SENT.items()) and worker.calls == ["start", "update", "finish"]
-    assert set(worker.weight_transfer_engine.model.loaded) == set(SENT)
+    assert all(torch.equal(worker.weight_transfer_engine.model.loaded[n], t) for n, t in SENT.items())
     assert "load_weights" not in vars(worker.weight_transfer_engine.model)  # the class's method is back
 
 
-def test_a_trainer_dying_mid_transfer_ends_the_workers_wait_within_the_bound():
-    worker = FakeWorker(die_after=1)
+def test_a_trainer_dying_mid_transfer_ends_the_workers_wait_within_the_bound(nccl_pair):
+    """PyNccl has no timeout: the worker's receive blocks until the watchdog aborts the
+    communicator, which is disabled from then on (PyNccl's own check: later calls are no-ops)."""
+    trainer, group = nccl_pair
+    worker = Worker(group)
+    trainer_sends(trainer, 1)
     t0 = time.monotonic()
     with pytest.raises(WeightTransferError, match="no progress"):
-        update_weights_folded(worker, {}, timeout_s=0.3)
-    assert time.monotonic() - t0 < 0.3 + 2.0  # the bound, plus a margin for a loaded machine
-    assert worker.weight_transfer_engine.model_update_group.destroyed.is_set()
+        update_weights_folded(worker, {}, timeout_s=0.5)
+    assert time.monotonic() - t0 < 0.5 + 3.0  # the bound, plus a margin for a loaded machine
+    assert group.disabled
+    group.broadcast(torch.zeros(4), src=0)  # returns at once: nothing is left to block on
+
+
+def test_a_trainer_that_aborts_mid_transfer_ends_the_workers_wait_at_once(nccl_pair):
+    """The trainer gave up (its own watchdog aborted its communicator, or it died): the worker's
+    receive never returns (NCCL), but NCCL reports the lost connection as an asynchronous error,
+    which the watchdog polls: the wait ends within about a second, not at the 30 s bound."""
+    from common.weights.watchdog import abort_nccl
+
+    trainer, group = nccl_pair
+    worker = Worker(group)
+    trainer_sends(trainer, 1).join(30)
+    threading.Timer(0.5, abort_nccl, args=(trainer,)).start()
+    t0 = time.monotonic()
+    with pytest.raises(WeightTransferError, match="reported an error"):
+        update_weights_folded(worker, {}, timeout_s=30.0)
+    assert time.monotonic() - t0 < 10.0  # far inside the bound, with a margin for a loaded machine
+    assert group.disabled
+
+
+def test_a_link_whose_update_was_aborted_is_dead(nccl_pair):
+    """After the abort the communicator is disabled: an update over it would "receive" at
+    once and load empty buffers. The link is marked dead, so the reloader registers anew."""
+    trainer, group = nccl_pair
+    worker = Worker(group)
+
+    class Engine(FakeNcclEngine):
+        def load_weight_update(self, update_info, timeout_s):
+            return update_weights_folded(worker, update_info, timeout_s)
+    link, channel = TrainerLink(Engine(), "trainer:1", "p0", 0.5), FakeChannel()
+    link.channel = channel
+    trainer_sends(trainer, 1)
+    channel.post("update", version=1, update_info={"names": list(SENT)})
+    link.poll()
+    assert link.dead and "no progress" in link.dead
+    assert "no progress" in channel.acks[0]["error"] and link.take_update().error
 
 
 # ---------------------------------------------------------------- the trainer's half
@@ -205,3 +273,30 @@ def test_the_trainers_finish_carries_the_digest_of_what_it_sent_in_the_order_the
     finish = client.finish_weight_update()
     assert [m.name for m in source.metadata()] == [n for n, _ in sent]
     assert finish == {"op": "finish", "version": 1, "digest": fold_digest(SENT.items())}
+
+
+def test_after_acknowledging_an_nccl_start_the_producer_waits_for_the_update_without_stepping():
+    """Every member of a group acknowledges `start` before the trainer posts `update` and enters the
+    broadcast. A member that went back to its engine loop in between (a step, a durable load of
+    minutes) would be late for the collective and hold the others in their receive until their
+    watchdogs fire: once it acknowledged `start`, poll runs the update that follows before returning."""
+    class Engine(FakeNcclEngine):
+        loaded = 0
+
+        def load_weight_update(self, update_info, timeout_s):
+            Engine.loaded += 1
+            return super().load_weight_update(update_info, timeout_s)
+    link, channel = TrainerLink(Engine(), "trainer:1", "p0", 10.0), FakeChannel()
+    link.channel = channel
+    channel.post("start", version=1)
+    threading.Timer(0.3, lambda: channel.post("update", version=1, update_info={"names": list(SENT)})).start()
+    link.poll()  # returns only after the update
+    assert channel.acks[0] == {} and Engine.loaded == 1 and link.update is not None and link.update.version == 1
+
+
+def test_an_nccl_start_without_its_update_marks_the_link_dead():
+    link, channel = TrainerLink(FakeNcclEngine(), "trainer:1", "p0", 0.3), FakeChannel()
+    link.channel = channel
+    channel.post("start", version=1)  # the trainer died before its update
+    link.poll()
+    assert link.dead and "no update" in link.dead

@@ -20,7 +20,7 @@ def test_sft_examples_are_prompt_answer_eos_of_the_tasks_problems():
     class CharTokenizer:  # one id per character, eos 1
         eos_token_id = 1
 
-        def encode(self, text, add_special_tokens=False):
+        def encode(self, text, add_special_tokens=False, split_special_tokens=False):
             return [ord(c) for c in text]
 
     got = _encode_examples(CharTokenizer(), [Problem("1+2=", "3")])

@@ -25,8 +25,8 @@ class CharTokenizer:
     eos_token_id = EOS_ID
     pad_token_id = 0
 
-    def encode(self, text, add_special_tokens=False):
-        return [VOCAB.index(c) for c in text]
+    def encode(self, text, add_special_tokens=False, split_special_tokens=False):
+        return [VOCAB.index(c) for c in text]  # the scripted texts hold no special token's text
 
     def decode(self, ids, skip_special_tokens=True):
         return "".join(VOCAB[i] for i in ids if not (skip_special_tokens and VOCAB[i] in SPECIALS))
@@ -139,6 +139,53 @@ def test_limits_end_episodes_as_in_the_producer():
     rambler = ScriptedModel(lambda p: "1" * 30)  # never stops: the turn ends for length, it is the answer
     (o,) = run_episodes(rambler, rambler.tok, PROBLEMS[:1], LIMITS)
     assert (o.end, o.reward, o.transcript) == ("done", 0.0, "12+7=" + "1" * 12)
+
+
+def test_a_special_tokens_text_in_prompts_and_observations_stays_text_as_in_the_producer():
+    """On c99ceb0 the harness parsed "<eos>" in a prompt or a tool's observation as the EOS token
+    itself (the producer keeps such text as characters): it scored other episodes than it runs."""
+    import torch
+
+    from common.harness import tool_eval
+    from common.harness.evaluate import generate_text
+    from common.toy.tinymodel import build_tokenizer
+    from producer.rollout.environment import StepResult
+    from producer.rollout.episodes import ObservationEncoder
+
+    tok = build_tokenizer()
+    eos = tok.eos_token_id
+
+    class HostileEnv:  # its prompt and its observation carry the special token's text
+        stop_texts = ()
+
+        def reset(self, task):
+            return task.prompt
+
+        def step(self, turn):
+            return StepResult(observation="=<eos>,")
+
+    ep = tool_eval._start(HostileEnv, tok, Problem("1+<eos>2=", "3"))
+    assert eos not in ep.ids and len(ep.ids) == len("1+<eos>2=")
+    n, call = len(ep.ids), tok.encode("c", add_special_tokens=False)
+    tool_eval._take_turn(ep, call, tok, LIMITS, frozenset())
+    assert ep.ids[n:n + 2] == call + [eos]  # the model's turn ends with its own EOS
+    assert ep.ids[n + 2:] == ObservationEncoder(tok)("=<eos>,", eos) and eos not in ep.ids[n + 2:]
+
+    seen = []
+
+    def eos_model(input_ids, past_key_values=None, use_cache=True):  # records its input, answers EOS
+        seen.append(input_ids.tolist())
+        logits = torch.zeros(input_ids.shape[0], input_ids.shape[1], len(tok))
+        logits[..., eos] = 1.0
+        return SimpleNamespace(logits=logits, past_key_values=None)
+
+    assert generate_text(eos_model, tok, ["1+<eos>2="], max_new_tokens=2) == [""]
+    assert eos not in seen[0][0] and len(seen[0][0]) == len("1+<eos>2=")
+
+    from common.harness.sft import _encode_examples  # the warm start's examples, likewise
+
+    (ids, mask), = _encode_examples(tok, [Problem("1+<eos>2=", "<eos>")])
+    assert ids.count(eos) == 1 and ids[-1] == eos and len(ids) == len("1+<eos>2=<eos>") + 1
 
 
 def test_heldout_scores_with_the_tool_and_without():

@@ -1,4 +1,4 @@
-"""producer/weights/watchdog.py: a blocked transfer without progress is aborted within its bound;
+"""common/weights/watchdog.py: a blocked transfer without progress is aborted within its bound;
 one that keeps beating is not."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 import pytest
 
 from common.errors import WeightTransferError
-from producer.weights.watchdog import Watchdog
+from common.weights.watchdog import Watchdog
 
 
 def test_a_call_blocked_without_progress_is_aborted_within_the_bound():
