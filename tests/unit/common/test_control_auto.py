@@ -9,7 +9,8 @@ import pytest
 
 from common.config import ControlSettings, KafkaSettings, StalenessSettings
 from common.control.messages import AUTO, CONTROLLER, encode_control, parse_control_text, parse_control_value
-from common.control.plane import ControlFollower, ControlPlaneWriter, ControlView
+from common.control import signing
+from common.control.plane import ControlFollower, ControlPlaneWriter, ControlView, _RefusalLog
 from common.errors import ConfigError
 
 
@@ -40,11 +41,16 @@ def test_a_record_carries_its_reason():
 def follower(auto: bool) -> ControlFollower:
     f = ControlFollower.__new__(ControlFollower)  # _apply alone: no broker
     f.view = ControlView(state=ControlSettings(max_staleness=4, max_staleness_auto=auto))
+    f._key, f._applied_at, f._refusals = KEY, {}, _RefusalLog()
     return f
 
 
+KEY = signing.signing_key("admin-token")
+
+
 def apply(f, key, value, by, reason=None):
-    return f._apply("control", key.encode(), encode_control(key, value, by=by, reason=reason)[1])
+    k, v = encode_control(key, value, by=by, reason=reason)
+    return f._apply("control", k, v, [(signing.HEADER, signing.signature(KEY, k, v))])
 
 
 def test_followers_ignore_the_controller_while_an_operators_bound_holds():
@@ -64,7 +70,7 @@ class Recorder:
     def __init__(self):
         self.sent = []
 
-    def send(self, topic, key, value):
+    def send(self, topic, key, value, headers=None):
         self.sent.append((key.decode(), json.loads(value)))
         return self
 
@@ -74,7 +80,7 @@ class Recorder:
 
 def writer() -> ControlPlaneWriter:
     w = ControlPlaneWriter.__new__(ControlPlaneWriter)
-    w.kafka, w._p = KafkaSettings(), Recorder()
+    w.kafka, w._p, w._key = KafkaSettings(), Recorder(), KEY
     return w
 
 
