@@ -16,7 +16,7 @@ several `--seeds` each figure is the mean over seeds. Per loss:
   auto_goal_met            both goals
 `targets_met`: the auto goal met for every loss.
 
-`--smoke`: minirl's auto arm alone for 10 s (one engine start) after a one-step SFT, batches of
+`--smoke`: minirl's auto arm alone for 5 s (one engine start) after a one-step SFT, batches of
 4 groups, in a temporary directory: no ratio (null), the stages run.
 
 `--from-json FILE`: no run; the same figures from the last JSON line of a finished
@@ -39,7 +39,7 @@ from common.harness.experiments import experiment_result  # noqa: E402
 from common.harness.stability import BOUNDS, main_arm  # noqa: E402
 from tests.bench._smoke import experiment_overrides, parse_args  # noqa: E402
 
-SMOKE = dict(seconds=10.0, losses="minirl", seeds="0", bounds="auto")
+SMOKE = dict(seconds=5.0, losses="minirl", seeds="0", bounds="auto")
 FIXED = tuple(b for b in BOUNDS if b != "auto")
 
 
