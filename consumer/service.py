@@ -332,12 +332,12 @@ def _gate_clock(ckpt, st) -> GateClock:
 
 
 def _weight_backend(backend: str) -> str:
-    """`consumer.weights.backend: auto` made concrete: rlstream_gloo on CPU, vLLM's nccl on GPU."""
-    if backend != "auto":
-        return backend
+    """`consumer.weights.backend` made concrete (common/weights/backends.py)."""
     import torch
 
-    return "nccl" if torch.cuda.is_available() else "rlstream_gloo"  # the stand-ins: set nccl explicitly
+    from common.weights.backends import resolve
+
+    return resolve(backend, on_gpu=torch.cuda.is_available())
 
 
 def main(cfg: RlstreamConfig) -> int:

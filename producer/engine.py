@@ -60,6 +60,8 @@ from common import gpu_standin
 from common.config import EngineSettings
 from common.errors import ConfigError, EngineError, WeightTransferError
 from common.record import routing_dtype_for
+from common.weights.backends import GLOO, NCCL
+from common.weights.backends import resolve as resolve_backend
 from producer.sample import FinishedSample, SamplingConfig
 from producer.text_tokens import encode_text
 
@@ -141,10 +143,8 @@ def prefix_caching(s: EngineSettings, routing_mode: str) -> bool:
 
 def resolve_weight_transfer(s: EngineSettings, on_cpu: bool) -> str | None:
     """`weight_transfer: auto` made concrete: the vLLM weight-transfer backend, or None (off)."""
-    mode = s.weight_transfer
-    if mode == "auto":
-        mode = "rlstream_gloo" if on_cpu else "nccl"
-    if mode == "nccl" and on_cpu and not gpu_standin.requested():
+    mode = resolve_backend(s.weight_transfer, on_gpu=not on_cpu)
+    if mode == NCCL and on_cpu and not gpu_standin.requested():
         raise ConfigError("nccl needs a GPU (on CPU only over the test stand-ins, RLSTREAM_GPU_STANDIN=1); use "
                           "rlstream_gloo (or auto) on CPU", key="producer.engine.weight_transfer")
     return None if mode == "off" else mode
@@ -226,7 +226,7 @@ class RolloutEngine:
 
         self.prefix_caching = prefix_caching(self.settings, self.routing_mode)
         self.weight_transfer = resolve_weight_transfer(self.settings, self._on_cpu)
-        if self.weight_transfer == "rlstream_gloo":
+        if self.weight_transfer == GLOO:
             from producer.weights.gloo_engine import register
 
             register()  # before the engine builds its worker (in-process); see producer/weights/gloo_engine.py

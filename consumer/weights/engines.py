@@ -28,6 +28,7 @@ from vllm.distributed.weight_transfer.base import (ParamMeta, TrainerInitInfo, T
                                                    WeightSource)
 
 from common.errors import WeightTransferError
+from common.weights.backends import GLOO
 from common.weights.chain import ChainLink
 from common.weights.digest import Fold
 from common.weights.link import Channel, GlooPair, GroupLayout, open_store, send_version
@@ -35,7 +36,7 @@ from common.weights.watchdog import Watchdog, abort_nccl, nccl_async_error
 from consumer.weights.snapshot import Snapshot
 from consumer.weights.export import MegatronSource
 
-BACKEND = "rlstream_gloo"
+BACKEND = GLOO
 WeightSource.register(MegatronSource)  # implements the interface without importing vLLM
 
 

@@ -46,12 +46,13 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
                                                    WeightTransferUpdateInfo)
 
 from common.errors import DigestMismatchError, WeightTransferError
+from common.weights.backends import GLOO
 from common.weights.chain import ChainLink
 from common.weights.link import GlooPair, ReceivedVersion, open_store, receive_version, worker_group_rank
 
 log = logging.getLogger("rlstream.producer")
 
-BACKEND = "rlstream_gloo"
+BACKEND = GLOO
 
 
 def register() -> None:

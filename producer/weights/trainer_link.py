@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.errors import RlstreamError, WeightTransferError
+from common.weights.backends import GLOO
 from common.weights.link import Channel, open_store, parse_endpoint, register
 
 log = logging.getLogger("rlstream.producer")
@@ -183,7 +184,7 @@ class TrainerLink:
                 self.joined = False
                 self.engine.init_weight_link(cmd["init_info"])
                 self.joined = True
-            elif op == "start" and self.engine.weight_transfer == "rlstream_gloo":
+            elif op == "start" and self.engine.weight_transfer == GLOO:
                 self.engine.receive_weights()
                 self._started = True
             elif op == "start" and self.engine.weight_transfer == "nccl":
@@ -196,7 +197,7 @@ class TrainerLink:
                     raise WeightTransferError(f"finish of version {cmd.get('version')} without its update")
                 self.update.expected, self.update.finish = cmd.get("digest"), k
                 return  # answered by the reloader once it compared the digests (answer_update)
-            elif op == "finish" and self.engine.weight_transfer == "rlstream_gloo":
+            elif op == "finish" and self.engine.weight_transfer == GLOO:
                 self._finish, self._finish_version = k, cmd.get("version")  # answered once received
                 return self._answer_finish()
             elif op not in ("start", "update", "finish"):

@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from tests.support.weights import TrainerSide, WorkerProcesses
+from tests.support.weights import LinkedProducer, TrainerSide, WorkerProcesses, wait_for
 
 TIMEOUT_S = 6.0
 GROUPS, GROUP_BYTES = 6, 1 << 20  # a 6 MiB version: big next to the store's and the pipes' bytes
@@ -32,22 +32,10 @@ def written_bytes() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("wchar"))
 
 
-class Producer:
-    """A producer's engine and its link, ticked between (absent) engine steps."""
-
-    def __init__(self, name: str, engine: WorkerProcesses, endpoint: str):
-        self.name, self.engine, self.endpoint = name, engine, endpoint
-        self.lock = threading.Lock()
-        self.status: dict = {"state": "idle"}
-        self.registrations = 0
-        self.link = None
-        self.gone = False
-
-    def connect(self) -> None:
-        from producer.weights.trainer_link import TrainerLink
-
-        self.link = TrainerLink.connect(self.engine, self.endpoint, self.name, TIMEOUT_S)
-        self.registrations += 1
+class Producer(LinkedProducer):
+    """Ticked as the reloader ticks a gloo link: a failed receive (not a digest mismatch) is
+    discarded and the link marked dead, then registered anew."""
+    status: dict = {"state": "idle"}
 
     def tick(self) -> None:
         with self.lock:
@@ -63,25 +51,6 @@ class Producer:
         st = self.status
         return st["state"] == "ready" and st["version"] == version and st["digest"] == digest
 
-    def received(self) -> dict[str, torch.Tensor]:
-        with self.lock:
-            (got,) = self.engine.received()
-            return got
-
-
-class Poller(threading.Thread):
-    """One per producer, as each producer's loop is its own: a group's init blocks every
-    member in the rendezvous until all of them join."""
-
-    def __init__(self, producer: Producer, stop: threading.Event):
-        super().__init__(daemon=True, name=f"poll-{producer.name}")
-        self.producer, self.stop = producer, stop
-
-    def run(self) -> None:
-        while not self.stop.is_set() and not self.producer.gone:
-            self.producer.tick()
-            time.sleep(0.01)
-
 
 def slow_snapshot(sent: list):
     from consumer.weights.engines import Snapshot
@@ -95,27 +64,18 @@ def slow_snapshot(sent: list):
     return Slow
 
 
-def wait_for(what: str, cond, timeout_s: float) -> float:
-    t0 = time.monotonic()
-    while not cond():
-        assert time.monotonic() - t0 < timeout_s, f"{what}: not within {timeout_s} s"
-        time.sleep(0.02)
-    return time.monotonic() - t0
-
-
 @pytest.mark.timeout(400)  # 39 s at load 2.4, 110-300 s at load 12-17 (2 cores): 5 processes import vLLM
 def test_every_producer_gets_each_version_once_from_the_trainer_and_a_dead_relay_costs_the_others_no_more_than_a_timeout(tmp_path):
     engines = {n: WorkerProcesses(1) for n in ("p1", "p2", "p3", "p4")}  # spawned at once; p4 joins later
     trainer = TrainerSide(tmp_path / "store", model_dir=None, timeout_s=TIMEOUT_S)
     for e in engines.values():  # each worker answers once it has started (spawned: it imports vLLM)
-        e.weight_status()
-    producers = {n: Producer(n, engines[n], trainer.sender.endpoint) for n in ("p1", "p2", "p3")}
+        e.ready()
+    producers = {n: Producer(n, engines[n], trainer.sender.endpoint, TIMEOUT_S) for n in ("p1", "p2", "p3")}
     stop, pollers = threading.Event(), []
 
     def run(p: Producer) -> None:
         p.connect()
-        pollers.append(Poller(p, stop))
-        pollers[-1].start()
+        pollers.append(p.poll_in_thread(stop))
     for p in producers.values():
         run(p)
     model_bytes = GROUPS * GROUP_BYTES
@@ -157,7 +117,7 @@ def test_every_producer_gets_each_version_once_from_the_trainer_and_a_dead_relay
         assert dropped_after < TIMEOUT_S + GROUPS * GROUP_DELAY_S + 3, dropped_after
 
         # (d) a producer joins: it gets the current version at once over its own link
-        producers["p4"] = Producer("p4", engines["p4"], trainer.sender.endpoint)
+        producers["p4"] = Producer("p4", engines["p4"], trainer.sender.endpoint, TIMEOUT_S)
         run(producers["p4"])
         wait_for("version 3 at the joiner", lambda: producers["p4"].holds(3, msg.digest), 20)
 

@@ -23,12 +23,11 @@ What the GPU path could not survive before, and must here:
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
 
-from tests.support.weights import TrainerSide, WorkerProcesses
+from tests.support.weights import LinkedProducer, TrainerSide, WorkerProcesses, wait_for
 
 pytestmark = pytest.mark.timeout(900)  # 272 s at load 22: four spawned workers import vLLM
 
@@ -53,23 +52,10 @@ def standin():
         yield
 
 
-class Producer:
-    """A producer's engine and link, ticked as producer/weights/reload.py ticks them for nccl:
-    a settled update is verified against the trainer's digest and answered."""
-
-    def __init__(self, name: str, engine: WorkerProcesses, endpoint: str):
-        self.name, self.engine, self.endpoint = name, engine, endpoint
-        self.lock = threading.Lock()
-        self.held: tuple[int, str] | None = None
-        self.registrations = 0
-        self.link = None
-        self.gone = False
-
-    def connect(self) -> None:
-        from producer.weights.trainer_link import TrainerLink
-
-        self.link = TrainerLink.connect(self.engine, self.endpoint, self.name, TIMEOUT_S)
-        self.registrations += 1
+class Producer(LinkedProducer):
+    """Ticked as producer/weights/reload.py ticks a link for nccl: a settled update is verified
+    against the trainer's digest and answered."""
+    held: tuple[int, str] | None = None
 
     def tick(self) -> None:
         with self.lock:
@@ -85,29 +71,6 @@ class Producer:
 
     def holds(self, version: int) -> bool:
         return self.held is not None and self.held[0] == version
-
-    def received(self) -> dict[str, torch.Tensor]:
-        with self.lock:
-            return self.engine.received()[0]
-
-
-def polled(producers: dict, stop: threading.Event) -> list[threading.Thread]:
-    def run(p: Producer) -> None:
-        while not stop.is_set() and not p.gone:
-            p.tick()
-            time.sleep(0.01)
-    threads = [threading.Thread(target=run, args=(p,), daemon=True, name=f"poll-{p.name}") for p in producers.values()]
-    for t in threads:
-        t.start()
-    return threads
-
-
-def wait_for(what: str, cond, timeout_s: float) -> float:
-    t0 = time.monotonic()
-    while not cond():
-        assert time.monotonic() - t0 < timeout_s, f"{what}: not within {timeout_s} s"
-        time.sleep(0.02)
-    return time.monotonic() - t0
 
 
 def held_back(gate: threading.Event):
@@ -131,11 +94,11 @@ def test_the_fanout_forms_over_vllms_nccl_engine_and_a_producer_killed_mid_versi
     trainer = TrainerSide(tmp_path / "store", model_dir=None, timeout_s=TIMEOUT_S, backend="nccl")
     for e in engines.values():
         e.ready()
-    producers = {n: Producer(n, e, trainer.sender.endpoint) for n, e in engines.items()}
+    producers = {n: Producer(n, e, trainer.sender.endpoint, TIMEOUT_S) for n, e in engines.items()}
     stop = threading.Event()
     for p in producers.values():
         p.connect()
-    threads = polled(producers, stop)
+    threads = [p.poll_in_thread(stop) for p in producers.values()]
     try:
         # version 1 over each producer's own link, version 2 over the fan-out group: every
         # worker of every producer (ranks 1..3: p1 is TP=2, p2 at rank offset 3) has exactly the trainer's tensors

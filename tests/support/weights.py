@@ -108,6 +108,52 @@ class corrupting:
             setattr(cls, "_send" if cls is Ring else "send", orig)
 
 
+
+def wait_for(what: str, cond, timeout_s: float) -> float:
+    """Poll `cond` until true; fail naming `what` after `timeout_s`. Returns the seconds waited."""
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout_s, f"{what}: not within {timeout_s} s"
+        time.sleep(0.02)
+    return time.monotonic() - t0
+
+
+class LinkedProducer:
+    """A producer's engine (WorkerProcesses) and its real link (TrainerLink), ticked between
+    (absent) engine steps by a thread of its own (`poll_in_thread`), as each producer's loop is
+    its own: a group's init blocks every member in the rendezvous until all of them join.
+    Subclasses say what a tick does with the link's state (`tick`)."""
+
+    def __init__(self, name: str, engine: "WorkerProcesses", endpoint: str, timeout_s: float):
+        self.name, self.engine, self.endpoint, self.timeout_s = name, engine, endpoint, timeout_s
+        self.lock = threading.Lock()
+        self.registrations = 0
+        self.link = None
+        self.gone = False
+
+    def connect(self) -> None:
+        from producer.weights.trainer_link import TrainerLink
+
+        self.link = TrainerLink.connect(self.engine, self.endpoint, self.name, self.timeout_s)
+        self.registrations += 1
+
+    def tick(self) -> None:
+        raise NotImplementedError
+
+    def received(self) -> dict[str, torch.Tensor]:
+        with self.lock:
+            return self.engine.received()[0]
+
+    def poll_in_thread(self, stop: threading.Event) -> threading.Thread:
+        def run() -> None:
+            while not stop.is_set() and not self.gone:
+                self.tick()
+                time.sleep(0.01)
+        t = threading.Thread(target=run, daemon=True, name=f"poll-{self.name}")
+        t.start()
+        return t
+
+
 class TrainerSide:
     """The trainer's sending half (consumer/weights/sender.py, consumer/weights/engines.py, consumer/weights/durable.py),
     fed versions by the test instead of a training loop.
