@@ -115,7 +115,8 @@ def replay(cfg: RlstreamConfig, out_dir: Path, run_dir: Path | None = None, star
     try:
         with open(out_dir / "replay.jsonl", "w") as lines:
             for s in steps:
-                got = compared_metrics(leader.train(samples(s, records.take(s))))
+                got = compared_metrics(leader.train(samples(s, records.take(s),
+                                                            cfg.consumer.stress.logprob_temperature_scale)))
                 same = _canonical(got) == _canonical(s.metrics)
                 if not same:
                     summary.diverged_steps.append(s.step)
@@ -132,9 +133,10 @@ def replay(cfg: RlstreamConfig, out_dir: Path, run_dir: Path | None = None, star
     return summary
 
 
-def samples(s: StepInputs, rollouts: list) -> list:
-    """The step's TrainSamples: its groups in batch order, each sample weighted by the gate
-    (consumer/staleness.py `gate_group`) under the control settings recorded for the step."""
+def samples(s: StepInputs, rollouts: list, temperature_scale: float = 1.0) -> list:
+    """The step's TrainSamples: its groups in batch order, each sample weighted and aged by the gate
+    (consumer/staleness.py `gate_group`) under the control settings recorded for the step (its age
+    feeds the signals by staleness); `temperature_scale`: `consumer.stress`, as the run trained."""
     from consumer.batch import TrainSample
     from consumer.staleness import gate_group
 
@@ -150,7 +152,7 @@ def samples(s: StepInputs, rollouts: list) -> list:
         if not d.keep:
             raise ReplayError(f"step {s.step}: group {group[0].group_id} is {d.outcome} under the recorded "
                               f"settings {s.control} (staleness {d.staleness}); the audit line is inconsistent")
-        out += [TrainSample.from_rollout(r, w) for r, w in zip(group, d.weights)]
+        out += [TrainSample.from_rollout(r, w, a, temperature_scale) for r, w, a in zip(group, d.weights, d.ages)]
     return out
 
 

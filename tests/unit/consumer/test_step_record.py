@@ -49,6 +49,8 @@ def test_the_batch_is_weighted_by_the_recorded_control_settings():
     reweight = ControlSettings(max_staleness=4, mode="reweight", decay=0.5)
     s = StepInputs.parse(_inputs(groups, [1, 2, 3, 3], reweight))
     assert [x.sample_weight for x in samples(s, rollouts)] == [0.5, 0.25, 0.125, 0.125]
+    assert [x.staleness for x in samples(s, rollouts)] == [1, 2, 3, 3]  # the signals by staleness
+    assert [x.temperature for x in samples(s, rollouts, 1.5)] == [r.temperature * 1.5 for r in rollouts]
     s = StepInputs.parse(_inputs(groups, [1, 2, 3, 3], ControlSettings(max_staleness=4)))
     assert [x.sample_weight for x in samples(s, rollouts)] == [1.0] * 4
     s = StepInputs.parse(_inputs(groups, [1, 2, 3, 3], ControlSettings(max_staleness=2)))
