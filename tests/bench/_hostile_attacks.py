@@ -42,7 +42,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import selectors
 import socket
 import threading
 import time
@@ -306,8 +305,10 @@ class Attacker:
 
     def http_over_cap(self, url: str) -> None:
         """OVER_CAP connections at once to one service; held until the last got its answer."""
+        from tests.integration.test_http_hostile import _flood
+
         c = self.injected["http_over_cap"]
-        answers = flood(_port(url), OVER_CAP, hold_s=3.0)
+        answers = _flood(_port(url), OVER_CAP, b"", timeout=3.0)  # nothing sent: held until the timeout
         c["connections"] += OVER_CAP
         c["answered 503 at accept"] += sum(a.startswith(b"HTTP/1.1 503") for a in answers)
 
@@ -349,31 +350,3 @@ def draw_bad(kinds: tuple[str, ...] | None, seed: int, n: int = 1) -> list[tuple
 
     collect()
     return out[:n]
-
-
-def flood(port: int, n: int, hold_s: float) -> list[bytes]:
-    """`n` connections opened at once (non-blocking, nothing sent); what each received within
-    `hold_s` (the ones over the cap get 503 at accept); then all closed."""
-    sel = selectors.DefaultSelector()
-    got: dict[socket.socket, bytearray] = {}
-    for _ in range(n):
-        s = socket.socket()
-        s.setblocking(False)
-        s.connect_ex(("127.0.0.1", port))
-        got[s] = bytearray()
-        sel.register(s, selectors.EVENT_READ)
-    deadline = time.monotonic() + hold_s
-    while time.monotonic() < deadline:
-        for key, _ in sel.select(0.1):
-            try:
-                chunk = key.fileobj.recv(65536)
-            except OSError:
-                chunk = b""
-            if chunk:
-                got[key.fileobj] += chunk
-            else:
-                sel.unregister(key.fileobj)
-    sel.close()
-    for s in got:
-        s.close()
-    return [bytes(v) for v in got.values()]

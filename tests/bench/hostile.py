@@ -57,7 +57,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from collections import Counter
@@ -161,19 +160,12 @@ def worker(argv: list[str]) -> int:
 
 def setup(args) -> Run:
     """Tiny model, broker, topics, task data, one config per service; nothing started."""
-    from common.config import BrokerSettings
     from common.harness.supervisor import Service
-    from common.kafka.broker import EmbeddedBroker
-    from common.toy.tinymodel import build_tiny_model
-    from tests.fixtures.kafka import make_kafka_settings
+    from tests.bench.soak import start_broker
     from tests.support.configs import ensure_prompts, service_config, write_config
 
     G, B = args.group_size, args.groups_per_batch
-    tmp = Path(args.work_dir or tempfile.mkdtemp(prefix="rlstream-hostile-"))
-    tmp.mkdir(parents=True, exist_ok=True)
-    model = build_tiny_model(tmp / "tiny-model")
-    broker = EmbeddedBroker(BrokerSettings(port=0)).start()
-    kafka = make_kafka_settings(broker.bootstrap, tmp / "blobs", rollouts_partitions=2)
+    tmp, model, broker, kafka = start_broker(args.work_dir, "rlstream-hostile-")
     common = dict(staleness={"max_staleness": 2}, consumer={"group_timeout_s": args.group_timeout_s})
     plain = service_config(kafka, model, tmp, G=G, B=B, **common)
     N, T = 12, 2 * TURNS  # tokens per model turn; the longest episode's turns
@@ -198,16 +190,11 @@ def setup(args) -> Run:
 
 def warm(run: Run) -> None:
     """Every service up, the first global step trained; the attacker and the poller ready."""
-    from common.harness.supervisor import wait_until
-    from tests.integration.test_fuzz_training import MARKER, Live
     from tests.bench._hostile_attacks import Attacker
-    from tests.support.audit import audit_steps
+    from tests.bench.soak import start_all
+    from tests.integration.test_fuzz_training import MARKER, Live
 
-    for s in run.services:
-        s.start()
-    for s in run.services:
-        s.wait_ready(600)
-    wait_until(lambda: max(audit_steps(run.ckpt), default=0) >= 1, 600, "the first step", run.services)
+    start_all(run.services, run.ckpt)
     MARKER.unlink(missing_ok=True)
     run.attacker = Attacker(run.kafka, run.args.group_size, run.model, run.tmp, journaling=run.args.journaling > 0,
                             lease_s=run.args.lease_s, live_fuzz=Live(run.kafka, run.consumer, run.ckpt),
