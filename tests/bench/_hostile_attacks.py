@@ -268,13 +268,16 @@ class Attacker:
 
     # ------------------------------------------------------------------ rollouts
 
-    def rollouts_fuzz(self, n: int, extra: int = 3) -> None:
+    def rollouts_fuzz(self, n: int, trainer_version: int, extra: int = 3) -> None:
         """One bad record of each kind and `extra` drawn from the fuzz generator; each kind of
-        reused group id; valid synthetic groups between them."""
-        from tests.integration.test_fuzz_training import KINDS, REUSES
+        reused group id; valid synthetic groups between them. A version from the future is
+        the trainer's + 10**6 (the generator's >= 1000 is the past once the trainer is there)."""
+        from tests.integration.test_fuzz_training import KINDS, REUSES, _pack
 
         c = self.injected["rollouts_fuzz"]
         for kind, field, value in [*(draw_bad((k,), n)[0] for k in KINDS), *draw_bad(None, n, extra)]:
+            if kind == "future_version":
+                value = _pack(policy_version=trainer_version + 1_000_000)
             self.live.publish_bad(kind, field, value)
             c[kind] += 1
         for how in REUSES:

@@ -67,7 +67,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from tests.bench._smoke import parse_args  # noqa: E402
 
-SMOKE = dict(duration_s=16.0, cycle_s=16.0, producers=1, freeze_s=2.0, lease_s=3.0, slow_clients=20, slow_s=11.0,
+SMOKE = dict(duration_s=16.0, cycle_s=16.0, producers=1, freeze_s=4.0, lease_s=3.0, slow_clients=20, slow_s=11.0,
              group_timeout_s=10.0)
 TURNS = 3
 """Model turns per journaling episode, on average (tests/bench/episodes.py drill_calculator: 2 to 4)."""
@@ -236,9 +236,9 @@ def attack(run: Run, name: str, k: int) -> None:
     elif name == "control_unsigned":
         a.control_unsigned(k)
     elif name == "weights_forged":
-        a.weights_forged(k, trainer_version=int(run.consumer.try_metric("rlstream_consumer_policy_version", 0)))
+        a.weights_forged(k, trainer_version=trainer_version(run))
     elif name == "rollouts_fuzz":
-        a.rollouts_fuzz(k)
+        a.rollouts_fuzz(k, trainer_version=trainer_version(run))
     elif name == "http_slow":
         a.http_slow(urls, args.slow_clients, seconds=args.slow_s)
     elif name == "http_over_cap":
@@ -247,6 +247,11 @@ def attack(run: Run, name: str, k: int) -> None:
     elif name == "http_malformed":
         for url in urls.values():
             a.http_malformed(url)
+
+
+def trainer_version(run: Run) -> int:
+    v = run.consumer.try_metric("rlstream_consumer_policy_version", 0)
+    return 0 if math.isnan(v) else int(v)
 
 
 def measure(run: Run) -> None:
@@ -296,10 +301,12 @@ def sample(run: Run, el: float) -> None:
         run.crashes.append({"service": "broker", "at_s": round(el, 1), "log_tail": run.broker.log_tail(1500)})
     write_targets(run)
     c = run.consumer
-    run.samples.append({"t": round(el, 1), "version": c.try_metric("rlstream_consumer_policy_version"),
-                        "lag": c.try_metric("rlstream_consumer_lag_records"),
-                        "producer_versions": {p.name: p.try_metric("rlstream_producer_policy_version")
-                                              for p in run.producers}})
+    # the producers first: the trainer's version, read after them, only grows, so a producer
+    # above it was ahead of the trainer
+    producer_versions = {p.name: p.try_metric("rlstream_producer_policy_version") for p in run.producers}
+    run.samples.append({"t": round(el, 1), "producer_versions": producer_versions,
+                        "version": c.try_metric("rlstream_consumer_policy_version"),
+                        "lag": c.try_metric("rlstream_consumer_lag_records")})
 
 
 # ---------------------------------------------------------------------------- drain
@@ -472,6 +479,8 @@ def classes(run: Run, dlq: list, found: dict, records: list) -> dict:
         ghosts.values()), "complete_groups": sum(n == run.args.group_size for n in ghosts.values())},
         forged_claim_keys_published_by_epoch=dict(epochs))
     out["rollouts_fuzz"].update(in_dlq=len(found), hostile_records=len(a.live.expected),
+                                not_in_dlq_by_kind=dict(Counter(k for s, (k, _) in a.live.expected.items()
+                                                                if s not in found)),
                                 valid_groups_beside=a.live.valid_groups)
     out["broker_freeze"] = {"injected": {"SIGSTOP": 1 if run.freeze else 0}}
     return out
