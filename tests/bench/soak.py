@@ -77,21 +77,28 @@ class Soak:
 
 # ---------------------------------------------------------------------------- setup
 
-def setup(args) -> Soak:
-    """Tiny model, broker, topics, task data, one config per producer; nothing started."""
+def start_broker(work_dir: str | None, prefix: str):
+    """(work dir, tiny model dir, a started tansu broker on a free port, its KafkaSettings with
+    2 rollouts partitions): what the soak and tests/bench/hostile.py start from."""
     from common.config import BrokerSettings
-    from common.harness.supervisor import Service
     from common.kafka.broker import EmbeddedBroker
     from common.toy.tinymodel import build_tiny_model
     from tests.fixtures.kafka import make_kafka_settings
-    from tests.support.configs import ensure_prompts, service_config, write_config
 
-    G, B = args.group_size, args.groups_per_batch
-    tmp = Path(args.work_dir or tempfile.mkdtemp(prefix="rlstream-soak-"))
+    tmp = Path(work_dir or tempfile.mkdtemp(prefix=prefix))
     tmp.mkdir(parents=True, exist_ok=True)
     model = build_tiny_model(tmp / "tiny-model")
     broker = EmbeddedBroker(BrokerSettings(port=0)).start()
-    kafka = make_kafka_settings(broker.bootstrap, tmp / "blobs", rollouts_partitions=2)
+    return tmp, model, broker, make_kafka_settings(broker.bootstrap, tmp / "blobs", rollouts_partitions=2)
+
+
+def setup(args) -> Soak:
+    """Tiny model, broker, topics, task data, one config per producer; nothing started."""
+    from common.harness.supervisor import Service
+    from tests.support.configs import ensure_prompts, service_config, write_config
+
+    G, B = args.group_size, args.groups_per_batch
+    tmp, model, broker, kafka = start_broker(args.work_dir, "rlstream-soak-")
     cfg = service_config(kafka, model, tmp, G=G, B=B, staleness={"max_staleness": 2},
                          consumer={"group_timeout_s": 30.0})
     ensure_prompts(cfg, n_train=256)
@@ -110,15 +117,20 @@ def setup(args) -> Soak:
 
 def warm(soak: Soak) -> None:
     """Every service up and the first global step done (the engines have started)."""
+    start_all(soak.services, soak.ckpt)
+    soak.waits["start"] = wait_histogram(soak.consumer.scrape())
+
+
+def start_all(services: list, ckpt: Path) -> None:
+    """Start every service, wait until each is ready and the first global step is trained."""
     from common.harness.supervisor import wait_until
     from tests.support.audit import audit_steps
 
-    for s in soak.services:
+    for s in services:
         s.start()
-    for s in soak.services:
+    for s in services:
         s.wait_ready(600)
-    wait_until(lambda: max(audit_steps(soak.ckpt), default=0) >= 1, 600, "the first step", soak.services)
-    soak.waits["start"] = wait_histogram(soak.consumer.scrape())
+    wait_until(lambda: max(audit_steps(ckpt), default=0) >= 1, 600, "the first step", services)
 
 
 def wait_histogram(text: str) -> dict[float, float]:

@@ -58,6 +58,9 @@ BENCHES = {
     "episodes": (("lost_generation_seconds_per_crash", "lost_ratio_on_over_off", "episodes_published_twice"), 600,
                  ("vllm", "broker")),
     "journal_start": (("start_read_s", "ratio_10x_over_1x", "records_read", "without_checkpoints"), 90, ("broker",)),
+    # 51-80 s alone (load 1-10), 106 s in this test (load 3-8): 240, ~3x the slowest
+    "hostile": (("crashes", "valid_records_lost", "healthz_p99_s", "trained_twice", "classes", "checks"), 240,
+                ("vllm", "megatron", "broker")),
 }
 
 
@@ -102,8 +105,8 @@ def extra_args(name: str, tmp_path: Path, shared_warm: list[str]) -> list[str]:
     """Where each bench writes (the test's temporary directories, not runs/)."""
     if name in ("weights", "weights_export"):
         return ["--models-dir", str(tmp_path / "models")]
-    if name == "soak":
-        return ["--work-dir", str(tmp_path / "soak")]
+    if name in ("soak", "hostile"):
+        return ["--work-dir", str(tmp_path / name)]
     if name == "peers":
         return ["--work-dir", str(tmp_path / "peers")]
     if name in ("e2e_async", "dynamic_sampling", "stability"):
