@@ -26,7 +26,6 @@ reached the engine, so the agent retries it as it was.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
 

@@ -56,7 +56,7 @@ def test_gc_keeps_what_retained_records_and_checkpoints_point_to(broker, tmp_pat
     kafka = make_kafka_settings(broker.bootstrap, tmp_path / "blobs", rollouts_partitions=1, claim_check_bytes=2048)
     store = BlobStore(kafka.blob_dir)
     rng = np.random.default_rng(2)
-    offsets, shas = [], []  # per group: its first offset, its blobs
+    offsets = []  # per group: its first offset
     with RolloutPublisher(kafka) as pub:
         for i in range(4):
             deliveries = [pub.publish(r, timeout=30).result(timeout=60) for r in synthetic_group(f"g{i}", 2, 0, rng,
