@@ -366,6 +366,8 @@ def test_out_of_range_and_hostile_control_messages_on_the_topic_are_ignored(live
     c = live.consumer
     k = live.kafka
     rejected0 = {t: c.metric("rlstream_control_rejected_total", topic=t) for t in ("control", "policy")}
+    settings = ("max_staleness", "mode", "decay", "paused", "max_staleness_auto")
+    state0 = {key: json.loads(_admin(c)[1])[key] for key in settings}
     hostile_control = [
         (b"max_staleness", json.dumps({"value": -5}).encode()),
         (b"max_staleness", json.dumps({"value": 10**9}).encode()),
@@ -405,7 +407,7 @@ def test_out_of_range_and_hostile_control_messages_on_the_topic_are_ignored(live
     for t, n in want.items():
         assert c.metric("rlstream_control_rejected_total", topic=t) - rejected0[t] == n, t
     state = json.loads(_admin(c)[1])
-    assert state == {"max_staleness": 999, "mode": "drop", "decay": 1.0, "paused": False}, state
+    assert {key: state[key] for key in settings} == state0, state  # nothing the messages said was applied
     assert not MARKER.exists(), "a pickle from the control or policy topic was unpickled"
     assert c.alive
 
