@@ -2,7 +2,7 @@
 
     .venv/bin/python tests/bench/dynamic_sampling.py [--seconds 480] [--reps 1] [--set key=value ...] [--smoke]
 
-`--smoke`: the arm "with" alone (one engine start) for 10 s after a one-step SFT (nearly every
+`--smoke`: the arm "with" alone (one engine start) for 5 s after a one-step SFT (nearly every
 group is filtered), batches of 4 groups, in a temporary directory; no "without" arm, so no speedup.
 
 Runs `rlstream experiment dynamic_sampling` (common/harness/experiments.py): the same
@@ -32,7 +32,7 @@ from common.config import load_config  # noqa: E402
 from common.harness.experiments import run_experiment  # noqa: E402
 from tests.bench._smoke import experiment_overrides, parse_args  # noqa: E402
 
-SMOKE = dict(seconds=10.0, reps=1)
+SMOKE = dict(seconds=5.0, reps=1)
 
 
 def main() -> int:

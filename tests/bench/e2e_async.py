@@ -2,7 +2,7 @@
 
     .venv/bin/python tests/bench/e2e_async.py [--seconds 240] [--reps 2] [--set key=value ...] [--smoke]
 
-`--smoke`: the async arm alone (one engine start) for 10 s after a one-step SFT, batches of 4
+`--smoke`: the async arm alone (one engine start) for 5 s after a one-step SFT, batches of 4
 groups, dynamic sampling off, in a temporary directory; no sync arm, so no `async_speedup`.
 
 Runs `rlstream experiment async` (common/harness/experiments.py): the same warm start,
@@ -33,7 +33,7 @@ from common.config import load_config  # noqa: E402
 from common.harness.experiments import run_experiment  # noqa: E402
 from tests.bench._smoke import experiment_overrides, parse_args  # noqa: E402
 
-SMOKE = dict(seconds=10.0, reps=1)
+SMOKE = dict(seconds=5.0, reps=1)
 
 
 def main() -> int:

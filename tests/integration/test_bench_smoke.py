@@ -8,19 +8,23 @@ keys. The figures of a smoke run mean nothing and are not checked. A new
 script in tests/bench/ fails `test_every_bench_is_listed` until it is added
 to BENCHES below (modules starting with `_` are helpers, not benches).
 
+The smokes run two at a time (tests/support/bench_pool.py; RLSTREAM_SMOKE_LANES=1
+runs them one by one): they spend much of their time waiting on fixed
+durations, timeouts and service starts, so two share the cores with little
+loss. Each still runs alone in its own process group with its own timeout.
+
 Wall time on a shared 2-core machine: docs/benchmarks.md ("Smoke runs").
 """
 from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from tests.support.bench_pool import Job, SmokePool, run_process_group
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH_DIR = ROOT / "tests" / "bench"
@@ -114,23 +118,17 @@ def extra_args(name: str, tmp_path: Path, shared_warm: list[str]) -> list[str]:
     return []
 
 
+def bench_env() -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+
+
 def run_bench(cmd: list[str], timeout_s: float) -> tuple[int, str, str, float]:
-    """(exit code, stdout, stderr, seconds); on timeout the bench's whole process group is killed
-    (its broker, engines and workers too) and the test fails with its stderr's tail."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
+    """(exit code, stdout, stderr, seconds), the bench run alone; on timeout its whole process
+    group is killed (its broker, engines and workers too) and the test fails with its stderr's tail."""
+    code, out, err, seconds = run_process_group(cmd, timeout_s, ROOT, bench_env())
+    if code is None:
         pytest.fail(f"{cmd[1]} --smoke ran past {timeout_s} s:\n{err[-3000:]}")
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    return proc.returncode, out, err, time.monotonic() - t0
+    return code, out, err, seconds
 
 
 def last_json_object(stdout: str) -> dict:
@@ -141,17 +139,51 @@ def last_json_object(stdout: str) -> dict:
     return obj
 
 
+LANES = int(os.environ.get("RLSTREAM_SMOKE_LANES", "2"))
+"""Smokes run at once (tests/support/bench_pool.py); 1 runs them one after another."""
+
+ORDER = ("weights", "e2e_async", "peers", "dynamic_sampling", "soak", "stability", "hostile", "cluster",
+         "trainer_scale", "trainer_scale_ranks", "producer", "replay", "consumer", "weights_export", "trainer",
+         "journal_start", "wire")
+"""The tests' order, and so the pool's: longest first (CI, 2026-11-27), so that two lanes end together;
+the experiment benches apart, since they run one at a time (their shared warm start)."""
+
+EXPERIMENTS = ("e2e_async", "dynamic_sampling", "stability")
+
+
+def test_the_order_lists_every_smoke_of_this_test():
+    assert sorted(ORDER) == sorted(n for n in BENCHES if n not in RUN_ELSEWHERE)
+
+
+@pytest.fixture(scope="module")
+def smoke_pool(request, tmp_path_factory, shared_warm):
+    """One pool for the module: the smokes the session selected, started in ORDER."""
+    selected = {item.callspec.params["name"] for item in request.session.items
+                if item.module is request.module and item.originalname == "test_bench_smoke"}
+    jobs = []
+    for name in ORDER:
+        if name in selected:
+            cmd = [sys.executable, str(BENCH_DIR / f"{name}.py"), "--smoke",
+                   *extra_args(name, tmp_path_factory.mktemp(f"smoke-{name}"), shared_warm)]
+            jobs.append(Job(name, cmd, BENCHES[name][1], group="experiments" if name in EXPERIMENTS else ""))
+    pool = SmokePool(jobs, LANES, ROOT, bench_env())
+    yield pool
+    pool.stop()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [  # pytest's own timeout: the bench's, plus fixtures and teardown
-    pytest.param(name, marks=[pytest.mark.timeout(timeout_s + 120), *(getattr(pytest.mark, m) for m in marks)])
-    for name, (_, timeout_s, marks) in BENCHES.items() if name not in RUN_ELSEWHERE])
-def test_bench_smoke(name, tmp_path, shared_warm):
+    pytest.param(name, marks=[pytest.mark.timeout(BENCHES[name][1] + 120),
+                              *(getattr(pytest.mark, m) for m in BENCHES[name][2])])
+    for name in ORDER])
+def test_bench_smoke(name, smoke_pool):
     keys, timeout_s, _ = BENCHES[name]
-    cmd = [sys.executable, str(BENCH_DIR / f"{name}.py"), "--smoke", *extra_args(name, tmp_path, shared_warm)]
-    code, out, err, seconds = run_bench(cmd, timeout_s)
-    print(f"{name} --smoke: {seconds:.1f} s")  # shown with -s / -rP: the smoke budget in docs/benchmarks.md
-    assert code == 0, f"{name} --smoke exited {code}:\n{err[-3000:]}"
-    result = last_json_object(out)
+    run = smoke_pool.wait(name, timeout_s + 60)
+    # shown with -s / -rP: the smoke budget in docs/benchmarks.md
+    print(f"{name} --smoke: {run.seconds:.1f} s (started {run.started_at:.0f} s into the pool, {LANES} lanes)")
+    assert run.code is not None, f"{name} --smoke ran past {timeout_s} s:\n{run.err[-3000:]}"
+    assert run.code == 0, f"{name} --smoke exited {run.code}:\n{run.err[-3000:]}"
+    result = last_json_object(run.out)
     if "skipped" in result:  # cluster.py without root or iproute2: it says why
         pytest.skip(result["skipped"])
     missing = [k for k in keys if k not in result]

@@ -71,11 +71,14 @@ def test_the_control_follower_gets_an_announcement_behind_a_long_policy_log(brok
     from common.control.plane import ControlFollower, ControlPlaneWriter
 
     kafka = make_kafka_settings(broker.bootstrap, tmp_path / "blobs")
-    follower = ControlFollower(kafka, ControlSettings(), fetch_wait_ms=1)  # 1,500 batches take longer to list
+    # 1 ms: tansu lists a partition's whole log per fetch (~1 us a batch on the 2-core machine), so
+    # 3,000 batches take about 3 times the wait to list (a machine would need to be 3 times faster); with
+    # 1,500 a fast run listed them within the wait, the wait was never raised and the test failed
+    follower = ControlFollower(kafka, ControlSettings(), fetch_wait_ms=1)
     try:
         follower.catch_up()
         progress = TrainerProgress(trainer_version=0, groups_per_batch=2, group_size=4)
-        append_batches(broker.bootstrap, kafka.topics.policy, 0, 1_500, value=progress.model_dump_json().encode())
+        append_batches(broker.bootstrap, kafka.topics.policy, 0, 3_000, value=progress.model_dump_json().encode())
         writer = ControlPlaneWriter(kafka)
         try:
             writer.announce(WeightsReady(version=7, uri="file:///w/v7", sha256="a" * 64, bytes=1))
@@ -85,7 +88,7 @@ def test_the_control_follower_gets_an_announcement_behind_a_long_policy_log(brok
         while follower.view.weights is None and empty < EMPTY_POLLS:  # progress messages first, in order
             empty = 0 if follower.poll(timeout_s=0.5) else empty + 1
         assert follower.view.weights is not None and follower.view.weights.version == 7, follower.fetch_wait.ms
-        assert follower.fetch_wait.raised >= 1
+        assert follower.fetch_wait.raised >= 1, follower.fetch_wait.ms
     finally:
         follower.close()
 
