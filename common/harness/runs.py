@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -120,6 +121,28 @@ def write_run_config(cfg: RlstreamConfig, dirs: RunDirs, warm: Warm,
     return run_cfg
 
 
+ADMIN_TOKEN_FILE = "admin_token"
+"""In a run directory: the admin token minted for the run (mode 0600), when none was set."""
+
+
+def run_admin_env(cfg: RlstreamConfig, dirs: RunDirs) -> dict[str, str]:
+    """The services' environment for the run's admin token. A token signs every control record
+    (an operator's `rlstream ctl set`, the `max_staleness: auto` controller's changes) and the
+    services apply no unsigned one, so a run without a token could never change a setting. When
+    neither the environment (RLSTREAM_ADMIN_TOKEN) nor the config sets one, one is minted for the
+    run: passed to the services in their environment, not in the run's config file, and kept in
+    `<run dir>/admin_token` (0600) for `rlstream ctl --token`."""
+    if os.environ.get("RLSTREAM_ADMIN_TOKEN") or cfg.cli.admin_token or cfg.consumer.http.admin_token \
+            or cfg.producer.http.admin_token:
+        return {}
+    token = secrets.token_urlsafe(24)
+    path = dirs.root / ADMIN_TOKEN_FILE
+    path.touch(mode=0o600)
+    path.write_text(token + "\n")
+    say(f"admin token for this run (none was set): {path}")
+    return {"RLSTREAM_ADMIN_TOKEN": token}
+
+
 @dataclass
 class StopRule:
     """When a run ends (whichever comes first)."""
@@ -182,7 +205,8 @@ def run_rl(cfg: RlstreamConfig, warm: Warm, label: str, stop: StopRule,
     torch.set_num_threads(1)  # the services own the cores; evaluation is small
     dirs = new_run_dir(cfg.demo.work_dir, label)
     run_cfg = write_run_config(cfg, dirs, warm, overrides)
-    pipe = Pipeline(run_cfg, dirs.config, dirs.logs, num_producers or cfg.demo.num_producers)
+    pipe = Pipeline(run_cfg, dirs.config, dirs.logs, num_producers or cfg.demo.num_producers,
+                    env=run_admin_env(run_cfg, dirs))
     evaluator = VersionEvaluator(dirs.weights, warm.heldout_path, warm.metric, run_cfg.producer.temperature,
                                  run_cfg.producer.max_tokens, episodes=run_cfg.producer.episodes)
     # the warm start is version 0 (the consumer publishes it unchanged as v0)

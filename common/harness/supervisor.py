@@ -263,6 +263,8 @@ class Pipeline:
     num_producers: int = 1
     start_timeout_s: float = 240.0
     stop_timeout_s: float = 120.0
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment every service gets beside child_env's (the run's admin token)."""
     services: list[Service] = field(default_factory=list)
     bootstrap: str = ""
 
@@ -301,7 +303,8 @@ class Pipeline:
 
     def _start(self, command: str, sets: list[str], threads: int, name: str | None = None,
                extra_env: dict[str, str] | None = None) -> Service:
-        s = Service(command, self.config, self.log_dir, name=name, sets=sets, env=child_env(threads, extra_env))
+        s = Service(command, self.config, self.log_dir, name=name, sets=sets,
+                    env=child_env(threads, {**self.env, **(extra_env or {})}))
         self.services.append(s.start())
         return s
 
