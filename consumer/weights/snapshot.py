@@ -183,8 +183,7 @@ def _register_pinned(memory: np.ndarray) -> None:
     if err != 0:
         raise WeightTransferError(f"pinning the {memory.nbytes / 1e9:.1f} GB weight snapshot failed (cudaError "
                                   f"{err}): not enough lockable host memory? (ulimit -l, the pod's memory limit)")
-    weakref.finalize(memory, _unregister_pinned, ptr)
-
-
-def _unregister_pinned(ptr: int) -> None:
-    torch.cuda.cudart().cudaHostUnregister(ptr)
+    # unregistered by the runtime that registered it, whatever torch.cuda.cudart() is when the
+    # memory is freed (under the GPU stand-in, a slab freed after the stand-in was removed
+    # stayed registered, and a new slab at the same address was refused: cudaError 712)
+    weakref.finalize(memory, cudart.cudaHostUnregister, ptr)
