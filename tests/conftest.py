@@ -19,8 +19,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-pytest_plugins = ["tests.fixtures.kafka", "tests.fixtures.trainer", "tests.fixtures.producer", "tests.fixtures.load",
-                  "tests.fixtures.smokes"]
+pytest_plugins = ["tests.fixtures.kafka", "tests.fixtures.trainer", "tests.fixtures.producer", "tests.fixtures.load"]
 
 
 @pytest.fixture(scope="session")

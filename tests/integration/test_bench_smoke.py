@@ -8,13 +8,10 @@ keys. The figures of a smoke run mean nothing and are not checked. A new
 script in tests/bench/ fails `test_every_bench_is_listed` until it is added
 to BENCHES below (modules starting with `_` are helpers, not benches).
 
-The smokes run beside the rest of the suite (tests/support/bench_pool.py,
-started right after collection by tests/fixtures/smokes.py): one at a time
-while other tests run, two at a time once the suite reaches these cases,
-which run last (RLSTREAM_SMOKE_LANES=1: one at a time throughout). They spend
-much of their time waiting on fixed durations, timeouts and service starts,
-and the suite leaves much of the second core idle, so they share the cores
-with little loss. Each runs in its own process group with its own timeout.
+The smokes run two at a time (tests/support/bench_pool.py; RLSTREAM_SMOKE_LANES=1
+runs them one by one): they spend much of their time waiting on fixed
+durations, timeouts and service starts, so two share the cores with little
+loss. Each still runs alone in its own process group with its own timeout.
 
 Wall time on a shared 2-core machine: docs/benchmarks.md ("Smoke runs").
 """
@@ -22,9 +19,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -102,22 +97,24 @@ def test_smoke_replaces_defaults_and_explicit_flags_win():
     assert (mixed.reps, mixed.sizes) == (3, "tiny")
 
 
-def shared_warm(d: Path) -> list[str]:
-    """The experiment benches share one model, task and SFT warm start in `d` (the first builds it)."""
+@pytest.fixture(scope="module")
+def shared_warm(tmp_path_factory) -> list[str]:
+    """The experiment benches share one model, task and SFT warm start (the second reuses it)."""
+    d = tmp_path_factory.mktemp("bench-warm")
     return ["--set", f"model.path={d}/tiny-model", "--set", f"producer.prompts.path={d}/data/train.jsonl",
             "--set", f"demo.work_dir={d}/demo"]
 
 
-def extra_args(name: str, tmp_path: Path, warm_dir: Path) -> list[str]:
-    """Where each bench writes (temporary directories, not runs/)."""
+def extra_args(name: str, tmp_path: Path, shared_warm: list[str]) -> list[str]:
+    """Where each bench writes (the test's temporary directories, not runs/)."""
     if name in ("weights", "weights_export"):
         return ["--models-dir", str(tmp_path / "models")]
     if name in ("soak", "hostile"):
         return ["--work-dir", str(tmp_path / name)]
     if name == "peers":
         return ["--work-dir", str(tmp_path / "peers")]
-    if name in EXPERIMENTS:
-        return shared_warm(warm_dir)
+    if name in ("e2e_async", "dynamic_sampling", "stability"):
+        return shared_warm
     return []
 
 
@@ -143,49 +140,35 @@ def last_json_object(stdout: str) -> dict:
 
 
 LANES = int(os.environ.get("RLSTREAM_SMOKE_LANES", "2"))
-"""Smokes at once once the suite reaches them (tests/support/bench_pool.py); 1 runs them one after another."""
+"""Smokes run at once (tests/support/bench_pool.py); 1 runs them one after another."""
 
 ORDER = ("weights", "e2e_async", "peers", "dynamic_sampling", "soak", "stability", "hostile", "cluster",
          "trainer_scale", "trainer_scale_ranks", "producer", "replay", "consumer", "weights_export", "trainer",
          "journal_start", "wire")
-"""The pool's order, and the tests': longest first (CI, 2026-11-27), so that two lanes end together;
+"""The tests' order, and so the pool's: longest first (CI, 2026-11-27), so that two lanes end together;
 the experiment benches apart, since they run one at a time (their shared warm start)."""
 
 EXPERIMENTS = ("e2e_async", "dynamic_sampling", "stability")
-POOL = pytest.StashKey[SmokePool]()
-
-
-def schedule(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """After collection (tests/fixtures/smokes.py): this test's cases move to the end of the run
-    and their pool starts at once, one lane running the smokes beside the rest of the suite (which
-    leaves much of the second core idle); more lanes join when the first case waits for its smoke."""
-    cases = {item.callspec.params["name"]: item for item in items
-             if getattr(item, "module", None) is not None and item.module.__name__ == __name__
-             and getattr(item, "originalname", "") == "test_bench_smoke"}
-    if not cases:
-        return
-    items[:] = [item for item in items if item not in cases.values()] + [cases[n] for n in ORDER if n in cases]
-    if config.option.collectonly:
-        return
-    work = Path(tempfile.mkdtemp(prefix="rlstream-smokes-"))
-    jobs = [Job(name, [sys.executable, str(BENCH_DIR / f"{name}.py"), "--smoke",
-                       *extra_args(name, work / name, work / "warm")], BENCHES[name][1],
-                group="experiments" if name in EXPERIMENTS else "")
-            for name in ORDER if name in cases]
-    for name in cases:
-        (work / name).mkdir()
-    pool = SmokePool(jobs, 1 if len(items) > len(cases) else LANES, ROOT, bench_env())
-    config.stash[POOL] = pool
-
-    def stop():
-        pool.stop()
-        shutil.rmtree(work, ignore_errors=True)
-
-    config.add_cleanup(stop)
 
 
 def test_the_order_lists_every_smoke_of_this_test():
     assert sorted(ORDER) == sorted(n for n in BENCHES if n not in RUN_ELSEWHERE)
+
+
+@pytest.fixture(scope="module")
+def smoke_pool(request, tmp_path_factory, shared_warm):
+    """One pool for the module: the smokes the session selected, started in ORDER."""
+    selected = {item.callspec.params["name"] for item in request.session.items
+                if item.module is request.module and item.originalname == "test_bench_smoke"}
+    jobs = []
+    for name in ORDER:
+        if name in selected:
+            cmd = [sys.executable, str(BENCH_DIR / f"{name}.py"), "--smoke",
+                   *extra_args(name, tmp_path_factory.mktemp(f"smoke-{name}"), shared_warm)]
+            jobs.append(Job(name, cmd, BENCHES[name][1], group="experiments" if name in EXPERIMENTS else ""))
+    pool = SmokePool(jobs, LANES, ROOT, bench_env())
+    yield pool
+    pool.stop()
 
 
 @pytest.mark.slow
@@ -193,13 +176,11 @@ def test_the_order_lists_every_smoke_of_this_test():
     pytest.param(name, marks=[pytest.mark.timeout(BENCHES[name][1] + 120),
                               *(getattr(pytest.mark, m) for m in BENCHES[name][2])])
     for name in ORDER])
-def test_bench_smoke(name, pytestconfig):
+def test_bench_smoke(name, smoke_pool):
     keys, timeout_s, _ = BENCHES[name]
-    pool = pytestconfig.stash[POOL]
-    pool.widen(LANES)
-    run = pool.wait(name, timeout_s + 60)
+    run = smoke_pool.wait(name, timeout_s + 60)
     # shown with -s / -rP: the smoke budget in docs/benchmarks.md
-    print(f"{name} --smoke: {run.seconds:.1f} s (started {run.started_at:.0f} s into the session)")
+    print(f"{name} --smoke: {run.seconds:.1f} s (started {run.started_at:.0f} s into the pool, {LANES} lanes)")
     assert run.code is not None, f"{name} --smoke ran past {timeout_s} s:\n{run.err[-3000:]}"
     assert run.code == 0, f"{name} --smoke exited {run.code}:\n{run.err[-3000:]}"
     result = last_json_object(run.out)

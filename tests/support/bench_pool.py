@@ -1,13 +1,11 @@
-"""Bench smokes run beside the suite and beside each other, each exactly as a person runs it.
+"""Bench smokes run two at a time, each exactly as a person runs it.
 
 The smokes spend much of their wall time waiting (a fixed duration of
-training, a watchdog's timeout, a service's start), and the suite leaves a
-core of the 2-core CI machine idle much of the time, so they share the
-cores with little loss. `SmokePool` starts the jobs in the order given, one
-per free lane (`widen` adds lanes); a test then waits for its own job.
-Because jobs start in test order, by the time a test waits, every earlier
-job has ended and its own job has started: a test waits at most its own
-job's run.
+training, a watchdog's timeout, a service's start), so two of them share the
+2 cores of a CI machine with little loss. `SmokePool` starts the jobs in the
+order given, one per free lane; a test then waits for its own job. Because
+jobs start in test order, by the time a test waits, every earlier job has
+ended and its own job has started: a test waits at most its own job's run.
 
 Jobs of one `group` never run at the same time (the experiment benches share
 one warm start, which the first of them builds): a lane whose next job's
@@ -84,16 +82,10 @@ class SmokePool:
         self._cond = threading.Condition()
         self._stopped = False
         self._t0 = time.monotonic()
-        self._lanes: list[threading.Thread] = []
-        self.widen(lanes)
-
-    def widen(self, lanes: int) -> None:
-        """Run up to `lanes` jobs at once from now on (never fewer than before)."""
-        with self._cond:
-            while len(self._lanes) < lanes and not self._stopped:
-                t = threading.Thread(target=self._lane, name=f"smoke-lane-{len(self._lanes)}", daemon=True)
-                self._lanes.append(t)
-                t.start()
+        self._lanes = [threading.Thread(target=self._lane, name=f"smoke-lane-{i}", daemon=True)
+                       for i in range(lanes)]
+        for t in self._lanes:
+            t.start()
 
     def wait(self, name: str, timeout_s: float) -> Outcome:
         """The job's outcome once it ended (TimeoutError if it has not within `timeout_s`)."""
@@ -110,7 +102,7 @@ class SmokePool:
             self._cond.notify_all()
         for p in procs:
             _kill_group(p)
-        for t in list(self._lanes):
+        for t in self._lanes:
             t.join(timeout=30)
 
     def _take(self) -> Job | None:

@@ -72,16 +72,3 @@ def _gone(pid: int) -> None:
             return
         time.sleep(0.1)
     raise AssertionError(f"pid {pid} still runs")
-
-
-def test_widen_adds_lanes_to_a_running_pool(tmp_path):
-    pool = SmokePool([sleeper("a", 1.5), sleeper("b", 0.1)], 1, tmp_path, ENV)
-    try:
-        time.sleep(0.3)
-        assert not pool.outcomes["b"].done.is_set()  # one lane: b waits for a
-        pool.widen(2)
-        b = pool.wait("b", 30)
-        a = pool.wait("a", 30)
-    finally:
-        pool.stop()
-    assert b.started_at < a.started_at + a.seconds * 0.8
