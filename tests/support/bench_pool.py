@@ -14,13 +14,14 @@ at its timeout or when the pool stops.
 """
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from common.process import signal_group
 
 
 @dataclass
@@ -65,10 +66,7 @@ def run_process_group(cmd: list[str], timeout_s: float, cwd: Path, env: dict,
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    signal_group(proc, signal.SIGKILL)
 
 
 class SmokePool:
