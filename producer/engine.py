@@ -482,7 +482,7 @@ class RolloutEngine:
 
     def swap_weights(self, version: int, digest: str) -> float:
         """Swap in the received version, between steps, if it is `version` with `digest`
-        (the announced ones); raises (WeightTransferError, weights untouched) otherwise.
+        (the ones the trainer finished it with); raises (WeightTransferError, weights untouched) otherwise.
         In-flight requests continue: their later tokens carry `version`."""
         t0 = time.perf_counter()
         self._update_weights({"op": "swap", "version": int(version), "digest": digest})

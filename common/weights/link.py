@@ -327,7 +327,6 @@ class ReceivedVersion:
 
 
 def receive_version(pair: GlooPair, pool: list[torch.Tensor] | None = None,
-                    announced: str | None = None,
                     prepare: Callable[[wire.GroupSpec, torch.Tensor], None] | None = None) -> ReceivedVersion:
     """Receive one version into staging and check it; raises DigestMismatchError
     (after reading the whole stream, so the link stays usable) or WeightTransferError.
@@ -360,7 +359,7 @@ def receive_version(pair: GlooPair, pool: list[torch.Tensor] | None = None,
     for g, spec in enumerate(header.groups):
         wire.check_group(g, spec, got[g], sent[g], header.version)
     vd = wire.version_digest(got)
-    wire.check_version(header.version, vd, streamed, announced)
+    wire.check_version(header.version, vd, streamed)
     return ReceivedVersion(header, buffers, vd.hex(), time.perf_counter() - t0)
 
 

@@ -12,9 +12,9 @@ followed by its digest, then the version digest:
 Groups are vLLM's `layerwise_groups` of the HF names (embedding; one per
 decoder layer; final norm and lm_head), so a receiver can load a whole layer
 at a time and a sender never needs more than one group gathered at once.
-The version digest is what the announcement on the policy topic carries
-(`WeightsReady.digest`): a receiver checks every group, then the version,
-then the announcement, before it swaps anything in.
+The version digest is what the trainer's finish carries on the link
+(common/weights/link.py): a receiver checks every group and the version in band;
+the producer serves it only if it equals the finish's (producer/weights/reload.py).
 
 blake3 (a vLLM dependency, declared in pyproject.toml) hashes ~0.7 GB/s on one
 core of the test machine and releases the GIL, so hashing overlaps the
@@ -173,11 +173,8 @@ def check_group(g: int, spec: GroupSpec, got: bytes, sent: bytes, version: int) 
             f"{sent.hex()[:12]}; the version is refused and the served weights stay")
 
 
-def check_version(version: int, got: bytes, sent: bytes, announced: str | None = None) -> None:
-    """The version digest against the one streamed and, when known, the announced one."""
+def check_version(version: int, got: bytes, sent: bytes) -> None:
+    """The version digest against the one streamed."""
     if got != sent:
         raise DigestMismatchError(f"version {version}: digest {got.hex()[:12]} != streamed {sent.hex()[:12]}; "
-                                  "the version is refused and the served weights stay")
-    if announced is not None and announced != got.hex():
-        raise DigestMismatchError(f"version {version}: digest {got.hex()[:12]} != announced {announced[:12]}; "
                                   "the version is refused and the served weights stay")

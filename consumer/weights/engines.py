@@ -102,6 +102,7 @@ def send(engine, snap: Snapshot, backend: str, timeout_s: float) -> None:
     gloo: every op of the link is bounded by its group timeout already."""
     engine.client.version = snap.version
     if backend != "nccl":
+        engine.client.fold = lambda: snap.digest  # the finish carries the version's digest
         engine.source = snap
         engine.send_weights()
         return
@@ -129,7 +130,8 @@ class LinkClient:
         self.version: int | None = None
         """The version being sent (the producer serves it after an nccl update)."""
         self.fold = None
-        """nccl: the digest of what was sent (`SnapshotSource.fold_digest`), carried by finish."""
+        """The digest of what was sent, carried by finish: the producer serves the version only if
+        it received the same (nccl: `SnapshotSource.fold_digest`; gloo: the snapshot's digest)."""
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.channel.call("init", self.timeout_s, init_info=init_info)
@@ -199,7 +201,7 @@ class RlstreamGlooTrainerEngine(TrainerWeightTransferEngine[RlstreamGlooTrainerI
 
     def send_weights(self) -> None:
         """Send `self.source` (a Snapshot) over the link: the producer starts receiving, the
-        stream, then the producer confirms it has the whole version, verified."""
+        stream, then the finish with its digest, answered once the producer serves the version."""
         snap: Snapshot = self.source
         self.client.version = snap.version
         t0 = time.perf_counter()

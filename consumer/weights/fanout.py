@@ -77,7 +77,7 @@ class FanoutClient:
         self.members, self.layout = members, layout
         self.version: int | None = None
         self.fold = None
-        """nccl: the sent version's digest getter (`SnapshotSource.fold_digest`), carried by every finish."""
+        """The sent version's digest getter, carried by every finish (engines.py `LinkClient.fold`)."""
         self.commit_early = commit_early
         """nccl: each member gets its finish as soon as its update returned (it holds the whole version,
         so the trainer had iterated every tensor: the fold is complete), not once every member has:
@@ -143,19 +143,19 @@ class FanoutClient:
             self.settled.set()
 
     def finish_weight_update(self, weight_version: str | None = None) -> dict:
-        """Every member's finish; returns {"digest": d} when all received the same digest d
-        (gloo), else raises FanoutFailure naming those that differ. Committed early (nccl):
+        """Every member's finish, carrying the sent digest: each serves the version only if it
+        received the same, else refuses it; raises FanoutFailure naming those that refused (or
+        acknowledged other bytes). Returns {"digest": the sent one}. Committed early (nccl):
         every member's finish came with its update."""
+        sent = self.fold() if self.fold is not None else None
         if self.commit_early:
-            return {"digest": self.fold() if self.fold is not None else None}
+            return {"digest": sent}
         acks = self._each("finish", lambda i, m: self._versioned(m).finish_weight_update(weight_version))
-        digests = {n: a.get("digest") for n, a in acks.items()}
-        common = max(set(digests.values()), key=list(digests.values()).count)
-        odd = {n: f"received digest {str(d)[:12]}, the others {str(common)[:12]}" for n, d in digests.items()
-               if d != common}
+        odd = {n: f"acknowledged digest {str(a.get('digest'))[:12]}, sent {str(sent)[:12]}"
+               for n, a in acks.items() if a.get("digest") != sent}
         if odd:
             raise FanoutFailure("finish", odd)
-        return {"digest": common}
+        return {"digest": sent}
 
 
 class Fanout(threading.Thread):

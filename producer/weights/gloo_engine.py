@@ -13,7 +13,7 @@ update_info ops (`RlstreamGlooUpdateInfo.op`):
     receive   start receiving the next version on a thread: the engine keeps
               stepping while the bytes arrive and every group's digest is checked
     swap      (between two engine steps) load the staged version if its version
-              and digest equal the announced ones: the experts were loaded and
+              and digest are the ones the reloader serves: the experts were loaded and
               prepacked while the version arrived (producer/weights/staging.py) and
               are copied in; the rest goes through vLLM's layerwise reload, as its
               built-in engines do. Where experts cannot be staged (GPU, quantized)
@@ -196,7 +196,7 @@ class RlstreamGlooEngine(WeightTransferEngine[RlstreamGlooInitInfo, RlstreamGloo
 
     def _swap(self, info: RlstreamGlooUpdateInfo) -> None:
         """Load the staged version, between two engine steps. Raises, untouched, unless it
-        is `info.version` with digest `info.digest` (the announced ones)."""
+        is `info.version` with digest `info.digest` (what the reloader decided to serve)."""
         if self._thread is not None and self._thread.is_alive():
             raise WeightTransferError("the version is still being received")
         if self._error is not None:
@@ -208,7 +208,7 @@ class RlstreamGlooEngine(WeightTransferEngine[RlstreamGlooInitInfo, RlstreamGloo
         if staged.header.version != info.version or staged.digest != info.digest:
             self._discard()
             raise DigestMismatchError(
-                f"received version {staged.header.version} (digest {staged.digest[:12]}) is not the announced "
+                f"received version {staged.header.version} (digest {staged.digest[:12]}) is not the one to serve: "
                 f"version {info.version} (digest {str(info.digest)[:12]}); refused, the served weights stay")
         t0 = time.perf_counter()
         experts = self._experts if self._experts and self._experts.complete else None

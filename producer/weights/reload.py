@@ -8,16 +8,19 @@ The service calls all three between engine steps from its one thread, so no
 forward ever sees a half-loaded model. Two ways in (docs/weights.md):
 
 Collective (`transport: collective`): the producer keeps a link to the
-trainer's endpoint (producer/weights/trainer_link.py), the trainer streams each version over
-it, vLLM's weight-transfer engine receives it in the background while the
-engine keeps stepping and checks every group's digest (producer/weights/gloo_engine.py);
-`tick` swaps it in once the announcement of that version arrived and its
-digest equals the received one. With vLLM's `nccl` engine the link's update
-loads the version at once, folding a device digest as it goes
-(producer/weights/verified_update.py); `tick` then serves it only if that
-digest equals the one the trainer sent with its finish, else restores.
-`digest_refusal` is the one comparison for both. A late or restarted
-producer registers and the trainer sends it the current version at once.
+trainer's endpoint (producer/weights/trainer_link.py), the one control channel of
+each version: the trainer starts it, streams it and finishes it with the digest of
+what it sent. On `rlstream_gloo` vLLM's weight-transfer engine receives it in the
+background while the engine keeps stepping and checks every group's digest in band
+(producer/weights/gloo_engine.py); with vLLM's `nccl` engine the link's update loads
+it at once, folding a device digest as it goes (producer/weights/verified_update.py).
+Either way `tick` serves it only if the received digest equals the trainer's
+(`digest_refusal`, the one comparison), else refuses it (gloo: the staging is
+dropped, nothing was touched; nccl: what was served is restored), and the link
+answers the trainer's finish with the decision. The announcement (WeightsReady)
+says where the endpoint is, which version is newest (the overdue timer) and where
+its durable copy is. A late or restarted producer registers and the trainer sends
+it the current version at once.
 
 Durable (`transport: file`, and the fallback): the version's directory in the
 weight store is staged (hard links, a copy across file systems) into one of
@@ -118,12 +121,7 @@ class Reloader:
         self.stage_root = staging_root(self.store_dir, producer_id)
         self.newest: WeightsReady | None = None
         self.link: TrainerLink | None = None
-        self._digests: dict[int, str] = {}  # announced collective versions -> their digest
         self._awaited_since: float | None = None  # the newest announced version is not served since
-        self._receive_pending = False
-        """A background receive (rlstream_gloo) started and its version is not swapped in or
-        dropped yet: only then is the engine's status worth a `collective_rpc` to every
-        worker. vLLM's nccl loads inside the trainer's update command, so it never is."""
         self._rejoin_at = 0.0
         self._restoring = False
         self._failure: dict[str, Any] | None = None
@@ -140,8 +138,6 @@ class Reloader:
             self._failed(msg.version, f"the trainer sends with {msg.backend}, this engine receives with "
                                       f"{self.engine.weight_transfer}: no link; durable copies only")
         elif msg.transport == "collective" and self.engine.weight_transfer is not None:
-            self._digests = {v: d for v, d in self._digests.items() if v > msg.version - 8}
-            self._digests[msg.version] = msg.digest
             if msg.version > self.engine.version and self._awaited_since is None:
                 self._awaited_since = time.monotonic()
             return self.tick()
@@ -149,18 +145,16 @@ class Reloader:
         return copy is not None and copy.version > self.engine.version and self._load_durable(copy)
 
     def tick(self) -> bool:
-        """Between two engine steps: answer the trainer, swap in a received version,
-        recover an overdue one. True when the served version changed."""
+        """Between two engine steps: run the trainer's commands, serve or refuse a version
+        the link received, recover an overdue one. True when the served version changed."""
         if self.newest is None or self.engine.weight_transfer is None or self._backend_differs(self.newest):
             return False
         self._keep_link()
         changed = False
         if self.link is not None:
             self.link.poll()
-            self._receive_pending = self.link.take_started() or self._receive_pending
             if (update := self.link.take_update()) is not None:
                 changed = self._take_update(update)
-        changed = (self._take_received() if self._receive_pending else False) or changed
         if self.engine.version >= self.newest.version:
             self._awaited_since = None
         elif self._awaited_since is not None and time.monotonic() - self._awaited_since > self.timeout_s:
@@ -193,7 +187,7 @@ class Reloader:
         update = link.update if link is not None else None
         if self._restoring:
             state = "restoring"
-        elif self._receive_pending or (update is not None and update.error is None and update.finish is None):
+        elif update is not None and not update.settled:
             state = "receiving"
         else:
             state = "failed" if self._failure is not None else "serving"
@@ -245,64 +239,52 @@ class Reloader:
             self._rejoin_at = time.monotonic() + _REJOIN_EVERY_S
             self.link = TrainerLink.connect(self.engine, endpoint, self.producer_id, self.timeout_s)
 
-    def _take_received(self) -> bool:
-        st = self.engine.weight_status()
-        # settled unless still arriving, or received and waiting for its announcement
-        self._receive_pending = st["state"] == "receiving" or (
-            st["state"] == "ready" and st["version"] > self.engine.version and st["version"] not in self._digests)
-        if st["state"] == "failed":
-            self.engine.discard_weights()
-            if st.get("digest_mismatch"):
-                return self._refuse(st["version"], st["error"])
-            if self.link is not None and not self.link.dead:
-                self.link.dead = st["error"]
-            self._failed(st.get("version") or self.newest.version, f"the receive failed: {st['error']}")
-            return False
-        if st["state"] != "ready":
-            return False
-        version, digest = st["version"], st["digest"]
-        if version <= self.engine.version:
-            self.engine.discard_weights()
-            return False
-        announced = self._digests.get(version)
-        if announced is None:
-            return False  # its announcement is on its way: swap at a later tick (tick bounds the wait)
-        if (refusal := digest_refusal(version, digest, announced, "announced")) is not None:
-            self.engine.discard_weights()
-            return self._refuse(version, refusal)
-        return self._swap(version, digest)
-
     def _take_update(self, update: TrainerLink.Update) -> bool:
-        """A synchronous (nccl) update the link loaded: serve it if the digest the workers folded
-        equals the trainer's, else restore what was served (the load already replaced layers)."""
+        """A version the link received and the trainer finished: serve it if its digest equals
+        the trainer's, else refuse it; the link then answers the trainer with the decision."""
+        if update.error is not None and update.staged and self.link.dead:  # a broken pair: nothing touched
+            self.engine.discard_weights()
+            self._failed(update.version, f"the receive failed: {update.error}")
+            return False
         refusal = update.error or digest_refusal(update.version, update.received, update.expected, "sent")
         if refusal is not None:
+            self.link.answer_update(update, error=refusal)
+            if update.staged:  # the staging is dropped; the served weights were never touched
+                self.engine.discard_weights()
+                return self._refuse(update.version, refusal)
             telemetry.RELOAD_FAILURES.inc()
             log.error("refusing weight version %d from the link: %s; restoring", update.version, refusal)
-            self.link.answer_update(update, error=refusal)
-            self._restore()
+            self._restore()  # the nccl load already replaced layers
             self._failed(update.version, refusal)
             self._fall_back("the link's version was refused")
             return True  # the engine's weights were replaced: by the restored ones now
+        if update.staged and update.version <= self.engine.version:  # a restarted trainer sends its current
+            self.engine.discard_weights()  # version to every new link: held already, nothing to swap
+            self.link.answer_update(update)
+            return False
+        if update.staged:
+            return self._swap(update)
         seconds = self.engine.commit_weights(update.version, update.t0)
         self.loaded = None
         self.link.answer_update(update)
         self._served("collective", seconds)
         return True
 
-    def _swap(self, version: int, digest: str) -> bool:
+    def _swap(self, update: TrainerLink.Update) -> bool:
+        """gloo: load the staged version into the model between two steps."""
         try:
-            seconds = self.engine.swap_weights(version, digest)
+            seconds = self.engine.swap_weights(update.version, update.received)
         except DigestMismatchError as e:
-            return self._refuse(version, str(e))
+            self.link.answer_update(update, error=str(e))
+            return self._refuse(update.version, str(e))
         except Exception as e:  # noqa: BLE001 - a load that failed halfway is rolled back
             telemetry.RELOAD_FAILURES.inc()
+            self.link.answer_update(update, error=f"the swap failed while loading: {e}")
             self._restore()
-            self._failed(version, f"the swap failed while loading: {e}")
+            self._failed(update.version, f"the swap failed while loading: {e}")
             return False
         self.loaded = None
-        if self.link is not None:
-            self.link.swapped = (version, digest)
+        self.link.answer_update(update)
         self._served("collective", seconds)
         return True
 

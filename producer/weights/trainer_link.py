@@ -1,12 +1,20 @@
 """The producer's end of its link to the trainer (common/weights/link.py).
 
     link = TrainerLink.connect(engine, "10.0.0.5:29600", producer_id, timeout_s)   # a thread registers
-    link.poll()          # between engine steps: run the trainer's commands, answer them
+    link.poll()                       # between engine steps: run the trainer's commands, answer them
+    update = link.take_update()       # a version received and finished (or failed): the reloader decides
+    link.answer_update(update, why)   # served (why=None) or refused: the trainer's finish is answered
+
+The link is the one control channel of a collective version, on both backends: the
+trainer offers it (`start`, with its version), streams it, and commits it (`finish`,
+with the digest of what it sent); the producer answers the finish only once the
+reloader served the version, or with why it refused it. Kafka's WeightsReady only
+says where the endpoint is, which version is newest and where its durable copy is.
 
 The trainer drives each transfer through vLLM's four-call handshake
 (`VLLMWeightSyncClient`: init, start, update, finish; consumer/weights/engines.py
 `LinkClient`); `poll` runs each command the trainer posted on the engine, on
-the loop's thread, between two steps, and acknowledges it:
+the loop's thread, between two steps:
 
     command   rlstream_gloo (CPU)                       nccl (vLLM's, GPU)
     ping      (nothing: answered, so the trainer knows this producer is alive before a fan-out rendezvous)
@@ -14,13 +22,15 @@ the loop's thread, between two steps, and acknowledges it:
               gloo pair, or the fan-out group's chain   NCCL group (the link's or the fan-out
               at this producer's rank offset            group's, at this producer's rank offset)
               (consumer/weights/fanout.py)
-    start     start receiving in the background         (nothing: the update runs vLLM's three calls)
+    start     start receiving into staging buffers in   (nothing: the update runs vLLM's three calls)
+              the background (the engine keeps stepping)
     update    (nothing: the bytes are already flowing)  receive + load now, folding a digest
                                                         (producer/weights/verified_update.py); then
                                                         wait for the finish (no step runs meanwhile)
-    finish    answered once the version is received     carries the trainer's digest: the reloader
-              and verified (the reloader swaps it in    compares, serves or restores, then answers
-              when the announcement's digest matches)
+    finish    carries the trainer's digest: once the version is received (gloo: its every group
+              checked in band) the reloader compares the two, serves the version (gloo: swaps the
+              staged buffers in; nccl: commits the loaded layers) or refuses it (gloo: discards
+              the staging; nccl: restores), and answers
     close     the trainer dropped the link (a transfer failed): register a new one
 
 Registering connects to the endpoint's store, which blocks when the trainer is
@@ -30,11 +40,12 @@ vLLM's TP x PP): the trainer sizes the link's group from it (1 + workers, every
 worker at rank_offset + its rank), so a TP=2 producer's second worker has a rank.
 Any failure marks the link dead (`dead` says why); the reloader drops it and
 registers a new one (a failed gloo group is not reusable; an aborted NCCL
-communicator is disabled, and updates over it would load empty buffers). One
-exception, on gloo only: a fan-out group's init that failed (another member never
-joined the rendezvous) is refused and the link kept, and the trainer re-forms the
-group without the missing member on this same link. On nccl a failed init leaves
-no usable communicator either: the link is dropped and registered anew.
+communicator is disabled, and updates over it would load empty buffers). Two
+exceptions keep the link: a version refused by its digest (the pair is fine), and,
+on gloo only, a fan-out group's init that failed (another member never joined the
+rendezvous): the trainer re-forms the group without the missing member on this
+same link. On nccl a failed init leaves no usable communicator either: the link is
+dropped and registered anew.
 
 Once it acknowledged an nccl `start`, the producer waits here (at most `timeout_s`)
 for the `update` that follows at once, without stepping its engine: every member of
@@ -44,6 +55,7 @@ out, instead of holding the others in their receive until their watchdogs fire).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -60,17 +72,28 @@ log = logging.getLogger("rlstream.producer")
 class TrainerLink:
     @dataclass
     class Update:
-        """An nccl update loaded into the engine but not served yet: the reloader compares
-        `received` with `expected` (the trainer's, from its finish) and serves or restores."""
+        """One version the trainer sent over this link, from its start to the reloader's decision."""
 
         version: int
         t0: float
+        staged: bool
+        """rlstream_gloo: received into staging buffers apart from the model (served by a swap,
+        refused by discarding them); nccl: loaded into the model's layers (served by a commit,
+        refused by restoring what was served)."""
         received: str | None = None
-        """The digest the workers folded while loading (None: the load failed, see `error`)."""
+        """The digest of what arrived (gloo: the version digest of the groups checked in band;
+        nccl: the device fold), None until it is all here or when it failed (`error`)."""
         expected: str | None = None
+        """The trainer's digest of what it sent, from its finish."""
         error: str | None = None
         finish: int | None = None
-        """The trainer's finish command, answered once the reloader decided."""
+        """The trainer's finish command, answered once the reloader decided (`answer_update`)."""
+        received_at: float | None = None
+
+        @property
+        def settled(self) -> bool:
+            """Ready for the reloader: failed, or received and finished."""
+            return self.error is not None or (self.received is not None and self.finish is not None)
 
     def __init__(self, engine, endpoint: str, producer_id: str, timeout_s: float):
         self.engine, self.endpoint, self.timeout_s = engine, endpoint, timeout_s
@@ -82,15 +105,15 @@ class TrainerLink:
         """Why the link is unusable (None while it is fine)."""
         self.joined = False
         """The init command ran: the gloo pair (or NCCL group) is up."""
-        self._finish: int | None = None  # a finish command waiting for the receive to end
-        self._finish_version: int | None = None
-        self.swapped: tuple[int, str] | None = None
-        """(version, digest) the reloader last swapped in from this link: a finish that
-        arrives (or is answered) after the swap acknowledges it."""
-        self._started = False  # a background receive started since the reloader last asked
         self._started_nccl = False  # an nccl start acknowledged: its update comes next
         self.update: TrainerLink.Update | None = None
-        """An nccl update loaded and not yet verified (the reloader takes it right after `poll`)."""
+        """The version in flight, until the reloader takes it (right after `poll`)."""
+
+    @property
+    def staged(self) -> bool:
+        """Versions arrive in the background into staging buffers (rlstream_gloo), or are loaded
+        into the model by the update command itself (nccl)."""
+        return self.engine.weight_transfer == GLOO
 
     @classmethod
     def connect(cls, engine, endpoint: str, producer_id: str, timeout_s: float) -> "TrainerLink":
@@ -119,14 +142,43 @@ class TrainerLink:
                 self._run(*cmd)
                 if self._started_nccl:
                     self._await_update()
-            if self._finish is not None:
-                self._answer_finish()
-            if self.update is not None and self.update.received and self.update.finish is None:
+            u = self.update
+            if u is not None and u.staged and not u.settled:
+                self._watch_receive(u)
+            elif u is not None and not u.staged and u.received and u.finish is None:
                 self._await_nccl_finish()
         except (RlstreamError, RuntimeError, OSError) as e:  # the store or the pair broke
             self.dead = f"link {self.channel.link}: {e}"
-            if self.update is not None and self.update.error is None and self.update.finish is None:
-                self.update.error = self.dead  # loaded, never verified: the reloader restores
+            u = self.update
+            if u is not None and u.error is None and u.finish is None:
+                u.error = self.dead  # never verified: the reloader discards or restores it
+            elif u is not None and u.error is not None and u.finish is not None:
+                self._ack_quietly(u.finish, error=u.error[:2000])  # the trainer learns now, not at its timeout
+
+    def _ack_quietly(self, k: int, **result) -> None:
+        with contextlib.suppress(RlstreamError, RuntimeError, OSError):  # the channel may be what broke
+            self.channel.ack(k, **result)
+
+    def _watch_receive(self, u: "TrainerLink.Update") -> None:
+        """gloo: the background receive of `u` (a status call to every worker), until it arrived;
+        then its finish, at most `timeout_s` later."""
+        if u.received is None:
+            st = self.engine.weight_status()
+            if st["state"] == "receiving":
+                return
+            if st["state"] == "ready" and st["version"] == u.version:
+                u.received, u.received_at = st["digest"], time.monotonic()
+            elif st["state"] == "failed" and st.get("digest_mismatch"):
+                u.error = st["error"]  # a group failed its digest in band: refused, the pair is fine
+                return
+            else:  # a broken pair, or the stream carried another version: this link is done
+                u.error = st.get("error") or (f"received version {st.get('version')}, the trainer started "
+                                              f"{u.version}" if st["state"] == "ready" else
+                                              f"nothing received ({st['state']})")
+                raise WeightTransferError(u.error)
+        if u.finish is None and time.monotonic() - u.received_at > self.timeout_s:
+            u.error = f"no finish from the trainer within {self.timeout_s:.0f} s of receiving version {u.version}"
+            raise WeightTransferError(u.error)
 
     def _await_update(self) -> None:
         """nccl: `start` acknowledged; run the `update` the trainer posts next (within `timeout_s`)."""
@@ -154,9 +206,9 @@ class TrainerLink:
                 time.sleep(0.001)
 
     def take_update(self) -> "TrainerLink.Update | None":
-        """The nccl update to verify or restore, once it is settled (finished or failed)."""
+        """The version to serve or refuse, once it is settled (received and finished, or failed)."""
         u = self.update
-        if u is None or (u.error is None and u.finish is None):
+        if u is None or not u.settled:
             return None
         self.update = None
         return u
@@ -184,23 +236,22 @@ class TrainerLink:
                 self.joined = False
                 self.engine.init_weight_link(cmd["init_info"])
                 self.joined = True
-            elif op == "start" and self.engine.weight_transfer == GLOO:
+            elif op == "start" and self.staged:
+                self.update = None
                 self.engine.receive_weights()
-                self._started = True
-            elif op == "start" and self.engine.weight_transfer == "nccl":
+                self.update = TrainerLink.Update(int(cmd["version"]), time.perf_counter(), staged=True)
+            elif op == "start":
                 self._started_nccl = True
-            elif op == "update" and self.engine.weight_transfer == "nccl":
-                self.update = TrainerLink.Update(int(cmd["version"]), time.perf_counter())
+            elif op == "update" and not self.staged:
+                self.update = TrainerLink.Update(int(cmd["version"]), time.perf_counter(), staged=False)
                 self.update.received = self.engine.load_weight_update(cmd["update_info"], self.timeout_s)
-            elif op == "finish" and self.engine.weight_transfer == "nccl":
+            elif op == "finish":
                 if self.update is None or self.update.version != cmd.get("version"):
-                    raise WeightTransferError(f"finish of version {cmd.get('version')} without its update")
+                    raise WeightTransferError(f"finish of version {cmd.get('version')} without its "
+                                              f"{'start' if self.staged else 'update'}")
                 self.update.expected, self.update.finish = cmd.get("digest"), k
-                return  # answered by the reloader once it compared the digests (answer_update)
-            elif op == "finish" and self.engine.weight_transfer == GLOO:
-                self._finish, self._finish_version = k, cmd.get("version")  # answered once received
-                return self._answer_finish()
-            elif op not in ("start", "update", "finish"):
+                return  # answered by the reloader once it decided (answer_update)
+            elif op != "update":
                 raise WeightTransferError(f"unknown command {op!r} from the trainer")
         # vLLM's multiprocess engine (any TP > 1) reports a worker's error as a bare Exception
         except Exception as e:  # noqa: BLE001 - refused, acknowledged; the loop keeps serving
@@ -214,25 +265,3 @@ class TrainerLink:
                 raise WeightTransferError(f"the update failed: {e}") from e
             return
         self.channel.ack(k)
-
-    def take_started(self) -> bool:
-        """A background receive started since the last call (the reloader then watches the
-        engine's status until that version is swapped in or dropped)."""
-        started, self._started = self._started, False
-        return started
-
-    def _answer_finish(self) -> None:
-        st = self.engine.weight_status()
-        if st["state"] == "receiving":
-            return
-        k, self._finish = self._finish, None
-        if st["state"] == "ready":
-            self.channel.ack(k, version=st["version"], digest=st["digest"])
-        elif st["state"] == "idle" and self.swapped is not None and self.swapped[0] == self._finish_version:
-            # the receive ended and the reloader swapped it in (its announcement was already
-            # here) before this finish was answered: the version arrived and verified
-            self.channel.ack(k, version=self.swapped[0], digest=self.swapped[1])
-        else:
-            self.channel.ack(k, error=st.get("error") or f"nothing received ({st['state']})")
-            if not st.get("digest_mismatch"):  # a broken pair: this link is done
-                raise WeightTransferError(st.get("error") or "the receive failed")

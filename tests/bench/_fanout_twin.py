@@ -210,7 +210,7 @@ class InProcessNcclEngine:
 
 def producer_main(name: str, transport: str, timeout_s: float) -> None:
     """Poll the link as the reloader does: serve each verified version (discard its staging:
-    no model here), re-register a broken link, count refusals."""
+    no model here), re-register a broken link, count refusals (a version refused on a live link)."""
     from producer.weights.trainer_link import TrainerLink
 
     engine = InProcessNcclEngine() if transport == "nccl-standin" else InProcessEngine()
@@ -240,28 +240,15 @@ def producer_main(name: str, transport: str, timeout_s: float) -> None:
         link.poll()
         poll_s += time.perf_counter() - t0
         poll_max = max(poll_max, time.perf_counter() - t0)
-        if transport == "nccl-standin":
-            if (u := link.take_update()) is not None:  # as Reloader._take_update
-                why = u.error or (None if u.received == u.expected else f"digest {u.received} != sent {u.expected}")
-                link.answer_update(u, why)
-                if why is None:
-                    served = u.version
-                elif u.error is None:
-                    refused.append(why[:200])
-            if link.dead:
-                link = TrainerLink.connect(engine, endpoint, name, timeout_s)
-            continue
-        st = engine.weight_status()
-        if st["state"] == "ready" and st["version"] > served:
-            served = st["version"]
-            link.swapped = (st["version"], st["digest"])
-            engine.discard_weights()
-        elif st["state"] == "failed":
-            engine.discard_weights()
-            if st["digest_mismatch"]:
-                refused.append(st["error"][:200])
-            else:
-                link.dead = link.dead or st["error"]
+        if (u := link.take_update()) is not None:  # as Reloader._take_update
+            why = u.error or (None if u.received == u.expected else f"digest {u.received} != sent {u.expected}")
+            link.answer_update(u, why)
+            if u.staged:
+                engine.discard_weights()  # no model here: served or refused, the staging goes
+            if why is None:
+                served = u.version
+            elif not link.dead:
+                refused.append(why[:200])
         if link.dead:
             link = TrainerLink.connect(engine, endpoint, name, timeout_s)
 

@@ -2,7 +2,7 @@
 (WeightSender: links, fan-out group, Snapshot), producers as lightweight receivers running
 the real receive code (tests/support/weights.py WorkerProcesses: RlstreamGlooEngine in a
 spawned process per worker) behind the real producer link (TrainerLink), polled as the
-reloader polls it (a link whose receive failed is registered anew, producer/weights/reload.py).
+reloader polls it (tests/support/weights.py LinkedProducer).
 
 The trainer's egress is counted as the bytes this process wrote (/proc/self/io wchar: gloo
 writes its sockets with writev; the producers are other processes). With one link per
@@ -32,26 +32,6 @@ def written_bytes() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("wchar"))
 
 
-class Producer(LinkedProducer):
-    """Ticked as the reloader ticks a gloo link: a failed receive (not a digest mismatch) is
-    discarded and the link marked dead, then registered anew."""
-    status: dict = {"state": "idle"}
-
-    def tick(self) -> None:
-        with self.lock:
-            self.link.poll()
-            st = self.status = self.engine.weight_status()
-            if st["state"] == "failed" and not st["digest_mismatch"]:  # as the reloader does
-                self.engine.discard_weights()
-                self.link.dead = self.link.dead or st["error"]
-            if self.link.dead:
-                self.connect()
-
-    def holds(self, version: int, digest: str) -> bool:
-        st = self.status
-        return st["state"] == "ready" and st["version"] == version and st["digest"] == digest
-
-
 def slow_snapshot(sent: list):
     from consumer.weights.engines import Snapshot
 
@@ -70,10 +50,10 @@ def test_every_producer_gets_each_version_once_from_the_trainer_and_a_dead_relay
     trainer = TrainerSide(tmp_path / "store", model_dir=None, timeout_s=TIMEOUT_S)
     for e in engines.values():  # each worker answers once it has started (spawned: it imports vLLM)
         e.ready()
-    producers = {n: Producer(n, engines[n], trainer.sender.endpoint, TIMEOUT_S) for n in ("p1", "p2", "p3")}
+    producers = {n: LinkedProducer(n, engines[n], trainer.sender.endpoint, TIMEOUT_S) for n in ("p1", "p2", "p3")}
     stop, pollers = threading.Event(), []
 
-    def run(p: Producer) -> None:
+    def run(p: LinkedProducer) -> None:
         p.connect()
         pollers.append(p.poll_in_thread(stop))
     for p in producers.values():
@@ -117,7 +97,7 @@ def test_every_producer_gets_each_version_once_from_the_trainer_and_a_dead_relay
         assert dropped_after < TIMEOUT_S + GROUPS * GROUP_DELAY_S + 3, dropped_after
 
         # (d) a producer joins: it gets the current version at once over its own link
-        producers["p4"] = Producer("p4", engines["p4"], trainer.sender.endpoint, TIMEOUT_S)
+        producers["p4"] = LinkedProducer("p4", engines["p4"], trainer.sender.endpoint, TIMEOUT_S)
         run(producers["p4"])
         wait_for("version 3 at the joiner", lambda: producers["p4"].holds(3, msg.digest), 20)
 

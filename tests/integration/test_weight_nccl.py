@@ -52,27 +52,6 @@ def standin():
         yield
 
 
-class Producer(LinkedProducer):
-    """Ticked as producer/weights/reload.py ticks a link for nccl: a settled update is verified
-    against the trainer's digest and answered."""
-    held: tuple[int, str] | None = None
-
-    def tick(self) -> None:
-        with self.lock:
-            self.link.poll()
-            u = self.link.take_update()
-            if u is not None:
-                ok = u.error is None and u.received == u.expected
-                self.link.answer_update(u, None if ok else (u.error or "digest mismatch"))
-                if ok:
-                    self.held = (u.version, u.received)
-            if self.link.dead:
-                self.connect()
-
-    def holds(self, version: int) -> bool:
-        return self.held is not None and self.held[0] == version
-
-
 def held_back(gate: threading.Event):
     """A Snapshot whose tensors wait for `gate` before the first goes out: a version stays
     mid-transfer (every producer in its receive) until the test has killed one."""
@@ -94,7 +73,7 @@ def test_the_fanout_forms_over_vllms_nccl_engine_and_a_producer_killed_mid_versi
     trainer = TrainerSide(tmp_path / "store", model_dir=None, timeout_s=TIMEOUT_S, backend="nccl")
     for e in engines.values():
         e.ready()
-    producers = {n: Producer(n, e, trainer.sender.endpoint, TIMEOUT_S) for n, e in engines.items()}
+    producers = {n: LinkedProducer(n, e, trainer.sender.endpoint, TIMEOUT_S) for n, e in engines.items()}
     stop = threading.Event()
     for p in producers.values():
         p.connect()

@@ -122,7 +122,12 @@ class LinkedProducer:
     """A producer's engine (WorkerProcesses) and its real link (TrainerLink), ticked between
     (absent) engine steps by a thread of its own (`poll_in_thread`), as each producer's loop is
     its own: a group's init blocks every member in the rendezvous until all of them join.
-    Subclasses say what a tick does with the link's state (`tick`)."""
+    A tick does what producer/weights/reload.py does with the link: a settled version is
+    served if its digest is the trainer's (`held`; there is no model to load it into), else
+    refused, and the trainer's finish answered; a dead link is registered anew."""
+
+    held: tuple[int, str] | None = None
+    """(version, digest) of the last version served."""
 
     def __init__(self, name: str, engine: "WorkerProcesses", endpoint: str, timeout_s: float):
         self.name, self.engine, self.endpoint, self.timeout_s = name, engine, endpoint, timeout_s
@@ -138,7 +143,21 @@ class LinkedProducer:
         self.registrations += 1
 
     def tick(self) -> None:
-        raise NotImplementedError
+        with self.lock:
+            self.link.poll()
+            if (u := self.link.take_update()) is not None:
+                why = u.error or (None if u.received == u.expected else
+                                  f"received digest {u.received}, sent {u.expected}")
+                self.link.answer_update(u, why)
+                if why is None:
+                    self.held = (u.version, u.received)  # gloo: its staging stays for `received`
+                elif u.staged:
+                    self.engine.discard_weights()
+            if self.link.dead:
+                self.connect()
+
+    def holds(self, version: int, digest: str | None = None) -> bool:
+        return self.held is not None and self.held[0] == version and digest in (None, self.held[1])
 
     def received(self) -> dict[str, torch.Tensor]:
         with self.lock:

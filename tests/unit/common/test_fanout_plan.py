@@ -119,12 +119,18 @@ def test_a_silent_member_is_told_apart_from_one_that_answered_an_error():
     assert set(e.value.failed) == {2, 3} and e.value.silent == {2}
 
 
-def test_finish_names_a_member_that_received_another_digest():
+def test_finish_carries_the_sent_digest_and_names_a_member_that_acknowledged_another():
     from consumer.weights.fanout import FanoutClient, FanoutFailure
 
+    def client(clients, workers):
+        c = FanoutClient(members(clients, workers), group_layout(workers))
+        c.fold = lambda: "d" * 64  # what the trainer sent
+        return c
+
     ok = [FakeClient(1), FakeClient(2)]
-    assert FanoutClient(members(ok, [1, 1]), group_layout([1, 1])).finish_weight_update() == {"digest": "d" * 64}
+    assert client(ok, [1, 1]).finish_weight_update() == {"digest": "d" * 64}
+    assert all(c.fold() == "d" * 64 for c in ok)  # every member's finish carries it
     odd = ok + [FakeClient(99)]
     with pytest.raises(FanoutFailure) as e:
-        FanoutClient(members(odd, [1, 1, 1]), group_layout([1, 1, 1])).finish_weight_update()
+        client(odd, [1, 1, 1]).finish_weight_update()
     assert set(e.value.failed) == {99} and e.value.silent == set()

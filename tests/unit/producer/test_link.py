@@ -3,6 +3,8 @@ commands, run between engine steps, with a fake channel and engine (pure logic; 
 links are tests/integration/test_weight_link.py and test_weight_transfer.py)."""
 from __future__ import annotations
 
+import time
+
 from producer.weights.trainer_link import TrainerLink
 
 DIGEST = "c" * 64
@@ -39,11 +41,13 @@ class FakeEngine:
 
     def __init__(self):
         self.state = {"state": "idle"}
+        self.status_calls = 0
 
     def receive_weights(self):
         self.state = {"state": "receiving"}
 
     def weight_status(self):
+        self.status_calls += 1
         return dict(self.state)
 
 
@@ -54,49 +58,81 @@ def linked() -> tuple[TrainerLink, FakeChannel, FakeEngine]:
     return link, channel, engine
 
 
-def test_finish_is_answered_with_the_received_version_once_the_receive_ended():
+def test_a_version_is_handed_over_once_received_and_finished_and_its_finish_answered_by_the_decision():
+    """The link is the version's one control channel: the trainer's finish carries its digest, the
+    link hands the reloader both digests, and the finish is answered only with its decision."""
     link, channel, engine = linked()
     channel.post("start", version=3)
-    channel.post("finish", version=3)
+    channel.post("finish", version=3, digest=DIGEST)
     link.poll()
-    assert channel.acks == {0: {}}  # finish waits while the bytes arrive
+    assert channel.acks == {0: {}} and link.take_update() is None  # the bytes are still arriving
     engine.state = {"state": "ready", "version": 3, "digest": DIGEST}
     link.poll()
+    u = link.take_update()
+    assert (u.version, u.received, u.expected, u.staged) == (3, DIGEST, DIGEST, True) and 1 not in channel.acks
+    assert link.take_update() is None  # handed over once
+    link.answer_update(u)
     assert channel.acks[1] == {"version": 3, "digest": DIGEST} and link.dead is None
 
 
-def test_a_version_swapped_in_before_its_finish_was_answered_is_acknowledged():
-    """The receive ends and the reloader swaps it in (its announcement was already there) in
-    the same tick, before the link answers the trainer's finish: the engine is idle again.
-    Answering "nothing received" made the trainer drop a link that had delivered (seen in
-    tests/bench/weights.py: links re-registered every few versions)."""
+def test_a_refused_version_is_answered_with_why_and_the_link_stays():
     link, channel, engine = linked()
     channel.post("start", version=3)
-    channel.post("finish", version=3)
+    channel.post("finish", version=3, digest="d" * 64)
     link.poll()
-    link.swapped, engine.state = (3, DIGEST), {"state": "idle"}  # what the reloader's swap leaves
+    engine.state = {"state": "ready", "version": 3, "digest": DIGEST}
     link.poll()
-    assert channel.acks[1] == {"version": 3, "digest": DIGEST} and link.dead is None
+    link.answer_update(link.take_update(), "digest differs")
+    assert channel.acks[1] == {"error": "digest differs"} and link.dead is None
 
 
-def test_a_finish_with_nothing_received_is_refused_and_the_link_dies():
+def test_a_version_received_before_its_finish_waits_for_it_at_most_the_timeout():
     link, channel, engine = linked()
-    link.swapped = (2, DIGEST)  # an older version: not this finish's
-    channel.post("start", version=3)
-    channel.post("finish", version=3)
-    link.poll()
-    engine.state = {"state": "idle"}
-    link.poll()
-    assert "error" in channel.acks[1] and link.dead
-
-
-def test_a_started_receive_is_reported_once_to_the_reloader():
-    link, channel, engine = linked()
-    link.poll()
-    assert not link.take_started()
+    link.timeout_s = 0.05
     channel.post("start", version=3)
     link.poll()
-    assert link.take_started() and not link.take_started()
+    engine.state = {"state": "ready", "version": 3, "digest": DIGEST}
+    link.poll()
+    assert link.take_update() is None and link.dead is None
+    time.sleep(0.1)
+    link.poll()
+    u = link.take_update()
+    assert "no finish" in u.error and link.dead
+
+
+def test_a_finish_with_nothing_received_is_refused_at_once_and_the_link_dies():
+    link, channel, engine = linked()
+    channel.post("start", version=3)
+    channel.post("finish", version=3, digest=DIGEST)
+    link.poll()
+    engine.state = {"state": "idle"}  # the staging went (never from the link itself)
+    link.poll()
+    assert "nothing received" in channel.acks[1]["error"] and link.dead
+    assert "nothing received" in link.take_update().error
+
+
+def test_a_finish_of_a_version_never_started_is_refused():
+    link, channel, engine = linked()
+    channel.post("finish", version=3, digest=DIGEST)
+    link.poll()
+    assert "without its start" in channel.acks[0]["error"] and link.dead is None
+
+
+def test_the_engine_status_is_asked_only_while_a_version_arrives():
+    """`weight_status` is a collective_rpc to every worker: asked from a start until the version
+    is all here, never while idle or once it waits for its finish."""
+    link, channel, engine = linked()
+    for _ in range(3):
+        link.poll()
+    assert engine.status_calls == 0
+    channel.post("start", version=1)
+    link.poll()
+    link.poll()
+    assert engine.status_calls == 2
+    engine.state = {"state": "ready", "version": 1, "digest": DIGEST}
+    link.poll()
+    link.poll()
+    assert engine.status_calls == 3 and link.update.received == DIGEST
 
 
 def test_an_init_a_worker_refused_marks_the_link_dead_and_the_loop_keeps_going():

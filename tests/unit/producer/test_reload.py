@@ -12,6 +12,8 @@ from common.control.messages import WeightsReady
 from common.errors import WeightReloadError
 from common.weights.store import WEIGHTS_FILE, sha256_file
 from producer.weights.reload import Reloader
+from producer.weights.trainer_link import TrainerLink
+from tests.unit.producer.test_link import FakeChannel
 
 
 class FakeEngine:
@@ -118,38 +120,32 @@ def test_a_failed_rollback_raises_an_rlstream_error(setup):
 DIGEST_A, DIGEST_B = "a" * 64, "b" * 64
 
 
-class FakeLink:
-    """producer/weights/trainer_link.py's TrainerLink: the trainer's commands are not the reloader's business."""
+class FakeLink(TrainerLink):
+    """The real TrainerLink over a fake command channel (tests/unit/producer/test_link.py): the test
+    posts the trainer's commands (`send`); `on_connect` are posted into every new link."""
 
     made: list = []
-    update = None  # no nccl update pending
-    channel = None
-
-    def __init__(self, endpoint, engine=None):
-        self.endpoint, self.dead, self.polls, self.swapped = endpoint, None, 0, None
-        self.engine = engine
+    on_connect: list = []
 
     @classmethod
     def connect(cls, engine, endpoint, producer_id, timeout_s):
-        link = cls(endpoint, engine)
+        link = cls(engine, endpoint, producer_id, timeout_s)
+        link.channel, link.polls = FakeChannel(), 0
+        for op, args in cls.on_connect:
+            link.channel.post(op, **args)
         cls.made.append(link)
         return link
 
     def poll(self):
         self.polls += 1
-
-    def take_started(self):
-        """The trainer started a receive whenever the fake engine has one."""
-        return self.engine.status["state"] != "idle"
-
-    def take_update(self):  # nccl updates: tests/unit/producer/test_verified_update.py
-        return None
+        super().poll()
 
 
 class FakeTransferEngine(FakeEngine):
     """A FakeEngine whose weight-transfer engine received (or failed) what `status` says."""
 
     weight_transfer = "rlstream_gloo"
+    weight_workers = 1
 
     def __init__(self):
         super().__init__()
@@ -158,6 +154,10 @@ class FakeTransferEngine(FakeEngine):
         self.discards = 0
         self.swap_error: Exception | None = None
         self.status_calls = 0
+
+    def receive_weights(self):
+        if self.status["state"] == "idle":  # a test may have set what arrives already
+            self.status = {"state": "receiving"}
 
     def received(self, version, digest):
         self.status = {"state": "ready", "version": version, "digest": digest}
@@ -178,17 +178,31 @@ class FakeTransferEngine(FakeEngine):
         self.status = {"state": "idle"}
 
 
-def collective(version, digest, endpoint="trainer:1", durable: WeightsReady | None = None) -> WeightsReady:
+def collective(version, digest=DIGEST_A, endpoint="trainer:1", durable: WeightsReady | None = None) -> WeightsReady:
     extra = {} if durable is None else dict(durable_version=durable.version, durable_uri=durable.uri,
                                             durable_sha256=durable.sha256, durable_bytes=durable.bytes)
     return WeightsReady(version=version, transport="collective", digest=digest, endpoint=endpoint, **extra)
+
+
+def send(engine, version: int, received: str, sent: str | None = None, link: FakeLink | None = None) -> FakeLink:
+    """The trainer starts `version` on the link, its bytes arrive with digest `received`, and it
+    finishes it with the digest it sent (`sent`, default the same)."""
+    link = link or FakeLink.made[-1]
+    link.channel.post("start", version=version)
+    link.channel.post("finish", version=version, digest=sent or received)
+    engine.received(version, received)
+    return link
+
+
+def finish_ack(link: FakeLink) -> dict:
+    return link.channel.acks[max(link.channel.acks)]
 
 
 @pytest.fixture
 def linked(tmp_path, monkeypatch):
     import producer.weights.reload as reload_mod
 
-    FakeLink.made = []
+    FakeLink.made, FakeLink.on_connect = [], []
     monkeypatch.setattr(reload_mod, "TrainerLink", FakeLink)
     engine = FakeTransferEngine()
     reloader = Reloader(engine, tmp_path / "base", "p0", timeout_s=30.0)
@@ -200,41 +214,49 @@ def taken(transport: str) -> float:
     return metrics.value("rlstream_producer_weight_versions_total", transport=transport)
 
 
-def test_a_received_version_is_swapped_in_once_announced_with_the_same_digest(linked):
+def test_a_version_is_served_once_the_trainers_finish_carries_the_received_digest(linked):
+    """The link is the version's one control channel: the announcement only names the endpoint
+    (its digest is not what is checked), the trainer's finish carries the digest."""
     engine, reloader, _ = linked
-    reloader.apply(collective(0, DIGEST_A))  # the trainer's start-up announcement: registers a link
+    reloader.apply(collective(0))  # the trainer's start-up announcement: registers a link
     assert len(FakeLink.made) == 1 and FakeLink.made[0].endpoint == "trainer:1"
-    engine.received(1, DIGEST_B)  # the stream finished before its announcement arrived
+    link = FakeLink.made[0]
+    link.channel.post("start", version=1)
+    engine.received(1, DIGEST_B)  # the bytes arrived; the finish did not
     assert not reloader.tick() and engine.swaps == [] and engine.discards == 0
     before = taken("collective")
-    assert reloader.apply(collective(1, DIGEST_B))
+    link.channel.post("finish", version=1, digest=DIGEST_B)
+    assert reloader.tick()
     assert engine.swaps == [(1, DIGEST_B)] and engine.version == 1 and reloader.loaded is None
     assert taken("collective") == before + 1 and metrics.value("rlstream_producer_policy_version") == 1
-    assert FakeLink.made[0].polls >= 2  # every tick answers the trainer's commands first
-    assert FakeLink.made[0].swapped == (1, DIGEST_B)  # for a finish the link answers after the swap
+    assert finish_ack(link) == {"version": 1, "digest": DIGEST_B}  # answered once served
+    assert reloader.state()["state"] == "serving"
 
 
-def test_a_digest_other_than_the_announced_one_is_refused_counted_and_the_durable_copy_taken(linked):
+def test_a_digest_other_than_the_sent_one_is_refused_counted_and_the_durable_copy_taken(linked):
     engine, reloader, store = linked
     durable = publish(store, 1, b"one")
-    reloader.apply(collective(2, DIGEST_A, durable=durable))
-    engine.received(2, DIGEST_B)  # corrupted in a way the group digests did not catch
+    reloader.apply(collective(2, durable=durable))
+    link = send(engine, 2, received=DIGEST_B, sent=DIGEST_A)  # corrupted in a way the group digests did not catch
     before, files = failures(), taken("file")
     assert reloader.tick()
     assert engine.swaps == [] and engine.discards == 1
     assert failures() == before + 1 and taken("file") == files + 1
     assert engine.version == 1 and engine.loads[-1][2] == b"one"  # the fallback: durable version 1
+    assert "refused" in finish_ack(link)["error"] and not link.dead
 
 
 def test_a_receive_that_failed_its_digest_check_is_refused_and_falls_back(linked, caplog):
     engine, reloader, store = linked
-    reloader.apply(collective(3, DIGEST_A, durable=publish(store, 2, b"two")))
+    reloader.apply(collective(3, durable=publish(store, 2, b"two")))
+    link = FakeLink.made[0]
+    link.channel.post("start", version=3)
     engine.status = {"state": "failed", "version": None, "error": "version 3, group 1: digest 12 != sent 34",
                      "digest_mismatch": True}
     before = failures()
     assert reloader.tick() and engine.version == 2 and failures() == before + 1
     assert "refusing weight version" in caplog.text and "group 1" in caplog.text
-    assert not FakeLink.made[0].dead  # the stream was read to its end: the link stays
+    assert not link.dead  # the stream was read to its end: the link stays
 
 
 def test_a_broken_link_is_counted_and_registered_anew_without_a_refusal(linked, monkeypatch):
@@ -242,7 +264,8 @@ def test_a_broken_link_is_counted_and_registered_anew_without_a_refusal(linked, 
 
     engine, reloader, _ = linked
     monkeypatch.setattr(reload_mod, "_REJOIN_EVERY_S", 0.0)
-    reloader.apply(collective(1, DIGEST_A))
+    reloader.apply(collective(1))
+    FakeLink.made[0].channel.post("start", version=1)
     engine.status = {"state": "failed", "error": "weight link receive failed: Connection reset by peer",
                      "digest_mismatch": False}
     refused, broken = failures(), metrics.value("rlstream_producer_weight_transfer_failures_total")
@@ -256,30 +279,33 @@ def test_a_broken_link_is_counted_and_registered_anew_without_a_refusal(linked, 
 def test_a_version_the_link_does_not_deliver_in_time_comes_from_the_durable_store(linked):
     engine, reloader, store = linked
     reloader.timeout_s = 0.05
-    reloader.apply(collective(4, DIGEST_A, durable=publish(store, 3, b"three")))
+    reloader.apply(collective(4, durable=publish(store, 3, b"three")))
     assert engine.version == 0
     time.sleep(0.1)
     assert reloader.tick() and engine.version == 3 and engine.loads[-1][2] == b"three"
-    engine.received(4, DIGEST_A)  # it arrives after all: served next
+    send(engine, 4, DIGEST_A)  # it arrives after all: served next
     assert reloader.tick() and engine.version == 4
 
 
-def test_a_new_endpoint_replaces_the_link_and_old_versions_are_discarded(linked):
+def test_a_new_endpoint_replaces_the_link_and_a_version_already_served_is_acknowledged(linked):
     engine, reloader, _ = linked
-    reloader.apply(collective(1, DIGEST_A))
-    engine.received(1, DIGEST_A)
+    reloader.apply(collective(1))
+    send(engine, 1, DIGEST_A)
     assert reloader.tick() and engine.version == 1
-    reloader.apply(collective(1, DIGEST_A, endpoint="trainer:2"))  # the trainer restarted at version 1
+    reloader.apply(collective(1, endpoint="trainer:2"))  # the trainer restarted at version 1
     assert [lk.endpoint for lk in FakeLink.made] == ["trainer:1", "trainer:2"]
-    engine.received(1, DIGEST_A)  # it sends its current version to the new link: nothing new
+    link = send(engine, 1, DIGEST_A)  # it sends its current version to the new link: nothing new
     assert not reloader.tick() and engine.discards == 1 and engine.swaps == [(1, DIGEST_A)]
+    assert finish_ack(link) == {"version": 1, "digest": DIGEST_A}  # held: the trainer counts it delivered
 
 
 def test_catch_up_serves_the_announced_version_before_generating(linked):
     engine, reloader, store = linked
+    FakeLink.on_connect = [("start", {"version": 2}), ("finish", {"version": 2, "digest": DIGEST_A})]
     engine.received(2, DIGEST_A)
-    assert reloader.catch_up(collective(2, DIGEST_A)) and engine.version == 2
+    assert reloader.catch_up(collective(2)) and engine.version == 2
     # no link delivery: the durable copy, after the timeout
+    FakeLink.on_connect = []
     reloader.timeout_s = 0.05
     assert reloader.catch_up(collective(4, DIGEST_B, durable=publish(store, 4, b"four"))) and engine.version == 4
     assert reloader.catch_up(publish(store, 5, b"five")) and engine.version == 5  # transport file
@@ -287,23 +313,23 @@ def test_catch_up_serves_the_announced_version_before_generating(linked):
 
 def test_a_swap_failing_halfway_restores_the_newest_durable_copy(linked):
     engine, reloader, store = linked
-    reloader.apply(collective(1, DIGEST_A, durable=publish(store, 1, b"one")))
-    engine.received(1, DIGEST_A)
+    reloader.apply(collective(1, durable=publish(store, 1, b"one")))
+    send(engine, 1, DIGEST_A)
     assert reloader.tick() and reloader.loaded is None  # served from the link
     reloader.apply(collective(2, DIGEST_B, durable=publish(store, 2, b"two")))
-    engine.received(2, DIGEST_B)
+    link = send(engine, 2, DIGEST_B)
     engine.swap_error = RuntimeError("layer 3 failed to load")
     before = failures()
     assert not reloader.tick()
     assert failures() == before + 1 and engine.version == 2 and engine.loads[-1][2] == b"two"
-    assert reloader.loaded is not None
+    assert reloader.loaded is not None and "layer 3" in finish_ack(link)["error"]
 
 
 def test_a_file_announcement_keeps_the_link(linked):
     """A version announced as a file (no endpoint) between collective ones leaves the link up:
     it is not re-registered at the next collective version."""
     engine, reloader, store_dir = linked
-    reloader.apply(collective(0, DIGEST_A))
+    reloader.apply(collective(0))
     link = FakeLink.made[-1]
     assert reloader.apply(publish(store_dir, 1, b"v1"))
     reloader.tick()
@@ -314,10 +340,10 @@ def test_a_file_announcement_keeps_the_link(linked):
 def test_the_engine_status_is_asked_only_while_a_background_receive_is_pending(linked):
     """N10: `weight_status` is a collective_rpc to every worker: not once per loop on nccl
     (it loads inside the trainer's update command), and on rlstream_gloo only from the
-    receive's start until its version is swapped in."""
+    receive's start until its version is all here."""
     engine, reloader, _ = linked
     engine.weight_transfer = "nccl"
-    reloader.apply(collective(1, DIGEST_A))
+    reloader.apply(collective(1))
     for _ in range(5):
         reloader.tick()
     assert engine.status_calls == 0
@@ -325,15 +351,16 @@ def test_the_engine_status_is_asked_only_while_a_background_receive_is_pending(l
     for _ in range(5):
         reloader.tick()
     assert engine.status_calls == 0  # idle: nothing started
-    engine.status = {"state": "receiving"}  # the link ran the trainer's start
+    FakeLink.made[0].channel.post("start", version=1)
     reloader.tick()
     reloader.tick()
     assert engine.status_calls == 2
+    FakeLink.made[0].channel.post("finish", version=1, digest=DIGEST_A)
     engine.received(1, DIGEST_A)
     assert reloader.tick() and engine.version == 1 and engine.status_calls == 3
     for _ in range(5):
         reloader.tick()
-    assert engine.status_calls == 3  # swapped in: settled until the next start
+    assert engine.status_calls == 3  # served: settled until the next start
 
 
 def test_a_trainer_on_another_backend_is_not_linked_and_durable_copies_are_served(linked, caplog):
