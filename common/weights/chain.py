@@ -13,7 +13,7 @@ byte at most once: the trainer's egress is 1x the model for any number of produc
 and with chunks small next to the version the last rank is a few chunks behind the
 first (delivery time ~ bytes / NIC rate + ranks x chunk / rate). On GPU the same group
 runs vLLM's `nccl` engine instead: NCCL pipelines its broadcast itself (rings/trees), so
-the trainer sends once there too (consumer/weights/engines.py `open_nccl_link`).
+the trainer sends once there too (consumer/weights/nccl.py `open_nccl_link`).
 
 The group is the trainer plus every worker of every member producer, ranks from
 common/weights/link.py `group_layout` (the same sizing and rank offsets as vLLM's nccl),

@@ -9,7 +9,7 @@ of that store, sized by `group_layout` from that report: the trainer's sender
 is rank 0 and the producer's workers take ranks `rank_offset + worker rank`
 (vLLM's numbering, `worker_group_rank`), so a TP=2 producer's link has 3 ranks.
 Both transports size their groups with this one function: vLLM's `nccl`
-(consumer/weights/engines.py `open_nccl_link`) and the gloo twin (`GlooPair`).
+(consumer/weights/nccl.py `open_nccl_link`) and the gloo twin (`GlooPair`).
 One group per producer, never one shared group: measured, one dead or hung
 member of a shared group fails the collective for every member, while a dead
 link only fails itself.

@@ -11,7 +11,7 @@ PyNccl does not poll NCCL's asynchronous errors. On the producer a dead trainer 
 leave the worker blocked and the engine loop wedged in `collective_rpc`
 (producer/weights/verified_update.py); on the trainer a dead producer would leave the
 sender in the packed broadcast for ever, on vLLM's two cached streams, so every later
-transfer would queue behind it (consumer/weights/engines.py `send_nccl`). Both run
+transfer would queue behind it (consumer/weights/nccl.py `NcclTrainer.send`). Both run
 under this watchdog: the transfer ends within the bound plus the abort.
 
 Gloo does not need it and could not use it: every op of a link is bounded by its

@@ -4,7 +4,7 @@ trainer is (`TrainerProgress`).
 
 New weights, per `consumer.weights.transport` (docs/weights.md):
 - collective: the version is packed into a snapshot that every producer link
-  streams while it fills (consumer/weights/engines.py, consumer/weights/sender.py), then
+  streams while it fills (consumer/weights/sender.py, consumer/weights/fanout.py), then
   announced with its digest, the endpoint, and the newest durable copy; the
   durable store is written in the background every `durable_every` versions
   and at shutdown;
@@ -61,7 +61,7 @@ class PolicyAnnouncer:
             m = self.store.write(version, collect(source), self.model_path)
             self.writer.announce(WeightsReady(version=version, uri=m["uri"], sha256=m["sha256"], bytes=m["bytes"]))
             return
-        from consumer.weights.engines import Snapshot
+        from consumer.weights.snapshot import Snapshot
 
         snap = Snapshot(version, source, reuse=self.snapshot)
         self.sender.publish(snap)  # the links stream each group as it is packed

@@ -9,7 +9,7 @@ It keeps the store current enough for producers that start late, restart or
 miss a transfer (producer/weights/reload.py falls back to it), without a per-version
 write on the training path (safetensors + fsync + sha256 of the whole model).
 One write at a time; a version due while one is being written waits, replaced
-by any newer one. `snapshot` is consumer/weights/engines.py's `Snapshot` (anything
+by any newer one. `snapshot` is consumer/weights/snapshot.py's `Snapshot` (anything
 with `version`, `tensors()`, `acquire()`, `release()`); held while written, so
 its buffers are not reused under the writer.
 """

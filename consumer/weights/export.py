@@ -25,7 +25,7 @@ communication at all (rank 0 holds everything).
 Non-sender ranks yield None for every tensor and hold the same groups (they
 must iterate in step; vLLM's `held_names` contract is for engines, which only
 rank 0 feeds). The class implements vLLM's `WeightSource` interface without
-importing vLLM (a 6 s import): consumer/weights/engines.py registers it as a virtual
+importing vLLM (a 6 s import): consumer/weights/backend.py registers it as a virtual
 subclass for the engines that check.
 """
 from __future__ import annotations

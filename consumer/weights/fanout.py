@@ -20,7 +20,7 @@ GPU per version instead of one per producer. Both run through `FanoutClient`, vL
 engines are the same classes a single link uses.
 
 Failures (each blocking call bounded by `consumer.weights.timeout_s`; on nccl the trainer's
-send also runs under a watchdog that aborts it once NCCL reports a lost peer, engines.py `send`):
+send also runs under a watchdog that aborts it once NCCL reports a lost peer, nccl.py `NcclTrainer.send`):
 - before the stream (ping, init, start): members that did not answer are dropped and
   the round is re-formed with the rest and re-sent at once (nobody received anything);
 - during the stream: a dead member fails the ranks after it in the chain (the ranks
@@ -77,7 +77,7 @@ class FanoutClient:
         self.members, self.layout = members, layout
         self.version: int | None = None
         self.fold = None
-        """The sent version's digest getter, carried by every finish (engines.py `LinkClient.fold`)."""
+        """The sent version's digest getter, carried by every finish (client.py `LinkClient.fold`)."""
         self.commit_early = commit_early
         """nccl: each member gets its finish as soon as its update returned (it holds the whole version,
         so the trainer had iterated every tensor: the fold is complete), not once every member has:
@@ -232,14 +232,14 @@ class Fanout(threading.Thread):
 
     def _reform(self, snap, members: list["_Link"]) -> None:
         """A new epoch of the group for `members` (ranks in their order, `group_layout`)."""
-        from consumer.weights.engines import open_fanout_engine
-
         self._disband()
         layout = wlink.group_layout([m.workers for m in members])
-        client = FanoutClient(members, layout, commit_early=self.sender.backend == "nccl")
+        transport, sender = self.sender.transport, self.sender
+        client = FanoutClient(members, layout, commit_early=transport.commit_early)
         client.ping()
         self.epoch += 1
-        self.engine = open_fanout_engine(self.sender, client, snap, layout, group_prefix(self.epoch))
+        self.engine = transport.open(client, sender.host, sender.store.port, snap, layout, sender.settings.timeout_s,
+                                     group=group_prefix(self.epoch))
         self.formed = tuple(m.n for m in members)
         for m in members:
             m.release_own()  # a joiner's own group, kept until now (the producer re-inits anyway)
@@ -248,9 +248,7 @@ class Fanout(threading.Thread):
                  layout.world_size, ", ".join(f"{m.producer}@{o}" for m, o in zip(members, layout.rank_offsets)))
 
     def _send(self, snap) -> None:
-        from consumer.weights.engines import send
-
-        send(self.engine, snap, self.sender.backend, self.sender.settings.timeout_s)
+        self.sender.transport.send(self.engine, snap, self.sender.settings.timeout_s)
 
     def _disband(self) -> None:
         if self.engine is not None:

@@ -35,8 +35,9 @@ from common.config import WeightSyncSettings
 from common.errors import ConfigError, RlstreamError
 from common.weights import link as wlink
 from consumer import telemetry
-from consumer.weights.engines import (LinkClient, RlstreamGlooTrainerInitInfo, Snapshot, SnapshotSource, open_nccl_link,
-                                     register, send)
+from consumer.weights.backend import trainer_backend
+from consumer.weights.client import LinkClient
+from consumer.weights.snapshot import Snapshot
 from consumer.weights.fanout import Fanout
 
 log = logging.getLogger("rlstream.consumer")
@@ -46,10 +47,11 @@ class WeightSender:
     TOPOLOGIES = ("chain", "star")
 
     def __init__(self, settings: WeightSyncSettings, backend: str = "rlstream_gloo", topology: str = "chain"):
-        register()
         if topology not in self.TOPOLOGIES:
             raise ValueError(f"weight topology {topology!r}: use one of {', '.join(self.TOPOLOGIES)}")
         self.settings, self.backend, self.topology = settings, backend, topology
+        self.transport = trainer_backend(backend)
+        """How every link and the fan-out group open and send (consumer/weights/backend.py), chosen once."""
         self.store = wlink.open_store(settings.host, settings.port, settings.timeout_s, master=True)
         wildcard = settings.host in ("0.0.0.0", "::", "")
         self.host = dialable_host(settings)  # what producers dial
@@ -257,22 +259,16 @@ class _Link(threading.Thread):
             self.engine = self._own = self._open(snap)
             telemetry.WEIGHT_LINKS.set(len(self.sender.links))
             log.info("weight link %d: producer %s joined (%d workers)", self.n, self.producer, self.workers)
-        send(self._own, snap, self.sender.backend, self.sender.settings.timeout_s)
+        self.sender.transport.send(self._own, snap, self.sender.settings.timeout_s)
         with self.sender._cond:
             self.sent, self.count = snap.version, self.count + 1
             self.sender._cond.notify_all()
         telemetry.WEIGHT_SEND_SECONDS.observe(time.perf_counter() - t0)
 
     def _open(self, snap: Snapshot):
-        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-
+        s = self.sender
         layout = wlink.group_layout([self.workers])  # the same sizing for both transports
-        if self.sender.backend == "nccl":
-            snap.wait()
-            return open_nccl_link(self.client, self.sender.host, SnapshotSource(snap), layout)
-        info = RlstreamGlooTrainerInitInfo(host=self.sender.host, port=self.sender.store.port, link=self.n,
-                                           layout=layout, timeout_s=self.sender.settings.timeout_s, rank=0)
-        return WeightTransferTrainerFactory.trainer_init(info, client=self.client)
+        return s.transport.open(self.client, s.host, s.store.port, snap, layout, s.settings.timeout_s, link=self.n)
 
     def _close_remote(self, reason: str) -> None:
         if self.client is None:

@@ -6,7 +6,7 @@
         ...
 
 Filled once per version on the training thread and read by every link
-(consumer/weights/engines.py) and the durable writer (consumer/weights/durable.py) on their
+(consumer/weights/gloo.py, consumer/weights/nccl.py) and the durable writer (consumer/weights/durable.py) on their
 own threads: a group goes out as soon as it is packed and its digest follows
 once hashed, so packing, hashing and sending overlap. It holds the version in
 host memory (1x the weights' bytes on rank 0) until the next one replaces it,

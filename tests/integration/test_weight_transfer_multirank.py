@@ -27,7 +27,7 @@ LAYOUTS = {"dp2_ep2": 2, "tp2": 2, "tp2_dp2_ep2": 4}
 def one_rank(megatron_world, sharp_model_dir):
     """The single-process export of the same checkpoint, packed the same way."""
     from consumer.trainer import Trainer
-    from consumer.weights.engines import Snapshot
+    from consumer.weights.snapshot import Snapshot
 
     trainer = Trainer.from_hf(sharp_model_dir)
     snap = Snapshot(1, trainer.weight_source())

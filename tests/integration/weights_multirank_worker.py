@@ -44,7 +44,7 @@ def main(model_dir: str, out_dir: str, layout: str) -> None:
     from common.config import ConsumerSettings
     from common.weights import link
     from consumer.trainer import Trainer
-    from consumer.weights.engines import Snapshot
+    from consumer.weights.snapshot import Snapshot
 
     torch.set_num_threads(1)
     if layout.endswith("_step"):

@@ -174,7 +174,7 @@ class LinkedProducer:
 
 
 class TrainerSide:
-    """The trainer's sending half (consumer/weights/sender.py, consumer/weights/engines.py, consumer/weights/durable.py),
+    """The trainer's sending half (consumer/weights/sender.py, consumer/weights/gloo.py, consumer/weights/durable.py),
     fed versions by the test instead of a training loop.
 
         trainer = TrainerSide(tmp / "store", model_dir)
@@ -196,7 +196,7 @@ class TrainerSide:
     def publish(self, version: int, tensors: dict, durable: bool = False, snapshot_cls=None):
         """Stream `tensors` as `version` to every link; announce it (through `writer` when set)."""
         from common.control.messages import DurableCopy, WeightsReady
-        from consumer.weights.engines import Snapshot
+        from consumer.weights.snapshot import Snapshot
 
         snap = (snapshot_cls or Snapshot)(version, dict_source(tensors), reuse=self.snapshot)
         self.sender.publish(snap)

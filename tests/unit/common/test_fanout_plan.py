@@ -37,7 +37,7 @@ def test_every_epoch_rendezvous_on_a_prefix_of_its_own():
 
 
 class FakeClient:
-    """consumer/weights/engines.py LinkClient as the fan-out calls it (the channel is the store's)."""
+    """consumer/weights/client.py LinkClient as the fan-out calls it (the channel is the store's)."""
 
     def __init__(self, n, fail=None):
         self.n, self.fail, self.timeout_s, self.version = n, fail, 1.0, None
@@ -78,13 +78,13 @@ def test_each_member_joins_at_its_own_rank_offset_and_link():
 
 
 def test_the_nccl_group_across_tp2_producers_gives_every_worker_a_rank(monkeypatch):
-    """vLLM's own nccl trainer engine (consumer/weights/engines.py open_nccl_link) over the
+    """vLLM's own nccl trainer engine (consumer/weights/nccl.py open_nccl_link) over the
     fan-out client; each member's payload fed to vLLM's worker code for each of its TP ranks
     (process groups recorded, not created: no GPU here)."""
     from vllm.distributed.weight_transfer import nccl_common, nccl_engine
     from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo, worker_init_process_group
 
-    from consumer.weights.engines import open_nccl_link
+    from consumer.weights.nccl import open_nccl_link
     from consumer.weights.fanout import FanoutClient
 
     groups: list[tuple[int, int]] = []

@@ -73,7 +73,7 @@ def test_the_sender_closes_at_once_while_a_producer_does_not_answer():
     import torch
 
     from common.config import WeightSyncSettings
-    from consumer.weights.engines import Snapshot
+    from consumer.weights.snapshot import Snapshot
     from consumer.weights.sender import WeightSender
     from tests.support.weights import dict_source
 

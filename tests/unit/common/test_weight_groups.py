@@ -46,13 +46,13 @@ def tp(rank: int, tp_size: int = 2, dp_index: int = 0):
 
 
 def test_the_nccl_link_of_a_tp2_producer_gives_both_of_its_workers_a_rank(store, monkeypatch):
-    """The review's sketch: the trainer's real nccl link init (consumer/weights/engines.py, vLLM's
+    """The review's sketch: the trainer's real nccl link init (consumer/weights/nccl.py, vLLM's
     trainer engine), its init payload fed to vLLM's own worker code for both TP ranks; the
     process groups are recorded instead of created (no GPU here)."""
     from vllm.distributed.weight_transfer import nccl_common, nccl_engine
     from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo, worker_init_process_group
 
-    from consumer.weights.engines import open_nccl_link
+    from consumer.weights.nccl import open_nccl_link
 
     groups: list[tuple[int, int]] = []
     monkeypatch.setattr(nccl_common, "stateless_init_process_group",
@@ -60,7 +60,7 @@ def test_the_nccl_link_of_a_tp2_producer_gives_both_of_its_workers_a_rank(store,
     monkeypatch.setattr(nccl_engine, "open_trainer_endpoint", lambda info: groups.append((0, info.world_size)))
     monkeypatch.setattr(nccl_common.torch.accelerator, "current_device_index", lambda: 0)
 
-    class Client:  # consumer/weights/engines.py LinkClient: the init command, captured
+    class Client:  # consumer/weights/client.py LinkClient: the init command, captured
         payload = None
 
         def init_weight_transfer_engine(self, init_info):

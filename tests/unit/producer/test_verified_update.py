@@ -256,10 +256,11 @@ def test_a_link_whose_update_was_aborted_is_dead(nccl_pair):
 
 
 def test_the_trainers_finish_carries_the_digest_of_what_it_sent_in_the_order_the_producer_loads_it():
-    """consumer/weights/engines.py: SnapshotSource folds each tensor as it goes to the device
+    """consumer/weights/nccl.py: SnapshotSource folds each tensor as it goes to the device
     (here "cpu") and LinkClient's finish carries it; it equals what a worker folds from the same
     tensors in the metadata order vLLM's nccl engine receives them in."""
-    from consumer.weights.engines import LinkClient, SnapshotSource
+    from consumer.weights.client import LinkClient
+    from consumer.weights.nccl import SnapshotSource
     from consumer.weights.snapshot import Snapshot
     from tests.support.weights import dict_source
 
