@@ -283,7 +283,7 @@ _ENGINE_ARGS_OWNED = {
     "async_scheduling": "nothing: one forward per step() is what makes reloads land between forwards",
     "block_size": "producer.engine.block_size",
     "weight_transfer_config": "producer.engine.weight_transfer",
-    "worker_extension_cls": "nothing: rlstream's weight RPCs live there (producer/weights/gloo_engine.py)",
+    "worker_extension_cls": "nothing: rlstream's weight RPCs live there (producer/weights/worker/gloo_engine.py)",
 }
 
 

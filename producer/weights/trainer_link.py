@@ -25,7 +25,7 @@ the loop's thread, between two steps:
     start     start receiving into staging buffers in   (nothing: the update runs vLLM's three calls)
               the background (the engine keeps stepping)
     update    (nothing: the bytes are already flowing)  receive + load now, folding a digest
-                                                        (producer/weights/verified_update.py); then
+                                                        (producer/weights/worker/verified_update.py); then
                                                         wait for the finish (no step runs meanwhile)
     finish    carries the trainer's digest: once the version is received (gloo: its every group
               checked in band) the reloader compares the two, serves the version (gloo: swaps the

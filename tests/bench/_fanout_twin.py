@@ -6,7 +6,7 @@ Hosts are network namespaces with tbf-shaped NICs (common/cluster/twin.py): one 
 host, one host per producer, so the NIC (not the machine's two CPUs) is the bottleneck and
 `twin.nic_bytes` counts what leaves the trainer's host. The trainer is a child process running
 the real WeightSender (links, fan-out group, Snapshot); each producer is a child process
-running the real receiving engine (producer/weights/gloo_engine.py RlstreamGlooEngine: chain
+running the real receiving engine (producer/weights/worker/gloo_engine.py RlstreamGlooEngine: chain
 relay, digests, staging) behind the real TrainerLink, polled as the reloader polls it. No
 vLLM engine generates here: the 2 cores cannot hold four (tests/bench/weights.py measures
 real producers on loopback).
@@ -139,7 +139,7 @@ class InProcessEngine:
 
         import torch
 
-        from producer.weights.gloo_engine import RlstreamGlooEngine, RlstreamGlooUpdateInfo
+        from producer.weights.worker.gloo_engine import RlstreamGlooEngine, RlstreamGlooUpdateInfo
 
         parallel = SimpleNamespace(world_size=1, rank=0, data_parallel_index=0)
         self.engine = RlstreamGlooEngine(None, SimpleNamespace(parallel_config=parallel, model_config=None), "cpu",
@@ -194,7 +194,7 @@ class InProcessNcclEngine:
         self.engine.shutdown()
 
     def load_weight_update(self, update_info: dict, timeout_s: float) -> str:
-        from producer.weights.verified_update import update_weights_folded
+        from producer.weights.worker.verified_update import update_weights_folded
 
         return update_weights_folded(self, update_info, timeout_s)
 

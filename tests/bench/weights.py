@@ -30,7 +30,7 @@ run):
               verifies (sha256) and reloads it: today's per-version path
   collective  Snapshot (pack + blake3 per group) streamed to every producer's link while it
               fills; each producer receives in the background (and stages its experts,
-              producer/weights/staging.py), verifies, swaps between steps
+              producer/weights/worker/staging.py), verifies, swaps between steps
   collective_idle  the same with the producers not generating (their requests aborted first):
               what the path costs when it does not share the CPU with generation, as raw
   raw         a plain torch.distributed gloo broadcast of the same group buffers (warm), from

@@ -102,7 +102,7 @@ def test_a_version_streams_in_while_requests_continue_and_then_serves_exactly_th
 def _stage_checkpoint_and_compare(worker, model_dir: str) -> dict:
     """In the engine's worker: stage every expert of `model_dir` (what serves) and compare
     the staged tensors with the live layer's, packed and as loaded."""
-    from producer.weights.staging import ExpertStaging
+    from producer.weights.worker.staging import ExpertStaging
     from common.weights.wire import GroupSpec, pack
     from tests.support.weights import read_weights
 
@@ -133,7 +133,7 @@ def test_staged_experts_are_the_bytes_a_load_leaves_in_the_layer(rollout_engine,
 
 @pytest.mark.timeout(600)
 def test_when_staging_the_experts_fails_the_swap_loads_them_itself(setup, monkeypatch):
-    from producer.weights.staging import ExpertStaging
+    from producer.weights.worker.staging import ExpertStaging
 
     engine, trainer, reloader, versions, reference = setup
     want = reference(2)

@@ -226,11 +226,11 @@ class WorkerProcesses:
     without a model: each worker is a process running the real receiving engine, driven
     like vLLM's `collective_rpc` (every worker runs each call; the engine's status
     combines theirs).
-    - `rlstream_gloo`: producer/weights/gloo_engine.py RlstreamGlooEngine (its rank from the
+    - `rlstream_gloo`: producer/weights/worker/gloo_engine.py RlstreamGlooEngine (its rank from the
       init info, the gloo group, the background receive and its digests);
     - `nccl`: vLLM's own NCCLWeightTransferEngine over the CPU stand-ins (common/gpu_standin/):
       vLLM parses the init payload, joins the group at the worker's rank offset and runs its
-      packed receive; the update is rlstream's folded update (producer/weights/verified_update.py)
+      packed receive; the update is rlstream's folded update (producer/weights/worker/verified_update.py)
       under its watchdog. Only the model is light: it keeps what it is given to load.
 
         with WorkerProcesses(2) as engine:
@@ -284,7 +284,7 @@ class WorkerProcesses:
         self._rpc("receive")
 
     def weight_status(self) -> dict:
-        from producer.weights.gloo_engine import combine_worker_status
+        from producer.weights.worker.gloo_engine import combine_worker_status
 
         return combine_worker_status(self._rpc("status"))
 
@@ -399,7 +399,7 @@ def _nccl_worker_main(conn, rank: int, n: int, device_base: int = 1) -> None:
     # what the receive imports, imported now as a vLLM worker has (it loaded a model at start)
     from vllm.model_executor.model_loader import mtp_validation  # noqa: F401
 
-    from producer.weights.verified_update import update_weights_folded
+    from producer.weights.worker.verified_update import update_weights_folded
 
     parallel = SimpleNamespace(world_size=n, rank=rank, data_parallel_index=0)
     engine = NCCLWeightTransferEngine(WeightTransferConfig(backend="nccl"),
@@ -422,7 +422,7 @@ def _worker_main(conn, rank: int, n: int) -> None:
 
     torch.set_num_threads(1)  # two workers and the trainer share the machine's cores
 
-    from producer.weights.gloo_engine import RlstreamGlooEngine, RlstreamGlooUpdateInfo
+    from producer.weights.worker.gloo_engine import RlstreamGlooEngine, RlstreamGlooUpdateInfo
 
     parallel = SimpleNamespace(world_size=n, rank=rank, data_parallel_index=0)
     engine = RlstreamGlooEngine(None, SimpleNamespace(parallel_config=parallel, model_config=None), "cpu",

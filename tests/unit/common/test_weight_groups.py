@@ -89,7 +89,7 @@ def test_the_gloo_twin_numbers_workers_as_vllms_nccl_does(rank, tp_size, dp_inde
 
 
 def test_the_engines_status_is_ready_only_when_every_worker_holds_the_same_version():
-    from producer.weights.gloo_engine import combine_worker_status
+    from producer.weights.worker.gloo_engine import combine_worker_status
 
     def st(state, version=None, digest=None, **kw):
         return {"state": state, "version": version, "digest": digest, "error": None, "digest_mismatch": False, **kw}

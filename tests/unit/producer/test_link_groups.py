@@ -74,7 +74,7 @@ def test_three_nccl_registrations_leave_one_live_communicator(monkeypatch):
 
 
 def test_three_gloo_registrations_leave_one_live_group(monkeypatch):
-    from producer.weights import gloo_engine
+    from producer.weights.worker import gloo_engine
 
     pairs: list = []
 

