@@ -1,6 +1,7 @@
 """The producer's end of its link to the trainer (common/weights/link.py).
 
-    link = TrainerLink.connect(engine, "10.0.0.5:29600", producer_id, timeout_s)   # a thread registers
+    link = TrainerLink.connect(engine, "10.0.0.5:29600", producer_id, timeout_s)   # GlooLink | NcclLink, by
+                                                                                     # the engine's backend
     link.poll()                       # between engine steps: run the trainer's commands, answer them
     update = link.take_update()       # a version received and finished (or failed): the reloader decides
     link.answer_update(update, why)   # served (why=None) or refused: the trainer's finish is answered
@@ -59,6 +60,7 @@ import contextlib
 import logging
 import threading
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,7 +71,16 @@ from common.weights.link import Channel, open_store, parse_endpoint, register
 log = logging.getLogger("rlstream.producer")
 
 
-class TrainerLink:
+class TrainerLink(ABC):
+    """The base of the two receivers, `GlooLink` and `NcclLink`, one chosen per engine by
+    `TrainerLink.connect` (or constructed directly): registration, the command loop, the
+    version handed to the reloader and its answer. A subclass says what `start` and `update`
+    do and how a version in flight settles."""
+
+    staged: bool = False
+    """Versions arrive in the background into staging buffers (gloo), or are loaded into the
+    model by the update command itself (nccl)."""
+
     @dataclass
     class Update:
         """One version the trainer sent over this link, from its start to the reloader's decision."""
@@ -105,18 +116,15 @@ class TrainerLink:
         """Why the link is unusable (None while it is fine)."""
         self.joined = False
         """The init command ran: the gloo pair (or NCCL group) is up."""
-        self._started_nccl = False  # an nccl start acknowledged: its update comes next
         self.update: TrainerLink.Update | None = None
         """The version in flight, until the reloader takes it (right after `poll`)."""
 
-    @property
-    def staged(self) -> bool:
-        """Versions arrive in the background into staging buffers (rlstream_gloo), or are loaded
-        into the model by the update command itself (nccl)."""
-        return self.engine.weight_transfer == GLOO
-
     @classmethod
     def connect(cls, engine, endpoint: str, producer_id: str, timeout_s: float) -> "TrainerLink":
+        """A link of the engine's backend (`cls` itself when called on a subclass), registering
+        on a thread of its own."""
+        if cls is TrainerLink:
+            cls = GlooLink if engine.weight_transfer == GLOO else NcclLink
         link = cls(engine, endpoint, producer_id, timeout_s)
         threading.Thread(target=link._register, name="rlstream-weights-join", daemon=True).start()
         return link
@@ -140,13 +148,8 @@ class TrainerLink:
         try:
             while (cmd := self.channel.next_command()) is not None:
                 self._run(*cmd)
-                if self._started_nccl:
-                    self._await_update()
-            u = self.update
-            if u is not None and u.staged and not u.settled:
-                self._watch_receive(u)
-            elif u is not None and not u.staged and u.received and u.finish is None:
-                self._await_nccl_finish()
+            if self.update is not None and not self.update.settled:
+                self._settle(self.update)
         except (RlstreamError, RuntimeError, OSError) as e:  # the store or the pair broke
             self.dead = f"link {self.channel.link}: {e}"
             u = self.update
@@ -154,56 +157,6 @@ class TrainerLink:
                 u.error = self.dead  # never verified: the reloader discards or restores it
             elif u is not None and u.error is not None and u.finish is not None:
                 self._ack_quietly(u.finish, error=u.error[:2000])  # the trainer learns now, not at its timeout
-
-    def _ack_quietly(self, k: int, **result) -> None:
-        with contextlib.suppress(RlstreamError, RuntimeError, OSError):  # the channel may be what broke
-            self.channel.ack(k, **result)
-
-    def _watch_receive(self, u: "TrainerLink.Update") -> None:
-        """gloo: the background receive of `u` (a status call to every worker), until it arrived;
-        then its finish, at most `timeout_s` later."""
-        if u.received is None:
-            st = self.engine.weight_status()
-            if st["state"] == "receiving":
-                return
-            if st["state"] == "ready" and st["version"] == u.version:
-                u.received, u.received_at = st["digest"], time.monotonic()
-            elif st["state"] == "failed" and st.get("digest_mismatch"):
-                u.error = st["error"]  # a group failed its digest in band: refused, the pair is fine
-                return
-            else:  # a broken pair, or the stream carried another version: this link is done
-                u.error = st.get("error") or (f"received version {st.get('version')}, the trainer started "
-                                              f"{u.version}" if st["state"] == "ready" else
-                                              f"nothing received ({st['state']})")
-                raise WeightTransferError(u.error)
-        if u.finish is None and time.monotonic() - u.received_at > self.timeout_s:
-            u.error = f"no finish from the trainer within {self.timeout_s:.0f} s of receiving version {u.version}"
-            raise WeightTransferError(u.error)
-
-    def _await_update(self) -> None:
-        """nccl: `start` acknowledged; run the `update` the trainer posts next (within `timeout_s`)."""
-        self._started_nccl = False
-        deadline = time.monotonic() + self.timeout_s
-        while (cmd := self.channel.next_command()) is None:
-            if time.monotonic() > deadline:
-                raise WeightTransferError(f"no update from the trainer within {self.timeout_s:.0f} s of its start")
-            time.sleep(0.001)
-        self._run(*cmd)
-
-    def _await_nccl_finish(self) -> None:
-        """An nccl update is loaded but unverified: no engine step may run on it, so wait here
-        (at most `timeout_s`) for the trainer's finish, which carries its digest. The trainer
-        posts it as soon as its broadcast ends, which is when the update returned."""
-        deadline = time.monotonic() + self.timeout_s
-        while self.update.finish is None:
-            cmd = self.channel.next_command()
-            if cmd is not None:
-                self._run(*cmd)
-            elif time.monotonic() > deadline:
-                self.update.error = f"no finish from the trainer within {self.timeout_s:.0f} s of the update"
-                raise WeightTransferError(self.update.error)
-            else:
-                time.sleep(0.001)
 
     def take_update(self) -> "TrainerLink.Update | None":
         """The version to serve or refuse, once it is settled (received and finished, or failed)."""
@@ -236,22 +189,17 @@ class TrainerLink:
                 self.joined = False
                 self.engine.init_weight_link(cmd["init_info"])
                 self.joined = True
-            elif op == "start" and self.staged:
-                self.update = None
-                self.engine.receive_weights()
-                self.update = TrainerLink.Update(int(cmd["version"]), time.perf_counter(), staged=True)
             elif op == "start":
-                self._started_nccl = True
-            elif op == "update" and not self.staged:
-                self.update = TrainerLink.Update(int(cmd["version"]), time.perf_counter(), staged=False)
-                self.update.received = self.engine.load_weight_update(cmd["update_info"], self.timeout_s)
+                self._start(cmd)
+            elif op == "update":
+                self._update(cmd)
             elif op == "finish":
                 if self.update is None or self.update.version != cmd.get("version"):
                     raise WeightTransferError(f"finish of version {cmd.get('version')} without its "
                                               f"{'start' if self.staged else 'update'}")
                 self.update.expected, self.update.finish = cmd.get("digest"), k
                 return  # answered by the reloader once it decided (answer_update)
-            elif op != "update":
+            else:
                 raise WeightTransferError(f"unknown command {op!r} from the trainer")
         # vLLM's multiprocess engine (any TP > 1) reports a worker's error as a bare Exception
         except Exception as e:  # noqa: BLE001 - refused, acknowledged; the loop keeps serving
@@ -265,3 +213,105 @@ class TrainerLink:
                 raise WeightTransferError(f"the update failed: {e}") from e
             return
         self.channel.ack(k)
+        self._after(op)
+
+    def _ack_quietly(self, k: int, **result) -> None:
+        with contextlib.suppress(RlstreamError, RuntimeError, OSError):  # the channel may be what broke
+            self.channel.ack(k, **result)
+
+    # ------------------------------------------------------------------ what the backends do
+
+    @abstractmethod
+    def _start(self, cmd: dict[str, Any]) -> None: ...
+
+    @abstractmethod
+    def _update(self, cmd: dict[str, Any]) -> None: ...
+
+    def _after(self, op: str) -> None:
+        """After a command was run and acknowledged."""
+
+    @abstractmethod
+    def _settle(self, u: "TrainerLink.Update") -> None:
+        """A version in flight that is not settled yet, after the commands of a poll."""
+
+
+class GlooLink(TrainerLink):
+    """rlstream_gloo: `start` receives into staging buffers in the background while the engine
+    keeps stepping (every group checked in band); the version settles once it is all here and
+    the trainer's finish arrived."""
+
+    staged = True
+
+    def _start(self, cmd: dict[str, Any]) -> None:
+        self.update = None
+        self.engine.receive_weights()
+        self.update = TrainerLink.Update(int(cmd["version"]), time.perf_counter(), staged=True)
+
+    def _update(self, cmd: dict[str, Any]) -> None:
+        pass  # the bytes are already flowing
+
+    def _settle(self, u: "TrainerLink.Update") -> None:
+        """The background receive of `u` (a status call to every worker), until it arrived;
+        then its finish, at most `timeout_s` later."""
+        if u.received is None:
+            st = self.engine.weight_status()
+            if st["state"] == "receiving":
+                return
+            if st["state"] == "ready" and st["version"] == u.version:
+                u.received, u.received_at = st["digest"], time.monotonic()
+            elif st["state"] == "failed" and st.get("digest_mismatch"):
+                u.error = st["error"]  # a group failed its digest in band: refused, the pair is fine
+                return
+            else:  # a broken pair, or the stream carried another version: this link is done
+                u.error = st.get("error") or (f"received version {st.get('version')}, the trainer started "
+                                              f"{u.version}" if st["state"] == "ready" else
+                                              f"nothing received ({st['state']})")
+                raise WeightTransferError(u.error)
+        if u.finish is None and time.monotonic() - u.received_at > self.timeout_s:
+            u.error = f"no finish from the trainer within {self.timeout_s:.0f} s of receiving version {u.version}"
+            raise WeightTransferError(u.error)
+
+
+class NcclLink(TrainerLink):
+    """vLLM's nccl: the `update` that follows an acknowledged `start` at once receives and loads
+    the version into the model, folding a digest; no engine step runs until its finish."""
+
+    staged = False
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._started = False  # a start acknowledged: its update comes next
+
+    def _start(self, cmd: dict[str, Any]) -> None:
+        self._started = True
+
+    def _update(self, cmd: dict[str, Any]) -> None:
+        self.update = TrainerLink.Update(int(cmd["version"]), time.perf_counter(), staged=False)
+        self.update.received = self.engine.load_weight_update(cmd["update_info"], self.timeout_s)
+
+    def _after(self, op: str) -> None:
+        """`start` acknowledged: run the `update` the trainer posts next (within `timeout_s`)."""
+        if op != "start" or not self._started:
+            return
+        self._started = False
+        deadline = time.monotonic() + self.timeout_s
+        while (cmd := self.channel.next_command()) is None:
+            if time.monotonic() > deadline:
+                raise WeightTransferError(f"no update from the trainer within {self.timeout_s:.0f} s of its start")
+            time.sleep(0.001)
+        self._run(*cmd)
+
+    def _settle(self, u: "TrainerLink.Update") -> None:
+        """The update is loaded but unverified: no engine step may run on it, so wait here (at
+        most `timeout_s`) for the trainer's finish, which carries its digest. The trainer posts
+        it as soon as its broadcast ends, which is when the update returned."""
+        deadline = time.monotonic() + self.timeout_s
+        while u.finish is None and u.error is None:
+            cmd = self.channel.next_command()
+            if cmd is not None:
+                self._run(*cmd)
+            elif time.monotonic() > deadline:
+                u.error = f"no finish from the trainer within {self.timeout_s:.0f} s of the update"
+                raise WeightTransferError(u.error)
+            else:
+                time.sleep(0.001)

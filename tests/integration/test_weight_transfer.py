@@ -246,7 +246,7 @@ def test_an_nccl_update_failing_halfway_is_restored_before_the_next_step(rollout
     (one restore path for every transport) and greedy outputs are those from before."""
     from common.control.messages import WeightsReady
     from producer.weights.reload import Reloader
-    from producer.weights.trainer_link import TrainerLink
+    from producer.weights.trainer_link import NcclLink
     from tests.unit.producer.test_link import FakeChannel
 
     rollout_engine.reload_weights(tiny_model_dir, 0)
@@ -254,7 +254,7 @@ def test_an_nccl_update_failing_halfway_is_restored_before_the_next_step(rollout
     engine = NcclStandIn(rollout_engine)
     reloader = Reloader(engine, tiny_model_dir, "p-test", timeout_s=5.0)
     reloader.newest = WeightsReady(version=1, transport="collective", digest="b" * 64, endpoint="trainer:1")
-    link, channel = TrainerLink(engine, "trainer:1", "p-test", 5.0), FakeChannel()
+    link, channel = NcclLink(engine, "trainer:1", "p-test", 5.0), FakeChannel()
     link.channel, reloader.link = channel, link
     channel.post("update", version=1, update_info={"names": ["model.layers.0.mlp.no_such.weight"]})
     reloader.tick()  # the update runs, fails halfway, is restored: all before the next step

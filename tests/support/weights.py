@@ -234,7 +234,7 @@ class WorkerProcesses:
       under its watchdog. Only the model is light: it keeps what it is given to load.
 
         with WorkerProcesses(2) as engine:
-            link = TrainerLink(engine, endpoint, "p0", timeout_s)
+            link = TrainerLink.connect(engine, endpoint, "p0", timeout_s)
     """
 
     def __init__(self, n: int, timeout_s: float = 60.0, backend: str = "rlstream_gloo", device_base: int = 1):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from producer.weights.trainer_link import TrainerLink
+from producer.weights.trainer_link import GlooLink, TrainerLink
 
 DIGEST = "c" * 64
 
@@ -53,7 +53,7 @@ class FakeEngine:
 
 def linked() -> tuple[TrainerLink, FakeChannel, FakeEngine]:
     engine, channel = FakeEngine(), FakeChannel()
-    link = TrainerLink(engine, "trainer:1", "p0", 5.0)
+    link = GlooLink(engine, "trainer:1", "p0", 5.0)
     link.channel = channel
     return link, channel, engine
 
@@ -146,3 +146,12 @@ def test_an_init_a_worker_refused_marks_the_link_dead_and_the_loop_keeps_going()
     channel.post("init", init_info={})
     link.poll()  # does not raise
     assert "rank 2 is outside" in channel.acks[0]["error"] and "rank 2 is outside" in link.dead
+
+
+def test_the_receiver_is_chosen_once_by_the_engines_backend(monkeypatch):
+    from producer.weights.trainer_link import NcclLink
+
+    monkeypatch.setattr(TrainerLink, "_register", lambda self: None)  # no endpoint to dial
+    nccl = type("NcclEngine", (FakeEngine,), {"weight_transfer": "nccl"})
+    assert type(TrainerLink.connect(FakeEngine(), "trainer:1", "p0", 5.0)) is GlooLink
+    assert type(TrainerLink.connect(nccl(), "trainer:1", "p0", 5.0)) is NcclLink

@@ -12,7 +12,7 @@ from common.control.messages import WeightsReady
 from common.errors import WeightReloadError
 from common.weights.store import WEIGHTS_FILE, sha256_file
 from producer.weights.reload import Reloader
-from producer.weights.trainer_link import TrainerLink
+from producer.weights.trainer_link import GlooLink
 from tests.unit.producer.test_link import FakeChannel
 
 
@@ -120,8 +120,8 @@ def test_a_failed_rollback_raises_an_rlstream_error(setup):
 DIGEST_A, DIGEST_B = "a" * 64, "b" * 64
 
 
-class FakeLink(TrainerLink):
-    """The real TrainerLink over a fake command channel (tests/unit/producer/test_link.py): the test
+class FakeLink(GlooLink):
+    """The real gloo link (GlooLink) over a fake command channel (tests/unit/producer/test_link.py): the test
     posts the trainer's commands (`send`); `on_connect` are posted into every new link."""
 
     made: list = []

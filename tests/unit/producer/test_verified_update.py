@@ -18,7 +18,7 @@ from common.control.messages import WeightsReady
 from common.errors import WeightTransferError
 from common.weights.digest import fold_digest
 from producer.weights.reload import Reloader
-from producer.weights.trainer_link import TrainerLink
+from producer.weights.trainer_link import NcclLink
 from producer.weights.worker.verified_update import update_weights_folded
 from tests.unit.producer.test_link import FakeChannel
 
@@ -74,7 +74,7 @@ def run_update(engine, tmp_path) -> tuple[Reloader, FakeChannel]:
     """The trainer's update and finish (with the digest it folded while sending), then one tick."""
     reloader = Reloader(engine, tmp_path, "p0", timeout_s=5.0)
     reloader.newest = WeightsReady(version=1, transport="collective", digest="b" * 64, endpoint="trainer:1")
-    link, channel = TrainerLink(engine, "trainer:1", "p0", 5.0), FakeChannel()
+    link, channel = NcclLink(engine, "trainer:1", "p0", 5.0), FakeChannel()
     link.channel, reloader.link = channel, link
     channel.post("update", version=1, update_info={"names": list(SENT)})
     channel.post("finish", version=1, digest=fold_digest(SENT.items()))
@@ -113,7 +113,7 @@ def test_an_nccl_update_whose_finish_never_comes_is_restored_within_the_timeout(
     engine = FakeNcclEngine()
     reloader = Reloader(engine, tmp_path, "p0", timeout_s=0.2)
     reloader.newest = WeightsReady(version=1, transport="collective", digest="b" * 64, endpoint="trainer:1")
-    link, channel = TrainerLink(engine, "trainer:1", "p0", 0.2), FakeChannel()
+    link, channel = NcclLink(engine, "trainer:1", "p0", 0.2), FakeChannel()
     link.channel, reloader.link = channel, link
     channel.post("update", version=1, update_info={"names": list(SENT)})  # the trainer died after it
     t0 = time.monotonic()
@@ -243,7 +243,7 @@ def test_a_link_whose_update_was_aborted_is_dead(nccl_pair):
     class Engine(FakeNcclEngine):
         def load_weight_update(self, update_info, timeout_s):
             return update_weights_folded(worker, update_info, timeout_s)
-    link, channel = TrainerLink(Engine(), "trainer:1", "p0", 0.5), FakeChannel()
+    link, channel = NcclLink(Engine(), "trainer:1", "p0", 0.5), FakeChannel()
     link.channel = channel
     trainer_sends(trainer, 1)
     channel.post("update", version=1, update_info={"names": list(SENT)})
@@ -287,7 +287,7 @@ def test_after_acknowledging_an_nccl_start_the_producer_waits_for_the_update_wit
         def load_weight_update(self, update_info, timeout_s):
             Engine.loaded += 1
             return super().load_weight_update(update_info, timeout_s)
-    link, channel = TrainerLink(Engine(), "trainer:1", "p0", 10.0), FakeChannel()
+    link, channel = NcclLink(Engine(), "trainer:1", "p0", 10.0), FakeChannel()
     link.channel = channel
     channel.post("start", version=1)
     threading.Timer(0.3, lambda: channel.post("update", version=1, update_info={"names": list(SENT)})).start()
@@ -296,7 +296,7 @@ def test_after_acknowledging_an_nccl_start_the_producer_waits_for_the_update_wit
 
 
 def test_an_nccl_start_without_its_update_marks_the_link_dead():
-    link, channel = TrainerLink(FakeNcclEngine(), "trainer:1", "p0", 0.3), FakeChannel()
+    link, channel = NcclLink(FakeNcclEngine(), "trainer:1", "p0", 0.3), FakeChannel()
     link.channel = channel
     channel.post("start", version=1)  # the trainer died before its update
     link.poll()
