@@ -150,23 +150,32 @@ def test_when_staging_the_experts_fails_the_swap_loads_them_itself(setup, monkey
 
 
 @pytest.mark.timeout(600)
-def test_a_received_version_changes_nothing_until_it_is_announced_and_swapped(setup):
+def test_a_received_version_changes_nothing_until_the_trainer_finishes_it(setup, monkeypatch):
+    """The link is the version's one control channel: a version that arrived whole is staged,
+    and served only once the trainer's finish (with its digest) comes; the announcement of it
+    is not what the producer waits for."""
+    import threading
+
+    from consumer.weights.client import LinkClient
+
     engine, trainer, reloader, versions, reference = setup
     want1, want2 = reference(1), reference(2)
     engine.reload_weights(engine.model_dir, 0)
     reloader.apply(trainer.publish(1, versions[1]))
     until(lambda: engine.version == 1, reloader, engine)
     np.testing.assert_array_equal(greedy(engine), want1)
-    trainer.publish(2, versions[2])  # streamed, not announced: staged in the buffers of version 1
+    gate, finish = threading.Event(), LinkClient.finish_weight_update
+    monkeypatch.setattr(LinkClient, "finish_weight_update", lambda self, *a: (gate.wait(60), finish(self, *a))[1])
+    trainer.publish(2, versions[2])  # streamed and staged in the buffers of version 1; its finish held back
     until(lambda: engine.weight_status()["state"] == "ready", reloader, engine)
-    reloader.tick()
-    assert engine.version == 1
+    for _ in range(20):
+        reloader.tick()
+    assert engine.version == 1 and reloader.state()["state"] == "receiving"
     np.testing.assert_array_equal(greedy(engine), want1)
-    snap = trainer.snapshot
-    from common.control.messages import WeightsReady
-    reloader.apply(WeightsReady(version=2, transport="collective", digest=snap.digest, endpoint=trainer.sender.endpoint))
-    assert engine.version == 2
+    gate.set()
+    until(lambda: engine.version == 2, reloader, engine)
     np.testing.assert_array_equal(greedy(engine), want2)
+    assert trainer.sender.wait_delivered(2, 10)  # the finish was answered: served
 
 
 @pytest.mark.timeout(600)
