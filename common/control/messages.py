@@ -70,8 +70,8 @@ class WeightsReady(BaseModel):
     - `file`: the version is in the durable store at `uri` (`sha256`, `bytes`
       of its model.safetensors); producers stage, verify and reload it.
     - `collective`: the trainer streams it to every producer linked at
-      `endpoint`; `digest` is its version digest (common/weights/wire.py),
-      checked before the swap. `durable_*` name the newest durable copy (an
+      `endpoint`; the link is the version's one control channel (its finish
+      carries the digest the producer checks). `durable_*` name the newest durable copy (an
       older version, written every `consumer.weights.durable_every` versions),
       from which producers that start late, restart or miss a transfer catch up.
 
@@ -88,7 +88,9 @@ class WeightsReady(BaseModel):
     sha256: str | None = Field(None, min_length=64, max_length=64)
     bytes: int | None = Field(None, ge=1)
     digest: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
-    """collective: the version digest (blake3, hex) the received stream must have."""
+    """collective: the version digest (blake3, hex). Not read by producers of this release (the
+    trainer's finish on the link carries it); still written, so that producers of earlier
+    releases, which wait for it, keep taking versions over the link during a rolling upgrade."""
     endpoint: str | None = Field(None, pattern=r"^[^\s:]+:\d{1,5}$")
     """collective: host:port of the trainer's weight endpoint (common/weights/link.py)."""
     backend: Literal["rlstream_gloo", "nccl"] | None = None
@@ -105,8 +107,8 @@ class WeightsReady(BaseModel):
     def _complete(self):
         if self.transport == "file" and None in (self.uri, self.sha256, self.bytes):
             raise ValueError("transport file needs uri, sha256 and bytes")
-        if self.transport == "collective" and None in (self.digest, self.endpoint):
-            raise ValueError("transport collective needs digest and endpoint")
+        if self.transport == "collective" and self.endpoint is None:
+            raise ValueError("transport collective needs an endpoint")
         durable = (self.durable_version, self.durable_uri, self.durable_sha256, self.durable_bytes)
         if any(v is not None for v in durable) and None in durable:
             raise ValueError("durable_version, durable_uri, durable_sha256 and durable_bytes go together")

@@ -5,7 +5,8 @@ trainer is (`TrainerProgress`).
 New weights, per `consumer.weights.transport` (docs/weights.md):
 - collective: the version is packed into a snapshot that every producer link
   streams while it fills (consumer/weights/sender.py, consumer/weights/fanout.py), then
-  announced with its digest, the endpoint, and the newest durable copy; the
+  announced with the endpoint and the newest durable copy (and its digest, which only
+  producers of earlier releases read: the link's finish carries it); the
   durable store is written in the background every `durable_every` versions
   and at shutdown;
 - file: the version is written to the durable store and announced (uri,

@@ -27,8 +27,7 @@ def test_collective_names_digest_endpoint_and_the_newest_durable_copy():
 
 @pytest.mark.parametrize("fields,words", [
     ({"transport": "file"}, "uri, sha256 and bytes"),
-    ({"transport": "collective", "endpoint": "h:1"}, "digest and endpoint"),
-    ({"transport": "collective", "digest": DIGEST}, "digest and endpoint"),
+    ({"transport": "collective", "digest": DIGEST}, "needs an endpoint"),
     ({"transport": "collective", "digest": "XYZ", "endpoint": "h:1"}, "digest"),
     ({"transport": "collective", "digest": DIGEST, "endpoint": "no port"}, "endpoint"),
     ({"transport": "collective", "digest": DIGEST, "endpoint": "h:1", "durable_version": 1}, "go together"),
@@ -39,3 +38,8 @@ def test_collective_names_digest_endpoint_and_the_newest_durable_copy():
 def test_incomplete_or_contradictory_messages_are_refused(fields, words):
     with pytest.raises(pydantic.ValidationError, match=words):
         WeightsReady(version=5, **fields)
+
+
+def test_a_collective_announcement_needs_no_digest():
+    """The link's finish carries the digest a producer checks; the announcement names the endpoint."""
+    assert WeightsReady(version=3, transport="collective", endpoint="h:1").digest is None
