@@ -104,10 +104,10 @@ class ConsumerService:
                                          self.cfg.model.path, self.ccfg.groups_per_batch, self.ccfg.group_size,
                                          self.ccfg.weights, _weight_backend(self.ccfg.weights.backend))
         self._continue_versions()
+        telemetry.observe_version(self.version)
         if self.announcer.behind(self.follower.view.weights, self.version):
             self.publish_weights()
         self.announce_progress(every_s=0.0)
-        telemetry.observe_version(self.version)
         self.http = telemetry.serve_http(self.ccfg.http, self._health, lambda: self.control, self._writer,
                                          ready=self._ready, status=lambda: self.auto.status(self.control))
         self.readiness.initialised()
@@ -290,6 +290,7 @@ class ConsumerService:
                              self.kafka.topics.rollouts, out, self.leader.world)
         self.step += 1
         self.version += 1
+        telemetry.observe_version(self.version)  # before the version leaves: no producer is seen ahead of it
         trained = self.ledger.trained()
         self.leader.ckpt.audit({"step": self.step, "version": self.version, "trained": trained, "run": self.run_id,
                                 "inputs": inputs})
@@ -309,7 +310,6 @@ class ConsumerService:
 
     def publish_weights(self) -> None:
         self.announcer.weights(self.version, self.leader.export())
-        telemetry.observe_version(self.version)
         self.announce_progress(every_s=0.0)
 
     def announce_progress(self, every_s: float = 1.0) -> None:

@@ -381,9 +381,10 @@ def report(run: Run) -> dict:
             and r.group_id != "tmpl"]
     twice = sum(1 for n in Counter((r.group_id, r.sample_idx) for r in ours).values() if n > 1)
     rollouts = run.kafka.topics.rollouts
+    ahead = producers_ahead(run)
     checks = {
         "control_settings_unchanged": control_intact(run),
-        "no_producer_ahead_of_trainer": producers_behind(run),
+        "no_producer_ahead_of_trainer": not ahead,
         "no_pickle_unpickled": not MARKER.exists(),
         "hostile_rollouts_all_in_dlq": len(found) == len(hostile),
         "hostile_rollouts_dlq_field_right": all(d.field == hostile[s][1] for s, d in found.items()),
@@ -403,7 +404,7 @@ def report(run: Run) -> dict:
         "health": health(run),
         "freeze": freeze_report(run),
         "classes": classes(run, dlq, found, records),
-        "checks": checks,
+        "checks": checks, "producers_ahead": ahead[:5],
         "phases_s": run.phases, "timeline": run.timeline,
         "crash_log": run.crashes, "errors": run.errors, "work_dir": str(run.tmp),
     }
@@ -442,13 +443,10 @@ def control_intact(run: Run) -> bool:
     return True
 
 
-def producers_behind(run: Run) -> bool:
-    """No producer ever served a version the trainer had not reached (sampled)."""
-    for x in run.samples:
-        v = x["version"]
-        if not math.isnan(v) and any(pv > v for pv in x["producer_versions"].values() if not math.isnan(pv)):
-            return False
-    return True
+def producers_ahead(run: Run) -> list[dict]:
+    """The samples in which a producer served a version the trainer had not reached (none wanted)."""
+    return [x for x in run.samples if not math.isnan(x["version"])
+            and any(pv > x["version"] for pv in x["producer_versions"].values() if not math.isnan(pv))]
 
 
 def counters(parsed: dict, name: str, label: str | None) -> dict | float:
