@@ -158,6 +158,29 @@ def test_abort_tag_drops_one_group_and_oldest_versions_follow_first_tokens(rollo
     assert not eng.has_work()
 
 
+@pytest.mark.timeout(300)
+def test_a_sampled_group_is_one_vllm_request_and_a_greedy_group_n(rollout_engine):
+    """At temperature > 0 a group is one vLLM request that vLLM fans out into n (its inputs
+    processed once); vLLM refuses n > 1 for greedy sampling, so a greedy group is n requests
+    of one. Either way each sample finishes on its own as "{tag}/{i}"."""
+    from producer.sample import SamplingConfig
+
+    eng = rollout_engine
+    eng.submit_group(eng.encode("12+7="), 4, SamplingConfig(max_tokens=8), tag="fan")
+    eng.submit_group(eng.encode("12+7="), 3, SamplingConfig(max_tokens=8, temperature=0.0), tag="greedy")
+    vllm_requests = eng._engine.output_processor.external_req_ids  # vLLM's id -> its engine-core ids
+    assert sorted(vllm_requests) == ["fan/*", "greedy/0", "greedy/1", "greedy/2"]
+    assert sorted(vllm_requests["fan/*"]) == sorted(eng._inflight[f"fan/{i}"].internal_id for i in range(4))
+    done = run_until_done(eng)
+    assert sorted((s.tag, s.sample_idx) for s in done) == [("fan", i) for i in range(4)] + [("greedy", i)
+                                                                                             for i in range(3)]
+    assert len({s.response_ids.tobytes() for s in done if s.tag == "greedy"}) == 1
+    for s in done:
+        assert s.request_id == f"{s.tag}/{s.sample_idx}" and s.response_ids.size == s.logprobs.size > 0
+        assert s.routed_experts.shape[0] == s.prompt_ids.size + s.response_ids.size - 1
+    assert not eng.has_work()
+
+
 @pytest.mark.timeout(120)
 def test_misuse_is_refused(rollout_engine):
     from common.errors import EngineError
