@@ -47,6 +47,7 @@ stdout carries only the JSON; logs (ours and vLLM's) go to stderr.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import os
@@ -416,32 +417,17 @@ def setup(args, b: Bench) -> None:
 
 
 def measure_submission(engine, args) -> dict:
-    """The engine loop alone with each group as one vLLM request of n samples (fan-out,
-    the engine's default) and as n requests of one (the path before), alternated in one
-    process: 32 groups of 8 in flight, 8-token responses at temperature 1 (the tiny-cpu demo)."""
-    import random
-
-    from producer.sample import SamplingConfig
-
-    rng = random.Random(0)
-    prompts = [[rng.randrange(5, 60) for _ in range(rng.randrange(8, 24))] for _ in range(64)]
-    sampling, G = SamplingConfig(max_tokens=8, temperature=1.0), args.group_size
-    rounds = iter(range(1 << 30))
+    """The engine loop alone (`run_round` "without") with each group as one vLLM request
+    of n samples (fan-out, the engine's way) and as n requests of one (the path before),
+    alternated in one process: `--submit-in-flight` groups of G in flight, 8-token
+    responses (the tiny-cpu demo's)."""
+    workload = make_workload(args.submit_groups, [8], seed=1)
+    rounds = itertools.count()
 
     def samples_per_s(fan_out: bool) -> float:
-        engine.fan_out_groups, r, t = fan_out, next(rounds), time.perf_counter()
-        submitted, done, open_groups = 0, 0, {}
-        while done < args.submit_groups * G:
-            while submitted < args.submit_groups and len(open_groups) < args.submit_in_flight:
-                tag = f"sub{r}-{submitted}"
-                engine.submit_group(prompts[submitted % len(prompts)], n=G, sampling=sampling, tag=tag)
-                open_groups[tag], submitted = G, submitted + 1
-            for s in engine.step():
-                done += 1
-                open_groups[s.tag] -= 1
-                if not open_groups[s.tag]:
-                    del open_groups[s.tag]
-        return args.submit_groups * G / (time.perf_counter() - t)
+        engine.fan_out_groups = fan_out
+        r = run_round(engine, workload, args.group_size, args.submit_in_flight, f"sub{next(rounds)}", None, "without")
+        return r["samples"] / r["wall"]
 
     try:
         samples_per_s(True), samples_per_s(False)  # warm both paths
@@ -454,7 +440,7 @@ def measure_submission(engine, args) -> dict:
     ratios = [a / b for a, b in zip(each["fanout"], each["n_requests"])]
     return {"samples_per_s": each, "ratio_each": [round(x, 3) for x in ratios],
             "fanout_over_n_requests": round(statistics.median(ratios), 3) if ratios else None,
-            "groups_per_round": args.submit_groups, "in_flight": args.submit_in_flight, "group_size": G}
+            "groups_per_round": args.submit_groups, "in_flight": args.submit_in_flight, "group_size": args.group_size}
 
 
 def measure(args, b: Bench) -> dict:
