@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	@# torch; beside the CPU torch they break `import transformers`
 	@# ("operator torchvision::nms does not exist"). Text models need none of them.
 	@if [ "$(EXTRA)" = cpu ]; then $(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true; fi
-	$(PY) -m common.app.doctor $(if $(filter gpu,$(EXTRA)),--gpu)
+	$(PY) -m rlstream.doctor $(if $(filter gpu,$(EXTRA)),--gpu)
 	@# promtool (Debian's prometheus package) validates ops/prometheus in tests/unit/test_ops.py
 	@command -v promtool >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null \

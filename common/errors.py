@@ -111,7 +111,7 @@ class RankProtocolError(RlstreamError):
 
 
 class PipelineError(RlstreamError):
-    """A supervised service (common/harness/supervisor.py) failed to start, died,
+    """A supervised service (ops/harness/supervisor.py) failed to start, died,
     or a wait for it timed out; the message carries the tail of its log."""
 
 
@@ -126,7 +126,7 @@ class VerifierError(RlstreamError):
 
 
 class AgentRequestError(RlstreamError):
-    """A black-box agent's request was refused (producer/rollout/agents.py): `status` is the
+    """A black-box agent's request was refused (producer/rollout/agents/driver.py): `status` is the
     HTTP code (400 bad request, 404 unknown episode, 409 conflicts with the episode's
     state or history, 429 admission holds) and `kind` a short machine-readable type."""
 

@@ -1,7 +1,7 @@
 """uvicorn + Starlette on a thread of a synchronous service, bounded against hostile clients.
 
 Every rlstream HTTP endpoint (/metrics, /healthz and the admin API:
-common/control/http.py; the agent endpoint: producer/agent_http.py) is a
+common/control/http.py; the agent endpoint: producer/rollout/agents/http.py) is a
 Starlette app served by `BackgroundServer`: uvicorn with its own event loop on a
 daemon thread, the listening socket bound (backlog 2048) before `start()` so
 the port is known at once and early clients queue instead of being refused.
@@ -48,7 +48,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from common import metrics
+from rlstream.common import metrics
 
 log = logging.getLogger(__name__)
 

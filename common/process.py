@@ -1,7 +1,7 @@
 """Child processes that cannot outlive their parent: spawn, signal, stop, read the log.
 
 One place for what the embedded broker (common/kafka/broker.py), the harness
-supervisor (common/harness/supervisor.py) and the tests do with processes:
+supervisor (ops/harness/supervisor.py) and the tests do with processes:
 
 - `spawn` starts a command with stdin closed and stdout + stderr in one log
   file. By default the child leads its own process group (so one signal

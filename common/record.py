@@ -65,7 +65,7 @@ the peer's. Written only when above 0: other records are byte-identical to befor
 
 Generic limits are `RecordLimits` (P <= 65,536, T <= 131,072, layers <= 256,
 top_k <= 64); a consumer adds its model's (vocabulary, layers, top_k, experts,
-P + T <= positions) and its group size (consumer/intake.py).
+P + T <= positions) and its group size (consumer/stream/intake.py).
 
 A *claim-check pointer* replaces a record above the configured size: the map
 `{schema: 1, rollout_id, group_id, claim_check: {uri, sha256, bytes}}` (schema 1 for
@@ -93,7 +93,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from common.errors import InvalidRecordError
+from rlstream.common.errors import InvalidRecordError
 
 SCHEMA_VERSION = 2
 """The newest schema this module reads and writes (it writes 1 when a record has no

@@ -5,7 +5,7 @@ any of its model tokens was sampled with (`Rollout.oldest_version`); a
 sample newer than the trainer (after a restore from an older checkpoint)
 counts 0. It is stale when its staleness exceeds `max_staleness`.
 
-The consumer's gate (consumer/staleness.py) drops a group with a stale sample
+The consumer's gate (consumer/stream/gate.py) drops a group with a stale sample
 (after a crash it measures both ends in optimizer steps of the lineage,
 `GateClock`, with this same rule); the producer (producer/eviction.py) aborts
 in-flight groups the gate would drop, since the trainer's version only grows.

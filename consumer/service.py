@@ -1,6 +1,6 @@
 """The consumer service: read rollouts, gate by staleness, train, checkpoint, publish.
 
-    rlstream consumer -c configs/tiny-cpu.yaml        (also: python -m consumer)
+    rlstream consumer -c configs/tiny-cpu.yaml        (also: python -m rlstream consumer)
 
 One global step per iteration of a loop of named steps:
 
@@ -14,12 +14,12 @@ on a consumer that sat idle waiting for data.
 
 Exactly-once training: offsets are committed only inside a checkpoint, with
 the model and version they produced; every consumed record ends in exactly
-one outcome (the contract: consumer/ledger.py). Checkpoints come on a cadence
-(`consumer.checkpoint`, consumer/cadence.py) and at a clean stop; a crash
+one outcome (the contract: consumer/stream/ledger.py). Checkpoints come on a cadence
+(`consumer.checkpoint`, consumer/checkpoint/cadence.py) and at a clean stop; a crash
 redoes the steps since the last one, re-reading their records, so each record
-is trained once in the lineage of the final model (consumer/checkpoint.py).
+is trained once in the lineage of the final model (consumer/checkpoint/files.py).
 Under torchrun this service is rank 0 and the other ranks follow it
-(consumer/ranks.py).
+(consumer/ranks/protocol.py).
 
 Versions are never reused. A restart from a checkpoint older than the newest
 version announced (or written to the weight store) by the incarnation that
@@ -27,7 +27,7 @@ died continues above it: the restored weights are announced under a new
 version, so producers reload them; records keep their real version numbers.
 `step` counts optimizer steps; `version` >= `step`. So that skipped versions
 age no record, the gate counts staleness in steps (`GateClock`,
-consumer/staleness.py): the renumbering is noted in the checkpoint directory
+consumer/stream/gate.py): the renumbering is noted in the checkpoint directory
 (each version maps to the step whose model it was), and the records the lost
 steps trained are judged at the step they were first gated at (the audit log
 since the checkpoint): the redone steps train them again, not drop them as stale.
@@ -40,17 +40,23 @@ import signal
 import time
 import uuid
 
-from common.config import ControlSettings, RlstreamConfig
-from common.control.liveness import ProgressMonitor, Readiness
-from common.control.messages import ControlChange
-from common.lifecycle import close_attrs
-from consumer import telemetry
-from consumer.assembler import GroupAssembler
-from consumer.intake import IntakeWatch
-from consumer.ledger import OUTCOMES, Ledger  # noqa: F401 - OUTCOMES: for importers of its old home
-from consumer.parallel import launch_rank, launch_world_size
-from consumer.stability.auto import AutoStaleness
-from consumer.staleness import FILTER_WINDOW_BATCHES, FilteredShare, GateClock, ReadyGroup, gate_group
+from rlstream.common.config import ControlSettings, RlstreamConfig
+from rlstream.common.control.liveness import ProgressMonitor, Readiness
+from rlstream.common.control.messages import ControlChange
+from rlstream.common.lifecycle import close_attrs
+from rlstream.consumer import telemetry
+from rlstream.consumer.stream.assembler import GroupAssembler
+from rlstream.consumer.stream.intake import IntakeWatch
+from rlstream.consumer.stream.ledger import OUTCOMES, Ledger  # noqa: F401 - OUTCOMES: for importers of its old home
+from rlstream.consumer.train.parallel import launch_rank, launch_world_size
+from rlstream.consumer.stability.auto import AutoStaleness
+from rlstream.consumer.stream.gate import (
+    FILTER_WINDOW_BATCHES,
+    FilteredShare,
+    GateClock,
+    ReadyGroup,
+    gate_group,
+)
 
 log = logging.getLogger("rlstream.consumer")
 
@@ -67,11 +73,11 @@ class ConsumerService:
         """Staleness in steps of the lineage, across crashes (`_restore`, `_continue_versions`)."""
         self.run_id = uuid.uuid4().hex[:12]
         self.lineage: list[list] = [[self.run_id, 0]]
-        """[run id, step it started at] of every incarnation whose steps make the model (consumer/checkpoint.py)."""
+        """[run id, step it started at] of every incarnation whose steps make the model (consumer/checkpoint/files.py)."""
         self._stop = False
         # live while a full batch waiting gets trained within the bound; ready once started
         self.liveness = ProgressMonitor(self.ccfg.liveness.stall_after_s)
-        # ready while the broker answers and delivers what waits on it (consumer/intake.py IntakeWatch)
+        # ready while the broker answers and delivers what waits on it (consumer/stream/intake.py IntakeWatch)
         self.readiness = Readiness(self.kafka)
         self.intake = IntakeWatch(self.ccfg.liveness.intake_stall_after_s, self.kafka.topics.rollouts)
         self.readiness.add_check(self.intake.reasons)
@@ -81,13 +87,13 @@ class ConsumerService:
     # ------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        from common.control.plane import ControlFollower, ControlPlaneWriter
-        from common.control.signing import signing_key
-        from common.kafka.client import ensure_topics
-        from common.weights.store import WeightStore
-        from consumer.weights.announce import PolicyAnnouncer
-        from consumer.cadence import Cadence
-        from consumer.ranks import Leader, start_rank
+        from rlstream.common.control.plane import ControlFollower, ControlPlaneWriter
+        from rlstream.common.control.signing import signing_key
+        from rlstream.common.kafka.client import ensure_topics
+        from rlstream.common.weights.store import WeightStore
+        from rlstream.consumer.weights.announce import PolicyAnnouncer
+        from rlstream.consumer.checkpoint.cadence import Cadence
+        from rlstream.consumer.ranks.protocol import Leader, start_rank
 
         trainer, ckpt, channel, latest = start_rank(self.cfg)  # collective under torchrun: every rank
         self.leader = Leader(trainer, ckpt, self.ccfg.group_size, channel)
@@ -141,11 +147,11 @@ class ConsumerService:
             self.clock.anchor(self.version, self.step)
 
     def _open_reader(self, offsets: dict[int, int] | None):
-        from common.kafka.claimcheck import BlobStore
-        from common.kafka.reader import RolloutReader
-        from consumer.intake import VersionBound, record_limits
+        from rlstream.common.kafka.claimcheck import BlobStore
+        from rlstream.common.kafka.reader import RolloutReader
+        from rlstream.consumer.stream.intake import VersionBound, record_limits
 
-        # records this consumer cannot take go to the DLQ, not the trainer (consumer/intake.py)
+        # records this consumer cannot take go to the DLQ, not the trainer (consumer/stream/intake.py)
         limits = record_limits(self.leader.trainer.model.hf_dims, self.ccfg.group_size)
         # fetch_max_wait 20 ms at first: tansu 0.6 sees records that arrive during a fetch only
         # after about half its wait, so the default 100 ms added ~50 ms to every global step of
@@ -156,7 +162,7 @@ class ConsumerService:
 
     def newest_version(self) -> int:
         """The newest policy version there can be: this trainer's own. No record may carry a later
-        one (consumer/intake.py). Not the policy topic's newest: an announcement is a Kafka message,
+        one (consumer/stream/intake.py). Not the policy topic's newest: an announcement is a Kafka message,
         and one a million versions ahead would have let records from the future through. (After a
         restore from an older checkpoint `_continue_versions` moved ours above every announced one.)"""
         return self.version
@@ -260,8 +266,8 @@ class ConsumerService:
         items = self.reader.poll(max_records=512, timeout_s=poll_s)
         dead = self.reader.take_dead()
         self.ledger.read(items, dead)
-        refused = self.ledger.take_refused()  # a reused group id (consumer/assembler.py)
-        fenced = self.ledger.take_fenced()  # an older journal claim's copy (consumer/assembler.py)
+        refused = self.ledger.take_refused()  # a reused group id (consumer/stream/assembler.py)
+        fenced = self.ledger.take_fenced()  # an older journal claim's copy (consumer/stream/assembler.py)
         if refused or fenced:  # stored before anything is read on, so no checkpoint covers a refusal not stored
             self.reader.refuse([(it, "group_id", why) for it, why in refused]
                                + [(it, "claim_epoch", why) for it, why in fenced])
@@ -275,8 +281,8 @@ class ConsumerService:
         telemetry.observe_read(lag, self.ledger.assembler.num_open, self.ledger.held_records())
 
     def train_step(self, batch: list[ReadyGroup]) -> dict:
-        from consumer.batch import TrainSample
-        from consumer.logreplay.record import step_inputs
+        from rlstream.consumer.train.batch import TrainSample
+        from rlstream.consumer.logreplay.record import step_inputs
 
         scale = self.ccfg.stress.logprob_temperature_scale
         samples = [TrainSample.from_rollout(r, w, a, scale) for rg in batch
@@ -335,25 +341,25 @@ def _weight_backend(backend: str) -> str:
     """`consumer.weights.backend` made concrete (common/weights/backends.py)."""
     import torch
 
-    from common.weights.backends import resolve
+    from rlstream.common.weights.backends import resolve
 
     return resolve(backend, on_gpu=torch.cuda.is_available())
 
 
 def main(cfg: RlstreamConfig) -> int:
-    from common.kafka.broker import run_with_broker
-    from consumer.memory_budget import check_config
+    from rlstream.common.kafka.broker import run_with_broker
+    from rlstream.consumer.train.memory_budget import check_config
 
     memory = check_config(cfg, os.environ)  # before any rank loads 60 GB of weights
     if memory is not None:
         log.info("%s", memory.report().lstrip("# "))
         memory.refuse()
 
-    if launch_rank() != 0:  # followers: the trainer, no Kafka (consumer/ranks.py)
-        from consumer.ranks import run_follower
+    if launch_rank() != 0:  # followers: the trainer, no Kafka (consumer/ranks/protocol.py)
+        from rlstream.consumer.ranks.protocol import run_follower
         return run_follower(cfg)
     if launch_world_size() > 1 and not cfg.kafka.bootstrap_servers:
-        from common.errors import ConfigError
+        from rlstream.common.errors import ConfigError
         raise ConfigError("set kafka.bootstrap_servers when running several ranks (torchrun)",
                           key="kafka.bootstrap_servers")
     return run_with_broker(cfg.kafka, cfg.broker, lambda bootstrap: ConsumerService(cfg, bootstrap).run())

@@ -22,7 +22,7 @@ V + floor(Q / B) - v <= max_staleness. `max_staleness = 0` makes the pipeline
 synchronous (one batch per version).
 
 Dynamic sampling. When the trainer filters a share f of its groups for equal
-rewards (`TrainerProgress.filtered_share`, consumer/staleness.py), a global step
+rewards (`TrainerProgress.filtered_share`, consumer/stream/gate.py), a global step
 takes about B / (1 - f) queued groups, so the new group is trained at about
 V + floor(Q (1 - f) / B) (`steps_ahead`): producers admit that much more, and
 filtering does not starve the trainer. f is capped at `MAX_FILTERED_SHARE`:
@@ -47,8 +47,8 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from common.control.messages import TrainerProgress
-from common.kafka.client import end_offsets
+from rlstream.common.control.messages import TrainerProgress
+from rlstream.common.kafka.client import end_offsets
 
 log = logging.getLogger("rlstream.producer")
 
@@ -112,7 +112,7 @@ def admission_block(view: AdmissionView) -> str | None:
     p = view.progress
     queued = queued_groups(view.end_offsets(), p.read_offsets, p.held_records, view.own_unacked_records,
                            view.groups_in_flight, view.group_size)
-    if p.trainer_version + steps_ahead(queued, p.groups_per_batch, p.filtered_share) - view.engine_version \
+    if p.trainer_version + steps_ahead(queued, p.groups_per_batch, p.filtered_share) - view.engine_version\
             > view.max_staleness:
         return "staleness"
     return None
@@ -140,7 +140,7 @@ class TopicEnds:
     def _make_offsets_client(self):
         from kafka import TopicPartition
 
-        from common.kafka.client import make_consumer
+        from rlstream.common.kafka.client import make_consumer
 
         c = make_consumer(self.kafka)
         topic = self.kafka.topics.rollouts

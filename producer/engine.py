@@ -7,7 +7,7 @@ thread:
     engine.submit_group(prompt_ids, n=8, sampling=SamplingConfig(max_tokens=64), tag="g-17")
     while ...:
         for sample in engine.step():          # one engine step = one forward
-            publish(sample.to_rollout(...))   # FinishedSample -> common.record.Rollout
+            publish(sample.to_rollout(...))   # FinishedSample -> rlstream.common.record.Rollout
         if new_weights:
             engine.reload_weights(path, version)   # between steps, in place
 
@@ -36,7 +36,7 @@ the version current at submit (`cache_salt`), so no request ever reuses KV
 (or routing rows) computed by older weights, while requests in flight keep
 their own KV as they always did (their `token_versions` say so).
 
-The settings are `common.config.EngineSettings`, validated when the config
+The settings are `rlstream.common.config.EngineSettings`, validated when the config
 loads; what needs the platform or the file system (the model directory, what
 `routing: auto` resolves to, a KV-cache budget on CPU) is checked here, at
 start, with a ConfigError naming the key.
@@ -56,15 +56,15 @@ from typing import Any
 
 import numpy as np
 
-from common import gpu_standin
-from common.config import EngineSettings
-from common.errors import ConfigError, EngineError
-from common.record import routing_dtype_for
-from common.weights.backends import GLOO, NCCL
-from common.weights.backends import resolve as resolve_backend
-from producer.sample import FinishedSample, SamplingConfig
-from producer.text_tokens import encode_text
-from producer.weights.port import WORKER_EXTENSION, WeightPort
+from rlstream.common import gpu_standin
+from rlstream.common.config import EngineSettings
+from rlstream.common.errors import ConfigError, EngineError
+from rlstream.common.record import routing_dtype_for
+from rlstream.common.weights.backends import GLOO, NCCL
+from rlstream.common.weights.backends import resolve as resolve_backend
+from rlstream.producer.sample import FinishedSample, SamplingConfig
+from rlstream.producer.text_tokens import encode_text
+from rlstream.producer.weights.port import WORKER_EXTENSION, WeightPort
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +236,7 @@ class RolloutEngine(WeightPort):
         self.prefix_caching = prefix_caching(self.settings, self.routing_mode)
         self.weight_transfer = resolve_weight_transfer(self.settings, self._on_cpu)
         if self.weight_transfer == GLOO:
-            from producer.weights.worker.gloo_engine import register
+            from rlstream.producer.weights.worker.gloo_engine import register
 
             register()  # before the engine builds its worker (in-process); see producer/weights/worker/gloo_engine.py
         args = engine_args(self.settings, self.model_dir, self.routing_mode, self._on_cpu, self.weight_transfer)
@@ -246,7 +246,7 @@ class RolloutEngine(WeightPort):
         """Workers that receive each version over a weight link (TP x PP; reported when it registers)."""
         self._engine.set_weight_version(str(self.version))
         if self.routing_mode == "capture":
-            from producer.routing_capture import RoutingCapture
+            from rlstream.producer.routing_capture import RoutingCapture
 
             self._capture = RoutingCapture(self._model_runner(), self.num_experts).install()
 

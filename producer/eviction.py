@@ -13,7 +13,7 @@ drops. That happens when an operator lowers `max_staleness` at runtime, or
 when the trainer ran ahead of a group admitted under the old estimate.
 
 After a consumer crash the gate counts optimizer steps of the model's lineage
-(consumer/staleness.py `GateClock`) while the restored trainer's version runs
+(consumer/stream/gate.py `GateClock`) while the restored trainer's version runs
 ahead of its steps by the versions the crash skipped; producers see versions
 only (`TrainerProgress.trainer_version`), so eviction, like admission, is
 stricter than the gate by that gap for the groups dispatched before the crash.
@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Hashable, Mapping
 
-from common.staleness import is_stale, staleness_of
+from rlstream.common.staleness import is_stale, staleness_of
 
 log = logging.getLogger("rlstream.producer")
 
@@ -54,7 +54,7 @@ class StaleEviction:
             abort: Callable[[str], int], groups) -> None:
         """When `due`: every group the gate will drop is aborted (`abort(group_id)` ends its
         running samples and says how many), its slot freed in `groups` (InFlightGroups), counted."""
-        from producer import telemetry
+        from rlstream.producer import telemetry
 
         if not self.due(trainer_version, max_staleness):
             return

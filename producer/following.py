@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import logging
 
-from common.config import ControlSettings, RlstreamConfig
-from common.control.liveness import ProgressMonitor
-from common.control.messages import TrainerProgress, WeightsReady
-from common.lifecycle import close_attrs
-from producer import telemetry
+from rlstream.common.config import ControlSettings, RlstreamConfig
+from rlstream.common.control.liveness import ProgressMonitor
+from rlstream.common.control.messages import TrainerProgress, WeightsReady
+from rlstream.common.lifecycle import close_attrs
+from rlstream.producer import telemetry
 
 log = logging.getLogger("rlstream.producer")
 
@@ -37,7 +37,7 @@ class Following:
     def start_weights(self, engine, cfg: RlstreamConfig, producer_id: str) -> None:
         """Attach the engine's weight reloader and catch up to the newest announced version
         before generating."""
-        from producer.weights.reload import Reloader
+        from rlstream.producer.weights.reload import Reloader
 
         self.reloader = Reloader(engine, cfg.model.path, producer_id, cfg.producer.engine.weight_transfer_timeout_s,
                                  store_dir=cfg.consumer.weight_store_dir)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from producer.rollout.task import Task
+from rlstream.common.tasks.task import Task
 
 
 @dataclass

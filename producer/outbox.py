@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from common.record import Rollout
-from producer import telemetry
+from rlstream.common.record import Rollout
+from rlstream.producer import telemetry
 
 
 class Outbox:

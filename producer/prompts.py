@@ -5,7 +5,7 @@ names (a tagged union in common/config.py: `type: jsonl | kafka_topic |
 reasoning_gym`).
 
 `JsonlPromptSource(path, seed)` reads a JSONL file of `{"prompt": ..., "answer": ...}`
-lines (the format common/toy/tasks.py writes), validates every line up front (a
+lines (the format common/tasks/arithmetic.py writes), validates every line up front (a
 bad file fails at startup, naming the line), and then cycles over it epoch
 after epoch, reshuffling each epoch with a generator seeded by (seed, epoch):
 the order is reproducible and independent of how far a previous run got.
@@ -18,12 +18,12 @@ non-blocking call the service loop uses (a Kafka topic may be empty for a
 while; the engine keeps stepping meanwhile).
 
 `GymPromptSource(settings)` generates prompts from a reasoning-gym dataset
-(common/gymtasks.py): it cycles over the training index range like the JSONL
+(common/tasks/reasoning_gym.py): it cycles over the training index range like the JSONL
 source over its lines (reshuffled each epoch with `seed`) and never serves a
 held-out prompt.
 
 Every source binds each prompt's score here, once: a `Prompt` carries its
-`Task(prompt, reference, score)` (producer/rollout/task.py). A reasoning-gym
+`Task(prompt, reference, score)` (common/tasks/task.py). A reasoning-gym
 prompt is scored by the dataset's own function (with `reward: verifier`, by
 `producer.verifier` on its answer); a JSONL or Kafka prompt by the source's
 `verifier` (`producer.verifier`; exact_match, the config's default, when none
@@ -39,10 +39,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from common import metrics
-from common.config import JsonlPrompts, KafkaSettings, KafkaTopicPrompts, ReasoningGymPrompts
-from common.errors import ConfigError
-from producer.rollout.task import Task
+from rlstream.common import metrics
+from rlstream.common.config import JsonlPrompts, KafkaSettings, KafkaTopicPrompts, ReasoningGymPrompts
+from rlstream.common.errors import ConfigError
+from rlstream.common.tasks.task import Task
 
 Verifier = Callable[[str, str], "tuple[float, dict]"]
 
@@ -82,7 +82,7 @@ def open_prompt_source(settings: JsonlPrompts | KafkaTopicPrompts | ReasoningGym
 
 
 def _default_verifier(verifier: Verifier | None) -> Verifier:
-    from producer.verifiers import exact_match  # the default producer.verifier
+    from rlstream.common.tasks.verifiers import exact_match  # the default producer.verifier
 
     return verifier or exact_match
 
@@ -139,7 +139,7 @@ class GymPromptSource:
 
     def __init__(self, settings: ReasoningGymPrompts, verifier: Verifier | None = None,
                  epochs: int | None = None):
-        from common.gymtasks import GymTask
+        from rlstream.common.tasks.reasoning_gym import GymTask
 
         if settings.reward == "verifier" and verifier is None:
             raise ConfigError("reward: verifier needs producer.verifier", key="producer.prompts.reward")
@@ -211,8 +211,8 @@ class KafkaPromptSource:
     """
 
     def __init__(self, kafka, topic: str, group_id: str = "rlstream-producers", verifier: Verifier | None = None):
-        from common.kafka.client import make_consumer
-        from common.kafka.dlq import DeadLetterWriter
+        from rlstream.common.kafka.client import make_consumer
+        from rlstream.common.kafka.dlq import DeadLetterWriter
 
         self.kafka, self.topic, self.verify = kafka, topic, _default_verifier(verifier)
         # a group join waits for the rebalance timeout (max_poll_interval_ms): keep it short
@@ -250,7 +250,7 @@ def load_prompt_rows(path: Path) -> list[tuple[str, str, str]]:
     """[(prompt_id, prompt, answer)] of every non-blank line; ConfigError naming the bad line."""
     if not path.is_file():
         raise ConfigError(f"prompt file {str(path)!r} does not exist; write one with "
-                          "`python -m common.toy.tasks TRAIN HELDOUT`", key="producer.prompts.path")
+                          "`python -m rlstream.common.tasks.arithmetic TRAIN HELDOUT`", key="producer.prompts.path")
     rows = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):

@@ -39,8 +39,8 @@ from typing import Any
 
 import numpy as np
 
-from common.errors import RoutingCaptureError
-from common.record import routing_dtype_for
+from rlstream.common.errors import RoutingCaptureError
+from rlstream.common.record import routing_dtype_for
 
 
 def find_moe_routers(model: Any) -> list[tuple[int, Any]]:

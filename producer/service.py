@@ -1,6 +1,6 @@
 """The producer service: keep vLLM busy, score, publish, follow the trainer.
 
-    rlstream producer -c configs/tiny-cpu.yaml        (also: python -m producer)
+    rlstream producer -c configs/tiny-cpu.yaml        (also: python -m rlstream producer)
 One thread drives everything, so a weight reload always falls between two
 engine steps. Each iteration of the loop:
 
@@ -24,17 +24,17 @@ import signal
 import socket
 import time
 
-from common import metrics, runfile
-from common.config import ControlSettings, RlstreamConfig
-from common.control.liveness import ProgressMonitor, Readiness
-from common.control.signing import signing_key
-from common.lifecycle import close_attrs
-from producer import telemetry
-from producer.admission import AdmissionView, TopicEnds, admission_block
-from producer.following import Following
-from producer.groups import InFlightGroups
-from producer.outbox import Outbox
-from producer.sample import SamplingConfig
+from rlstream.common import metrics, runfile
+from rlstream.common.config import ControlSettings, RlstreamConfig
+from rlstream.common.control.liveness import ProgressMonitor, Readiness
+from rlstream.common.control.signing import signing_key
+from rlstream.common.lifecycle import close_attrs
+from rlstream.producer import telemetry
+from rlstream.producer.admission import AdmissionView, TopicEnds, admission_block
+from rlstream.producer.following import Following
+from rlstream.producer.groups import InFlightGroups
+from rlstream.producer.outbox import Outbox
+from rlstream.producer.sample import SamplingConfig
 
 log = logging.getLogger("rlstream.producer")
 
@@ -58,14 +58,14 @@ class ProducerService:
         """`engine`: an already started RolloutEngine to use (tests share one), else one is built."""
         import torch
 
-        from common.control.plane import ControlFollower
-        from common.kafka.claimcheck import BlobStore
-        from common.kafka.client import ensure_topics
-        from common.kafka.publisher import RolloutPublisher
-        from producer.engine import RolloutEngine
-        from producer.prompts import open_prompt_source
-        from producer.rollout import build_driver
-        from producer.verifiers import get_verifier
+        from rlstream.common.control.plane import ControlFollower
+        from rlstream.common.kafka.claimcheck import BlobStore
+        from rlstream.common.kafka.client import ensure_topics
+        from rlstream.common.kafka.publisher import RolloutPublisher
+        from rlstream.producer.engine import RolloutEngine
+        from rlstream.producer.prompts import open_prompt_source
+        from rlstream.producer.rollout import build_driver
+        from rlstream.common.tasks.verifiers import get_verifier
 
         ensure_topics(self.kafka)
         verify = get_verifier(self.pcfg.verifier)
@@ -88,8 +88,8 @@ class ProducerService:
         self.readiness.initialised()
 
     def _start_http(self) -> None:
-        from common.control.http import start_service_http
-        from common.control.plane import ControlPlaneWriter
+        from rlstream.common.control.http import start_service_http
+        from rlstream.common.control.plane import ControlPlaneWriter
 
         self._writer = ControlPlaneWriter(self.kafka, signing_key(self.pcfg.http.admin_token))
         # /healthz: live unless an engine step or weight update overruns its bound; /readyz: loaded, caught up, broker up
@@ -195,6 +195,6 @@ class ProducerService:
 
 
 def main(cfg: RlstreamConfig) -> int:
-    from common.kafka.broker import run_with_broker
+    from rlstream.common.kafka.broker import run_with_broker
 
     return run_with_broker(cfg.kafka, cfg.broker, lambda bootstrap: ProducerService(cfg, bootstrap).run())

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from common import metrics
+from rlstream.common import metrics
 
 TOKENS = metrics.counter("rlstream_producer_tokens_total", "Response tokens generated")
 SAMPLES = metrics.counter("rlstream_producer_samples_total", "Samples finished and handed to the publisher")

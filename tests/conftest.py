@@ -25,6 +25,6 @@ pytest_plugins = ["tests.fixtures.kafka", "tests.fixtures.trainer", "tests.fixtu
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """HF-format tiny Qwen3-MoE (random, seeded) + char tokenizer, built once."""
-    from common.toy.tinymodel import build_tiny_model
+    from rlstream.toy.tinymodel import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))

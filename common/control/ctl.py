@@ -15,8 +15,8 @@ import json
 import urllib.error
 import urllib.request
 
-from common.control.messages import parse_control_text
-from common.errors import AdminApiError, ConfigError
+from rlstream.common.control.messages import parse_control_text
+from rlstream.common.errors import AdminApiError, ConfigError
 
 
 def _request(url: str, token: str | None, body: dict | None = None) -> dict:

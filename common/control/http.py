@@ -35,10 +35,17 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from common import metrics
-from common.errors import ConfigError
-from common.http_server import (BackgroundServer, HttpLimits, Refused, ThreadSlots, json_response,
-                                parse_json_object, read_body)
+from rlstream.common import metrics
+from rlstream.common.errors import ConfigError
+from rlstream.common.http_server import (
+    BackgroundServer,
+    HttpLimits,
+    Refused,
+    ThreadSlots,
+    json_response,
+    parse_json_object,
+    read_body,
+)
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +81,7 @@ class ServiceHttp:
         self._server = BackgroundServer(app, host, port, self.limits, name=type(self).__name__)
 
     def routes(self) -> list[Route]:
-        """The routes besides /healthz (a subclass serves its own: producer/agent_http.py)."""
+        """The routes besides /healthz (a subclass serves its own: producer/rollout/agents/http.py)."""
         return [Route("/metrics", self._metrics),
                 Route("/admin/control", self._admin, methods=["GET", "POST"])]
 

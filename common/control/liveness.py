@@ -22,7 +22,7 @@ trainer rank) is seen by a thread that still runs. Not live means one of:
 Readiness (`/readyz`) is separate: `Readiness` answers ready once the
 service called `initialised()` (engine loaded / model built, topics caught
 up), while the broker answers, while every check the service added passes
-(the consumer's: records wait on the broker and none arrive, consumer/intake.py),
+(the consumer's: records wait on the broker and none arrive, consumer/stream/intake.py),
 and until the service stops. Whether the broker answers is a real Kafka
 request: a background thread sends an ApiVersions request every
 `probe_every_s` (TLS when the cluster uses it), since a frozen broker (a
@@ -45,12 +45,12 @@ import time
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Callable, Iterator
 
-from common import metrics
+from rlstream.common import metrics
 
 if TYPE_CHECKING:
     import ssl
 
-    from common.config import KafkaSettings
+    from rlstream.common.config import KafkaSettings
 
 log = logging.getLogger(__name__)
 
@@ -243,7 +243,7 @@ def broker_unanswered(bootstrap_servers: str, timeout_s: float = 1.0,
     """None when any bootstrap server answers a Kafka ApiVersions request within `timeout_s`;
     else the reason, naming each server. A raw request on a socket of its own: the HTTP thread
     must not share the loop's (not thread-safe) Kafka clients."""
-    from common.kafka.broker import probe_broker
+    from rlstream.common.kafka.broker import probe_broker
 
     whys = []
     for server in bootstrap_servers.split(","):

@@ -3,7 +3,7 @@
 Two small topics, both JSON, both read from the beginning by every service:
 
 - `rlstream.control` (compacted): one key per setting of
-  `common.config.ControlSettings` (`max_staleness`, `mode`, `decay`, `paused`:
+  `rlstream.common.config.ControlSettings` (`max_staleness`, `mode`, `decay`, `paused`:
   their types and bounds are declared there, once, for the config file and
   the control plane); the value is `{"value": ..., "by": ..., "at": ...}`.
   The newest value per key wins, so a restarted service recovers the current
@@ -40,8 +40,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
-from common.config import ControlSettings
-from common.errors import ConfigError
+from rlstream.common.config import ControlSettings
+from rlstream.common.errors import ConfigError
 
 CONTROL_KEYS = tuple(ControlSettings.model_fields)
 """The keys of the control topic: max_staleness, mode, decay, paused, max_staleness_auto."""
@@ -152,7 +152,7 @@ class TrainerProgress(BaseModel):
     """G: samples per group."""
     filtered_share: float = Field(0.0, ge=0.0, le=1.0)
     """Share of the trainer's recent groups (within the staleness bound) that
-    dynamic sampling filtered for equal rewards (consumer/staleness.py
+    dynamic sampling filtered for equal rewards (consumer/stream/gate.py
     `FilteredShare`): each global step takes about B / (1 - share) queued groups,
     so producers scale their queue estimate by (1 - share). 0 without filtering."""
     created_at: float = Field(default_factory=time.time)

@@ -26,14 +26,22 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from common import metrics
-from common.config import ControlSettings, KafkaSettings
-from common.control import signing
-from common.control.messages import (AUTO, CONTROLLER, ControlChange, TrainerProgress, WeightsReady,
-                                     encode_control, parse_control_value, parse_policy_message)
-from common.errors import ConfigError
-from common.kafka.client import make_consumer, make_producer
-from common.kafka.fetch_wait import FetchWait
+from rlstream.common import metrics
+from rlstream.common.config import ControlSettings, KafkaSettings
+from rlstream.common.control import signing
+from rlstream.common.control.messages import (
+    AUTO,
+    CONTROLLER,
+    ControlChange,
+    TrainerProgress,
+    WeightsReady,
+    encode_control,
+    parse_control_value,
+    parse_policy_message,
+)
+from rlstream.common.errors import ConfigError
+from rlstream.common.kafka.client import make_consumer, make_producer
+from rlstream.common.kafka.fetch_wait import FetchWait
 
 log = logging.getLogger(__name__)
 

@@ -46,7 +46,7 @@ import hashlib
 import hmac
 from collections.abc import Iterable
 
-from common.errors import RlstreamError
+from rlstream.common.errors import RlstreamError
 
 HEADER = "rlstream-signature"
 VERSION = "v1"

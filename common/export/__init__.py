@@ -14,7 +14,7 @@
 pyarrow writes the files; `datasets.load_dataset("parquet", data_files=...)`
 reads them (tests/integration/test_export.py).
 """
-from common.errors import RlstreamError
+from rlstream.common.errors import RlstreamError
 
 
 class ExportError(RlstreamError):

@@ -1,12 +1,12 @@
-"""`rlstream export` arguments and entry (common/app/cli.py registers it)."""
+"""`rlstream export` arguments and entry (ops/cli.py registers it)."""
 from __future__ import annotations
 
 import argparse
 import json
 from pathlib import Path
 
-from common.config import RlstreamConfig
-from common.errors import ConfigError
+from rlstream.common.config import RlstreamConfig
+from rlstream.common.errors import ConfigError
 
 
 def _offsets(text: str) -> dict[int, int]:
@@ -36,8 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(cfg: RlstreamConfig, args: argparse.Namespace) -> int:
     """Prints the summary (one JSON line)."""
-    from common.export.run import ExportOptions, export
-    from common.kafka.scan import require_broker
+    from rlstream.common.export.run import ExportOptions, export
+    from rlstream.common.kafka.scan import require_broker
 
     require_broker(cfg.kafka, "export")
     if not 1 <= args.row_group_mb <= 1024:

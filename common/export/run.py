@@ -25,12 +25,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.config import KafkaSettings
-from common.errors import InvalidRecordError
-from common.export import ExportError
-from common.export.writer import Cursor, PartWriter
-from common.kafka.claimcheck import open_blob_store, resolve
-from common.kafka.scan import TopicScan
+from rlstream.common.config import KafkaSettings
+from rlstream.common.errors import InvalidRecordError
+from rlstream.common.export import ExportError
+from rlstream.common.export.writer import Cursor, PartWriter
+from rlstream.common.kafka.claimcheck import open_blob_store, resolve
+from rlstream.common.kafka.scan import TopicScan
 
 log = logging.getLogger("rlstream.export")
 
@@ -186,7 +186,7 @@ class _Group:
     def __init__(self, kafka: KafkaSettings, topic: str, group: str | None, partitions: list[int]):
         from kafka import TopicPartition
 
-        from common.kafka.client import make_consumer
+        from rlstream.common.kafka.client import make_consumer
 
         self._consumer = None if group is None else make_consumer(kafka, group_id=group, enable_auto_commit=False)
         self._tps = {p: TopicPartition(topic, p) for p in partitions}

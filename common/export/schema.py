@@ -17,7 +17,7 @@ import json
 import numpy as np
 import pyarrow as pa
 
-from common.record import Rollout
+from rlstream.common.record import Rollout
 
 EXPORT_SCHEMA_VERSION = 1
 """In every file's key-value metadata (`rlstream.export_schema`); bumped when a column changes meaning."""

@@ -24,9 +24,15 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from common.export import ExportError
-from common.export.schema import DICTIONARY_COLUMNS, EXPORT_SCHEMA_VERSION, SCHEMA, STATISTICS_COLUMNS, RowBuffer
-from common.fsutil import fsync_path
+from rlstream.common.export import ExportError
+from rlstream.common.export.schema import (
+    DICTIONARY_COLUMNS,
+    EXPORT_SCHEMA_VERSION,
+    SCHEMA,
+    STATISTICS_COLUMNS,
+    RowBuffer,
+)
+from rlstream.common.fsutil import fsync_path
 
 CURSOR = "_export.json"
 REJECTS = "_rejects.jsonl"

@@ -43,7 +43,7 @@ def place(tensors) -> None:
 
 
 def _is_cuda(device) -> bool:
-    return device is not None and torch.device(device).type == "cuda" if isinstance(device, (str, torch.device)) \
+    return device is not None and torch.device(device).type == "cuda" if isinstance(device, (str, torch.device))\
         else False
 
 

@@ -45,8 +45,8 @@ from datetime import timedelta
 
 import torch
 
-from common.gpu_standin import cuda
-from common.gpu_standin.ring import PeerLost, Ring
+from rlstream.common.gpu_standin import cuda
+from rlstream.common.gpu_standin.ring import PeerLost, Ring
 
 VERSION = 22805
 """The NCCL version reported (2.28.5: the nvidia-nccl-cu13 torch 2.13 pins)."""

@@ -4,7 +4,7 @@
     rlstream blobs gc -c deploy.yaml --report-only         # say what it would delete
     rlstream blobs gc -c deploy.yaml --keep-from-checkpoints runs/checkpoints
 
-(the command: common/app/blobs.py; `collect` here does the work)
+(the command: ops/blobs.py; `collect` here does the work)
 
 A blob is deleted only if no record that must stay readable points to it and
 it is older than `--min-age-s`:
@@ -17,7 +17,7 @@ it is older than `--min-age-s`:
 - Checkpoints. With `--keep-from-checkpoints DIR` (a consumer's
   checkpoint_dir; repeatable) only the rollouts records at or above the
   offsets of the oldest checkpoint kept in each DIR count: below them every
-  listed consumer is done with its records (consumer/ledger.py), and a replay
+  listed consumer is done with its records (consumer/stream/ledger.py), and a replay
   from any kept checkpoint reads only records at or above its offsets. Those
   records keep their pointers on the topic but lose their blobs: a replay
   from an earlier step or an export of them then fails or rejects them,
@@ -42,9 +42,9 @@ from dataclasses import dataclass
 
 import msgpack
 
-from common.config import KafkaSettings
-from common.kafka.claimcheck import BlobFile, BlobStore
-from common.kafka.scan import TopicScan
+from rlstream.common.config import KafkaSettings
+from rlstream.common.kafka.claimcheck import BlobFile, BlobStore
+from rlstream.common.kafka.scan import TopicScan
 
 log = logging.getLogger("rlstream.blobs")
 

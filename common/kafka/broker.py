@@ -30,9 +30,9 @@ import threading
 import time
 from pathlib import Path
 
-from common import process
-from common.config import BrokerSettings, KafkaSettings
-from common.errors import BrokerError
+from rlstream.common import process
+from rlstream.common.config import BrokerSettings, KafkaSettings
+from rlstream.common.errors import BrokerError
 
 log = logging.getLogger("rlstream.broker")
 
@@ -285,7 +285,7 @@ def run_broker_forever(settings: BrokerSettings, kafka: KafkaSettings | None = N
     try:
         b.start()
         if kafka is not None:
-            from common.kafka.client import ensure_topics
+            from rlstream.common.kafka.client import ensure_topics
             ensure_topics(kafka.model_copy(update={"bootstrap_servers": b.bootstrap}))
         log.info("rlstream broker listening on %s; set kafka.bootstrap_servers=%s in other services; "
                  "SIGTERM or Ctrl-C stops it", b.bootstrap, b.bootstrap)

@@ -1,7 +1,7 @@
 """Claim-check blob store: where records too large for a Kafka message live.
 
 A record above `kafka.claim_check_bytes` is written here and a small pointer
-(`common.record.ClaimPointer`: uri, sha256, bytes) goes on Kafka instead.
+(`rlstream.common.record.ClaimPointer`: uri, sha256, bytes) goes on Kafka instead.
 
 Layout: content-addressed by sha256, `<root>/<sha[:2]>/<sha>`; writes are
 atomic (temporary file in the same directory, fsync, rename, fsync of the
@@ -45,8 +45,8 @@ from urllib.parse import unquote, urlparse
 from dataclasses import dataclass
 from typing import Iterator
 
-from common.errors import BlobStoreError, ConfigError, InvalidRecordError
-from common.record import DEFAULT_LIMITS, ClaimPointer, RecordLimits, Rollout, decode, decode_any
+from rlstream.common.errors import BlobStoreError, ConfigError, InvalidRecordError
+from rlstream.common.record import DEFAULT_LIMITS, ClaimPointer, RecordLimits, Rollout, decode, decode_any
 
 
 class AbstractBlobStore(abc.ABC):

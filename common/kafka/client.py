@@ -62,8 +62,8 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
-from common.config import KafkaSettings
-from common.errors import BrokerError
+from rlstream.common.config import KafkaSettings
+from rlstream.common.errors import BrokerError
 
 log = logging.getLogger("rlstream.kafka")
 
@@ -76,11 +76,11 @@ def client_kwargs(kafka: KafkaSettings) -> dict[str, Any]:
 
     Only settings that are set are passed, so kafka-python's defaults apply to
     the rest. Raises BrokerError if `bootstrap_servers` is unset (call
-    `common.kafka.broker.ensure_broker` first).
+    `rlstream.common.kafka.broker.ensure_broker` first).
     """
     if not kafka.bootstrap_servers:
         raise BrokerError("kafka.bootstrap_servers is unset: start the embedded broker with "
-                          "common.kafka.broker.ensure_broker() or set it to your cluster")
+                          "rlstream.common.kafka.broker.ensure_broker() or set it to your cluster")
     kw: dict[str, Any] = {
         "bootstrap_servers": [s.strip() for s in kafka.bootstrap_servers.split(",") if s.strip()],
         "client_id": kafka.client_id,

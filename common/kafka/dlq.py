@@ -25,9 +25,9 @@ from __future__ import annotations
 import logging
 from typing import NoReturn, Protocol
 
-from common.config import KafkaSettings
-from common.errors import BrokerError
-from common.kafka.client import make_producer
+from rlstream.common.config import KafkaSettings
+from rlstream.common.errors import BrokerError
+from rlstream.common.kafka.client import make_producer
 
 log = logging.getLogger("rlstream.dlq")
 

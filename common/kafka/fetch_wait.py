@@ -29,14 +29,14 @@ wait once.
 Each raise is logged and counted (`rlstream_fetch_wait_raised_total{consumer}`),
 and `rlstream_fetch_wait_seconds{consumer}` is the wait in use. At the cap the
 fetches may still come back empty (a log too long to list in `cap_ms`): the
-consumer's readiness says so (consumer/intake.py `IntakeWatch`).
+consumer's readiness says so (consumer/stream/intake.py `IntakeWatch`).
 """
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
 
-from common import metrics
+from rlstream.common import metrics
 
 log = logging.getLogger("rlstream.kafka")
 

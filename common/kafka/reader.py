@@ -13,14 +13,14 @@ from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 from typing import Any, Callable
 
-from common import metrics
-from common.config import KafkaSettings
-from common.errors import BrokerError, InvalidRecordError, OffsetError
-from common.kafka.claimcheck import AbstractBlobStore, open_blob_store, resolve
-from common.kafka.client import FETCH_OVERHEAD_BYTES, end_offsets, make_consumer
-from common.kafka.dlq import H_FIELD, H_REASON, H_SOURCE, DeadLetterWriter  # noqa: F401 - H_*: re-exported
-from common.kafka.fetch_wait import FETCH_WAIT_CAP_MS, FetchWait
-from common.record import DEFAULT_LIMITS, RecordLimits, Rollout
+from rlstream.common import metrics
+from rlstream.common.config import KafkaSettings
+from rlstream.common.errors import BrokerError, InvalidRecordError, OffsetError
+from rlstream.common.kafka.claimcheck import AbstractBlobStore, open_blob_store, resolve
+from rlstream.common.kafka.client import FETCH_OVERHEAD_BYTES, end_offsets, make_consumer
+from rlstream.common.kafka.dlq import H_FIELD, H_REASON, H_SOURCE, DeadLetterWriter  # noqa: F401 - H_*: re-exported
+from rlstream.common.kafka.fetch_wait import FETCH_WAIT_CAP_MS, FetchWait
+from rlstream.common.record import DEFAULT_LIMITS, RecordLimits, Rollout
 
 log = logging.getLogger("rlstream.reader")
 
@@ -56,7 +56,7 @@ class RolloutReader:
     `rlstream-field`, `rlstream-source` = "topic/partition/offset" and its
     original key and bytes, and counted once in
     `rlstream_dlq_records_total{field}`. `positions()` never moves past a
-    record that is neither (dead letters go through `common.kafka.dlq`, which
+    record that is neither (dead letters go through `rlstream.common.kafka.dlq`, which
     confirms them before `poll()` advances). If the DLQ send fails, `poll()` raises BrokerError,
     returns nothing and leaves `positions()` unchanged, so the next `poll()`
     reads the same records again (the DLQ may then hold a record twice).
@@ -66,11 +66,11 @@ class RolloutReader:
     trainer is at least once and exactly-once training comes from the
     checkpoint plus dedup by `rollout_id`.
 
-    Validation: a record is valid iff `common.record` decodes and validates it,
+    Validation: a record is valid iff `rlstream.common.record` decodes and validates it,
     a claim-check pointer resolves to a blob that passes its size and sha256
     check and holds the rollout the pointer names, the Kafka key equals
     the record's group_id (the partitioning invariant), and `check` (the
-    caller's own rules, e.g. the consumer's version bound, consumer/intake.py)
+    caller's own rules, e.g. the consumer's version bound, consumer/stream/intake.py)
     returns instead of raising InvalidRecordError. Single-threaded.
 
     Fetch wait: `fetch_max_wait_ms` is the floor; a poll that returns nothing
@@ -152,7 +152,7 @@ class RolloutReader:
             if time.monotonic() > deadline:
                 self._consumer.close()
                 raise BrokerError(f"topic {self.topic} does not exist on {self.kafka.bootstrap_servers}; "
-                                  "create it with common.kafka.client.ensure_topics (rlstream broker does)")
+                                  "create it with rlstream.common.kafka.client.ensure_topics (rlstream broker does)")
             time.sleep(0.1)
 
     # ------------------------------------------------------------------ read
@@ -258,7 +258,7 @@ class RolloutReader:
             self._positions[p] = int(off)
 
     def end_offsets(self) -> dict[int, int]:
-        """End offset per assigned partition (`common.kafka.client.end_offsets`: the fetch-reported
+        """End offset per assigned partition (`rlstream.common.kafka.client.end_offsets`: the fetch-reported
         high watermark where known, which is right on tansu too). BrokerError if the broker does not answer."""
         return end_offsets(self._consumer, self._tps.values(), self.kafka.request_timeout_ms)
 

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import time
 
-from common.config import KafkaSettings
-from common.errors import BrokerError, ConfigError
-from common.kafka.client import FETCH_OVERHEAD_BYTES, make_consumer
+from rlstream.common.config import KafkaSettings
+from rlstream.common.errors import BrokerError, ConfigError
+from rlstream.common.kafka.client import FETCH_OVERHEAD_BYTES, make_consumer
 
 
 def require_broker(kafka: KafkaSettings, tool: str) -> None:

@@ -33,8 +33,8 @@ from datetime import timedelta
 
 import torch
 
-from common.errors import WeightTransferError
-from common.weights.link import ROOT, Framed, GroupLayout
+from rlstream.common.errors import WeightTransferError
+from rlstream.common.weights.link import ROOT, Framed, GroupLayout
 
 CHUNK_BYTES = 1 << 20
 """Pipelining grain: the last of N ranks trails the first by ~N chunks. 1 MiB keeps that

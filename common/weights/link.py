@@ -37,8 +37,8 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from common.errors import ConfigError, WeightTransferError
-from common.weights import wire
+from rlstream.common.errors import ConfigError, WeightTransferError
+from rlstream.common.weights import wire
 
 ROOT = "rlstream/"
 
@@ -342,7 +342,7 @@ def receive_version(pair: GlooPair, pool: list[torch.Tensor] | None = None,
     header = wire.VersionHeader.decode(pair.recv_bytes())
     pool = list(pool or [])
     buffers, sent, pending, prepared = [], [], [], []
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlstream-verify") as hasher, \
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlstream-verify") as hasher,\
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlstream-prepare") as preparer:
         for spec in header.groups:
             buf = _take(pool, spec.nbytes)

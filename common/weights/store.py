@@ -21,8 +21,8 @@ import shutil
 import time
 from pathlib import Path
 
-from common.errors import WeightStoreError
-from common.fsutil import commit_dir, staging_dir
+from rlstream.common.errors import WeightStoreError
+from rlstream.common.fsutil import commit_dir, staging_dir
 
 WEIGHTS_FILE = "model.safetensors"
 MANIFEST = "manifest.json"

@@ -27,7 +27,7 @@ import threading
 import time
 from typing import Callable
 
-from common.errors import WeightTransferError
+from rlstream.common.errors import WeightTransferError
 
 log = logging.getLogger("rlstream.weights")
 

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from common.errors import DigestMismatchError, WeightTransferError
+from rlstream.common.errors import DigestMismatchError, WeightTransferError
 
 ALGO = "blake3"
 DIGEST_BYTES = 32

@@ -14,7 +14,7 @@
 The consumer writes the records (consumer/service.py `train_step`); everything
 else here only reads.
 """
-from common.errors import RlstreamError
+from rlstream.common.errors import RlstreamError
 
 
 class ReplayError(RlstreamError):

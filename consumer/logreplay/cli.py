@@ -1,11 +1,11 @@
-"""`rlstream replay` arguments and entry (common/app/cli.py registers it)."""
+"""`rlstream replay` arguments and entry (ops/cli.py registers it)."""
 from __future__ import annotations
 
 import argparse
 import json
 from pathlib import Path
 
-from common.config import RlstreamConfig
+from rlstream.common.config import RlstreamConfig
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,8 +22,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(cfg: RlstreamConfig, args: argparse.Namespace) -> int:
     """Prints the summary (one JSON line); exit 0 when the replay equals the original, 1 when not."""
-    from common.kafka.scan import require_broker
-    from consumer.logreplay.run import replay
+    from rlstream.common.kafka.scan import require_broker
+    from rlstream.consumer.logreplay.run import replay
 
     require_broker(cfg.kafka, "replay")
     summary = replay(cfg, args.out, args.run_dir, args.start, args.to_step, args.allow_settings_change,

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import time
 
-from common.config import KafkaSettings
-from common.errors import InvalidRecordError
-from common.kafka.claimcheck import AbstractBlobStore, resolve
-from common.kafka.scan import TopicScan
-from common.record import RecordLimits, Rollout
-from consumer.logreplay import ReplayError
-from consumer.logreplay.record import StepInputs
+from rlstream.common.config import KafkaSettings
+from rlstream.common.errors import InvalidRecordError
+from rlstream.common.kafka.claimcheck import AbstractBlobStore, resolve
+from rlstream.common.kafka.scan import TopicScan
+from rlstream.common.record import RecordLimits, Rollout
+from rlstream.consumer.logreplay import ReplayError
+from rlstream.consumer.logreplay.record import StepInputs
 
 STALL_S = 60.0
 """A partition that returns nothing for this long while records are still wanted from it fails the replay."""

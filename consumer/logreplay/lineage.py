@@ -3,7 +3,7 @@
 A crash redoes the steps since the last checkpoint, and the next incarnation
 logs them again under the same step numbers, so the audit log may hold a step
 twice. A checkpoint lists its lineage, `runs`: [run id, step it resumed at] of
-every incarnation whose steps made its model (consumer/checkpoint.py). The
+every incarnation whose steps made its model (consumer/checkpoint/files.py). The
 lines that count are, per listed run, its lines with steps above its start and
 up to the next run's start (the last run's: up to the checkpoint's step).
 """
@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from consumer.checkpoint import AUDIT, STATE, CheckpointManager, CheckpointState
-from consumer.logreplay import ReplayError
+from rlstream.consumer.checkpoint.files import AUDIT, STATE, CheckpointManager, CheckpointState
+from rlstream.consumer.logreplay import ReplayError
 
 
 def newest_checkpoint(run_dir: Path) -> tuple[CheckpointState, Path]:

@@ -15,12 +15,12 @@ Why each is here. The records are the step's data (the ids alone cannot be
 read back: Kafka is read by offset). The control settings change while a run
 goes on, and the control topic is compacted: it keeps only the newest value of
 each key, so the history of what held at step N lives here, one copy per step.
-Staleness is what the gate measured with its clock (consumer/staleness.py
+Staleness is what the gate measured with its clock (consumer/stream/gate.py
 GateClock: in optimizer steps of the lineage, across crashes); with the control
 settings it gives each sample's weight through the gate's own code. The
 trainer draws no random numbers (no dropout, mini-batches cut in record order),
 so there is no seed to record; Megatron's CUDA RNG seed is a constant of
-consumer/parallel.py. The metrics are what a replay is compared with.
+consumer/train/parallel.py. The metrics are what a replay is compared with.
 
 A reader refuses a schema it does not know (`StepInputs.parse`): a replay of a
 newer consumer's log by an older rlstream fails with a clear error instead of
@@ -34,7 +34,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from consumer.logreplay import ReplayError
+from rlstream.consumer.logreplay import ReplayError
 
 INPUTS_SCHEMA = 1
 """The version of the `inputs` this rlstream writes and reads (append-only: a new field

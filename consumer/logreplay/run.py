@@ -31,11 +31,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.config import ControlSettings, RlstreamConfig
-from consumer.checkpoint import STATE, TRAINER, CheckpointManager, CheckpointState, rank_shard_name
-from consumer.logreplay import ReplayError
-from consumer.logreplay.lineage import lineage_lines, newest_checkpoint
-from consumer.logreplay.record import SETTINGS_KEYS, StepInputs, compared_metrics, settings_digest
+from rlstream.common.config import ControlSettings, RlstreamConfig
+from rlstream.consumer.checkpoint.files import (
+    STATE,
+    TRAINER,
+    CheckpointManager,
+    CheckpointState,
+    rank_shard_name,
+)
+from rlstream.consumer.logreplay import ReplayError
+from rlstream.consumer.logreplay.lineage import lineage_lines, newest_checkpoint
+from rlstream.consumer.logreplay.record import SETTINGS_KEYS, StepInputs, compared_metrics, settings_digest
 
 log = logging.getLogger("rlstream.replay")
 
@@ -97,9 +103,9 @@ def _start_in_lineage(start: CheckpointState, st: CheckpointState, path: Path) -
 
 def replay(cfg: RlstreamConfig, out_dir: Path, run_dir: Path | None = None, start: Path | None = None,
            to_step: int | None = None, allow_settings: bool = False, compare: bool = True) -> ReplaySummary:
-    from common.kafka.claimcheck import open_blob_store
-    from consumer.intake import record_limits
-    from consumer.ranks import Leader
+    from rlstream.common.kafka.claimcheck import open_blob_store
+    from rlstream.consumer.stream.intake import record_limits
+    from rlstream.consumer.ranks.protocol import Leader
 
     run_dir = Path(run_dir or cfg.consumer.checkpoint_dir)
     out_dir = Path(out_dir)
@@ -135,10 +141,10 @@ def replay(cfg: RlstreamConfig, out_dir: Path, run_dir: Path | None = None, star
 
 def samples(s: StepInputs, rollouts: list, temperature_scale: float = 1.0) -> list:
     """The step's TrainSamples: its groups in batch order, each sample weighted and aged by the gate
-    (consumer/staleness.py `gate_group`) under the control settings recorded for the step (its age
+    (consumer/stream/gate.py `gate_group`) under the control settings recorded for the step (its age
     feeds the signals by staleness); `temperature_scale`: `consumer.stress`, as the run trained."""
-    from consumer.batch import TrainSample
-    from consumer.staleness import gate_group
+    from rlstream.consumer.train.batch import TrainSample
+    from rlstream.consumer.stream.gate import gate_group
 
     try:
         control = ControlSettings(**s.control)
@@ -170,8 +176,8 @@ def _trainer(cfg: RlstreamConfig, start: Path | None):
     """The consumer's trainer in a world of one, at `model.path` or the start checkpoint."""
     import torch
 
-    from consumer.parallel import launch_world_size
-    from consumer.trainer import Trainer
+    from rlstream.consumer.train.parallel import launch_world_size
+    from rlstream.consumer.train.trainer import Trainer
 
     if launch_world_size() != 1:
         raise ReplayError("rlstream replay runs in one process: start it without torchrun")
@@ -186,7 +192,7 @@ def _trainer(cfg: RlstreamConfig, start: Path | None):
 
 
 def _records(cfg: RlstreamConfig, steps: list[StepInputs], blobs, limits):
-    from consumer.logreplay.fetch import StepRecords
+    from rlstream.consumer.logreplay.fetch import StepRecords
 
     return StepRecords(cfg.kafka, steps, blobs, limits)
 

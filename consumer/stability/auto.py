@@ -17,10 +17,10 @@ import logging
 import time
 from typing import Any, Callable
 
-from common.config import AutoStalenessSettings, ControlSettings
-from common.control.messages import CONTROLLER
-from consumer import telemetry
-from consumer.stability.controller import Change, StalenessController, StepSignals
+from rlstream.common.config import AutoStalenessSettings, ControlSettings
+from rlstream.common.control.messages import CONTROLLER
+from rlstream.consumer import telemetry
+from rlstream.consumer.stability.controller import Change, StalenessController, StepSignals
 
 log = logging.getLogger("rlstream.consumer.stability")
 

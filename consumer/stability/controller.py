@@ -33,7 +33,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
-from common.config import AutoStalenessSettings
+from rlstream.common.config import AutoStalenessSettings
 
 BASELINE_STEPS = 32
 """Gradient norms kept for the baseline median (steps before the current window)."""

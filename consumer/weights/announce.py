@@ -24,16 +24,16 @@ the gate dropped (or DLQ'd, or timed out) would count as queued until the next
 step, and a pipeline whose queue was all dropped would wait forever; so the
 service announces progress during its reads too, at most every second and
 only when something changed. Progress also carries the share of recent groups
-that dynamic sampling filtered (consumer/staleness.py `FilteredShare`): the
+that dynamic sampling filtered (consumer/stream/gate.py `FilteredShare`): the
 producers admit that much more, so that filtering does not starve the trainer.
 """
 from __future__ import annotations
 
 import time
 
-from common.config import WeightSyncSettings
-from common.control.messages import TrainerProgress, WeightsReady
-from consumer import telemetry
+from rlstream.common.config import WeightSyncSettings
+from rlstream.common.control.messages import TrainerProgress, WeightsReady
+from rlstream.consumer import telemetry
 
 
 class PolicyAnnouncer:
@@ -47,8 +47,8 @@ class PolicyAnnouncer:
         weights = weights or WeightSyncSettings()
         self.sender = self.durable = self.snapshot = None
         if weights.transport == "collective":
-            from consumer.weights.durable import DurableWriter
-            from consumer.weights.sender import WeightSender
+            from rlstream.consumer.weights.durable import DurableWriter
+            from rlstream.consumer.weights.sender import WeightSender
 
             self.sender = WeightSender(weights, backend)
             self.durable = DurableWriter(store, model_path, weights.durable_every)
@@ -57,12 +57,12 @@ class PolicyAnnouncer:
         """Publish `source` (the trainer's WeightSource, iterated once: a collective on
         every rank) as weight `version`, then announce it."""
         if self.sender is None:
-            from consumer.weights.export import collect
+            from rlstream.consumer.train.export import collect
 
             m = self.store.write(version, collect(source), self.model_path)
             self.writer.announce(WeightsReady(version=version, uri=m["uri"], sha256=m["sha256"], bytes=m["bytes"]))
             return
-        from consumer.weights.snapshot import Snapshot
+        from rlstream.consumer.weights.snapshot import Snapshot
 
         snap = Snapshot(version, source, reuse=self.snapshot)
         self.sender.publish(snap)  # the links stream each group as it is packed

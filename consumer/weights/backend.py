@@ -14,10 +14,10 @@ from typing import Protocol
 
 from vllm.distributed.weight_transfer.base import WeightSource
 
-from common.weights.backends import GLOO, NCCL
-from common.weights.link import GroupLayout
-from consumer.weights.export import MegatronSource
-from consumer.weights.snapshot import Snapshot
+from rlstream.common.weights.backends import GLOO, NCCL
+from rlstream.common.weights.link import GroupLayout
+from rlstream.consumer.train.export import MegatronSource
+from rlstream.consumer.weights.snapshot import Snapshot
 
 WeightSource.register(MegatronSource)  # implements the interface without importing vLLM
 
@@ -35,9 +35,9 @@ class TrainerBackend(Protocol):
 
 def trainer_backend(name: str) -> TrainerBackend:
     if name == GLOO:
-        from consumer.weights.gloo import GlooTrainer
+        from rlstream.consumer.weights.gloo import GlooTrainer
         return GlooTrainer()
     if name == NCCL:
-        from consumer.weights.nccl import NcclTrainer
+        from rlstream.consumer.weights.nccl import NcclTrainer
         return NcclTrainer()
     raise ValueError(f"weight-transfer backend {name!r}: use one of {GLOO}, {NCCL}")

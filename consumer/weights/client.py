@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from common.weights.link import Channel
+from rlstream.common.weights.link import Channel
 
 
 class LinkClient:

@@ -20,8 +20,8 @@ import logging
 import threading
 import time
 
-from common.control.messages import DurableCopy
-from consumer import telemetry
+from rlstream.common.control.messages import DurableCopy
+from rlstream.consumer import telemetry
 
 log = logging.getLogger("rlstream.consumer")
 
@@ -93,7 +93,7 @@ class DurableWriter:
 
 def _newest_in(store) -> DurableCopy | None:
     """The newest complete version already in the store (a restarted consumer's)."""
-    from common.weights.store import MANIFEST
+    from rlstream.common.weights.store import MANIFEST
 
     for v in reversed(store.versions()):
         try:

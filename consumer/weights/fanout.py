@@ -46,13 +46,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable
 
-from common.errors import RlstreamError, WeightTransferError
-from common.weights import link as wlink
-from common.weights.chain import group_prefix
-from consumer import telemetry
+from rlstream.common.errors import RlstreamError, WeightTransferError
+from rlstream.common.weights import link as wlink
+from rlstream.common.weights.chain import group_prefix
+from rlstream.consumer import telemetry
 
 if TYPE_CHECKING:
-    from consumer.weights.sender import WeightSender, _Link
+    from rlstream.consumer.weights.sender import WeightSender, _Link
 
 log = logging.getLogger("rlstream.consumer")
 

@@ -15,12 +15,12 @@ from typing import ClassVar
 
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
 
-from common.errors import WeightTransferError
-from common.weights.backends import GLOO
-from common.weights.chain import ChainLink
-from common.weights.link import GlooPair, GroupLayout, open_store, send_version
-from consumer.weights.client import LinkClient
-from consumer.weights.snapshot import Snapshot
+from rlstream.common.errors import WeightTransferError
+from rlstream.common.weights.backends import GLOO
+from rlstream.common.weights.chain import ChainLink
+from rlstream.common.weights.link import GlooPair, GroupLayout, open_store, send_version
+from rlstream.consumer.weights.client import LinkClient
+from rlstream.consumer.weights.snapshot import Snapshot
 
 
 def register() -> None:

@@ -13,12 +13,12 @@ import threading
 import torch
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
-from common.errors import WeightTransferError
-from common.weights.backends import NCCL
-from common.weights.digest import Fold
-from common.weights.link import GroupLayout
-from common.weights.watchdog import Watchdog, abort_nccl, nccl_async_error
-from consumer.weights.snapshot import Snapshot
+from rlstream.common.errors import WeightTransferError
+from rlstream.common.weights.backends import NCCL
+from rlstream.common.weights.digest import Fold
+from rlstream.common.weights.link import GroupLayout
+from rlstream.common.weights.watchdog import Watchdog, abort_nccl, nccl_async_error
+from rlstream.consumer.weights.snapshot import Snapshot
 
 
 class SnapshotSource(WeightSource):

@@ -31,14 +31,14 @@ import logging
 import threading
 import time
 
-from common.config import WeightSyncSettings
-from common.errors import ConfigError, RlstreamError
-from common.weights import link as wlink
-from consumer import telemetry
-from consumer.weights.backend import trainer_backend
-from consumer.weights.client import LinkClient
-from consumer.weights.snapshot import Snapshot
-from consumer.weights.fanout import Fanout
+from rlstream.common.config import WeightSyncSettings
+from rlstream.common.errors import ConfigError, RlstreamError
+from rlstream.common.weights import link as wlink
+from rlstream.consumer import telemetry
+from rlstream.consumer.weights.backend import trainer_backend
+from rlstream.consumer.weights.client import LinkClient
+from rlstream.consumer.weights.snapshot import Snapshot
+from rlstream.consumer.weights.fanout import Fanout
 
 log = logging.getLogger("rlstream.consumer")
 

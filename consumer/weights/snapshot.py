@@ -34,8 +34,8 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from common.errors import WeightTransferError
-from common.weights import wire
+from rlstream.common.errors import WeightTransferError
+from rlstream.common.weights import wire
 
 
 class Snapshot:

@@ -24,9 +24,9 @@ import time
 
 import msgpack
 
-from common.config import KafkaSettings
-from common.kafka.client import make_consumer, make_producer
-from producer.journal.snapshot import JournalError
+from rlstream.common.config import KafkaSettings
+from rlstream.common.kafka.client import make_consumer, make_producer
+from rlstream.producer.journal.snapshot import JournalError
 
 log = logging.getLogger("rlstream.producer.journal")
 VERSION = 1

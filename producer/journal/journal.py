@@ -40,12 +40,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from common.config import JournalSettings
-from common.record import Rollout
-from producer import telemetry
-from producer.journal import claims
-from producer.journal.snapshot import JournalError, ModelTurnLog, Snapshot, episode_key
-from producer.journal.topic import JournalTopic
+from rlstream.common.config import JournalSettings
+from rlstream.common.record import Rollout
+from rlstream.producer import telemetry
+from rlstream.producer.journal import claims
+from rlstream.producer.journal.snapshot import JournalError, ModelTurnLog, Snapshot, episode_key
+from rlstream.producer.journal.topic import JournalTopic
 
 log = logging.getLogger("rlstream.producer.journal")
 
@@ -196,7 +196,7 @@ class EpisodeJournal:
         leases[self.producer_id] = claims.Lease(self.producer_id, self.incarnation, seen)  # we are alive
         live = claims.live_producers(leases, seen, self.settings.lease_s)
         self._dead_letters(live)
-        if self.topic.checkpoint_due(self.settings.checkpoint_every) and claims.claimant("checkpoint", live) == \
+        if self.topic.checkpoint_due(self.settings.checkpoint_every) and claims.claimant("checkpoint", live) ==\
                 self.producer_id:
             self.topic.write_checkpoint()
         skip = self._ids.keys() | self._ended.keys() | self._unconfirmed.keys()

@@ -25,8 +25,8 @@ from __future__ import annotations
 import logging
 import time
 
-from common.config import KafkaSettings
-from common.kafka.client import at_high_watermark, make_consumer
+from rlstream.common.config import KafkaSettings
+from rlstream.common.kafka.client import at_high_watermark, make_consumer
 
 log = logging.getLogger("rlstream.producer.journal")
 
@@ -35,7 +35,7 @@ def published(kafka: KafkaSettings, wanted: dict[str, dict[int, int]], deadline_
     """The rollout ids of `wanted` (id -> {partition: lower bound}) found in the rollouts topic."""
     from kafka import TopicPartition
 
-    from common.record import decode_any
+    from rlstream.common.record import decode_any
 
     if not wanted:
         return set()

@@ -31,14 +31,14 @@ from pathlib import Path
 
 import numpy as np
 
-from common.record import DEFAULT_LIMITS, RecordLimits
-from common.staleness import is_stale, staleness_of
-from producer import telemetry
-from producer.groups import GroupInfo
-from producer.journal.snapshot import JournalError, Snapshot, validate
-from producer.rollout.environment import ModelTurn
-from producer.rollout.task import Task
-from producer.rollout.trajectory import Trajectory, _add_run
+from rlstream.common.record import DEFAULT_LIMITS, RecordLimits
+from rlstream.common.staleness import is_stale, staleness_of
+from rlstream.producer import telemetry
+from rlstream.producer.groups import GroupInfo
+from rlstream.producer.journal.snapshot import JournalError, Snapshot, validate
+from rlstream.common.tasks.environment import ModelTurn
+from rlstream.common.tasks.task import Task
+from rlstream.producer.rollout.trajectory import Trajectory, _add_run
 
 log = logging.getLogger("rlstream.producer.journal")
 

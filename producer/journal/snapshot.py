@@ -25,9 +25,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from common.errors import InvalidRecordError, RlstreamError
-from common.record import MAX_CLAIM_EPOCH, RecordLimits, Rollout, routing_dtype_for, validate as validate_record
-from producer.journal.claims import Held
+from rlstream.common.errors import InvalidRecordError, RlstreamError
+from rlstream.common.record import (
+    MAX_CLAIM_EPOCH,
+    RecordLimits,
+    Rollout,
+    routing_dtype_for,
+    validate as validate_record,
+)
+from rlstream.producer.journal.claims import Held
 
 MAGIC = b"RJ1"
 _ARRAYS = ("prompt_ids", "response", "mask", "logprobs", "versions", "routing")
@@ -60,7 +66,7 @@ class ModelTurnLog:
 @dataclass
 class Snapshot:
     """An unfinished episode, as journaled. `owner` is the producer whose id its record
-    carries (the group's copy, consumer/assembler.py) whoever finishes it; `holder` (and
+    carries (the group's copy, consumer/stream/assembler.py) whoever finishes it; `holder` (and
     its `incarnation`) is the process running it now; `rollout_id` is fixed at the first
     entry, so that two producers finishing one episode publish one rollout id."""
 
@@ -111,7 +117,7 @@ class Snapshot:
     @property
     def oldest_version(self) -> int | None:
         """The oldest policy version of a model token, None before the first turn."""
-        from producer.rollout.trajectory import oldest_model_version
+        from rlstream.producer.rollout.trajectory import oldest_model_version
 
         return oldest_model_version(self.versions, self.mask)
 

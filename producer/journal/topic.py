@@ -29,12 +29,20 @@ import math
 import time
 from dataclasses import dataclass
 
-from common.config import KafkaSettings
-from common.kafka.client import make_admin, make_consumer, make_producer
-from producer import telemetry
-from producer.journal import checkpoint
-from producer.journal.claims import Lease, applies, skew_bound, trusted
-from producer.journal.snapshot import MAX_ID, MAX_INCARNATION, JournalError, Snapshot, decode, encode, held
+from rlstream.common.config import KafkaSettings
+from rlstream.common.kafka.client import make_admin, make_consumer, make_producer
+from rlstream.producer import telemetry
+from rlstream.producer.journal import checkpoint
+from rlstream.producer.journal.claims import Lease, applies, skew_bound, trusted
+from rlstream.producer.journal.snapshot import (
+    MAX_ID,
+    MAX_INCARNATION,
+    JournalError,
+    Snapshot,
+    decode,
+    encode,
+    held,
+)
 
 log = logging.getLogger("rlstream.producer.journal")
 MAX_LETTERS = 64
@@ -336,7 +344,7 @@ class JournalTopic:
     def send_letters(self, letters: list[Letter]) -> None:
         """Store refused entries in the DLQ (original key and bytes, reason headers); a failure
         is logged, not raised: the record stays in the journal, and its refusal is counted."""
-        from common.kafka.dlq import DeadLetterWriter
+        from rlstream.common.kafka.dlq import DeadLetterWriter
 
         if not letters:
             return

@@ -16,9 +16,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # imported lazily: producer/groups.py imports task.py from this package
-    from common.config import ProducerSettings
-    from producer.groups import InFlightGroups
-    from producer.sample import SamplingConfig
+    from rlstream.common.config import ProducerSettings
+    from rlstream.producer.groups import InFlightGroups
+    from rlstream.producer.sample import SamplingConfig
 
 
 def build_driver(pcfg: ProducerSettings, engine, groups: InFlightGroups, sampling: SamplingConfig,
@@ -31,8 +31,8 @@ def build_driver(pcfg: ProducerSettings, engine, groups: InFlightGroups, samplin
     `kafka`: with it, episodes are journaled and orphans resumed (producer.journal, producer/journal/);
     `rollout_ends`: the rollouts topic's end offsets, a lower bound (producer/admission.py `TopicEnds`)."""
     if pcfg.agent_endpoint is not None:
-        from common.config import EpisodeSettings
-        from producer.rollout.agents import AgentEpisodes, task_for
+        from rlstream.common.config import EpisodeSettings
+        from rlstream.producer.rollout.agents.driver import AgentEpisodes, task_for
 
         held_back, prompts, verify = agent_tasks
 
@@ -42,16 +42,16 @@ def build_driver(pcfg: ProducerSettings, engine, groups: InFlightGroups, samplin
         return AgentEpisodes(engine, pcfg.agent_endpoint, pcfg.episodes or EpisodeSettings(), sampling, groups,
                              pcfg.group_size, take_task, producer_id).serve()
     if pcfg.episodes is not None:
-        from producer.envs import env_factory
-        from producer.rollout.episodes import EpisodeRunner, Episodes
+        from rlstream.common.tasks.envs import env_factory
+        from rlstream.producer.rollout.episodes import EpisodeRunner, Episodes
 
         runner = EpisodeRunner(engine, pcfg.episodes, sampling, env_factory(pcfg.episodes))
         resumer = None
         if kafka is not None and pcfg.journal.enabled:
-            from producer.journal import open_journal
+            from rlstream.producer.journal import open_journal
 
             resumer = open_journal(kafka, pcfg, runner, groups, agent_tasks[2], producer_id, rollout_ends)
         return Episodes(runner, groups, producer_id, resumer)
-    from producer.rollout.single_turn import SingleTurn
+    from rlstream.producer.rollout.single_turn import SingleTurn
 
     return SingleTurn(engine, groups, sampling, producer_id)

@@ -10,7 +10,7 @@ Three drivers implement it (chosen once, by `build_driver` in producer/rollout/_
 - `SingleTurn` (single_turn.py): one engine sample per rollout, G submitted
   together (n=G: the engine shares the prompt's prefix), scored by the task;
 - `Episodes` (episodes.py): multi-turn episodes against an environment
-  (producer/envs/), one `EpisodeRunner` interleaving them in the engine;
+  (common/tasks/envs/), one `EpisodeRunner` interleaving them in the engine;
 - `Agents` (agents.py): black-box agents over the OpenAI-compatible endpoint;
   they open their groups themselves (`admits_prompts` False) through the same
   admission gate, so the service's admit step leaves them alone.
@@ -21,9 +21,9 @@ Every driver builds its records through `Trajectory.to_rollout`
 """
 from __future__ import annotations
 
-from common.record import Rollout
-from producer.rollout.task import Task
-from producer.sample import FinishedSample
+from rlstream.common.record import Rollout
+from rlstream.common.tasks.task import Task
+from rlstream.producer.sample import FinishedSample
 
 
 class RolloutDriver:

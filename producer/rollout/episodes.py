@@ -1,7 +1,7 @@
 """Multi-turn episodes: the runner that interleaves many episodes in one engine,
 and the `Episodes` rollout driver over it (docs/multi-turn.md).
 
-An environment (producer/envs/) follows `Environment` (producer/rollout/environment.py):
+An environment (common/tasks/envs/) follows `Environment` (common/tasks/environment.py):
 
     observation = env.reset(task)                            # text: the prompt
     result = env.step(ModelTurn(text, token_ids, finish))    # StepResult(observation, reward, done, info)
@@ -47,18 +47,18 @@ from typing import Any
 
 import numpy as np
 
-from common.config import EpisodeSettings
-from common.errors import ConfigError
-from common.record import DEFAULT_LIMITS, Rollout
-from producer import telemetry
-from producer.eviction import StaleEviction
-from producer.groups import InFlightGroups
-from producer.rollout.driver import RolloutDriver
-from producer.rollout.environment import Environment, ModelTurn, StepResult
-from producer.rollout.task import Task
-from producer.rollout.trajectory import Trajectory
-from producer.sample import FinishedSample, SamplingConfig
-from producer.text_tokens import RewrittenSpecialText, encode_rendered, encode_text
+from rlstream.common.config import EpisodeSettings
+from rlstream.common.errors import ConfigError
+from rlstream.common.record import DEFAULT_LIMITS, Rollout
+from rlstream.producer import telemetry
+from rlstream.producer.eviction import StaleEviction
+from rlstream.producer.groups import InFlightGroups
+from rlstream.producer.rollout.driver import RolloutDriver
+from rlstream.common.tasks.environment import Environment, ModelTurn, StepResult
+from rlstream.common.tasks.task import Task
+from rlstream.producer.rollout.trajectory import Trajectory
+from rlstream.producer.sample import FinishedSample, SamplingConfig
+from rlstream.producer.text_tokens import RewrittenSpecialText, encode_rendered, encode_text
 
 END_REASONS = ("done", "max_turns", "max_tokens", "step_timeout", "env_error")
 log = logging.getLogger("rlstream.producer")
@@ -81,7 +81,7 @@ class ObservationEncoder:
 
     def messages(self, messages: list[dict], last_model_token: int | None = None) -> list[int]:
         """Messages that follow a model turn (tool, user or system), as token ids; without
-        a chat template their contents concatenated (producer/rollout/agents.py uses this too)."""
+        a chat template their contents concatenated (producer/rollout/agents/driver.py uses this too)."""
         if not self.template:
             return encode_text(self.tok, "".join(m["content"] for m in messages), self.parse_special)
         def render(texts: list[str]) -> str:
@@ -200,7 +200,7 @@ class EpisodeRunner:
     def abandon(self, key: str) -> str | None:
         """Stop the running episode of journal key `key` (a peer took it over: producer/journal/),
         its journal entry left alone; returns its group id, None if it does not run here."""
-        from producer.journal.snapshot import episode_key
+        from rlstream.producer.journal.snapshot import episode_key
 
         for ep in self._running():
             if episode_key(ep.group_id, ep.sample_idx) == key:

@@ -10,13 +10,13 @@ within max_staleness are aborted in the engine and their slots freed.
 """
 from __future__ import annotations
 
-from common.record import Rollout
-from producer.eviction import StaleEviction
-from producer.groups import InFlightGroups
-from producer.rollout.driver import RolloutDriver
-from producer.rollout.task import Task
-from producer.rollout.trajectory import Trajectory
-from producer.sample import FinishedSample, SamplingConfig
+from rlstream.common.record import Rollout
+from rlstream.producer.eviction import StaleEviction
+from rlstream.producer.groups import InFlightGroups
+from rlstream.producer.rollout.driver import RolloutDriver
+from rlstream.common.tasks.task import Task
+from rlstream.producer.rollout.trajectory import Trajectory
+from rlstream.producer.sample import FinishedSample, SamplingConfig
 
 
 class SingleTurn(RolloutDriver):

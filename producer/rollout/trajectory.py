@@ -35,13 +35,13 @@ from typing import Any
 
 import numpy as np
 
-from common.record import FINISH_REASONS, Rollout
-from producer.rollout.task import Task
-from producer.sample import FinishedSample, SamplingConfig
+from rlstream.common.record import FINISH_REASONS, Rollout
+from rlstream.common.tasks.task import Task
+from rlstream.producer.sample import FinishedSample, SamplingConfig
 
 FINISH = {"done": "stop", "max_turns": "length", "max_tokens": "length",
           "step_timeout": "abort", "env_error": "abort",
-          "reported": "stop", "verified": "stop"}  # the last two: black-box agents (producer/rollout/agents.py)
+          "reported": "stop", "verified": "stop"}  # the last two: black-box agents (producer/rollout/agents/driver.py)
 """Episode end -> the record's finish_reason."""
 
 

@@ -25,11 +25,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common.errors import EngineError, WeightTransferError
+from rlstream.common.errors import EngineError, WeightTransferError
 
 log = logging.getLogger("producer.engine")
 
-WORKER_EXTENSION = "producer.weights.worker.gloo_engine.RlstreamWorkerExtension"
+WORKER_EXTENSION = "rlstream.producer.weights.worker.gloo_engine.RlstreamWorkerExtension"
 """vLLM's `worker_extension_cls`: rlstream's worker RPCs, by name (they also work in a
 spawned engine core, where a callable would not pickle)."""
 
@@ -95,7 +95,7 @@ class WeightPort:
 
     def weight_status(self) -> dict[str, Any]:
         """The background receive: {state: idle|receiving|ready|failed, version, digest, error, ...}."""
-        from producer.weights.worker.gloo_engine import combine_worker_status
+        from rlstream.producer.weights.worker.gloo_engine import combine_worker_status
 
         self._check_thread()
         return combine_worker_status(self._engine.collective_rpc(RPC.STATUS))

@@ -57,10 +57,10 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from common.control.messages import DurableCopy, WeightsReady
-from common.errors import DigestMismatchError, WeightReloadError
-from producer import telemetry
-from producer.weights.trainer_link import TrainerLink
+from rlstream.common.control.messages import DurableCopy, WeightsReady
+from rlstream.common.errors import DigestMismatchError, WeightReloadError
+from rlstream.producer import telemetry
+from rlstream.producer.weights.trainer_link import TrainerLink
 
 log = logging.getLogger("rlstream.producer")
 
@@ -324,7 +324,7 @@ class Reloader:
 
     def _stage_and_verify(self, copy: DurableCopy) -> Path | None:
         """The staged, verified copy of `copy`'s version, or None (refused, logged, counted)."""
-        from common.weights.store import stage_version, verify, vouched
+        from rlstream.common.weights.store import stage_version, verify, vouched
 
         slot = self.stage_root / ("a" if self.loaded != self.stage_root / "a" else "b")  # not what is loaded
         try:

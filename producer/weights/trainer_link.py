@@ -64,9 +64,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
-from common.errors import RlstreamError, WeightTransferError
-from common.weights.backends import GLOO
-from common.weights.link import Channel, open_store, parse_endpoint, register
+from rlstream.common.errors import RlstreamError, WeightTransferError
+from rlstream.common.weights.backends import GLOO
+from rlstream.common.weights.link import Channel, open_store, parse_endpoint, register
 
 log = logging.getLogger("rlstream.producer")
 

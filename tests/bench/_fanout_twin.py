@@ -2,7 +2,7 @@
 
     out = measure_fanout(producers=[1, 2, 4], rate_mbit=300, model_mb=32, reps=3)
 
-Hosts are network namespaces with tbf-shaped NICs (common/cluster/twin.py): one trainer
+Hosts are network namespaces with tbf-shaped NICs (ops/cluster/twin.py): one trainer
 host, one host per producer, so the NIC (not the machine's two CPUs) is the bottleneck and
 `twin.nic_bytes` counts what leaves the trainer's host. The trainer is a child process running
 the real WeightSender (links, fan-out group, Snapshot); each producer is a child process
@@ -66,9 +66,9 @@ def _say(obj: dict) -> None:
 
 
 def trainer_main(host: str, model_mb: int, transport: str, timeout_s: float) -> None:
-    from common.config import WeightSyncSettings
-    from consumer.weights.snapshot import Snapshot
-    from consumer.weights.sender import WeightSender
+    from rlstream.common.config import WeightSyncSettings
+    from rlstream.consumer.weights.snapshot import Snapshot
+    from rlstream.consumer.weights.sender import WeightSender
     from tests.support.weights import corrupting, dict_source
 
     sender, version, snap, pending = None, 0, None, None
@@ -139,7 +139,7 @@ class InProcessEngine:
 
         import torch
 
-        from producer.weights.worker.gloo_engine import RlstreamGlooEngine, RlstreamGlooUpdateInfo
+        from rlstream.producer.weights.worker.gloo_engine import RlstreamGlooEngine, RlstreamGlooUpdateInfo
 
         parallel = SimpleNamespace(world_size=1, rank=0, data_parallel_index=0)
         self.engine = RlstreamGlooEngine(None, SimpleNamespace(parallel_config=parallel, model_config=None), "cpu",
@@ -194,7 +194,7 @@ class InProcessNcclEngine:
         self.engine.shutdown()
 
     def load_weight_update(self, update_info: dict, timeout_s: float) -> str:
-        from producer.weights.worker.verified_update import update_weights_folded
+        from rlstream.producer.weights.worker.verified_update import update_weights_folded
 
         return update_weights_folded(self, update_info, timeout_s)
 
@@ -211,7 +211,7 @@ class InProcessNcclEngine:
 def producer_main(name: str, transport: str, timeout_s: float) -> None:
     """Poll the link as the reloader does: serve each verified version (discard its staging:
     no model here), re-register a broken link, count refusals (a version refused on a live link)."""
-    from producer.weights.trainer_link import TrainerLink
+    from rlstream.producer.weights.trainer_link import TrainerLink
 
     engine = InProcessNcclEngine() if transport == "nccl-standin" else InProcessEngine()
     commands: queue.Queue = queue.Queue()
@@ -279,7 +279,7 @@ class Child:
 def measure_fanout(producers: list[int], rate_mbit: float, model_mb: int, reps: int,
                    topologies=("chain", "star"), transport: str = "gloo", timeout_s: float = TIMEOUT_S,
                    dead_member: bool = True) -> dict:
-    from common.cluster.twin import ClusterTwin, Host, unavailable_reason
+    from rlstream.cluster.twin import ClusterTwin, Host, unavailable_reason
 
     why = unavailable_reason()
     if why:
@@ -376,7 +376,7 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     transport, timeout_s = sys.argv[-2], float(sys.argv[-1])
     if transport == "nccl-standin":
-        from common import gpu_standin
+        from rlstream.common import gpu_standin
 
         gpu_standin.install()
     if sys.argv[1] == "--trainer":

@@ -68,7 +68,7 @@ class Attacker:
                  live_fuzz, admin_url, seed: int = 0):
         from kafka import KafkaProducer
 
-        from common.kafka.client import client_kwargs
+        from rlstream.common.kafka.client import client_kwargs
 
         self.kafka, self.G, self.work, self.lease_s = kafka, G, work, lease_s
         self.vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
@@ -80,7 +80,7 @@ class Attacker:
         self.forged_claims: list[str] = []  # episode keys a forged claim named
         self.journal = None
         if journaling:
-            from producer.journal.topic import JournalTopic
+            from rlstream.producer.journal.topic import JournalTopic
 
             self.journal = JournalTopic(kafka, lease_s)  # the attacker reads the journal too
         self.rng = np.random.default_rng(seed)
@@ -101,7 +101,7 @@ class Attacker:
 
     def _journal_sample(self):
         """A live producer's current entry (Held, Snapshot) or None: the attacker's template."""
-        from producer.journal.snapshot import decode
+        from rlstream.producer.journal.snapshot import decode
 
         self.journal.sync()
         live = [(k, e) for k, e in self.journal.entries.items()
@@ -113,7 +113,7 @@ class Attacker:
         return held, decode(self.journal.snapshots[key])
 
     def _orphan(self, group_id: str, i: int, holder: str, prompt: np.ndarray, written_at: float, **kw):
-        from producer.journal.snapshot import Snapshot
+        from rlstream.producer.journal.snapshot import Snapshot
 
         base = dict(group_id=group_id, sample_idx=i, group_size=self.G, owner=holder, holder=holder,
                     incarnation="gone", rollout_id=uuid.uuid4().hex, written_at=written_at, prompt_text="1+2=",
@@ -124,8 +124,8 @@ class Attacker:
 
     def journal_malformed(self, n: int, huge: bool = True) -> None:
         """Records every journaling producer must refuse, count and skip (never crash on)."""
-        from common.toy.tinymodel import TinyModelSpec
-        from producer.journal.snapshot import encode
+        from rlstream.toy.tinymodel import TinyModelSpec
+        from rlstream.producer.journal.snapshot import encode
 
         if self.journal is None:
             return
@@ -166,7 +166,7 @@ class Attacker:
 
     def journal_future(self, n: int) -> None:
         """A claim of a live episode dated 100 s ahead; a lease an hour ahead holding valid orphans."""
-        from producer.journal.snapshot import encode
+        from rlstream.producer.journal.snapshot import encode
 
         if self.journal is None:
             return
@@ -199,8 +199,8 @@ class Attacker:
 
     def control_unsigned(self, n: int) -> None:
         """Changes without the token's signature; an admin change replayed after a newer one."""
-        from common.control.messages import encode_control
-        from common.control.signing import HEADER, signature, signing_key
+        from rlstream.common.control.messages import encode_control
+        from rlstream.common.control.signing import HEADER, signature, signing_key
 
         topic, c = self.kafka.topics.control, self.injected["control_unsigned"]
         for key, value in (("max_staleness", 0), ("decay", 0.5), ("paused", True)):
@@ -217,8 +217,8 @@ class Attacker:
     def _replay(self) -> bool:
         """The operator sets max_staleness 3 then back to the configured 2 (the admin API, signed);
         the attacker copies the signed `3` and writes it again."""
-        from common.harness.census import read_topic
-        from common.harness.observe import http_request
+        from rlstream.harness.census import read_topic
+        from rlstream.harness.observe import http_request
         from tests.support.configs import ADMIN_TOKEN
 
         url = self.admin_url()
@@ -236,9 +236,9 @@ class Attacker:
 
     def weights_forged(self, n: int, trainer_version: int) -> None:
         """Announcements no trainer made, written to the policy topic by a plain client."""
-        from common.control.messages import TrainerProgress, WeightsReady
-        from common.control.signing import HEADER, signature, signing_key
-        from common.weights.store import WEIGHTS_FILE, sha256_file
+        from rlstream.common.control.messages import TrainerProgress, WeightsReady
+        from rlstream.common.control.signing import HEADER, signature, signing_key
+        from rlstream.common.weights.store import WEIGHTS_FILE, sha256_file
 
         topic, c = self.kafka.topics.policy, self.injected["weights_forged"]
         evil = self.work / "elsewhere" / f"v{n}"

@@ -13,7 +13,7 @@ from statistics import median
 
 
 def time_to_target(evals: list[dict], target: float, confirmations: int = 2) -> float | None:
-    """The demo's stop rule (common/harness/runs.py `StopRule`) applied to a timeline:
+    """The demo's stop rule (ops/harness/runs.py `StopRule`) applied to a timeline:
     the time of the `confirmations`-th evaluation in a row at or above `target`; None if never."""
     hits = 0
     for e in evals:

@@ -16,7 +16,7 @@ The clock starts when this process starts (imports, model load and engine
 start count, as rlstream's arm counts its services' start). Every
 `--eval-every-s` of training wall time the callback copies the weights (a
 few ms); after the budget the copies are scored with rlstream's own held-out
-evaluator (common/harness/evaluate.py `heldout_scores`: avg@8 at the rollout
+evaluator (ops/harness/evaluate.py `heldout_scores`: avg@8 at the rollout
 temperature, the same seed), so evaluation never takes TRL's cores while it
 trains (rlstream's evaluations do run beside its services).
 """
@@ -67,8 +67,8 @@ def parse(argv=None) -> argparse.Namespace:
 # ------------------------------------------------------------------ the shared task
 
 def exact_match_reward():
-    """rlstream's verifier (common/toy/tasks.py `is_correct`) as a TRL reward function."""
-    from common.toy.tasks import is_correct
+    """rlstream's verifier (common/tasks/arithmetic.py `is_correct`) as a TRL reward function."""
+    from rlstream.common.tasks.arithmetic import is_correct
 
     def exact_match(completions, answer, **_):
         return [1.0 if is_correct(c, a) else 0.0 for c, a in zip(completions, answer)]
@@ -78,7 +78,7 @@ def exact_match_reward():
 def train_dataset(path: str):
     from datasets import Dataset
 
-    from common.toy.tasks import read_problems
+    from rlstream.common.tasks.arithmetic import read_problems
 
     return Dataset.from_list([{"prompt": p.prompt, "answer": p.answer} for p in read_problems(path)])
 
@@ -102,7 +102,7 @@ def grpo_config(a: argparse.Namespace, out_dir: str, **mode_kw):
         max_grad_norm=c.grad_clip,
         # loss: mean-centred advantages, token sum over a constant normaliser, no KL term
         beta=0.0, scale_rewards="none", loss_type="dr_grpo", epsilon=c.eps_low, epsilon_high=c.eps_high,
-        router_aux_loss_coef=0.0,  # rlstream trains without the load-balancing loss (consumer/model.py)
+        router_aux_loss_coef=0.0,  # rlstream trains without the load-balancing loss (consumer/train/model.py)
         max_steps=1_000_000, disable_dropout=True, shuffle_dataset=True, **mode_kw)
 
 
@@ -237,8 +237,8 @@ def score(a: argparse.Namespace, model, snapshots: list[dict]) -> list[dict]:
     """Held-out scores of every weight copy, with rlstream's evaluator (seed 0, like its VersionEvaluator)."""
     from transformers import AutoTokenizer
 
-    from common.harness.evaluate import heldout_scores
-    from common.toy.tasks import read_problems
+    from rlstream.harness.evaluate import heldout_scores
+    from rlstream.common.tasks.arithmetic import read_problems
 
     tok = AutoTokenizer.from_pretrained(a.model)
     problems = read_problems(a.heldout, a.eval_limit)

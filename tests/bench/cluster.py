@@ -3,10 +3,10 @@
     .venv/bin/python tests/bench/cluster.py [--layout compose|systemd|k8s] [--trainers 2] [--producers 2]
         [--tp2] [--versions 8] [--rate-mbit 1000] [--smoke]
 
-Hosts are network namespaces (common/cluster/twin.py), every NIC shaped to
+Hosts are network namespaces (ops/cluster/twin.py), every NIC shaped to
 --rate-mbit each way with tc tbf; the services are ops/compose/docker-compose.yml,
 the ops/systemd/ units (--trainers hosts) or the ops/k8s/ manifests (the JobSet's
-trainer nodes) as shipped, with the CPU swaps of common/harness/rehearsal.py
+trainer nodes) as shipped, with the CPU swaps of ops/harness/rehearsal.py
 (listed in the output's `swaps`). After the first version (engine warm-up, first
 links), it trains --versions more and reports:
 
@@ -45,7 +45,7 @@ log = logging.getLogger("bench.cluster")
 def versions_taken(producer) -> tuple[float, float]:
     """(all, collective) versions a producer took, from one scrape: read apart, a version
     taken between the two reads made collective_share exceed 1 (1.333 in a smoke run)."""
-    from common.harness.observe import metric_value
+    from rlstream.harness.observe import metric_value
 
     text = producer.scrape()
     name = "rlstream_producer_weight_versions_total"
@@ -59,9 +59,16 @@ def model_bytes(run) -> int:
 
 def measure(layout: str, trainers: int, producers: int, versions: int, rate_mbit: float, tp2: bool,
             root: Path) -> dict:
-    from common.harness.rehearsal import (K8S_CONFIG_SWAPS, K8S_SWAPS, SWAPS, TP2_PRODUCER, ComposeOnTwin,
-                                          K8sOnTwin, SystemdOnTwin)
-    from common.harness.supervisor import wait_until
+    from rlstream.harness.rehearsal import (
+        K8S_CONFIG_SWAPS,
+        K8S_SWAPS,
+        SWAPS,
+        TP2_PRODUCER,
+        ComposeOnTwin,
+        K8sOnTwin,
+        SystemdOnTwin,
+    )
+    from rlstream.harness.supervisor import wait_until
 
     penv = {0: TP2_PRODUCER} if tp2 else {}
     kw = {"producers": producers, "rate_mbit": rate_mbit, "producer_env": penv}
@@ -121,7 +128,7 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
     if args.smoke:
         args.layout, args.producers, args.versions = "compose", 1, 2
-    from common.cluster.twin import unavailable_reason
+    from rlstream.cluster.twin import unavailable_reason
 
     why = unavailable_reason()
     if why:

@@ -96,8 +96,8 @@ def synthetic_producer(kafka_dump: dict, G: int, ahead_records: int, prompt_len:
     os.environ["OMP_NUM_THREADS"] = "1"
     import numpy as np
 
-    from common.config import KafkaSettings
-    from common.kafka.publisher import RolloutPublisher
+    from rlstream.common.config import KafkaSettings
+    from rlstream.common.kafka.publisher import RolloutPublisher
     from tests.support.synthetic import synthetic_group
 
     kafka = KafkaSettings.model_validate(kafka_dump)
@@ -166,7 +166,7 @@ def run_steps(svc, n: int, read_pos, version) -> list[dict]:
 
 def publish_breakdown(svc, ann_producer, tmp: Path, repeats: int) -> dict:
     """export_hf_state_dict / WeightStore.write / announcement, timed apart (store of our own)."""
-    from common.weights.store import WeightStore
+    from rlstream.common.weights.store import WeightStore
 
     store = WeightStore(tmp / "bench-weights", keep=2)
     ex, wr, an = [], [], []
@@ -187,13 +187,13 @@ def announcement_producer(kafka):
     """Our own KafkaProducer for timing announcements (as the service's: acks=all), on a side topic."""
     from kafka import KafkaProducer
 
-    from common.kafka.client import client_kwargs
+    from rlstream.common.kafka.client import client_kwargs
 
     return KafkaProducer(**client_kwargs(kafka), acks="all")
 
 
 def announce(producer, topic: str, m: dict) -> None:
-    from common.control.messages import WeightsReady
+    from rlstream.common.control.messages import WeightsReady
 
     ann = WeightsReady(version=m["version"], uri=m["uri"], sha256=m["sha256"], bytes=m["bytes"])
     producer.send(topic, key=ann.kind.encode(), value=ann.model_dump_json().encode()).get(timeout=30)
@@ -204,9 +204,9 @@ def large_publish_and_checkpoint(svc, ann_producer, tmp: Path, repeats: int, exp
     import torch
     from safetensors.torch import load_file
 
-    from common.toy.tinymodel import TinyModelSpec, build_tiny_model
-    from common.weights.store import WeightStore
-    from consumer.checkpoint import CheckpointManager, CheckpointState
+    from rlstream.toy.tinymodel import TinyModelSpec, build_tiny_model
+    from rlstream.common.weights.store import WeightStore
+    from rlstream.consumer.checkpoint.files import CheckpointManager, CheckpointState
 
     t0 = time.perf_counter()
     spec = {**LARGE_SPEC, "num_experts": experts,
@@ -290,10 +290,10 @@ def setup(args, b: Bench) -> None:
 
     import torch
 
-    from common.config import BrokerSettings, RlstreamConfig
-    from common.kafka.broker import EmbeddedBroker
-    from common.toy.tinymodel import build_tiny_model
-    from consumer.service import ConsumerService
+    from rlstream.common.config import BrokerSettings, RlstreamConfig
+    from rlstream.common.kafka.broker import EmbeddedBroker
+    from rlstream.toy.tinymodel import build_tiny_model
+    from rlstream.consumer.service import ConsumerService
     from tests.fixtures.kafka import make_kafka_settings
 
     G, B = args.group_size, args.groups_per_batch
@@ -407,8 +407,8 @@ def real_pipeline(args) -> dict | None:
         import contextlib
         import io
 
-        from common.config import load_config
-        from common.harness.experiments import run_experiment
+        from rlstream.common.config import load_config
+        from rlstream.harness.experiments import run_experiment
 
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf):  # its tables and JSON; ours is the one JSON on stdout

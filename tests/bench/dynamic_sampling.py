@@ -5,7 +5,7 @@
 `--smoke`: the arm "with" alone (one engine start) for 5 s after a one-step SFT (nearly every
 group is filtered), batches of 4 groups, in a temporary directory; no "without" arm, so no speedup.
 
-Runs `rlstream experiment dynamic_sampling` (common/harness/experiments.py): the same
+Runs `rlstream experiment dynamic_sampling` (ops/harness/experiments.py): the same
 warm start, task and seeds with `consumer.dynamic_sampling` on (groups whose G
 rewards are all equal are filtered at the gate and the batch is filled from the
 stream) and off. Each arm is a full pipeline (broker, vLLM producer, Megatron
@@ -28,8 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from common.config import load_config  # noqa: E402
-from common.harness.experiments import run_experiment  # noqa: E402
+from rlstream.common.config import load_config  # noqa: E402
+from rlstream.harness.experiments import run_experiment  # noqa: E402
 from tests.bench._smoke import experiment_overrides, parse_args  # noqa: E402
 
 SMOKE = dict(seconds=5.0, reps=1)

@@ -5,7 +5,7 @@
 `--smoke`: the async arm alone (one engine start) for 5 s after a one-step SFT, batches of 4
 groups, dynamic sampling off, in a temporary directory; no sync arm, so no `async_speedup`.
 
-Runs `rlstream experiment async` (common/harness/experiments.py): the same warm start,
+Runs `rlstream experiment async` (ops/harness/experiments.py): the same warm start,
 task and seeds with `staleness.max_staleness=0` (one batch per version:
 generation and training alternate) and with max_staleness k. Each arm is a
 full pipeline (broker, vLLM producer, Megatron consumer as processes) until
@@ -29,8 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from common.config import load_config  # noqa: E402
-from common.harness.experiments import run_experiment  # noqa: E402
+from rlstream.common.config import load_config  # noqa: E402
+from rlstream.harness.experiments import run_experiment  # noqa: E402
 from tests.bench._smoke import experiment_overrides, parse_args  # noqa: E402
 
 SMOKE = dict(seconds=5.0, reps=1)

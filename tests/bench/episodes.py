@@ -70,8 +70,8 @@ def episode_turns(prompt: str, turns: int) -> int:
 
 def drill_calculator(turns: int):
     """The calculator for `episode_turns` model turns: its worked solution's observations in between."""
-    from producer.envs.calculator import CalculatorEnv, reference_turns
-    from producer.rollout.environment import StepResult
+    from rlstream.common.tasks.envs.calculator import CalculatorEnv, reference_turns
+    from rlstream.common.tasks.environment import StepResult
 
     class DrillCalculator(CalculatorEnv):
         def reset(self, task):
@@ -92,11 +92,11 @@ def drill_calculator(turns: int):
 
 def worker(config: str, flag: str, turns: int) -> int:
     """One producer process: the drill environment, resumption only while `flag` exists."""
-    import producer.envs
-    from common.app.cli import main
-    from producer.journal import Resumer
+    from rlstream.common.tasks import envs
+    from rlstream.cli import main
+    from rlstream.producer.journal import Resumer
 
-    producer.envs.ENVIRONMENTS["calculator"] = drill_calculator(turns)
+    envs.ENVIRONMENTS["calculator"] = drill_calculator(turns)
     resume = Resumer.tick
     Resumer.tick = lambda self, *view: resume(self, *view) if os.path.exists(flag) else 0
     return main(["producer", "-c", config])
@@ -108,7 +108,7 @@ class Watch:
     """The journal as the bench reads it: newest entry per key, and each key's first write."""
 
     def __init__(self, kafka, lease_s: float):
-        from producer.journal.topic import JournalTopic
+        from rlstream.producer.journal.topic import JournalTopic
 
         class Topic(JournalTopic):
             def _fold(inner, key, value, *rest):  # noqa: N805 - the bench's view of the fold
@@ -126,10 +126,10 @@ class Watch:
 
 
 def setup(args, tmp: Path):
-    from common.config import BrokerSettings
-    from common.control.messages import TrainerProgress
-    from common.kafka.broker import EmbeddedBroker
-    from common.toy.tinymodel import build_tiny_model
+    from rlstream.common.config import BrokerSettings
+    from rlstream.common.control.messages import TrainerProgress
+    from rlstream.common.kafka.broker import EmbeddedBroker
+    from rlstream.toy.tinymodel import build_tiny_model
     from tests.fixtures.kafka import make_kafka_settings
     from tests.support.configs import ensure_prompts, service_config, trainer_writer, write_config
 
@@ -178,7 +178,7 @@ def start(pids: list[str], paths, flag: Path, args, tmp: Path, watch: Watch, old
 def crash(pid: str, proc, watch: Watch) -> dict:
     """SIGKILL `pid`; its unfinished episodes: key -> (rollout id, first write, last write, journaled
     tokens), kill time."""
-    from producer.journal.snapshot import decode
+    from rlstream.producer.journal.snapshot import decode
 
     inc = watch.incarnation(pid)
     os.killpg(proc.pid, signal.SIGKILL)

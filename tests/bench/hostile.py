@@ -8,7 +8,7 @@ A bench of its own beside tests/bench/soak.py, not an extension of it: the
 soak measures throughput, memory and stalls under valid traffic, and those
 figures would mean nothing with a broker frozen and thousands of hostile
 connections in the run; this one counts what breaks. It shares the soak's
-harness (common/harness/supervisor.py services, the tiny model, tests/support
+harness (ops/harness/supervisor.py services, the tiny model, tests/support
 configs, its drain: fillers flush the last half batch) and its accounting.
 
 Starts its own tansu broker on loopback, one consumer and `--producers` vLLM
@@ -150,17 +150,17 @@ class Run:
 
 def worker(argv: list[str]) -> int:
     """A journaling producer: `rlstream producer ...` with the drill calculator (multi-turn episodes)."""
-    import producer.envs
-    from common.app.cli import main
+    from rlstream.common.tasks import envs
+    from rlstream.cli import main
     from tests.bench.episodes import drill_calculator
 
-    producer.envs.ENVIRONMENTS["calculator"] = drill_calculator(TURNS)
+    envs.ENVIRONMENTS["calculator"] = drill_calculator(TURNS)
     return main(argv)
 
 
 def setup(args) -> Run:
     """Tiny model, broker, topics, task data, one config per service; nothing started."""
-    from common.harness.supervisor import Service
+    from rlstream.harness.supervisor import Service
     from tests.bench.soak import start_broker
     from tests.support.configs import ensure_prompts, service_config, write_config
 
@@ -313,9 +313,9 @@ def sample(run: Run, el: float) -> None:
 
 def drain(run: Run) -> None:
     """Stop the poller and the attacks; producers finish, the consumer reads everything and stops."""
-    from common.errors import PipelineError
-    from common.harness.observe import http_request, parse
-    from common.harness.supervisor import wait_until
+    from rlstream.common.errors import PipelineError
+    from rlstream.harness.observe import http_request, parse
+    from rlstream.harness.supervisor import wait_until
     from tests.support.configs import ADMIN_TOKEN
     from tests.support.feeder import flush_half_batch
 
@@ -416,8 +416,8 @@ def report(run: Run) -> dict:
 
 def read_back(run: Run) -> tuple[list, list]:
     """Every record of the rollouts topic (None where it does not decode) and the DLQ."""
-    from common.harness.census import read_dlq, read_topic
-    from common.record import Rollout, decode_any
+    from rlstream.harness.census import read_dlq, read_topic
+    from rlstream.common.record import Rollout, decode_any
 
     records = []
     for m in read_topic(run.kafka, run.kafka.topics.rollouts, to_end=True, timeout_s=300):

@@ -46,7 +46,7 @@ SMOKE = dict(history=300, checkpoint_every=100, tail=50, reps=1, live=8)
 
 def entry(episode: int, turn: int, holder: str, incarnation: str, rng):
     """Episode `episode`'s entry after `turn` turns: tiny-model shapes (2 layers, top-2 of 8 experts)."""
-    from producer.journal.snapshot import Snapshot
+    from rlstream.producer.journal.snapshot import Snapshot
 
     P, T = 32, 12 * turn
     return Snapshot(
@@ -63,9 +63,9 @@ class Writer:
     """The writing producer: episodes of `turns` turns, `live` at a time, into its journal."""
 
     def __init__(self, kafka, live: int, turns: int, checkpoint_every: int):
-        from common.config import JournalSettings
-        from producer.journal import EpisodeJournal
-        from producer.journal.topic import JournalTopic
+        from rlstream.common.config import JournalSettings
+        from rlstream.producer.journal import EpisodeJournal
+        from rlstream.producer.journal.topic import JournalTopic
 
         self.journal = EpisodeJournal(JournalTopic(kafka, lease_s=2.0), "w",
                                       JournalSettings(lease_s=2.0, checkpoint_every=checkpoint_every))
@@ -76,7 +76,7 @@ class Writer:
 
     def write(self, n: int, passes: bool = True) -> None:
         """`n` journal records; with `passes`, a claim pass every 500 and one at the end."""
-        from producer.journal.snapshot import encode, episode_key
+        from rlstream.producer.journal.snapshot import encode, episode_key
 
         topic = self.journal.topic
         for _ in range(n):
@@ -106,9 +106,9 @@ class Writer:
 
 def start(kafka, checkpoints: bool) -> tuple[float, int, int]:
     """(seconds, journal records read, live entries) of one producer's start."""
-    from common.config import JournalSettings
-    from producer.journal import EpisodeJournal
-    from producer.journal.topic import JournalTopic
+    from rlstream.common.config import JournalSettings
+    from rlstream.producer.journal import EpisodeJournal
+    from rlstream.producer.journal.topic import JournalTopic
 
     class Counting(JournalTopic):
         def _fold_message(self, m):
@@ -140,9 +140,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--reps", type=int, default=3, help="starts per history size (the median is reported)")
     args = parse_args(ap, SMOKE, argv)
 
-    from common import metrics
-    from common.config import BrokerSettings
-    from common.kafka.broker import EmbeddedBroker
+    from rlstream.common import metrics
+    from rlstream.common.config import BrokerSettings
+    from rlstream.common.kafka.broker import EmbeddedBroker
     from tests.fixtures.kafka import make_kafka_settings
 
     broker = EmbeddedBroker(BrokerSettings(port=0)).start()

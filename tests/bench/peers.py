@@ -2,7 +2,7 @@
 
     .venv/bin/python tests/bench/peers.py [--runs 3] [--seconds 240] [--modes async_grpo,...] [--smoke]
 
-Both arms start from one SFT warm start of the tiny Qwen3-MoE (common/harness/demo.py
+Both arms start from one SFT warm start of the tiny Qwen3-MoE (ops/harness/demo.py
 `prepare_warm`: an HF checkpoint that transformers loads) and train on the
 arithmetic task's training prompts with the exact-match reward, G = 8, B = 32
 groups per step, at most 8 new tokens, AdamW lr 2e-4, clip 1.0, seed 0
@@ -49,7 +49,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from common.config import load_config  # noqa: E402
+from rlstream.common.config import load_config  # noqa: E402
 from tests.bench._peers_stats import summarize  # noqa: E402
 from tests.bench._smoke import parse_args  # noqa: E402
 
@@ -207,8 +207,8 @@ def pick_trl_mode(modes: list[str], warm, a, work: Path) -> tuple[str | None, di
 # ------------------------------------------------------------------ rlstream's arm
 
 def run_rlstream(cfg, warm, a, label: str) -> dict:
-    from common.harness.experiments import arm_metrics
-    from common.harness.runs import StopRule, run_rl
+    from rlstream.harness.experiments import arm_metrics
+    from rlstream.harness.runs import StopRule, run_rl
 
     res = run_rl(cfg, warm, label, StopRule(target_accuracy=None, max_seconds=a.seconds),
                  tick_s=min(5.0, a.eval_every_s), eval_every_s=a.eval_every_s)
@@ -286,7 +286,7 @@ def main(argv=None) -> int:
 
 
 def bench(a, work: Path) -> dict:
-    from common.harness.demo import prepare_warm
+    from rlstream.harness.demo import prepare_warm
 
     install_s, err = ensure_peers_venv(a.install_timeout_s)
     if err:

@@ -12,7 +12,7 @@ taken per repetition, between rounds seconds apart, then the median):
 
   without   the engine loop alone: submit groups (keeping `--max-groups` in
             flight, as the service's admission does), step, collect samples.
-  encode    + `Trajectory.to_rollout` and `common.record.encode` of every
+  encode    + `Trajectory.to_rollout` and `rlstream.common.record.encode` of every
             finished sample on the engine thread (no Kafka).
   with      + exactly the service's per-sample path: `to_rollout` and
             `Outbox.flush` (encode + `try_publish` on the engine thread; the
@@ -35,7 +35,7 @@ publishing, and leaving it out makes the ratio conservative.
                         engine's way) against n requests of one, alternated in one process;
                         `fanout_over_n_requests`: median samples/s ratio (`--submit-reps`)
   reload_seconds        tiny model: `engine.reload_weights` of a version written by
-                        `WeightStore.write` (median); `verify_seconds`: `common.weights.store.verify`
+                        `WeightStore.write` (median); `verify_seconds`: `rlstream.common.weights.store.verify`
                         (size + sha256) of the same version, timed apart
   large.*               the same for a ~215 MB Qwen3-MoE (TinyModelSpec: hidden 512,
                         4 layers, 32 experts, head_dim 64) served by a second engine in a
@@ -105,8 +105,8 @@ def _med(xs) -> float:
 
 def _engine(model_dir: Path, kv_bytes: int = 128 << 20, max_model_len: int = 128):
     """configs/tiny-cpu.yaml's engine: 256 sequences at once (32 groups of 8)."""
-    from common.config import EngineSettings
-    from producer.engine import RolloutEngine
+    from rlstream.common.config import EngineSettings
+    from rlstream.producer.engine import RolloutEngine
 
     return RolloutEngine(EngineSettings(dtype="float32", max_model_len=max_model_len, kv_cache_memory_bytes=kv_bytes,
                                         max_num_seqs=256, seed=0), model_dir, version=0)
@@ -119,7 +119,7 @@ def measure_reloads(engine, model_dir: Path, store_root: Path, repeats: int) -> 
     """Write `repeats` versions (slightly scaled weights), then verify and reload each."""
     from safetensors.torch import load_file
 
-    from common.weights.store import WeightStore, verify
+    from rlstream.common.weights.store import WeightStore, verify
 
     base = load_file(str(model_dir / "model.safetensors"))
     store = WeightStore(store_root, keep=2)
@@ -138,7 +138,7 @@ def measure_reloads(engine, model_dir: Path, store_root: Path, repeats: int) -> 
         reload_s.append(engine.reload_weights(path, v))
         nbytes = m["bytes"]
     # the reloaded engine still generates
-    from producer.sample import SamplingConfig
+    from rlstream.producer.sample import SamplingConfig
 
     engine.submit_group([5, 6, 7, 8], n=2, sampling=SamplingConfig(max_tokens=4, ignore_eos=True), tag="reload-check")
     out = []
@@ -156,7 +156,7 @@ def large_child(args) -> None:
     """Child process: build the larger model, start its engine, wait for "go", measure reloads."""
     out_fd = _stdout_to_stderr()
     _setup(args.threads)
-    from common.toy.tinymodel import TinyModelSpec, build_tiny_model
+    from rlstream.toy.tinymodel import TinyModelSpec, build_tiny_model
 
     tmp = Path(args.work_dir)
     t0 = time.perf_counter()
@@ -197,12 +197,12 @@ def run_round(engine, workload, G: int, max_groups: int, tag: str, svc, mode: st
     mode "with": every finished sample goes through the service's own
     record builder (`Trajectory.to_rollout`) and `Outbox.flush` (`svc` is a ProducerService that was not
     started, given our engine and outbox), then the round drains and waits
-    for every acknowledgement. "encode": `to_rollout` + `common.record.encode`
+    for every acknowledgement. "encode": `to_rollout` + `rlstream.common.record.encode`
     only (the engine thread's share of the work, no Kafka). "without": nothing.
     """
-    from common.record import encode
-    from producer.rollout.trajectory import Trajectory
-    from producer.sample import SamplingConfig
+    from rlstream.common.record import encode
+    from rlstream.producer.rollout.trajectory import Trajectory
+    from rlstream.producer.sample import SamplingConfig
 
     def to_record(s):
         return Trajectory.of_sample(s).to_rollout(svc.producer_id, svc.sampling, prompt_text="")
@@ -252,8 +252,8 @@ def run_round(engine, workload, G: int, max_groups: int, tag: str, svc, mode: st
 def service_stand_in(kafka, args, engine, publisher, max_tokens: int):
     """A real ProducerService (its per-sample code), not started: our engine and publisher plugged in
     (the outbox's acknowledgement callback feeds a real TopicEnds, as in the service)."""
-    from common.config import RlstreamConfig
-    from producer.service import ProducerService
+    from rlstream.common.config import RlstreamConfig
+    from rlstream.producer.service import ProducerService
 
     cfg = RlstreamConfig.model_validate({
         "kafka": kafka.model_dump(), "model": {"build_tiny": False},
@@ -261,8 +261,8 @@ def service_stand_in(kafka, args, engine, publisher, max_tokens: int):
                      "max_groups_in_flight": args.max_groups, "num_threads": args.threads},
         "consumer": {"group_size": args.group_size}})
     svc = ProducerService(cfg, kafka.bootstrap_servers)
-    from producer.admission import TopicEnds
-    from producer.outbox import Outbox
+    from rlstream.producer.admission import TopicEnds
+    from rlstream.producer.outbox import Outbox
 
     svc.engine, svc.publisher, svc.topic_ends = engine, publisher, TopicEnds(kafka)
     svc.outbox = Outbox(publisher, on_delivered=svc.topic_ends.on_delivered)
@@ -300,7 +300,7 @@ _PUBLISHER_THREADS = ("rlstream-publisher", "kafka-python")
 
 
 def measure_throughput(engine, svc, kafka, lengths: list[int], n_groups: int, reps: int, args, name: str) -> dict:
-    from common import metrics
+    from rlstream.common import metrics
 
     G = args.group_size
     workload = make_workload(n_groups, lengths, seed=1)
@@ -397,10 +397,10 @@ def setup(args, b: Bench) -> None:
     """The large-model child (it builds and starts its engine while ours starts), broker,
     topics, tiny model, our engine and publisher, and the service stand-in."""
     global BROKER_PID
-    from common.config import BrokerSettings
-    from common.kafka.broker import EmbeddedBroker
-    from common.kafka.publisher import RolloutPublisher
-    from common.toy.tinymodel import build_tiny_model
+    from rlstream.common.config import BrokerSettings
+    from rlstream.common.kafka.broker import EmbeddedBroker
+    from rlstream.common.kafka.publisher import RolloutPublisher
+    from rlstream.toy.tinymodel import build_tiny_model
     from tests.fixtures.kafka import make_kafka_settings
 
     if not args.no_large:

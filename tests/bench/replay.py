@@ -72,8 +72,8 @@ def generation(kafka_dump: dict, groups_per_s: float, stop) -> None:
     """The generation stand-in (its own process): version-0 groups at a steady rate."""
     import numpy as np
 
-    from common.config import KafkaSettings
-    from common.kafka.publisher import RolloutPublisher
+    from rlstream.common.config import KafkaSettings
+    from rlstream.common.kafka.publisher import RolloutPublisher
     from tests.support.synthetic import synthetic_group
 
     rng, n = np.random.default_rng(0), 0
@@ -86,9 +86,9 @@ def generation(kafka_dump: dict, groups_per_s: float, stop) -> None:
 
 
 def bench_replay(args, broker, tmp: Path) -> dict:
-    from common.toy.tinymodel import build_tiny_model
-    from consumer.logreplay.run import replay
-    from consumer.service import ConsumerService
+    from rlstream.toy.tinymodel import build_tiny_model
+    from rlstream.consumer.logreplay.run import replay
+    from rlstream.consumer.service import ConsumerService
     from tests.fixtures.kafka import make_kafka_settings
     from tests.support.audit import audit_lines
     from tests.support.configs import service_config, trainer_writer
@@ -146,8 +146,8 @@ the Parquet writer compresses nothing it would not compress on a real topic)."""
 
 def fill_topic(kafka, n: int) -> int:
     """`n` records of production-like shape (group ids do not matter to an export)."""
-    from common.kafka.publisher import RolloutPublisher
-    from common.record import encode
+    from rlstream.common.kafka.publisher import RolloutPublisher
+    from rlstream.common.record import encode
     from tests.fixtures.kafka import realistic_rollout
 
     values = [encode(realistic_rollout(response_tokens=1024, prompt_tokens=128, layers=8, top_k=4, num_experts=64,
@@ -164,7 +164,7 @@ def raw_decode(kafka) -> tuple[float, float, float]:
     decode alone; MB per CPU-second of the read (this process: its kafka-python threads too)."""
     import msgpack
 
-    from common.kafka.scan import TopicScan
+    from rlstream.common.kafka.scan import TopicScan
 
     nbytes, decode_s = 0, 0.0
     t0, cpu0 = time.perf_counter(), time.process_time()
@@ -185,8 +185,8 @@ def export_process(config: Path, out: Path, args) -> dict:
     # bench, with Megatron loaded), while exec gives the child a fresh high-water mark
     # the imports first, timed apart: pyarrow imports pandas (when installed) on its first array,
     # ~1-2 s once per process, which would otherwise land in the first row group's time
-    code = ("import json, re, sys, time\nt = time.perf_counter()\nfrom common.app.cli import main\n"
-            "import pyarrow.parquet, common.export.run\ntry:\n    import pandas\nexcept ImportError:\n    pass\n"
+    code = ("import json, re, sys, time\nt = time.perf_counter()\nfrom rlstream.cli import main\n"
+            "import pyarrow.parquet, rlstream.common.export.run\ntry:\n    import pandas\nexcept ImportError:\n    pass\n"
             "imports = time.perf_counter() - t\ncpu = time.process_time()\n"
             "rc = main(sys.argv[1:])\ncpu = time.process_time() - cpu\n"
             "hwm = int(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1))\n"
@@ -206,7 +206,7 @@ def bench_export(args, broker, tmp: Path) -> dict:
     in alternating order; the ratio per round, its median per size; the peak memory, the highest."""
     import yaml
 
-    from common.config import RlstreamConfig
+    from rlstream.common.config import RlstreamConfig
     from tests.fixtures.kafka import make_kafka_settings
 
     tmp.mkdir(parents=True, exist_ok=True)
@@ -256,8 +256,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="rounds of raw read vs export per topic size")
     args = parse_args(ap, SMOKE)
     _setup()
-    from common.config import BrokerSettings
-    from common.kafka.broker import EmbeddedBroker
+    from rlstream.common.config import BrokerSettings
+    from rlstream.common.kafka.broker import EmbeddedBroker
 
     load0 = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="bench-replay-") as d:

@@ -6,7 +6,7 @@
 
 Not part of the test run (tests/bench is ignored by pytest). Starts its own
 tansu broker on loopback, builds the tiny model, runs the real services as
-subprocesses (common/harness/supervisor.py), changes `max_staleness` through the
+subprocesses (ops/harness/supervisor.py), changes `max_staleness` through the
 consumer's admin API at 1/3 and 2/3 of the run, and samples every
 `--sample-s` seconds: records published, consumer outcomes and lag, and the
 resident memory of every service (process group). At the end the producers
@@ -80,9 +80,9 @@ class Soak:
 def start_broker(work_dir: str | None, prefix: str):
     """(work dir, tiny model dir, a started tansu broker on a free port, its KafkaSettings with
     2 rollouts partitions): what the soak and tests/bench/hostile.py start from."""
-    from common.config import BrokerSettings
-    from common.kafka.broker import EmbeddedBroker
-    from common.toy.tinymodel import build_tiny_model
+    from rlstream.common.config import BrokerSettings
+    from rlstream.common.kafka.broker import EmbeddedBroker
+    from rlstream.toy.tinymodel import build_tiny_model
     from tests.fixtures.kafka import make_kafka_settings
 
     tmp = Path(work_dir or tempfile.mkdtemp(prefix=prefix))
@@ -94,7 +94,7 @@ def start_broker(work_dir: str | None, prefix: str):
 
 def setup(args) -> Soak:
     """Tiny model, broker, topics, task data, one config per producer; nothing started."""
-    from common.harness.supervisor import Service
+    from rlstream.harness.supervisor import Service
     from tests.support.configs import ensure_prompts, service_config, write_config
 
     G, B = args.group_size, args.groups_per_batch
@@ -123,7 +123,7 @@ def warm(soak: Soak) -> None:
 
 def start_all(services: list, ckpt: Path) -> None:
     """Start every service, wait until each is ready and the first global step is trained."""
-    from common.harness.supervisor import wait_until
+    from rlstream.harness.supervisor import wait_until
     from tests.support.audit import audit_steps
 
     for s in services:
@@ -135,7 +135,7 @@ def start_all(services: list, ckpt: Path) -> None:
 
 def wait_histogram(text: str) -> dict[float, float]:
     """Cumulative counts of the consumer's per-step wait for data, by bucket bound."""
-    from common.harness.observe import parse
+    from rlstream.harness.observe import parse
 
     return {float(dict(labels)["le"]): v for (name, labels), v in parse(text).items()
             if name == WAIT_BUCKETS and dict(labels).get("phase") == "wait"}
@@ -162,7 +162,7 @@ def measure(soak: Soak) -> None:
 
 
 def set_max_staleness(consumer, value: int) -> int:
-    from common.harness.observe import http_request
+    from rlstream.harness.observe import http_request
     from tests.support.configs import ADMIN_TOKEN
 
     code, _ = http_request(consumer.url + "/admin/control", "POST", {"key": "max_staleness", "value": value},
@@ -171,8 +171,8 @@ def set_max_staleness(consumer, value: int) -> int:
 
 
 def sample(soak: Soak, el: float) -> dict:
-    from common.harness.observe import metric_value
-    from common.process import group_rss_bytes
+    from rlstream.harness.observe import metric_value
+    from rlstream.common.process import group_rss_bytes
 
     text = soak.consumer.scrape()
     return {"t": round(el, 1),
@@ -186,7 +186,7 @@ def sample(soak: Soak, el: float) -> dict:
 
 def drain(soak: Soak) -> None:
     """Producers finish and flush, the consumer reads everything and stops; final counters."""
-    from common.harness.supervisor import wait_until
+    from rlstream.harness.supervisor import wait_until
     from tests.support.feeder import flush_half_batch
 
     c = soak.consumer

@@ -4,7 +4,7 @@ Prints one JSON object last.
     .venv/bin/python tests/bench/stability.py [--versions 120] [--seconds 300] [--losses minirl,dppo_tv] [--seeds 0]
                                               [--set k=v ...] [--smoke]
 
-Runs arms of `rlstream experiment stability` (common/harness/stability.py; replay none, B = 4
+Runs arms of `rlstream experiment stability` (ops/harness/stability.py; replay none, B = 4
 groups, N = 2 mini-batches): for each loss, max_staleness 0, 2, 8 and auto (limits 0..8, start 2), each
 for `--versions` optimizer steps (at most `--seconds` of RL), from the same warm start; with
 several `--seeds` each figure is the mean over seeds. Per loss:
@@ -34,9 +34,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from common.config import load_config  # noqa: E402
-from common.harness.experiments import experiment_result  # noqa: E402
-from common.harness.stability import BOUNDS, main_arm  # noqa: E402
+from rlstream.common.config import load_config  # noqa: E402
+from rlstream.harness.experiments import experiment_result  # noqa: E402
+from rlstream.harness.stability import BOUNDS, main_arm  # noqa: E402
 from tests.bench._smoke import experiment_overrides, parse_args  # noqa: E402
 
 SMOKE = dict(seconds=5.0, losses="minirl", seeds="0", bounds="auto")

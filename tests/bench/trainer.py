@@ -32,9 +32,9 @@ SMOKE = dict(steps=2, warmup=1, groups=4)
 
 def make_rollouts(model, n_groups: int, group_size: int, seed: int = 0) -> list:
     """Random prompts/responses; mu_old and routing from one recording forward."""
-    from consumer import replay
-    from consumer.batch import TrainSample
-    from consumer.model import per_token_logprobs
+    from rlstream.consumer.train import replay
+    from rlstream.consumer.train.batch import TrainSample
+    from rlstream.consumer.train.model import per_token_logprobs
 
     rng = np.random.default_rng(seed)
     out = []
@@ -68,10 +68,10 @@ def main() -> None:
     args = parse_args(ap, SMOKE)
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
-    from common.toy.tinymodel import build_tiny_model
-    from consumer.batch import build_global_batch
-    from common.config import ConsumerSettings
-    from consumer.trainer import Trainer
+    from rlstream.toy.tinymodel import build_tiny_model
+    from rlstream.consumer.train.batch import build_global_batch
+    from rlstream.common.config import ConsumerSettings
+    from rlstream.consumer.train.trainer import Trainer
 
     model_dir = build_tiny_model(Path(tempfile.mkdtemp(prefix="rlstream-bench-")) / "tiny")
     cfg = ConsumerSettings(loss={"name": args.loss}, replay=args.replay, num_minibatches=args.minibatches,

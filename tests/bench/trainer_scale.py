@@ -63,7 +63,7 @@ def rss_mb(field: str) -> float:
 def one_sample(tokens: int, vocab: int, seed: int = 0):
     import numpy as np
 
-    from consumer.batch import TrainSample
+    from rlstream.consumer.train.batch import TrainSample
 
     rng = np.random.default_rng(seed)
     prompt, resp = rng.integers(3, vocab, 16).astype(np.int32), rng.integers(3, vocab, tokens - 15)
@@ -75,8 +75,8 @@ def measure_point(model_dir: str, tokens: int, memory: dict) -> dict:
     """Peak RSS above idle of one train_step on one sequence of `tokens` positions."""
     import torch
 
-    from common.config import ConsumerSettings
-    from consumer.trainer import Trainer
+    from rlstream.common.config import ConsumerSettings
+    from rlstream.consumer.train.trainer import Trainer
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     cfg = ConsumerSettings(group_size=1, dtype="bfloat16", optimizer={"lr": 1e-6},
@@ -96,7 +96,7 @@ def measure_point(model_dir: str, tokens: int, memory: dict) -> dict:
 
 
 def setup(work: Path, spec: dict) -> Path:
-    from common.toy.tinymodel import TinyModelSpec, build_tiny_model
+    from rlstream.toy.tinymodel import TinyModelSpec, build_tiny_model
 
     return build_tiny_model(work / "mid", TinyModelSpec(**spec))
 
@@ -133,9 +133,9 @@ def slope(rows: list[dict]) -> float | None:
 
 
 def step_overhead(work: Path) -> dict:
-    from common.config import ConsumerSettings
-    from common.toy.tinymodel import build_tiny_model
-    from consumer.trainer import Trainer
+    from rlstream.common.config import ConsumerSettings
+    from rlstream.toy.tinymodel import build_tiny_model
+    from rlstream.consumer.train.trainer import Trainer
     from tests.bench.trainer import make_rollouts
 
     cfg = ConsumerSettings(replay="R3", num_minibatches=2, optimizer={"lr": 1e-5},
@@ -154,8 +154,8 @@ def step_overhead(work: Path) -> dict:
 
 
 def precision(work: Path) -> dict:
-    from common.toy.tinymodel import build_tiny_model
-    from consumer.parallel import init_parallel
+    from rlstream.toy.tinymodel import build_tiny_model
+    from rlstream.consumer.train.parallel import init_parallel
     from tests.support.precision import update_rel_errors
 
     init_parallel()

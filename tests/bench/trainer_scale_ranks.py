@@ -48,7 +48,7 @@ def long_samples(dims, n_groups: int, group_size: int, seed: int, resp=(200, 400
     """Rollouts of realistic length: routing rows for every input position (uint8)."""
     import numpy as np
 
-    from consumer.batch import TrainSample
+    from rlstream.consumer.train.batch import TrainSample
 
     rng = np.random.default_rng(seed)
     out = []
@@ -71,12 +71,12 @@ def ingress_worker(model_dir: str, out: str, steps: int) -> None:
     import torch
     from megatron.core import parallel_state as ps
 
-    from common.config import ConsumerSettings
-    from consumer.channel import RankChannel
-    from consumer.checkpoint import CheckpointManager
-    from consumer.ranks import Follower, Leader
-    from consumer.shares import sample_bytes
-    from consumer.trainer import Trainer
+    from rlstream.common.config import ConsumerSettings
+    from rlstream.consumer.ranks.channel import RankChannel
+    from rlstream.consumer.checkpoint.files import CheckpointManager
+    from rlstream.consumer.ranks.protocol import Follower, Leader
+    from rlstream.consumer.ranks.shares import sample_bytes
+    from rlstream.consumer.train.trainer import Trainer
 
     torch.set_num_threads(1)
     trainer = Trainer.from_hf(model_dir, ConsumerSettings(**INGRESS_CFG))
@@ -98,7 +98,7 @@ def ingress_worker(model_dir: str, out: str, steps: int) -> None:
 
 
 def rank_ingress(args, tmp: Path) -> dict:
-    from common.toy.tinymodel import build_tiny_model
+    from rlstream.toy.tinymodel import build_tiny_model
 
     model_dir = build_tiny_model(tmp / "tiny")
     torchrun = Path(sys.executable).with_name("torchrun")
@@ -122,12 +122,12 @@ def rank_ingress(args, tmp: Path) -> dict:
 def checkpoint_blocking(args, tmp: Path) -> dict:
     import torch
 
-    from common.config import ConsumerSettings
-    from common.toy.tinymodel import TinyModelSpec, build_tiny_model
-    from consumer.cadence import Cadence
-    from consumer.checkpoint import CheckpointManager, CheckpointState
-    from consumer.ranks import Leader
-    from consumer.trainer import Trainer
+    from rlstream.common.config import ConsumerSettings
+    from rlstream.toy.tinymodel import TinyModelSpec, build_tiny_model
+    from rlstream.consumer.checkpoint.cadence import Cadence
+    from rlstream.consumer.checkpoint.files import CheckpointManager, CheckpointState
+    from rlstream.consumer.ranks.protocol import Leader
+    from rlstream.consumer.train.trainer import Trainer
 
     torch.set_num_threads(args.threads)
     cadence_cfg = {} if args.checkpoint_every is None else {"checkpoint": {"every_steps": args.checkpoint_every}}
@@ -169,7 +169,7 @@ def checkpoint_blocking(args, tmp: Path) -> dict:
 
 def sync_every_step(trainer, samples, ckpt, steps: int) -> dict:
     """The old path: train, then a synchronous checkpoint, every step."""
-    from consumer.checkpoint import CheckpointState
+    from rlstream.consumer.checkpoint.files import CheckpointState
 
     train_s, save_s = [], []
     for step in range(steps):

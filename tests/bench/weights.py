@@ -120,9 +120,9 @@ class Child:
     """A producer: engine + reloader, generating, taking the versions the parent names."""
 
     def __init__(self, args, out_fd: int):
-        from common.config import EngineSettings
-        from producer.engine import RolloutEngine
-        from producer.weights.reload import Reloader
+        from rlstream.common.config import EngineSettings
+        from rlstream.producer.engine import RolloutEngine
+        from rlstream.producer.weights.reload import Reloader
 
         self.out_fd, self.model_dir = out_fd, Path(args.model)
         self.engine = RolloutEngine(EngineSettings(dtype="float32", max_model_len=128, max_num_seqs=16,
@@ -147,7 +147,7 @@ class Child:
             self._answer()
 
     def _keep_generating(self) -> None:
-        from producer.sample import SamplingConfig
+        from rlstream.producer.sample import SamplingConfig
 
         while self.generate and self.engine.num_in_flight < 4:
             self.n += 1
@@ -162,7 +162,7 @@ class Child:
         return out
 
     def _handle(self, cmd: dict) -> bool:
-        from common.control.messages import WeightsReady
+        from rlstream.common.control.messages import WeightsReady
 
         if cmd["op"] == "apply":
             msg = WeightsReady.model_validate(cmd["msg"])
@@ -210,7 +210,7 @@ class Child:
 
 
 def _refusals() -> float:
-    from common import metrics
+    from rlstream.common import metrics
 
     return metrics.value("rlstream_producer_weight_reload_failures_total")
 
@@ -293,9 +293,9 @@ class SizeRun:
     """One model size: the trainer's sender, durable store and raw group; its producers."""
 
     def __init__(self, name: str, model_dir: Path, args, tmp: Path):
-        from common.config import WeightSyncSettings
-        from common.weights.store import WeightStore
-        from consumer.weights.sender import WeightSender
+        from rlstream.common.config import WeightSyncSettings
+        from rlstream.common.weights.store import WeightStore
+        from rlstream.consumer.weights.sender import WeightSender
         from tests.support.weights import perturbed, read_weights
 
         self.name, self.model_dir = name, model_dir
@@ -313,7 +313,7 @@ class SizeRun:
         return self.alternates[self.version % 2]
 
     def file(self) -> dict:
-        from common.control.messages import WeightsReady
+        from rlstream.common.control.messages import WeightsReady
 
         self.version += 1
         t0, self._cpu0 = time.time(), time.process_time()
@@ -328,8 +328,8 @@ class SizeRun:
             return self.collective()
 
     def collective(self, corrupt: bool = False) -> dict:
-        from common.control.messages import WeightsReady
-        from consumer.weights.snapshot import Snapshot
+        from rlstream.common.control.messages import WeightsReady
+        from rlstream.consumer.weights.snapshot import Snapshot
         from tests.support.weights import corrupting, dict_source
 
         self.version += 1
@@ -390,7 +390,7 @@ class SizeRun:
 
 
 def build_models(names: list[str], models_dir: Path) -> dict[str, Path]:
-    from common.toy.tinymodel import TinyModelSpec, build_tiny_model
+    from rlstream.toy.tinymodel import TinyModelSpec, build_tiny_model
 
     out = {}
     for name in names:
@@ -452,9 +452,9 @@ def summarize(run: SizeRun, rows: dict, tamper: dict | None) -> dict:
 def measure_delta(steps: int) -> dict:
     """Changed fraction of bf16 elements per optimizer step (fp32 master weights), tiny trainer."""
 
-    from common.config import ConsumerSettings
-    from common.toy.tinymodel import build_tiny_model
-    from consumer.trainer import Trainer
+    from rlstream.common.config import ConsumerSettings
+    from rlstream.toy.tinymodel import build_tiny_model
+    from rlstream.consumer.train.trainer import Trainer
     from tests.integration.multirank_worker import make_samples
 
     d = build_tiny_model(Path(tempfile.mkdtemp(prefix="rlstream-bench-delta-")))

@@ -56,11 +56,11 @@ def _sync(device) -> None:
 def measure_size(name: str, overrides: dict, reps: int, models_dir: Path) -> dict:
     import torch
 
-    from common.config import ConsumerSettings
-    from common.toy.tinymodel import TinyModelSpec, build_tiny_model
-    from common.weights import wire
-    from consumer.trainer import Trainer
-    from consumer.weights.snapshot import Snapshot
+    from rlstream.common.config import ConsumerSettings
+    from rlstream.toy.tinymodel import TinyModelSpec, build_tiny_model
+    from rlstream.common.weights import wire
+    from rlstream.consumer.train.trainer import Trainer
+    from rlstream.consumer.weights.snapshot import Snapshot
 
     t0 = time.perf_counter()
     model_dir = build_tiny_model(models_dir / name, TinyModelSpec(**overrides))
@@ -118,7 +118,7 @@ def main() -> None:
     os.dup2(2, 1)  # libraries' prints go to stderr; the JSON to the original stdout
     import torch
 
-    from consumer.parallel import ParallelLayout, init_parallel
+    from rlstream.consumer.train.parallel import ParallelLayout, init_parallel
     from tests.bench.weights import SIZES
 
     init_parallel(ParallelLayout())

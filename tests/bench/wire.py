@@ -8,13 +8,13 @@ Prints ONE JSON object. Shape: Qwen3-30B-A3B (48 MoE layers, top-8 of 128 expert
 - routing_bytes_per_token, ids_logprobs_bytes_per_token: bytes of those fields on the wire / tokens
 - codec: every variant runs REPS times on the same record, interleaved, and reports its MEDIAN
   seconds per record (encode, decode, and both):
-    ours       common.record.encode (validate, then msgpack with zero-copy memoryviews) and
+    ours       rlstream.common.record.encode (validate, then msgpack with zero-copy memoryviews) and
                decode (msgpack with the repeated-key check, numpy.frombuffer views, validate)
     baseline   the fair one: msgpack of the same map with `tobytes()` buffers, unpacked with
                numpy.frombuffer views; no validation, no repeated-key check
     naive      msgpack of Python lists (`.tolist()`), the comparison this benchmark used to make
   encode_decode_ratio_vs_baseline = baseline / ours (> 1: ours is faster), and the price of
-  what ours does on top: validation_seconds (common.record.validate of the decoded record; it
+  what ours does on top: validation_seconds (rlstream.common.record.validate of the decoded record; it
   runs once at encode and once at decode; codec_without_validation_ratio_vs_baseline takes
   both out of ours) and duplicate_key_check_seconds (unpackb with the
   object_pairs_hook minus without, on the record's map with empty arrays, 100 calls per timing).
@@ -44,12 +44,12 @@ sys.path.insert(0, str(ROOT))
 
 import argparse  # noqa: E402
 
-from common.kafka.broker import EmbeddedBroker  # noqa: E402
-from common.config import BrokerSettings  # noqa: E402
-from common.kafka.client import FETCH_OVERHEAD_BYTES, client_kwargs  # noqa: E402
-from common.kafka.publisher import RolloutPublisher  # noqa: E402
-from common.kafka.reader import RolloutReader  # noqa: E402
-from common.record import _unique_map, decode, encode, routing_dtype_for, validate  # noqa: E402
+from rlstream.common.kafka.broker import EmbeddedBroker  # noqa: E402
+from rlstream.common.config import BrokerSettings  # noqa: E402
+from rlstream.common.kafka.client import FETCH_OVERHEAD_BYTES, client_kwargs  # noqa: E402
+from rlstream.common.kafka.publisher import RolloutPublisher  # noqa: E402
+from rlstream.common.kafka.reader import RolloutReader  # noqa: E402
+from rlstream.common.record import _unique_map, decode, encode, routing_dtype_for, validate  # noqa: E402
 from tests.bench._smoke import parse_args  # noqa: E402
 from tests.fixtures.kafka import make_kafka_settings, realistic_rollout  # noqa: E402
 

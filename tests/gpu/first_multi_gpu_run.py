@@ -61,7 +61,7 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="rlstream-first-run-"))
     model_dir = args.model_dir
     if model_dir is None:
-        from common.toy.tinymodel import build_tiny_model
+        from rlstream.toy.tinymodel import build_tiny_model
 
         model_dir = build_tiny_model(tmp / "tiny")
     failed = 0

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from common.config import RlstreamConfig
+from rlstream.common.config import RlstreamConfig
 from tests.fixtures.kafka import make_kafka_settings
 
 pytestmark = [pytest.mark.broker, pytest.mark.vllm, pytest.mark.megatron, pytest.mark.slow]
@@ -56,7 +56,7 @@ def shared_config(kafka, model_dir: Path, tmp: Path) -> RlstreamConfig:
 
 def records_until(kafka, pred, timeout_s: float, producer) -> list:
     """Every rollout on the topic, read until one satisfies `pred` (or the time is up)."""
-    from common.kafka.reader import RolloutReader
+    from rlstream.common.kafka.reader import RolloutReader
 
     seen, deadline = [], time.monotonic() + timeout_s
     with RolloutReader(kafka) as reader:
@@ -71,9 +71,9 @@ def test_one_version_round_trip_with_producer_and_trainer_sharing_the_gpu(
         needs_vllm, needs_megatron, broker, tiny_model_dir, tmp_path):
     import torch
 
-    from common.harness.supervisor import Service, child_env
-    from common.toy.build import ensure_data
-    from consumer.service import ConsumerService
+    from rlstream.harness.supervisor import Service, child_env
+    from rlstream.toy.build import ensure_data
+    from rlstream.consumer.service import ConsumerService
 
     kafka = make_kafka_settings(broker.bootstrap, tmp_path / "blobs", rollouts_partitions=2)
     cfg = shared_config(kafka, tiny_model_dir, tmp_path)

@@ -6,7 +6,7 @@ def test_cuda_torch_with_nccl():
     import torch
     import torch.distributed as dist
 
-    assert torch.version.cuda, "a CPU-only torch on a GPU machine (see common/app/doctor.py --gpu)"
+    assert torch.version.cuda, "a CPU-only torch on a GPU machine (see ops/doctor.py --gpu)"
     assert dist.is_nccl_available(), "torch was built without NCCL"
     x = torch.ones(1024, device="cuda")
     assert float(x.sum()) == 1024.0
@@ -21,7 +21,7 @@ def test_megatron_shims_apply_only_what_the_machine_lacks(needs_megatron):
     import torch
     from megatron.core.transformer.moe import moe_utils
 
-    from consumer import megatron_shims
+    from rlstream.consumer.train import megatron_shims
 
     megatron_shims.apply()
     assert torch.cuda.current_device() != "cpu"  # shim 1 is CPU-only

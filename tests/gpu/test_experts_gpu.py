@@ -1,4 +1,4 @@
-"""Grouped-GEMM experts vs SequentialMLP on one GPU (issue 26 item 6, consumer/experts.py):
+"""Grouped-GEMM experts vs SequentialMLP on one GPU (issue 26 item 6, consumer/train/experts.py):
 the same bf16 train_step with `consumer.memory.experts` grouped and sequential, on a
 MoE-heavy model (64 experts, top-8, Qwen3-30B-A3B's expert width 768), timed.
 
@@ -28,7 +28,7 @@ TOKENS, WARMUP, TIMED = 8192, 2, 5
 
 @pytest.fixture(scope="module")
 def moe_model_dir(tmp_path_factory):
-    from common.toy.tinymodel import TinyModelSpec, build_tiny_model
+    from rlstream.toy.tinymodel import TinyModelSpec, build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("moe") / "m", TinyModelSpec(**MOE))
 
@@ -36,9 +36,9 @@ def moe_model_dir(tmp_path_factory):
 def step_seconds(model_dir, experts: str) -> tuple[str, float, torch.Tensor]:
     """(chosen kind, median seconds of a bf16 train_step on one TOKENS-long sequence,
     log-probs of a fixed batch before any update)."""
-    from common.config import ConsumerSettings
-    from consumer.model import per_token_logprobs
-    from consumer.trainer import Trainer
+    from rlstream.common.config import ConsumerSettings
+    from rlstream.consumer.train.model import per_token_logprobs
+    from rlstream.consumer.train.trainer import Trainer
     from tests.bench.trainer_scale import SCALED, one_sample
 
     trainer = Trainer.from_hf(model_dir, ConsumerSettings(
@@ -80,7 +80,7 @@ def test_grouped_mm_on_cuda_with_experts_that_receive_no_token(counts):
     among busy ones: torch._grouped_mm forward and backward on CUDA in bf16 at Qwen3-30B-A3B's
     widths (hidden 2048, expert FFN 768), the gradients finite and zero exactly where no row went.
     Checked on CPU in tests/integration/test_megatron_model.py; the CUDA kernel is another code path."""
-    from consumer.experts import _grouped_mm
+    from rlstream.consumer.train.experts import _grouped_mm
 
     hidden, ffn, rows = 2048, 768, sum(counts)
     g = torch.Generator(device="cuda").manual_seed(0)

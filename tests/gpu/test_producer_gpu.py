@@ -6,7 +6,7 @@ prefix caching on (vLLM 0.31+ needs it for native routing) and CUDA graphs on
 (`enforce_eager: false`), fp32 so that its outputs can be checked against HF
 transformers on the host. The tests check:
   - every sample carries the routing of every input token, [P+T-1, layers,
-    top_k] in `common.record.routing_dtype_for(num_experts)`, valid and
+    top_k] in `rlstream.common.record.routing_dtype_for(num_experts)`, valid and
     distinct expert ids, the same prompt rows for every sample of a group and
     for a later group whose prompt is served from the prefix cache, and it
     encodes into a valid record;
@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from producer.rollout.trajectory import Trajectory
+from rlstream.producer.rollout.trajectory import Trajectory
 from tests.support.engine import run_until_done
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -45,8 +45,8 @@ def gpu_engine(tiny_model_dir):
                     "(`pip install .[gpu]`)")
     import torch
 
-    from common.config import EngineSettings
-    from producer.engine import RolloutEngine
+    from rlstream.common.config import EngineSettings
+    from rlstream.producer.engine import RolloutEngine
 
     gc.collect()
     torch.cuda.empty_cache()  # what earlier tests in this process cached is not free for vLLM
@@ -61,8 +61,8 @@ def gpu_engine(tiny_model_dir):
 
 @pytest.mark.timeout(900)
 def test_native_routing_with_prefix_caching_and_cuda_graphs(gpu_engine, tiny_model_dir):
-    from common.record import decode, encode, routing_dtype_for
-    from producer.sample import SamplingConfig
+    from rlstream.common.record import decode, encode, routing_dtype_for
+    from rlstream.producer.sample import SamplingConfig
     from tests.fixtures.trainer import hf_config
 
     eng, cfg = gpu_engine, hf_config(tiny_model_dir)
@@ -115,10 +115,10 @@ def test_in_place_weight_update_switches_greedy_outputs(gpu_engine, tiny_model_d
     a reload must not let version 1 reuse KV computed by the old weights."""
     from safetensors.torch import load_file
 
-    from common.control.messages import WeightsReady
-    from common.weights.store import WeightStore
-    from producer.weights.reload import Reloader
-    from producer.sample import SamplingConfig
+    from rlstream.common.control.messages import WeightsReady
+    from rlstream.common.weights.store import WeightStore
+    from rlstream.producer.weights.reload import Reloader
+    from rlstream.producer.sample import SamplingConfig
     from tests.integration.test_producer_service import hf_logprobs
 
     eng = gpu_engine

@@ -1,5 +1,5 @@
 """The trainer on one GPU (issues #14, #16): world size 1 with the NCCL backend
-(consumer/parallel.py `init_parallel` picks NCCL whenever CUDA is present).
+(consumer/train/parallel.py `init_parallel` picks NCCL whenever CUDA is present).
 
 Each test mirrors a CPU integration test, on CUDA, with that test's helpers
 and tolerances (imported, not copied):
@@ -33,7 +33,7 @@ POINTS = (4096, 16384)
 @pytest.fixture(scope="module")
 def mid_model_dir(tmp_path_factory):
     """tests/bench/trainer_scale.py's mid-size MoE (its MID spec), built once."""
-    from common.toy.tinymodel import TinyModelSpec, build_tiny_model
+    from rlstream.toy.tinymodel import TinyModelSpec, build_tiny_model
     from tests.bench.trainer_scale import MID
 
     return build_tiny_model(tmp_path_factory.mktemp("mid") / "m", TinyModelSpec(**MID))
@@ -53,8 +53,8 @@ def test_model_builds_on_cuda_from_hf_and_matches_hf_fp32(megatron_world, pertur
     and whose export is the checkpoint bit for bit."""
     import torch.distributed as dist
 
-    from consumer import convert, replay
-    from consumer.model import load_hf_checkpoint, per_token_logprobs, read_hf_dims
+    from rlstream.consumer.train import layout as convert, replay
+    from rlstream.consumer.train.model import load_hf_checkpoint, per_token_logprobs, read_hf_dims
     from tests.integration.test_megatron_model import hf_logprobs
 
     model = load_hf_checkpoint(perturbed_dirs[head])
@@ -81,7 +81,7 @@ def test_model_builds_on_cuda_from_hf_and_matches_hf_fp32(megatron_world, pertur
 
 @pytest.fixture(scope="module")
 def fp32_model(megatron_world, sharp_model_dir):
-    from consumer.model import load_hf_checkpoint
+    from rlstream.consumer.train.model import load_hf_checkpoint
 
     return load_hf_checkpoint(sharp_model_dir)
 
@@ -89,9 +89,9 @@ def fp32_model(megatron_world, sharp_model_dir):
 def test_r3_replays_the_records_routing_on_cuda(fp32_model, bf16_rollouts):
     """As test_routing_replay.py: under R3 every router of the CUDA model dispatches
     with the record's experts (bf16 rollouts), where its own fp32 choice differs."""
-    from consumer import replay
-    from consumer.batch import build_global_batch
-    from consumer.model import forward_logits
+    from rlstream.consumer.train import replay
+    from rlstream.consumer.train.batch import build_global_batch
+    from rlstream.consumer.train.model import forward_logits
     from tests.integration.test_routing_replay import routing_used, sorted_routing
 
     mb = build_global_batch(bf16_rollouts, 4).minibatches[0]
@@ -110,9 +110,9 @@ def test_r3_replays_the_records_routing_on_cuda(fp32_model, bf16_rollouts):
 def test_r3_replaying_own_routing_is_exact_on_cuda(fp32_model, bf16_rollouts):
     """Replaying the model's own recorded routing gives identical log-probs; the
     same routing shuffled across the batch does not (the [B, S] layout on CUDA)."""
-    from consumer import replay
-    from consumer.batch import build_global_batch
-    from consumer.model import per_token_logprobs
+    from rlstream.consumer.train import replay
+    from rlstream.consumer.train.batch import build_global_batch
+    from rlstream.consumer.train.model import per_token_logprobs
 
     tokens = build_global_batch(bf16_rollouts, 4).minibatches[0].tokens[:8]
     with torch.no_grad():
@@ -133,9 +133,9 @@ def test_r2_replays_old_policy_routing_in_later_minibatches_on_cuda(sharp_model_
                                                                     mode, expect_same):
     """As test_routing_replay.py: with R2 the update pass of each later mini-batch
     dispatches with the old-policy pass's routing; without replay it does not."""
-    from common.config import ConsumerSettings
-    from consumer import replay
-    from consumer.trainer import Trainer
+    from rlstream.common.config import ConsumerSettings
+    from rlstream.consumer.train import replay
+    from rlstream.consumer.train.trainer import Trainer
     from tests.integration.test_routing_replay import routing_used
 
     n = 4
@@ -156,8 +156,8 @@ def test_r2_replays_old_policy_routing_in_later_minibatches_on_cuda(sharp_model_
 
 def test_r3_lowers_training_inference_kl_on_cuda(sharp_model_dir, bf16_rollouts):
     """As test_routing_replay.py: R3 at least halves the bf16-vs-fp32 KL."""
-    from common.config import ConsumerSettings
-    from consumer.trainer import Trainer
+    from rlstream.common.config import ConsumerSettings
+    from rlstream.consumer.train.trainer import Trainer
 
     kl = {}
     for mode in ("none", "R3"):
@@ -182,7 +182,7 @@ def test_checkpoint_round_trip_on_cuda(sharp_model_dir, bf16_rollouts, tmp_path,
     both agrees. Not bit-exact here: the CUDA MoE dispatch accumulates with
     atomics, so the two continued steps agree to 1 % of the update they make
     (a lost or stale moment changes Adam's second update by O(1))."""
-    from consumer.trainer import Trainer
+    from rlstream.consumer.train.trainer import Trainer
     from tests.integration.test_trainer_step import params, settings, tensors_of
 
     cfg = settings(lr=1e-3, num_minibatches=2, replay="R2", dtype=dtype)
@@ -195,7 +195,7 @@ def test_checkpoint_round_trip_on_cuda(sharp_model_dir, bf16_rollouts, tmp_path,
     saved = a.state_dict()
     torch.save(saved, tmp_path / "ckpt.pt")
     b = Trainer.from_hf(sharp_model_dir, cfg)
-    b.load_state_dict(torch.load(tmp_path / "ckpt.pt", weights_only=True))  # as consumer/checkpoint.py
+    b.load_state_dict(torch.load(tmp_path / "ckpt.pt", weights_only=True))  # as consumer/checkpoint/files.py
     assert b.step == 1
     want, got = tensors_of(saved["optimizer"]), tensors_of(b.state_dict()["optimizer"])
     assert any(t.dtype == torch.float32 and t.numel() > 1000 for t in want.values())
@@ -217,9 +217,9 @@ def test_checkpoint_round_trip_on_cuda(sharp_model_dir, bf16_rollouts, tmp_path,
 def test_bf16_step_on_cuda_with_nccl(tiny_model_dir):
     import torch.distributed as dist
 
-    from common.config import ConsumerSettings
-    from consumer import megatron_shims
-    from consumer.trainer import Trainer
+    from rlstream.common.config import ConsumerSettings
+    from rlstream.consumer.train import megatron_shims
+    from rlstream.consumer.train.trainer import Trainer
     from tests.integration.multirank_worker import make_samples
 
     trainer = Trainer.from_hf(tiny_model_dir, ConsumerSettings(
@@ -237,7 +237,7 @@ def test_bf16_step_on_cuda_with_nccl(tiny_model_dir):
 @pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is None,
                     reason="Transformer Engine is not installed (not in the gpu extra)")
 def test_te_attention_builds_and_matches_sdpa(tiny_model_dir):
-    from consumer.model import load_hf_checkpoint, per_token_logprobs
+    from rlstream.consumer.train.model import load_hf_checkpoint, per_token_logprobs
 
     te = load_hf_checkpoint(tiny_model_dir, dtype=torch.bfloat16, attention="te")
     sdpa = load_hf_checkpoint(tiny_model_dir, dtype=torch.bfloat16, attention="sdpa")
@@ -250,8 +250,8 @@ def test_te_attention_builds_and_matches_sdpa(tiny_model_dir):
 def memory_point(model_dir, tokens: int) -> dict:
     """One train_step on one sequence of `tokens` positions, as the bench's
     `measure_point` (its scaled settings): CUDA peak above idle and seconds."""
-    from common.config import ConsumerSettings
-    from consumer.trainer import Trainer
+    from rlstream.common.config import ConsumerSettings
+    from rlstream.consumer.train.trainer import Trainer
     from tests.bench.trainer_scale import SCALED, one_sample
 
     trainer = Trainer.from_hf(model_dir, ConsumerSettings(

@@ -18,10 +18,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.megatron, pytest.mark.usefixtures("ne
 
 
 def test_snapshot_of_cuda_weights_is_pinned_and_carries_exactly_the_export(tiny_model_dir):
-    from common.config import ConsumerSettings
-    from common.weights import wire
-    from consumer.weights.snapshot import Snapshot
-    from consumer.trainer import Trainer
+    from rlstream.common.config import ConsumerSettings
+    from rlstream.common.weights import wire
+    from rlstream.consumer.weights.snapshot import Snapshot
+    from rlstream.consumer.train.trainer import Trainer
 
     trainer = Trainer.from_hf(tiny_model_dir, ConsumerSettings(dtype="bfloat16", group_size=1))
     assert trainer.device.type == "cuda"

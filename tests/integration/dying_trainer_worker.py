@@ -11,7 +11,7 @@ import sys
 import threading
 from pathlib import Path
 
-from common.weights import link
+from rlstream.common.weights import link
 from tests.support.weights import TrainerSide, perturbed, read_weights
 
 _SENDS_BEFORE_HANGING = 4  # header length, header, group 0, its digest

@@ -53,8 +53,8 @@ def make_samples(model_dir: str, seed: int = 2, n_groups: int = 4, group_size: i
     parallelism pads one of them (test_multirank checks). Groups are sampled
     at temperatures 0.7, 1.0 and 1.3 in turn, so the vocabulary-parallel
     log-probs under TP are taken at each row's temperature too."""
-    from consumer.batch import TrainSample
-    from consumer.model import read_hf_dims
+    from rlstream.consumer.train.batch import TrainSample
+    from rlstream.consumer.train.model import read_hf_dims
 
     dims = read_hf_dims(model_dir)
     vocab, n_layers, n_exp, k = dims.vocab_size, dims.num_layers, dims.num_experts, dims.topk
@@ -76,7 +76,7 @@ def make_samples(model_dir: str, seed: int = 2, n_groups: int = 4, group_size: i
 
 def trainer_config(layout: str, one_rank: bool = False):
     """The layout's settings; `one_rank`: the same step in a world of one (the reference)."""
-    from common.config import ConsumerSettings
+    from rlstream.common.config import ConsumerSettings
 
     _, parallel, replay = LAYOUTS[layout]
     if one_rank:
@@ -86,8 +86,8 @@ def trainer_config(layout: str, one_rank: bool = False):
 
 
 def run(model_dir: str, layout: str):
-    from consumer.model import forward_logits
-    from consumer.trainer import Trainer
+    from rlstream.consumer.train.model import forward_logits
+    from rlstream.consumer.train.trainer import Trainer
 
     trainer = Trainer.from_hf(model_dir, trainer_config(layout))
     gb = trainer.build_batch(make_samples(model_dir), group_size=4)
@@ -106,8 +106,8 @@ def run(model_dir: str, layout: str):
 def chunked_vs_full(model_dir: str, layout: str) -> dict:
     """Under TP: chunked log-probs (5 positions a chunk) against the unchunked
     vocabulary-parallel ones: max |diff| of values and entropy, relative gradient diff."""
-    from consumer.model import load_hf_checkpoint, per_token_logprobs
-    from consumer.parallel import ParallelLayout
+    from rlstream.consumer.train.model import load_hf_checkpoint, per_token_logprobs
+    from rlstream.consumer.train.parallel import ParallelLayout
 
     layout_ = ParallelLayout.of(trainer_config(layout).parallel, world_size(layout))
     model = load_hf_checkpoint(model_dir, layout_)
@@ -139,11 +139,11 @@ def restore_is_exact(model_dir: str, layout: str, trainer, gathered: bool = Fals
 
     import torch.distributed as dist
 
-    from consumer.trainer import Trainer
+    from rlstream.consumer.train.trainer import Trainer
 
     buf = io.BytesIO()
     saved = trainer.state_dict()
-    if gathered:  # what consumer/optimizer.py's state_dict() wrote then
+    if gathered:  # what consumer/train/optimizer.py's state_dict() wrote then
         for opt, part in zip(trainer.optimizer.parts, saved["optimizer"]["parts"]):
             if "param_state" in part:
                 part["param_state"] = opt.get_parameter_state_dp_zero()
@@ -166,7 +166,7 @@ def audit(model_dir: str, layout: str) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from consumer.trainer import Trainer
+    from rlstream.consumer.train.trainer import Trainer
     from tests.support.collectives import MetaCollective, misplaced, recorded
 
     trainer = Trainer.from_hf(model_dir, trainer_config(layout))

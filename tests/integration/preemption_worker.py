@@ -55,7 +55,7 @@ def count_preemptions(engine) -> dict[str, list[int]]:
 
 
 def generate(engine, prompts, tag: str) -> list:
-    from producer.sample import SamplingConfig
+    from rlstream.producer.sample import SamplingConfig
     from tests.support.engine import run_until_done
 
     sampling = SamplingConfig(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
@@ -70,9 +70,9 @@ def preemptions_of(request_id: str, counts: dict[str, list[int]]) -> list[int]:
 
 
 def engine_settings(model_dir: Path, routing: str):
-    from common.config import EngineSettings
+    from rlstream.common.config import EngineSettings
 
-    native = {"routing": "native", "enable_prefix_caching": True, "gpu_memory_utilization": 0.3} \
+    native = {"routing": "native", "enable_prefix_caching": True, "gpu_memory_utilization": 0.3}\
         if routing == "native" else {}
     return EngineSettings(dtype="float32", max_model_len=256, kv_cache_memory_bytes=kv_bytes(model_dir),
                           block_size=BLOCK, max_num_seqs=len(PROMPTS), seed=0, enforce_eager=True, **native)
@@ -81,7 +81,7 @@ def engine_settings(model_dir: Path, routing: str):
 def main(model_dir: Path, out: Path, routing: str = "capture") -> None:
     import os
 
-    from producer.engine import RolloutEngine
+    from rlstream.producer.engine import RolloutEngine
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the scheduler in this process (capture sets it too)
     settings = engine_settings(model_dir, routing)

@@ -20,8 +20,8 @@ from tests.support.weights import perturbed, read_weights, write_version
 
 
 def check(tiny_model_dir: Path, tmp_path: Path) -> None:
-    from common.config import EngineSettings
-    from producer.engine import RolloutEngine
+    from rlstream.common.config import EngineSettings
+    from rlstream.producer.engine import RolloutEngine
 
     settings = EngineSettings(dtype="float32", max_model_len=256, kv_cache_memory_bytes=64 << 20, max_num_seqs=8,
                               routing="off", enable_prefix_caching=True, block_size=32)

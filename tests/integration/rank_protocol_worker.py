@@ -42,8 +42,8 @@ def tensor_bytes(obj) -> int:
 
 
 def count_snapshot_bytes(held: list[int]) -> None:
-    """Every host copy consumer/ranks.py takes for a checkpoint adds its bytes to `held`."""
-    from consumer import ranks
+    """Every host copy consumer/ranks/protocol.py takes for a checkpoint adds its bytes to `held`."""
+    from rlstream.consumer.ranks import protocol as ranks
 
     copy = ranks.host_copy
 
@@ -59,7 +59,7 @@ def own_bytes(trainer) -> int:
     model shard of its (tp, ep) pair if it is the pair's writer (expert-data-parallel rank 0)."""
     from megatron.core import parallel_state as ps
 
-    from consumer.convert import local_megatron_state_dict
+    from rlstream.consumer.train.layout import local_megatron_state_dict
 
     optimizer = 3 * 4 * sum(m.numel() for m in trainer.optimizer.fp32_masters().values())
     writer = ps.get_expert_data_parallel_rank() == 0
@@ -70,12 +70,12 @@ def one_layout(model_dir: str, out: Path, layout: str) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from consumer.channel import RankChannel
-    from consumer.checkpoint import CheckpointManager, CheckpointState
-    from consumer.ranks import Follower, Leader
-    from consumer.shares import sample_bytes
-    from consumer.trainer import Trainer
-    from consumer.weights.export import collect
+    from rlstream.consumer.ranks.channel import RankChannel
+    from rlstream.consumer.checkpoint.files import CheckpointManager, CheckpointState
+    from rlstream.consumer.ranks.protocol import Follower, Leader
+    from rlstream.consumer.ranks.shares import sample_bytes
+    from rlstream.consumer.train.trainer import Trainer
+    from rlstream.consumer.train.export import collect
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()

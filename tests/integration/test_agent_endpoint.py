@@ -18,8 +18,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from common import metrics
-from common.config import RlstreamConfig
+from rlstream.common import metrics
+from rlstream.common.config import RlstreamConfig
 from tests.fixtures.kafka import make_kafka_settings
 from tests.integration.test_producer_service import announce_trainer_start, read_all
 
@@ -29,8 +29,8 @@ G, TOKEN = 2, "agent-secret"
 
 
 def _service(broker, tiny_model_dir, tmp_path, engine):
-    from common.toy.build import ensure_data
-    from producer.service import ProducerService
+    from rlstream.toy.build import ensure_data
+    from rlstream.producer.service import ProducerService
 
     kafka = make_kafka_settings(broker.bootstrap, tmp_path / "blobs")
     cfg = RlstreamConfig.model_validate({

@@ -21,12 +21,12 @@ import numpy as np
 import pytest
 import yaml
 
-from common.config import RlstreamConfig
-from common.kafka.claimcheck import BlobStore, resolve
-from common.errors import InvalidRecordError
-from common.kafka.publisher import RolloutPublisher
-from common.kafka.scan import TopicScan
-from common.record import ClaimPointer, encode_claim_pointer
+from rlstream.common.config import RlstreamConfig
+from rlstream.common.kafka.claimcheck import BlobStore, resolve
+from rlstream.common.errors import InvalidRecordError
+from rlstream.common.kafka.publisher import RolloutPublisher
+from rlstream.common.kafka.scan import TopicScan
+from rlstream.common.record import ClaimPointer, encode_claim_pointer
 from tests.fixtures.kafka import make_kafka_settings
 from tests.support.synthetic import synthetic_group
 
@@ -41,7 +41,7 @@ def _age(store: BlobStore, keep_young: set[str]) -> None:
 
 
 def _gc(path, capsys, *extra: str) -> dict:
-    from common.app.cli import main
+    from rlstream.cli import main
 
     capsys.readouterr()
     assert main(["blobs", "gc", "-c", str(path), "--min-age-s", "3600", *extra]) == 0
@@ -50,8 +50,8 @@ def _gc(path, capsys, *extra: str) -> dict:
 
 @pytest.mark.timeout(300)
 def test_gc_keeps_what_retained_records_and_checkpoints_point_to(broker, tmp_path, capsys):
-    from common.kafka.client import make_producer
-    from consumer.checkpoint import CheckpointState
+    from rlstream.common.kafka.client import make_producer
+    from rlstream.consumer.checkpoint.files import CheckpointState
 
     kafka = make_kafka_settings(broker.bootstrap, tmp_path / "blobs", rollouts_partitions=1, claim_check_bytes=2048)
     store = BlobStore(kafka.blob_dir)

@@ -22,12 +22,12 @@ import time
 import numpy as np
 import pytest
 
-from common import metrics
-from common.control.http import ServiceHttp
-from common.control.liveness import Readiness
-from common.harness.observe import http_request
-from common.kafka.publisher import RolloutPublisher
-from common.kafka.reader import RolloutReader
+from rlstream.common import metrics
+from rlstream.common.control.http import ServiceHttp
+from rlstream.common.control.liveness import Readiness
+from rlstream.harness.observe import http_request
+from rlstream.common.kafka.publisher import RolloutPublisher
+from rlstream.common.kafka.reader import RolloutReader
 from tests.fixtures.kafka import make_kafka_settings
 from tests.support.synthetic import publish_groups, synthetic_group
 from tests.support.topics import append_batches
@@ -66,9 +66,9 @@ def test_a_reader_gets_the_records_behind_a_long_log(broker, tmp_path):
 def test_the_control_follower_gets_an_announcement_behind_a_long_policy_log(broker, tmp_path):
     """The producers' view of the trainer: after hours of TrainerProgress messages the policy
     topic is long; a new WeightsReady must still arrive."""
-    from common.config import ControlSettings
-    from common.control.messages import TrainerProgress, WeightsReady
-    from common.control.plane import ControlFollower, ControlPlaneWriter
+    from rlstream.common.config import ControlSettings
+    from rlstream.common.control.messages import TrainerProgress, WeightsReady
+    from rlstream.common.control.plane import ControlFollower, ControlPlaneWriter
 
     kafka = make_kafka_settings(broker.bootstrap, tmp_path / "blobs")
     # 1 ms: tansu lists a partition's whole log per fetch (~1 us a batch on the 2-core machine), so

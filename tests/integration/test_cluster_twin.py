@@ -1,4 +1,4 @@
-"""The cluster twin itself (common/cluster/twin.py): hosts that are really apart.
+"""The cluster twin itself (ops/cluster/twin.py): hosts that are really apart.
 
 - each host has its own address and hostname, and every host name (and alias)
   resolves to the right address in every host, as a cluster's DNS would;
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from common.cluster.twin import ClusterTwin, Host, remove_stale_test_namespaces, unavailable_reason
+from rlstream.cluster.twin import ClusterTwin, Host, remove_stale_test_namespaces, unavailable_reason
 
 ROOT = Path(__file__).resolve().parents[2]
 _WHY = unavailable_reason()
@@ -107,12 +107,12 @@ def test_a_shaped_nic_bounds_the_transfer_rate():
 @pytest.mark.broker
 def test_the_broker_on_one_host_serves_a_client_on_another_by_name():
     with ClusterTwin([Host("kafka-0", aliases=("kafka",)), Host("trainer-0")], observer=True) as twin:
-        broker = twin.popen("kafka-0", [sys.executable, "-m", "common.app.cli", "broker",
+        broker = twin.popen("kafka-0", [sys.executable, "-m", "rlstream.cli", "broker",
                                         "--set", "broker.host=kafka", "--set", "broker.port=9092"],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = _py("""
             import sys, time
-            from common.kafka.broker import kafka_ping
+            from rlstream.common.kafka.broker import kafka_ping
             deadline = time.monotonic() + 40
             while not kafka_ping('kafka', 9092, 0.5):
                 if time.monotonic() > deadline: sys.exit('broker never answered')
@@ -129,7 +129,7 @@ def test_the_broker_on_one_host_serves_a_client_on_another_by_name():
         assert r.returncode == 0, r.stderr[-2000:]
         assert r.stdout.strip().endswith("across hosts")
         # the machine itself reaches the broker through the observer port, by address only
-        from common.kafka.broker import kafka_ping
+        from rlstream.common.kafka.broker import kafka_ping
         assert kafka_ping(twin.address("kafka-0"), 9092, 2.0)
         assert broker.poll() is None
 

@@ -4,7 +4,7 @@ rlstream's own clients are kafka-python; a third party may well write
 rollouts with librdkafka. Against the real tansu broker (the session's, TCP):
 
 - a confluent-kafka Producer (idempotent, acks=all, `partitioner:
-  murmur2_random`) publishes one valid group (`common.record.encode`, key =
+  murmur2_random`) publishes one valid group (`rlstream.common.record.encode`, key =
   group id); every record lands on the partition kafka-python's partitioner
   picks for the key (librdkafka's default, CRC32-based `consistent_random`,
   would scatter a group's keys differently from the Python producers');
@@ -48,8 +48,8 @@ def kafka_python_partition(key: bytes, partitions: int) -> int:
 
 @pytest.fixture(scope="module")
 def service(broker, tiny_model_dir, tmp_path_factory):
-    from common.config import RlstreamConfig
-    from consumer.service import ConsumerService
+    from rlstream.common.config import RlstreamConfig
+    from rlstream.consumer.service import ConsumerService
     from tests.fixtures.kafka import make_kafka_settings
 
     tmp = tmp_path_factory.mktemp("confluent")
@@ -67,7 +67,7 @@ def service(broker, tiny_model_dir, tmp_path_factory):
 
 @pytest.mark.timeout(300)
 def test_a_group_produced_with_confluent_kafka_is_trained(service):
-    from common.record import encode
+    from rlstream.common.record import encode
     from tests.support.synthetic import synthetic_group
 
     svc, kafka = service
@@ -96,7 +96,7 @@ def test_a_group_produced_with_confluent_kafka_is_trained(service):
 @pytest.mark.timeout(120)
 def test_confluent_kafka_reads_the_records_back(service):
     """Explicit assign() at offset 0; librdkafka requires a group.id even then (never joined here)."""
-    from common.record import decode
+    from rlstream.common.record import decode
 
     svc, kafka = service
     part = kafka_python_partition(b"ck-group", kafka.topics.rollouts_partitions)

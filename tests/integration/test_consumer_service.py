@@ -27,10 +27,10 @@ import numpy as np
 import pytest
 import yaml
 
-from common.config import RlstreamConfig
-from common.control.messages import encode_control
-from common.control.plane import ControlPlaneWriter
-from common.control.signing import publish, signing_key
+from rlstream.common.config import RlstreamConfig
+from rlstream.common.control.messages import encode_control
+from rlstream.common.control.plane import ControlPlaneWriter
+from rlstream.common.control.signing import publish, signing_key
 from tests.fixtures.kafka import make_kafka_settings
 from tests.support.configs import ADMIN_TOKEN
 from tests.support.synthetic import publish_groups, synthetic_group
@@ -53,8 +53,8 @@ def consumer_config(kafka, tiny_model_dir, tmp: Path, **consumer) -> RlstreamCon
 @pytest.fixture(scope="module")
 def service(broker, tiny_model_dir, tmp_path_factory):
     """One in-process ConsumerService for the module (Megatron state is per process)."""
-    from common.kafka.publisher import RolloutPublisher
-    from consumer.service import ConsumerService
+    from rlstream.common.kafka.publisher import RolloutPublisher
+    from rlstream.consumer.service import ConsumerService
 
     tmp = tmp_path_factory.mktemp("consumer")
     kafka = make_kafka_settings(broker.bootstrap, tmp / "blobs", rollouts_partitions=2)
@@ -103,7 +103,7 @@ def test_gate_drops_at_bound_and_keeps_below(service):
 def test_reweight_mode_via_control_topic(service):
     from kafka import KafkaProducer
 
-    from common.kafka.client import client_kwargs
+    from rlstream.common.kafka.client import client_kwargs
 
     svc, pub, kafka = service
     p = KafkaProducer(**client_kwargs(kafka), acks="all")
@@ -164,9 +164,9 @@ def test_announced_version_opens_in_transformers_with_same_logprobs(service):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from common.control.messages import WeightsReady
-    from common.weights.store import verify
-    from consumer.model import per_token_logprobs
+    from rlstream.common.control.messages import WeightsReady
+    from rlstream.common.weights.store import verify
+    from rlstream.consumer.train.model import per_token_logprobs
 
     svc, _, kafka = service
     deadline = time.time() + 10
@@ -176,7 +176,7 @@ def test_announced_version_opens_in_transformers_with_same_logprobs(service):
     ann: WeightsReady = svc.follower.view.weights
     # the collective path (the default) announces the snapshot every producer link streams...
     snap = svc.announcer.snapshot
-    assert (ann.transport, ann.version, ann.digest, ann.endpoint, ann.backend) == \
+    assert (ann.transport, ann.version, ann.digest, ann.endpoint, ann.backend) ==\
         ("collective", svc.version, snap.digest, svc.announcer.sender.endpoint, "rlstream_gloo")
     # ...and its durable copy, written in the background every K versions and at shutdown (here: now)
     svc.announcer.durable.flush(snap)
@@ -262,7 +262,7 @@ def test_dynamic_sampling_filters_equal_reward_groups_and_fills_the_batch(servic
     from the stream, and the progress announcement carries the filtered share."""
     import dataclasses
 
-    from common import metrics
+    from rlstream.common import metrics
 
     svc, pub, _ = service
     assert svc.ccfg.dynamic_sampling == "auto" and svc.ccfg.filters_zero_variance  # minirl, G = 4
@@ -319,8 +319,8 @@ def test_sigkill_between_checkpoints_resumes_exactly_once(broker, tiny_model_dir
     restart resumes from step 2, redoes step 3 with re-read records, finishes at 6:
     in the final model's lineage every record is trained once, and the version
     the dead step 3 announced is never reused."""
-    from common.kafka.publisher import RolloutPublisher
-    from consumer.checkpoint import CheckpointManager
+    from rlstream.common.kafka.publisher import RolloutPublisher
+    from rlstream.consumer.checkpoint.files import CheckpointManager
     from tests.support.audit import audit_steps
     from tests.support.topics import announced_versions, weights_announcements
 
@@ -401,7 +401,7 @@ def test_two_ranks_under_torchrun(broker, tiny_model_dir, tmp_path, layout):
     exit 0. Under tensor/expert parallelism each rank writes its own checkpoint
     shard; tp2 and dp2_ep2 (whose dense optimizer state is spread over both ranks,
     one file each) then restart from those files and train one more step."""
-    from common.kafka.publisher import RolloutPublisher
+    from rlstream.common.kafka.publisher import RolloutPublisher
 
     kafka = make_kafka_settings(broker.bootstrap, tmp_path / "blobs", rollouts_partitions=2)
     cfg = consumer_config(kafka, tiny_model_dir, tmp_path, max_steps=2, **TWO_RANK_LAYOUTS[layout])
@@ -416,7 +416,7 @@ def test_two_ranks_under_torchrun(broker, tiny_model_dir, tmp_path, layout):
 def _two_rank_run(kafka, pub, tiny_model_dir, tmp_path, layout, cfg_path):
     import torch
 
-    from consumer.checkpoint import CheckpointManager
+    from rlstream.consumer.checkpoint.files import CheckpointManager
 
     published = publish_groups(pub, [synthetic_group(f"mr{i}", G, 0, np.random.default_rng(i))
                                      for i in range(2 * B)])

@@ -16,13 +16,13 @@ import logging
 
 import pytest
 
-from common import metrics
-from common.config import ControlSettings
-from common.control.messages import encode_control
-from common.control.plane import ControlFollower, ControlPlaneWriter
-from common.control.signing import HEADER, signature, signing_key
-from common.errors import ConfigError
-from common.harness.census import read_topic
+from rlstream.common import metrics
+from rlstream.common.config import ControlSettings
+from rlstream.common.control.messages import encode_control
+from rlstream.common.control.plane import ControlFollower, ControlPlaneWriter
+from rlstream.common.control.signing import HEADER, signature, signing_key
+from rlstream.common.errors import ConfigError
+from rlstream.harness.census import read_topic
 from tests.support.configs import ADMIN_TOKEN
 
 pytestmark = [pytest.mark.broker]
@@ -38,7 +38,7 @@ def _write(kafka, key: bytes, value: bytes, headers=()) -> None:
     """One record on the control topic from a plain kafka-python client (acks=all)."""
     from kafka import KafkaProducer
 
-    from common.kafka.client import client_kwargs
+    from rlstream.common.kafka.client import client_kwargs
 
     p = KafkaProducer(**client_kwargs(kafka), acks="all")
     try:
@@ -55,7 +55,7 @@ def test_only_signed_fresh_control_records_apply(kafka_settings, caplog):
     follower = ControlFollower(kafka, initial, KEY)
     writer = ControlPlaneWriter(kafka, KEY)
     try:
-        with caplog.at_level(logging.WARNING, logger="common.control.plane"):
+        with caplog.at_level(logging.WARNING, logger="rlstream.common.control.plane"):
             for key, value in (("max_staleness", 0), ("decay", 0.5), ("paused", True)):  # no signature
                 _write(kafka, *encode_control(key, value, by="hostile"))
             k, v = encode_control("paused", True, by="hostile")  # signed with another deployment's token
@@ -108,7 +108,7 @@ def test_only_signed_weight_announcements_apply(kafka_settings):
     foreign endpoint, a durable copy anywhere) is not taken by a service holding the token; the
     trainer's signed announcement is. (Producers also take durable copies only from their
     weight store, producer/weights/reload.py; the consumer bounds record versions by its own.)"""
-    from common.control.messages import WeightsReady
+    from rlstream.common.control.messages import WeightsReady
 
     kafka = kafka_settings
     forged = WeightsReady(version=1_000_000, transport="collective", digest="f" * 64, endpoint="10.9.9.9:1",
@@ -132,7 +132,7 @@ def test_only_signed_weight_announcements_apply(kafka_settings):
 def _write_policy(kafka, msg) -> None:
     from kafka import KafkaProducer
 
-    from common.kafka.client import client_kwargs
+    from rlstream.common.kafka.client import client_kwargs
 
     p = KafkaProducer(**client_kwargs(kafka), acks="all")
     try:

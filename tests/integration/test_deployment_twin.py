@@ -1,10 +1,10 @@
 """The compose deployment, as shipped, on a cluster twin: every service on a host of its own.
 
 ops/compose/docker-compose.yml is read as Docker Compose reads it
-(common/cluster/shipped.py): the same commands, the same environment, the same
+(ops/cluster/shipped.py): the same commands, the same environment, the same
 service names, which every host resolves through its hosts file as the compose
 network's DNS would. Each service runs in a network namespace of its own
-(common/harness/rehearsal.py), so a setting that only works on one host (a
+(ops/harness/rehearsal.py), so a setting that only works on one host (a
 weight endpoint bound to or announced as 127.0.0.1, the review's N3) fails here
 as it would on a cluster: on the compose file before the N3 fix the producers
 log `weight endpoint 127.0.0.1:<port> unreachable` and stay at version 0.
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.harness.rehearsal import SWAPS, ComposeOnTwin
+from rlstream.harness.rehearsal import SWAPS, ComposeOnTwin
 from tests.support.twin import TWIN_MARKS, every_version_crosses_hosts
 
 VERSIONS = 5

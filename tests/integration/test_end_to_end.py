@@ -23,9 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from common.config import load_config
-from common.harness.demo import prepare_warm
-from common.harness.runs import StopRule, run_rl
+from rlstream.common.config import load_config
+from rlstream.harness.demo import prepare_warm
+from rlstream.harness.runs import StopRule, run_rl
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.megatron, pytest.mark.broker]
 

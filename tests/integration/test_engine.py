@@ -6,7 +6,7 @@ import threading
 import numpy as np
 import pytest
 
-from producer.rollout.trajectory import Trajectory
+from rlstream.producer.rollout.trajectory import Trajectory
 from tests.support.engine import run_until_done
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -15,14 +15,14 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 @pytest.fixture(scope="module")
 def second_model_dir(tmp_path_factory):
     """Another tiny model (same shapes, other random weights): weight version 1."""
-    from common.toy.tinymodel import TinyModelSpec, build_tiny_model
+    from rlstream.toy.tinymodel import TinyModelSpec, build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model-v1"), TinyModelSpec(seed=1))
 
 
 @pytest.mark.timeout(300)
 def test_groups_produce_well_formed_samples(rollout_engine):
-    from producer.sample import SamplingConfig
+    from rlstream.producer.sample import SamplingConfig
 
     eng = rollout_engine
     groups = {"g-a": "12+7=", "g-b": "99-45=", "g-c": "3+4+5="}
@@ -64,7 +64,7 @@ def test_groups_produce_well_formed_samples(rollout_engine):
 
 @pytest.mark.timeout(300)
 def test_reload_switches_version_and_greedy_outputs(rollout_engine, second_model_dir, tiny_model_dir):
-    from producer.sample import SamplingConfig
+    from rlstream.producer.sample import SamplingConfig
 
     eng = rollout_engine
     greedy = SamplingConfig(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -92,7 +92,7 @@ def test_reload_switches_version_and_greedy_outputs(rollout_engine, second_model
 
 @pytest.mark.timeout(300)
 def test_tokens_after_a_mid_sample_reload_carry_the_new_version(rollout_engine, second_model_dir):
-    from producer.sample import SamplingConfig
+    from rlstream.producer.sample import SamplingConfig
 
     eng = rollout_engine
     greedy = SamplingConfig(max_tokens=20, temperature=0.0, ignore_eos=True)
@@ -120,7 +120,7 @@ def test_tokens_after_a_mid_sample_reload_carry_the_new_version(rollout_engine, 
 
 @pytest.mark.timeout(300)
 def test_abort_all_drops_in_flight_samples(rollout_engine):
-    from producer.sample import SamplingConfig
+    from rlstream.producer.sample import SamplingConfig
 
     eng = rollout_engine
     eng.submit_group(eng.encode("1+1="), 3, SamplingConfig(max_tokens=50, ignore_eos=True), tag="ab")
@@ -138,7 +138,7 @@ def test_abort_all_drops_in_flight_samples(rollout_engine):
 def test_abort_tag_drops_one_group_and_oldest_versions_follow_first_tokens(rollout_engine, second_model_dir):
     """Stale eviction's engine side: a group's oldest version is its first sampled token's
     (the version now while none is sampled); aborting one tag leaves the others whole."""
-    from producer.sample import SamplingConfig
+    from rlstream.producer.sample import SamplingConfig
 
     eng = rollout_engine
     sampling = SamplingConfig(max_tokens=12, ignore_eos=True)
@@ -163,7 +163,7 @@ def test_a_sampled_group_is_one_vllm_request_and_a_greedy_group_n(rollout_engine
     """At temperature > 0 a group is one vLLM request that vLLM fans out into n (its inputs
     processed once); vLLM refuses n > 1 for greedy sampling, so a greedy group is n requests
     of one. Either way each sample finishes on its own as "{tag}/{i}"."""
-    from producer.sample import SamplingConfig
+    from rlstream.producer.sample import SamplingConfig
 
     eng = rollout_engine
     eng.submit_group(eng.encode("12+7="), 4, SamplingConfig(max_tokens=8), tag="fan")
@@ -183,8 +183,8 @@ def test_a_sampled_group_is_one_vllm_request_and_a_greedy_group_n(rollout_engine
 
 @pytest.mark.timeout(120)
 def test_misuse_is_refused(rollout_engine):
-    from common.errors import EngineError
-    from producer.sample import SamplingConfig
+    from rlstream.common.errors import EngineError
+    from rlstream.producer.sample import SamplingConfig
 
     eng = rollout_engine
     with pytest.raises(EngineError, match="max_model_len"):
@@ -207,7 +207,7 @@ def test_misuse_is_refused(rollout_engine):
 @pytest.mark.timeout(300)
 def test_decode_throughput(rollout_engine):
     """Figure for the report (asserted loosely): 32 samples x 64 tokens."""
-    from producer.sample import SamplingConfig
+    from rlstream.producer.sample import SamplingConfig
 
     eng = rollout_engine
     before_tok, before_s = eng.stats.generated_tokens, eng.stats.step_seconds

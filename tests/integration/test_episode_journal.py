@@ -6,7 +6,7 @@ clients close (what the broker got stays, nothing more is written). Producer `b`
 starts on the same engine (the session's: a second engine start would cost ~40 s), sees
 a's lease lapse (lease_s = 1 s), claims a's unfinished episodes and finishes them. Then:
 every episode is published exactly once, a's groups are complete and assemble as one
-copy each (consumer/assembler.py), and each resumed record starts with exactly the
+copy each (consumer/stream/assembler.py), and each resumed record starts with exactly the
 tokens, log-probs, mask and versions a had generated up to its last completed turn.
 Without the journal a's in-flight episodes are never published and its groups stay
 incomplete. The environment answers every model turn for 3 turns (the random tiny
@@ -21,8 +21,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from common.config import RlstreamConfig
-from common.lifecycle import close_attrs
+from rlstream.common.config import RlstreamConfig
+from rlstream.common.lifecycle import close_attrs
 from tests.fixtures.kafka import make_kafka_settings
 
 pytestmark = [pytest.mark.broker, pytest.mark.vllm, pytest.mark.slow]
@@ -43,7 +43,7 @@ class Turns:
         return task.prompt
 
     def step(self, turn):
-        from producer.rollout.environment import StepResult
+        from rlstream.common.tasks.environment import StepResult
 
         self.n += 1
         return StepResult(None, 1.0, True) if self.n >= TURNS else StepResult(f"={self.n},")
@@ -82,8 +82,8 @@ def crash(svc, engine) -> None:
 
 def journaled(kafka) -> dict:
     """The journal's live entries now: key -> Snapshot."""
-    from producer.journal.snapshot import decode
-    from producer.journal.topic import JournalTopic
+    from rlstream.producer.journal.snapshot import decode
+    from rlstream.producer.journal.topic import JournalTopic
 
     t = JournalTopic(kafka, lease_s=1.0)
     t.sync()
@@ -99,13 +99,13 @@ def test_a_crashed_producers_episodes_are_resumed_and_published_exactly_once(bro
 
 
 def run_crash(broker, engine, model_dir, tmp_path, monkeypatch, journal: bool) -> None:
-    import producer.envs
-    from common.toy.build import ensure_data
-    from consumer.assembler import GroupAssembler
-    from producer.service import ProducerService
+    from rlstream.common.tasks import envs
+    from rlstream.toy.build import ensure_data
+    from rlstream.consumer.stream.assembler import GroupAssembler
+    from rlstream.producer.service import ProducerService
     from tests.integration.test_producer_service import announce_trainer_start, read_all
 
-    monkeypatch.setitem(producer.envs.ENVIRONMENTS, "calculator", Turns)
+    monkeypatch.setitem(envs.ENVIRONMENTS, "calculator", Turns)
     kafka = make_kafka_settings(broker.bootstrap, tmp_path / "blobs", rollouts_partitions=2)
     data = tmp_path / "data" / "train.jsonl"
     ensure_data(config(kafka, model_dir, data, "a", journal), n_train=64, n_heldout=8)
@@ -131,7 +131,7 @@ def run_crash(broker, engine, model_dir, tmp_path, monkeypatch, journal: bool) -
 
     b = ProducerService(config(kafka, model_dir, data, "b", journal), broker.bootstrap)
     b.start(engine=engine)
-    from common import metrics
+    from rlstream.common import metrics
     try:
         taken = lambda: sum(metrics.value("rlstream_producer_resumed_episodes_total", outcome=o) or 0  # noqa: E731
                             for o in ("resumed", "published"))
@@ -163,7 +163,7 @@ def run_crash(broker, engine, model_dir, tmp_path, monkeypatch, journal: bool) -
         n = s.response.size
         assert r.rollout_id == s.rollout_id and r.response_ids[:n].tolist() == s.response.tolist()
         assert np.array_equal(r.logprobs[:n], s.logprobs) and r.model_mask[:n].tolist() == s.mask.tolist()
-        versions = np.repeat(r.token_versions[:, 0], r.token_versions[:, 1]) if r.token_versions is not None \
+        versions = np.repeat(r.token_versions[:, 0], r.token_versions[:, 1]) if r.token_versions is not None\
             else np.full(r.num_tokens, r.policy_version)
         assert versions[:n].tolist() == s.versions.tolist() and r.reward == 1.0
 
@@ -172,11 +172,11 @@ def run_crash(broker, engine, model_dir, tmp_path, monkeypatch, journal: bool) -
 def test_the_resumer_finds_a_published_record_from_the_journaled_offsets(broker, tmp_path):
     """producer/journal/published.py on the broker: a record at or after the bound is found,
     a claim-check pointer names its rollout id, one before the bound or never sent is not."""
-    from common.kafka.claimcheck import BlobStore
-    from common.kafka.client import ensure_topics
-    from common.kafka.publisher import RolloutPublisher
-    from common.record import Rollout
-    from producer.journal.published import published
+    from rlstream.common.kafka.claimcheck import BlobStore
+    from rlstream.common.kafka.client import ensure_topics
+    from rlstream.common.kafka.publisher import RolloutPublisher
+    from rlstream.common.record import Rollout
+    from rlstream.producer.journal.published import published
 
     def rollout(group: str, n: int) -> Rollout:
         return Rollout(rollout_id=Rollout.new_id(), group_id=group, sample_idx=0, group_size=1,

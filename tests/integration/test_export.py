@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import yaml
 
-from common.config import RlstreamConfig
-from common.kafka.publisher import RolloutPublisher
+from rlstream.common.config import RlstreamConfig
+from rlstream.common.kafka.publisher import RolloutPublisher
 from tests.fixtures.kafka import make_kafka_settings, realistic_rollout
 from tests.support.synthetic import publish_groups, synthetic_group
 
@@ -54,7 +54,7 @@ def topic(broker, tmp_path_factory):
 
 
 def _cli(argv: list[str], capsys) -> dict:
-    from common.app.cli import main
+    from rlstream.cli import main
 
     capsys.readouterr()
     assert main(argv) == 0
@@ -91,7 +91,7 @@ def _check_row(row: dict, r) -> None:
 
 @pytest.mark.timeout(300)
 def test_export_resumes_and_datasets_reads_every_record(topic, capsys):
-    from common.export.run import ExportOptions, export
+    from rlstream.common.export.run import ExportOptions, export
 
     kafka, records, path, tmp = topic
     out = tmp / "out"

@@ -47,8 +47,8 @@ from pathlib import Path
 
 import pytest
 
-from common.harness.census import read_dlq
-from common.harness.supervisor import Service, wait_until
+from rlstream.harness.census import read_dlq
+from rlstream.harness.supervisor import Service, wait_until
 from tests.fixtures.kafka import make_kafka_settings
 from tests.support.audit import audit_lines, committed_checkpoint, lineage_entries
 from tests.support.configs import service_config, write_config
@@ -227,7 +227,7 @@ class Scenario:
 def scenario(broker, tiny_model_dir, tmp_path_factory):
     import numpy as np
 
-    from common.kafka.publisher import RolloutPublisher
+    from rlstream.common.kafka.publisher import RolloutPublisher
 
     tmp = tmp_path_factory.mktemp("faults-consumer")
     kafka = make_kafka_settings(broker.bootstrap, tmp / "blobs", rollouts_partitions=2)

@@ -38,11 +38,11 @@ from pathlib import Path
 
 import pytest
 
-from common.kafka.broker import EmbeddedBroker, free_port
-from common.config import BrokerSettings
-from common.errors import PipelineError
-from common.harness.census import read_rollouts
-from common.harness.supervisor import Service, wait_until
+from rlstream.common.kafka.broker import EmbeddedBroker, free_port
+from rlstream.common.config import BrokerSettings
+from rlstream.common.errors import PipelineError
+from rlstream.harness.census import read_rollouts
+from rlstream.harness.supervisor import Service, wait_until
 from tests.fixtures.kafka import make_kafka_settings
 from tests.support.audit import audit_steps
 from tests.support.configs import ensure_prompts, service_config, trainer_writer, write_config
@@ -79,7 +79,7 @@ class Stack:
         return read_rollouts(kafka or self.kafka, **({"quiet_s": 1.0} if settle else {"to_end": True}))
 
     def announce(self, version: int, manifest: dict, offsets: dict) -> None:
-        from common.control.messages import TrainerProgress, WeightsReady
+        from rlstream.common.control.messages import TrainerProgress, WeightsReady
         w = trainer_writer(self.kafka_w)
         try:  # "the trainer" read everything up to `offsets` and published `version`
             w.announce(WeightsReady(version=version, uri=manifest["uri"], sha256=manifest["sha256"],
@@ -91,7 +91,7 @@ class Stack:
             w.close()
 
     def end_offsets(self) -> dict[int, int]:
-        from common.kafka.reader import RolloutReader
+        from rlstream.common.kafka.reader import RolloutReader
 
         with RolloutReader(self.kafka_w) as r:  # read to the end: tansu's ListOffsets under-reports
             while r.poll(max_records=5000, timeout_s=0.5):
@@ -136,7 +136,7 @@ def stack(tiny_model_dir, tmp_path_factory):
 def _write_version(store, version: int, seed: int, tmp: Path) -> dict:
     from safetensors.torch import load_file
 
-    from common.toy.tinymodel import TinyModelSpec, build_tiny_model
+    from rlstream.toy.tinymodel import TinyModelSpec, build_tiny_model
 
     d = build_tiny_model(tmp / f"seed{seed}", TinyModelSpec(seed=seed))
     return store.write(version, load_file(str(d / "model.safetensors")), d)
@@ -144,7 +144,7 @@ def _write_version(store, version: int, seed: int, tmp: Path) -> dict:
 
 @pytest.mark.timeout(600)
 def test_corrupt_weights_are_refused_and_the_previous_version_keeps_serving(stack):
-    from common.weights.store import WEIGHTS_FILE, WeightStore, uri_to_path
+    from rlstream.common.weights.store import WEIGHTS_FILE, WeightStore, uri_to_path
 
     p = stack.weights_producer.start()
     wait_until(lambda: p.try_metric("rlstream_producer_samples_total", 0) > 0, 120, "first samples", [p],
@@ -327,7 +327,7 @@ def test_restarted_producer_rejoins_at_the_latest_version(stack, crash):
         pytest.fail(f"restarted producer generated nothing in 120 s (serving version "
                     f"{p.metric('rlstream_producer_policy_version')}, trainer version "
                     f"{p.metric('rlstream_producer_trainer_version')}, newest announced {before})")
-    assert min(r.policy_version for r in new) >= before, \
+    assert min(r.policy_version for r in new) >= before,\
         "the restarted producer generated with an older version than the newest announced"
 
 
@@ -369,7 +369,7 @@ def test_restarted_producer_does_not_reuse_group_ids(stack, crash):
 
 @pytest.mark.timeout(1500)
 def test_broker_outage_backpressure_retry_and_nothing_lost(stack, crash):
-    from common.kafka.broker import kafka_ping
+    from rlstream.common.kafka.broker import kafka_ping
 
     p, c, broker = stack.producer, stack.consumer, stack.broker
     assert p.alive and c.alive

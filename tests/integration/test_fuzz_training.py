@@ -37,10 +37,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from common.harness.census import read_dlq, read_topic
-from common.harness.observe import http_request, metric_value
-from common.harness.supervisor import Service, wait_until
-from common.record import Rollout, encode
+from rlstream.harness.census import read_dlq, read_topic
+from rlstream.harness.observe import http_request, metric_value
+from rlstream.harness.supervisor import Service, wait_until
+from rlstream.common.record import Rollout, encode
 from tests.fixtures.kafka import make_kafka_settings
 from tests.support.audit import audit_steps
 from tests.support.configs import ADMIN_TOKEN, service_config, write_config
@@ -102,7 +102,7 @@ def bad_record(draw, kinds: tuple[str, ...] | None = None) -> tuple[str, str, by
     if kind in ("nan_logprob", "positive_logprob"):
         lp = np.array(_TEMPLATE.logprobs, dtype=np.float32)
         i = draw(st.integers(0, _T - 1))
-        lp[i] = draw(st.sampled_from([np.nan, np.inf, -np.inf])) if kind == "nan_logprob" else \
+        lp[i] = draw(st.sampled_from([np.nan, np.inf, -np.inf])) if kind == "nan_logprob" else\
             draw(st.floats(1e-3, 1e6, allow_nan=False))
         return kind, "logprobs", _pack(logprobs=_f32(lp))
     if kind == "expert_id":
@@ -151,7 +151,7 @@ KINDS = ["truncated", "schema", "lengths", "nan_logprob", "positive_logprob", "e
 
 class Live:
     def __init__(self, kafka, consumer: Service, ckpt: Path):
-        from common.kafka.publisher import RolloutPublisher
+        from rlstream.common.kafka.publisher import RolloutPublisher
 
         self.kafka, self.consumer, self.ckpt = kafka, consumer, ckpt
         self.pub = RolloutPublisher(kafka)
@@ -418,7 +418,7 @@ def test_out_of_range_and_hostile_control_messages_on_the_topic_are_ignored(live
 def test_schema_valid_record_the_model_cannot_take_does_not_stop_training(live):
     """A record that decodes and validates but does not fit the model (token id >= vocab):
     the consumer must refuse it (DLQ or drop, counted), not crash-loop on it."""
-    from common.toy.tinymodel import TinyModelSpec
+    from rlstream.toy.tinymodel import TinyModelSpec
 
     c = live.consumer
     rng = np.random.default_rng(5)
@@ -432,5 +432,5 @@ def test_schema_valid_record_the_model_cannot_take_does_not_stop_training(live):
     for _ in range(2 * B):
         live.publish_valid_group()
     wait_until(lambda: live.version() >= v + 2 or not c.alive, 180, "two more steps")
-    assert c.alive, "consumer died on a schema-valid record with a token id beyond the vocabulary:\n" + \
+    assert c.alive, "consumer died on a schema-valid record with a token id beyond the vocabulary:\n" +\
         c.log_tail(3000)

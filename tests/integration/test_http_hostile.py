@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from common.control.http import ServiceHttp
+from rlstream.common.control.http import ServiceHttp
 
 TOKEN = "tok"
 PROBE_S = 1.0
@@ -246,8 +246,8 @@ def test_seventy_slow_clients_leave_the_agent_endpoint_serving_agents():
     330 s): /healthz and an authenticated /v1/models answer while 70 connections trickle."""
     from types import SimpleNamespace
 
-    from common.config import AgentEndpointSettings
-    from producer.agent_http import AgentHttp
+    from rlstream.common.config import AgentEndpointSettings
+    from rlstream.producer.rollout.agents.http import AgentHttp
 
     agents = SimpleNamespace(engine=SimpleNamespace(model_dir=Path("tiny")), base_url="")  # only routes run
     http = AgentHttp(AgentEndpointSettings(token=TOKEN), agents).start()
@@ -298,7 +298,7 @@ def test_a_head_over_the_limit_gets_a_400_naming_the_limit(http):
 
 
 def test_json_depth_prescan_ignores_brackets_in_strings_and_stays_linear():
-    from common.http_server import json_depth
+    from rlstream.common.http_server import json_depth
 
     assert json_depth(b'{"a": [1, {"b": "]]]}}} [[[ \\" [[["}]}') == 3
     assert json_depth(b"[" * 100 + b"]" * 100) == 100
@@ -329,14 +329,14 @@ def test_ordinary_clients_keep_their_connection_alive(http):
 
 
 def test_agent_fields_refused_with_value_error_get_a_400_naming_the_field():
-    """producer/rollout/agents.py refuses a bad field with ValueError (or its AgentRequestError answer):
+    """producer/rollout/agents/driver.py refuses a bad field with ValueError (or its AgentRequestError answer):
     the endpoint answers 400 with the message, never 500; a non-object body is a 400 too."""
     from types import SimpleNamespace
 
     import httpx
 
-    from common.config import AgentEndpointSettings
-    from producer.agent_http import AgentHttp
+    from rlstream.common.config import AgentEndpointSettings
+    from rlstream.producer.rollout.agents.http import AgentHttp
 
     def submit(kind, eid, body):
         raise ValueError(f"temperature: {body.get('temperature')!r} is not a number")
@@ -413,10 +413,10 @@ def test_agent_calls_wait_without_threads_and_beyond_max_calls_get_503():
     from http.client import HTTPConnection
     from types import SimpleNamespace
 
-    from common import metrics
-    from common.config import AgentEndpointSettings
-    from producer.agent_http import AgentHttp
-    from producer.rollout.agents import AgentEpisodes
+    from rlstream.common import metrics
+    from rlstream.common.config import AgentEndpointSettings
+    from rlstream.producer.rollout.agents.http import AgentHttp
+    from rlstream.producer.rollout.agents.driver import AgentEpisodes
 
     queued: list[cf.Future] = []
 

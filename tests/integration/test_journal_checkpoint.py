@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from common import metrics
-from common.config import JournalSettings
+from rlstream.common import metrics
+from rlstream.common.config import JournalSettings
 from tests.fixtures.kafka import make_kafka_settings
 
 pytestmark = [pytest.mark.broker]
@@ -21,7 +21,7 @@ HISTORY, AFTER = 400, 20
 
 
 def entry(i: int, holder: str = "w", incarnation: str = "i"):
-    from producer.journal.snapshot import Snapshot
+    from rlstream.producer.journal.snapshot import Snapshot
 
     return Snapshot(group_id=f"w-1-{i}", sample_idx=0, group_size=1, owner="w", holder=holder,
                     incarnation=incarnation, rollout_id=f"{i:032d}", written_at=1.0, prompt_text="1+2=", answer="3",
@@ -32,7 +32,7 @@ def entry(i: int, holder: str = "w", incarnation: str = "i"):
 
 def counting_topic(kafka):
     """A JournalTopic that counts the journal records it folds."""
-    from producer.journal.topic import JournalTopic
+    from rlstream.producer.journal.topic import JournalTopic
 
     class Counting(JournalTopic):
         n = 0
@@ -46,7 +46,7 @@ def counting_topic(kafka):
 
 def started(kafka) -> tuple[object, int]:
     """A producer's journal, started as a producer starts it: (its topic, records it folded)."""
-    from producer.journal import EpisodeJournal
+    from rlstream.producer.journal import EpisodeJournal
 
     topic = counting_topic(kafka)
     journal = EpisodeJournal(topic, "r", JournalSettings(lease_s=1.0))
@@ -57,8 +57,8 @@ def started(kafka) -> tuple[object, int]:
 
 @pytest.mark.timeout(120)
 def test_a_starting_producer_reads_the_newest_checkpoint_and_the_journal_after_it(broker, tmp_path):
-    from producer.journal import EpisodeJournal
-    from producer.journal.topic import JournalTopic
+    from rlstream.producer.journal import EpisodeJournal
+    from rlstream.producer.journal.topic import JournalTopic
 
     kafka = make_kafka_settings(broker.bootstrap, tmp_path / "blobs")
     w = EpisodeJournal(JournalTopic(kafka, lease_s=1.0), "w", JournalSettings(lease_s=1.0, checkpoint_every=50))

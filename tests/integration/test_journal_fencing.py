@@ -1,4 +1,4 @@
-"""Fenced producers on the cluster twin (common/cluster/twin.py): a producer cut off from the
+"""Fenced producers on the cluster twin (ops/cluster/twin.py): a producer cut off from the
 journal past its lease, alive, does not get the episodes a peer took over trained twice.
 
 Hosts: `kafka` (the real broker) and `zombie` (producer a's network: its NIC is what the
@@ -32,8 +32,8 @@ from collections import Counter
 
 import pytest
 
-from common import metrics
-from common.cluster.twin import ClusterTwin, Host, unavailable_reason
+from rlstream.common import metrics
+from rlstream.cluster.twin import ClusterTwin, Host, unavailable_reason
 from tests.integration.test_episode_journal import CLIENTS, G, Turns, config
 
 _WHY = unavailable_reason()
@@ -112,7 +112,7 @@ class Pair:
     """Producer a (its network in host `zombie`) and producer b (on this machine), on one engine."""
 
     def __init__(self, twin, kafka, bootstrap: str, engine, model_dir, data):
-        from producer.service import ProducerService
+        from rlstream.producer.service import ProducerService
 
         self.twin, share = twin, EngineShare(engine)
         self.services = []
@@ -157,7 +157,7 @@ class Pair:
         cut = time.time()
         self.until(lambda: held <= self.won_b and not b.driver.has_work() and not b.outbox.unacked_records,
                    "b's takeover of a's episodes")
-        assert [r for r in self.published_by_a if key(r) in held], \
+        assert [r for r in self.published_by_a if key(r) in held],\
             "a published nothing while cut off (the fencing was not exercised)"
         nic(self.twin, "zombie", "up")
         self.until(lambda: not a.outbox.unacked_records and not a.driver.has_work(), "a's records delivered", 120)
@@ -166,7 +166,7 @@ class Pair:
         return cut
 
     def close(self) -> None:
-        from common.lifecycle import close_attrs
+        from rlstream.common.lifecycle import close_attrs
 
         for svc in self.services:
             with inside(self.twin.ns("zombie")) if svc is self.services[0] else contextlib.nullcontext():
@@ -175,9 +175,9 @@ class Pair:
 
 def consume(kafka):
     """The consumer's read path over everything published: (the ledger, the fenced copies)."""
-    from common.kafka.reader import RolloutReader
-    from consumer.assembler import GroupAssembler
-    from consumer.ledger import Ledger
+    from rlstream.common.kafka.reader import RolloutReader
+    from rlstream.consumer.stream.assembler import GroupAssembler
+    from rlstream.consumer.stream.ledger import Ledger
 
     ledger, items = Ledger(GroupAssembler(G, timeout_s=600)), []
     with RolloutReader(kafka) as reader:
@@ -193,14 +193,14 @@ def consume(kafka):
 @pytest.mark.timeout(300)
 def test_a_producer_cut_off_past_its_lease_gets_no_episode_trained_twice(rollout_engine, tiny_model_dir, tmp_path,
                                                                         monkeypatch):
-    import producer.envs
-    from common.config import BrokerSettings
-    from common.kafka.broker import EmbeddedBroker
-    from common.toy.build import ensure_data
+    from rlstream.common.tasks import envs
+    from rlstream.common.config import BrokerSettings
+    from rlstream.common.kafka.broker import EmbeddedBroker
+    from rlstream.toy.build import ensure_data
     from tests.fixtures.kafka import make_kafka_settings
     from tests.integration.test_producer_service import announce_trainer_start
 
-    monkeypatch.setitem(producer.envs.ENVIRONMENTS, "calculator", Turns)
+    monkeypatch.setitem(envs.ENVIRONMENTS, "calculator", Turns)
     fenced0 = {at: metrics.value("rlstream_producer_episodes_fenced_total", at=at) for at in ("running", "ended")}
     wasted0 = metrics.value("rlstream_producer_fenced_generation_seconds_total")
     with ClusterTwin([Host("kafka"), Host("zombie")], observer=True) as twin:

@@ -22,7 +22,7 @@ import time
 import numpy as np
 import pytest
 
-from common import metrics
+from rlstream.common import metrics
 from tests.fixtures.kafka import make_kafka_settings
 from tests.integration.test_episode_journal import CLIENTS, Turns, config
 
@@ -32,7 +32,7 @@ REASONS = ("key", "lease", "entry", "key_mismatch", "limits")
 
 def orphans(prompt: np.ndarray, vocab: int) -> tuple[object, dict[str, object]]:
     """The valid orphan and the hostile ones (name -> Snapshot), all held by a producer that never lived."""
-    from producer.journal.snapshot import Snapshot
+    from rlstream.producer.journal.snapshot import Snapshot
 
     def entry(i: int, **kw) -> Snapshot:
         base = dict(group_id="dead-x-1", sample_idx=i, group_size=8, owner="dead", holder="dead", incarnation="gone",
@@ -60,8 +60,8 @@ def writer(kafka):
     """write(records): straight to the journal topic, as any Kafka client can."""
     from kafka import KafkaProducer
 
-    from common.kafka.client import client_kwargs
-    from producer.journal.topic import ensure_journal_topic
+    from rlstream.common.kafka.client import client_kwargs
+    from rlstream.producer.journal.topic import ensure_journal_topic
 
     journal = ensure_journal_topic(kafka)
     raw = KafkaProducer(**client_kwargs(kafka), acks="all", max_request_size=kafka.max_message_bytes)
@@ -92,15 +92,15 @@ def settle(b, invalid0: float, hostile: int) -> None:
 @pytest.mark.timeout(300)
 def test_hostile_journal_records_are_refused_counted_and_the_producer_keeps_running(
         broker, rollout_engine, tiny_model_dir, tmp_path, monkeypatch):
-    import producer.envs
-    from common.harness.census import read_dlq
-    from common.lifecycle import close_attrs
-    from common.toy.build import ensure_data
-    from producer.journal.snapshot import encode
-    from producer.service import ProducerService
+    from rlstream.common.tasks import envs
+    from rlstream.harness.census import read_dlq
+    from rlstream.common.lifecycle import close_attrs
+    from rlstream.toy.build import ensure_data
+    from rlstream.producer.journal.snapshot import encode
+    from rlstream.producer.service import ProducerService
     from tests.integration.test_producer_service import announce_trainer_start, read_all
 
-    monkeypatch.setitem(producer.envs.ENVIRONMENTS, "calculator", Turns)
+    monkeypatch.setitem(envs.ENVIRONMENTS, "calculator", Turns)
     kafka = make_kafka_settings(broker.bootstrap, tmp_path / "blobs", rollouts_partitions=2)
     data = tmp_path / "data" / "train.jsonl"
     ensure_data(config(kafka, tiny_model_dir, data, "b", True), n_train=16, n_heldout=4)

@@ -16,7 +16,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from common.config import RlstreamConfig
+from rlstream.common.config import RlstreamConfig
 from tests.fixtures.kafka import make_kafka_settings
 from tests.integration.test_episode_journal import crash, journaled, run_until
 
@@ -35,7 +35,7 @@ class OneTurn:
         return task.prompt
 
     def step(self, turn):
-        from producer.rollout.environment import StepResult
+        from rlstream.common.tasks.environment import StepResult
 
         return StepResult(None, 1.0, True, {"seen_tokens": len(turn.token_ids)})
 
@@ -55,14 +55,14 @@ def config(kafka, model_dir, data, pid: str) -> RlstreamConfig:
 @pytest.mark.timeout(300)  # with the session engine's start when run alone
 def test_a_long_turn_cut_by_a_crash_resumes_from_its_last_n_tokens(broker, rollout_engine, tiny_model_dir,
                                                                     tmp_path, monkeypatch):
-    import producer.envs
-    from common import metrics
-    from common.toy.build import ensure_data
-    from producer.service import ProducerService
+    from rlstream.common.tasks import envs
+    from rlstream.common import metrics
+    from rlstream.toy.build import ensure_data
+    from rlstream.producer.service import ProducerService
     from tests.integration.test_producer_service import announce_trainer_start, read_all
 
     engine = rollout_engine
-    monkeypatch.setitem(producer.envs.ENVIRONMENTS, "calculator", OneTurn)
+    monkeypatch.setitem(envs.ENVIRONMENTS, "calculator", OneTurn)
     kafka = make_kafka_settings(broker.bootstrap, tmp_path / "blobs", rollouts_partitions=2)
     data = tmp_path / "data" / "train.jsonl"
     ensure_data(config(kafka, tiny_model_dir, data, "a"), n_train=64, n_heldout=8)
@@ -114,7 +114,7 @@ def test_a_long_turn_cut_by_a_crash_resumes_from_its_last_n_tokens(broker, rollo
         r, n = by_key[key], s.response.size
         assert r.rollout_id == s.rollout_id and r.producer_id == "a"
         assert r.response_ids[:n].tolist() == s.response.tolist() and np.array_equal(r.logprobs[:n], s.logprobs)
-        versions = np.repeat(r.token_versions[:, 0], r.token_versions[:, 1]) if r.token_versions is not None \
+        versions = np.repeat(r.token_versions[:, 0], r.token_versions[:, 1]) if r.token_versions is not None\
             else np.full(r.num_tokens, r.policy_version)
         assert versions[:n].tolist() == s.versions.tolist()
         if s.routing is not None:

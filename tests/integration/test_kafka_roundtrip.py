@@ -15,16 +15,16 @@ import msgpack
 import numpy as np
 import pytest
 
-from common import metrics
-from common.kafka.claimcheck import BlobStore
-from common.kafka.broker import EmbeddedBroker, ensure_broker, kafka_ping
-from common.config import BrokerSettings, KafkaSettings
-from common.errors import BrokerError, InvalidRecordError, OffsetError
-from common.kafka.client import end_offsets, ensure_topics, make_consumer
-from common.kafka.dlq import H_FIELD, H_REASON, H_SOURCE, DeadLetterWriter
-from common.kafka.publisher import RolloutPublisher
-from common.kafka.reader import RolloutReader
-from common.record import encode
+from rlstream.common import metrics
+from rlstream.common.kafka.claimcheck import BlobStore
+from rlstream.common.kafka.broker import EmbeddedBroker, ensure_broker, kafka_ping
+from rlstream.common.config import BrokerSettings, KafkaSettings
+from rlstream.common.errors import BrokerError, InvalidRecordError, OffsetError
+from rlstream.common.kafka.client import end_offsets, ensure_topics, make_consumer
+from rlstream.common.kafka.dlq import H_FIELD, H_REASON, H_SOURCE, DeadLetterWriter
+from rlstream.common.kafka.publisher import RolloutPublisher
+from rlstream.common.kafka.reader import RolloutReader
+from rlstream.common.record import encode
 from tests.fixtures.kafka import make_kafka_settings, realistic_rollout
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -226,8 +226,8 @@ def test_invalid_records_go_to_dlq_with_reason(kafka_settings):
 @pytest.mark.timeout(120)
 def test_records_the_consumer_refuses_go_to_dlq_with_reason(kafka_settings):
     """Valid records that do not fit the reader's consumer (the limits and `check` hook of
-    consumer/intake.py), and a record with a repeated key, are dead letters with their field."""
-    from consumer.intake import VersionBound
+    consumer/stream/intake.py), and a record with a repeated key, are dead letters with their field."""
+    from rlstream.consumer.stream.intake import VersionBound
 
     def rec(seed, **kw):
         return realistic_rollout(response_tokens=8, prompt_tokens=4, layers=2, seed=seed, group_id="gc",
@@ -247,7 +247,7 @@ def test_records_the_consumer_refuses_go_to_dlq_with_reason(kafka_settings):
         for r in (good, future, other_g, too_long):
             pub.publish(r).result(10)
         pub.publish_bytes(b"gc", repeated).result(10)
-    from common.record import RecordLimits
+    from rlstream.common.record import RecordLimits
 
     limits = RecordLimits(max_token_id=63, max_sequence_tokens=512, group_size=4)
     with RolloutReader(kafka_settings, limits=limits, check=VersionBound(lambda: 4)) as rd:
@@ -437,7 +437,7 @@ def test_run_broker_forever_stops_cleanly_on_sigterm(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     code = ("import logging, sys; logging.basicConfig(level=logging.INFO);"
-            "from common.kafka.broker import run_broker_forever; from common.config import BrokerSettings, KafkaSettings;"
+            "from rlstream.common.kafka.broker import run_broker_forever; from rlstream.common.config import BrokerSettings, KafkaSettings;"
             f"sys.exit(run_broker_forever(BrokerSettings(port={port}), KafkaSettings()))")
     p = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
@@ -459,13 +459,13 @@ def test_run_broker_forever_stops_cleanly_on_sigterm(tmp_path):
 @pytest.mark.broker
 @pytest.mark.timeout(120)
 def test_a_topic_kept_busy_is_read_back_to_its_end_in_bounded_time(kafka_settings):
-    """common/harness/census.py read_rollouts(to_end=True): a topic a running service keeps
+    """ops/harness/census.py read_rollouts(to_end=True): a topic a running service keeps
     writing is never quiet, and the read until quiet took its whole timeout (60 s, twice per
     check in test_faults_producer and test_weight_elastic). Every record acknowledged before
     the read is in it (here one multi-record batch, of which tansu's ListOffsets counts one)."""
     import threading
 
-    from common.harness.census import read_rollouts
+    from rlstream.harness.census import read_rollouts
 
     def small(seed: int, **kw):
         return realistic_rollout(response_tokens=16, prompt_tokens=8, layers=2, seed=seed, **kw)

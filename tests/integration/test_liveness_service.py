@@ -18,7 +18,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from common.config import RlstreamConfig
+from rlstream.common.config import RlstreamConfig
 from tests.fixtures.kafka import make_kafka_settings
 from tests.support.synthetic import publish_groups, synthetic_group
 
@@ -43,8 +43,8 @@ def live_metric(url: str) -> float:
 
 @pytest.fixture(scope="module")
 def service(broker, tiny_model_dir, tmp_path_factory):
-    from common.kafka.publisher import RolloutPublisher
-    from consumer.service import ConsumerService
+    from rlstream.common.kafka.publisher import RolloutPublisher
+    from rlstream.consumer.service import ConsumerService
 
     tmp = tmp_path_factory.mktemp("liveness")
     kafka = make_kafka_settings(broker.bootstrap, tmp / "blobs", rollouts_partitions=1)

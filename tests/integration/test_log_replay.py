@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common.harness.supervisor import wait_until
-from common.kafka.publisher import RolloutPublisher
+from rlstream.harness.supervisor import wait_until
+from rlstream.common.kafka.publisher import RolloutPublisher
 from tests.fixtures.kafka import make_kafka_settings
 from tests.support.audit import audit_lines, lineage_entries
 from tests.support.configs import service_config, trainer_writer, write_config
@@ -44,7 +44,7 @@ def live_run(broker, tiny_model_dir, tmp_path_factory):
     import signal
     import threading
 
-    from consumer.service import ConsumerService
+    from rlstream.consumer.service import ConsumerService
 
     tmp = tmp_path_factory.mktemp("log-replay")
     kafka = make_kafka_settings(broker.bootstrap, tmp / "blobs", rollouts_partitions=2, claim_check_bytes=2048)
@@ -89,7 +89,7 @@ def live_run(broker, tiny_model_dir, tmp_path_factory):
 
 
 def _replay(path: Path, out: Path, capsys) -> tuple[int, str, str]:
-    from common.app.cli import main
+    from rlstream.cli import main
 
     capsys.readouterr()
     code = main(["replay", "-c", str(path), "--out", str(out)])
@@ -128,7 +128,7 @@ def test_replay_equals_the_live_run(live_run, capsys):
 
 @pytest.mark.timeout(600)
 def test_replay_from_a_checkpoint_of_the_run(live_run, capsys):
-    from common.app.cli import main
+    from rlstream.cli import main
 
     cfg, path, tmp = live_run
     start = Path(cfg.consumer.checkpoint_dir) / f"step-{N - 2:08d}"  # every_steps 2: the one before the last
@@ -141,9 +141,9 @@ def test_replay_from_a_checkpoint_of_the_run(live_run, capsys):
 
 @pytest.mark.timeout(600)
 def test_replay_fails_naming_a_record_whose_blob_is_gone(live_run, capsys):
-    from common.kafka.claimcheck import BlobStore
-    from common.kafka.scan import TopicScan
-    from common.record import ClaimPointer, decode_any
+    from rlstream.common.kafka.claimcheck import BlobStore
+    from rlstream.common.kafka.scan import TopicScan
+    from rlstream.common.record import ClaimPointer, decode_any
 
     cfg, path, tmp = live_run
     with TopicScan(cfg.kafka, cfg.kafka.topics.rollouts) as scan:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.errors import ConfigError, RlstreamError
-from consumer import convert, megatron_shims
-from consumer.logprobs import logprobs_from_logits
-from consumer.model import load_hf_checkpoint, per_token_logprobs, read_hf_dims
+from rlstream.common.errors import ConfigError, RlstreamError
+from rlstream.consumer.train import layout as convert, megatron_shims
+from rlstream.consumer.train.logprobs import logprobs_from_logits
+from rlstream.consumer.train.model import load_hf_checkpoint, per_token_logprobs, read_hf_dims
 
 pytestmark = pytest.mark.megatron
 HEADS = ["untied", "tied"]
@@ -142,14 +142,14 @@ def test_gpu_without_transformer_engine_gets_only_the_te_shim(monkeypatch, megat
 
 @pytest.fixture(scope="module")
 def expert_kinds(megatron_world, sharp_model_dir):
-    """The same checkpoint in SequentialMLP and in the grouped layout (consumer/experts.py)."""
+    """The same checkpoint in SequentialMLP and in the grouped layout (consumer/train/experts.py)."""
     return {k: load_hf_checkpoint(sharp_model_dir, experts=k) for k in ("sequential", "grouped")}
 
 
 def test_grouped_experts_equal_sequential_fp32(expert_kinds):
     """One grouped GEMM over the experts = one GEMM per expert: log-probs and every
     parameter's gradient within fp32 tolerance, same tokens, same weights."""
-    from consumer.experts import sequential_names
+    from rlstream.consumer.train.experts import sequential_names
 
     seq, grp = expert_kinds["sequential"], expert_kinds["grouped"]
     assert (seq.experts, grp.experts) == ("sequential", "torch_grouped")

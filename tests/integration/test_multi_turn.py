@@ -36,7 +36,7 @@ class Turns:
         return task.prompt
 
     def step(self, turn):
-        from producer.rollout.environment import StepResult
+        from rlstream.common.tasks.environment import StepResult
 
         self.n += 1
         if self.n >= TURNS:
@@ -48,10 +48,10 @@ def run_episodes(engine, env, reload_dir=None, prompts=("12+7=", "40+45=")):
     """One group of G episodes per prompt, the second group started when the first's first
     turns finished (so turns of different episodes share engine steps); optionally a weight
     update at that moment too. Returns (ended episodes, runner, whether turns mixed)."""
-    from common.config import EpisodeSettings
-    from producer.rollout.episodes import EpisodeRunner
-    from producer.rollout.task import Task
-    from producer.sample import SamplingConfig
+    from rlstream.common.config import EpisodeSettings
+    from rlstream.producer.rollout.episodes import EpisodeRunner
+    from rlstream.common.tasks.task import Task
+    from rlstream.producer.sample import SamplingConfig
 
     settings = EpisodeSettings(max_turns=TURNS, max_turn_tokens=6, max_episode_tokens=48, step_timeout_s=30)
     runner = EpisodeRunner(engine, settings, SamplingConfig(max_tokens=6), env)
@@ -78,7 +78,7 @@ def run_episodes(engine, env, reload_dir=None, prompts=("12+7=", "40+45=")):
 @pytest.mark.timeout(900)
 def test_episodes_on_the_real_engine_record_turns_masks_logprobs_versions_and_routing(rollout_engine,
                                                                                       tiny_model_dir):
-    from common.record import decode, encode
+    from rlstream.common.record import decode, encode
 
     ended, runner, mixed = run_episodes(rollout_engine, Turns, reload_dir=tiny_model_dir)
     assert len(ended) == 2 * G and mixed  # all published; episodes at different turns shared steps
@@ -106,8 +106,8 @@ def test_episodes_on_the_real_engine_record_turns_masks_logprobs_versions_and_ro
 
 @pytest.mark.timeout(600)
 def test_the_calculator_environment_runs_on_the_real_engine(rollout_engine):
-    from common.record import decode, encode
-    from producer.envs.calculator import CalculatorEnv
+    from rlstream.common.record import decode, encode
+    from rlstream.common.tasks.envs.calculator import CalculatorEnv
 
     ended, runner, _ = run_episodes(rollout_engine, CalculatorEnv)
     assert len(ended) == 2 * G
@@ -121,8 +121,8 @@ def test_the_calculator_environment_runs_on_the_real_engine(rollout_engine):
 @pytest.fixture
 def trainer(megatron_world, tiny_model_dir):
     """A fresh fp32 trainer on the engine's weights, replaying rollout routing (R3)."""
-    from common.config import ConsumerSettings
-    from consumer.trainer import Trainer
+    from rlstream.common.config import ConsumerSettings
+    from rlstream.consumer.train.trainer import Trainer
 
     return Trainer.from_hf(tiny_model_dir, ConsumerSettings(group_size=G, groups_per_batch=2, replay="R3"))
 
@@ -132,10 +132,10 @@ def trainer(megatron_world, tiny_model_dir):
 def test_trainer_log_probs_match_vllm_on_model_tokens_of_every_turn(rollout_engine, trainer):
     import torch
 
-    from common.record import decode, encode
-    from consumer.batch import TrainSample
-    from consumer.model import per_token_logprobs
-    from consumer.replay import replaying
+    from rlstream.common.record import decode, encode
+    from rlstream.consumer.train.batch import TrainSample
+    from rlstream.consumer.train.model import per_token_logprobs
+    from rlstream.consumer.train.replay import replaying
 
     ended, runner, _ = run_episodes(rollout_engine, Turns)
     records = [decode(encode(ep.to_rollout("parity", runner.sampling, None))) for ep in ended]
@@ -161,7 +161,7 @@ def test_trainer_log_probs_match_vllm_on_model_tokens_of_every_turn(rollout_engi
 @pytest.mark.timeout(600)
 def test_the_real_engines_tokenizer_keeps_a_special_tokens_text_as_text(rollout_engine):
     """vLLM's tokenizer wrapper passes split_special_tokens through (producer/text_tokens.py)."""
-    from producer.rollout.episodes import ObservationEncoder
+    from rlstream.producer.rollout.episodes import ObservationEncoder
 
     eos = rollout_engine.tokenizer().eos_token_id
     assert eos in rollout_engine.tokenizer().encode("1+<eos>2=", add_special_tokens=False)  # parsed by default

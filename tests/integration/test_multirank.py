@@ -54,7 +54,7 @@ def multi_rank_results(sharp_model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def one_rank_results(megatron_world, sharp_model_dir):
     """Per replay mode: the same step in this (world-of-one) process."""
-    from consumer.trainer import Trainer
+    from rlstream.consumer.train.trainer import Trainer
 
     worker, out = load_worker(), {}
     samples = worker.make_samples(sharp_model_dir)
@@ -68,8 +68,8 @@ def one_rank_results(megatron_world, sharp_model_dir):
 
 @pytest.mark.parametrize("layout", ["dp2", "dp2_ep2", "tp2", "tp2_r3", "tp2_dp2_ep2"])
 def test_same_weights_as_one_process(multi_rank_results, one_rank_results, sharp_model_dir, layout):
-    from consumer.convert import read_hf_safetensors
-    from consumer.model import read_hf_dims
+    from rlstream.consumer.train.layout import read_hf_safetensors
+    from rlstream.consumer.train.model import read_hf_dims
 
     replay = load_worker().LAYOUTS[layout][2]
     got, want = multi_rank_results[layout], one_rank_results[replay]
@@ -111,7 +111,7 @@ def test_r3_differs_from_r2(one_rank_results):
 def test_samples_exercise_the_tp_padding(sharp_model_dir):
     """One mini-batch has an odd number of input positions: under tp2 the
     forward pads it and the replay indices are padded and cut per rank."""
-    from consumer.batch import build_global_batch
+    from rlstream.consumer.train.batch import build_global_batch
 
     gb = build_global_batch(load_worker().make_samples(sharp_model_dir), 4, 2, "mean")
     lengths = [mb.tokens.shape[1] - 1 for mb in gb.minibatches]

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import yaml
 
-from common.config import RlstreamConfig
-from common.harness.observe import metric_value as metric
-from common.kafka.broker import free_port
+from rlstream.common.config import RlstreamConfig
+from rlstream.harness.observe import metric_value as metric
+from rlstream.common.kafka.broker import free_port
 from tests.fixtures.kafka import make_kafka_settings
 from tests.integration.test_producer_service import announce_trainer_start, read_all, scrape_or_empty, wait_for
 
@@ -27,7 +27,7 @@ G, B = 4, 2
 
 @pytest.mark.timeout(600)
 def test_producer_publishes_multi_turn_episodes_in_complete_groups(broker, tiny_model_dir, tmp_path):
-    from common.toy.build import ensure_data
+    from rlstream.toy.build import ensure_data
 
     kafka = make_kafka_settings(broker.bootstrap, tmp_path / "blobs", rollouts_partitions=2)
     port = free_port()

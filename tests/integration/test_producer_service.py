@@ -22,10 +22,10 @@ import numpy as np
 import pytest
 import yaml
 
-from common.kafka.broker import free_port
-from common.config import RlstreamConfig
+from rlstream.common.kafka.broker import free_port
+from rlstream.common.config import RlstreamConfig
 from tests.fixtures.kafka import make_kafka_settings
-from common.harness.observe import metric_value as metric
+from rlstream.harness.observe import metric_value as metric
 
 pytestmark = [pytest.mark.broker, pytest.mark.vllm, pytest.mark.slow]
 
@@ -33,7 +33,7 @@ G, B, MAX_STALENESS = 4, 2, 1
 
 
 def read_all(kafka, timeout_s=2.0):
-    from common.kafka.reader import RolloutReader
+    from rlstream.common.kafka.reader import RolloutReader
 
     with RolloutReader(kafka) as r:
         out, idle = [], 0
@@ -66,8 +66,8 @@ def announce_trainer_start(kafka) -> None:
     shape (B, G). The producers' backpressure needs B; this test has no trainer."""
     from kafka import KafkaProducer
 
-    from common.control.messages import TrainerProgress
-    from common.kafka.client import client_kwargs
+    from rlstream.common.control.messages import TrainerProgress
+    from rlstream.common.kafka.client import client_kwargs
 
     msg = TrainerProgress(trainer_version=0, groups_per_batch=B, group_size=G)
     p = KafkaProducer(**client_kwargs(kafka), acks="all")
@@ -77,7 +77,7 @@ def announce_trainer_start(kafka) -> None:
 
 @pytest.fixture(scope="module")
 def producer(broker, tiny_model_dir, tmp_path_factory):
-    from common.toy.build import ensure_data
+    from rlstream.toy.build import ensure_data
 
     tmp = tmp_path_factory.mktemp("producer")
     kafka = make_kafka_settings(broker.bootstrap, tmp / "blobs", rollouts_partitions=2)
@@ -155,11 +155,11 @@ def test_weight_announcement_switches_version_and_outputs(producer, tiny_model_d
     from kafka import KafkaProducer
     from safetensors.torch import load_file
 
-    from common.control.messages import TrainerProgress, WeightsReady
-    from common.kafka.client import client_kwargs
-    from common.kafka.reader import RolloutReader
-    from common.toy.tinymodel import TinyModelSpec, build_tiny_model
-    from common.weights.store import WeightStore
+    from rlstream.common.control.messages import TrainerProgress, WeightsReady
+    from rlstream.common.kafka.client import client_kwargs
+    from rlstream.common.kafka.reader import RolloutReader
+    from rlstream.toy.tinymodel import TinyModelSpec, build_tiny_model
+    from rlstream.common.weights.store import WeightStore
 
     proc, kafka, tmp = producer["proc"], producer["kafka"], producer["tmp"]
     new_dir = build_tiny_model(tmp / "seed1", TinyModelSpec(seed=1))
@@ -195,7 +195,7 @@ def test_sigterm_exits_zero_and_loses_no_acknowledged_sample(producer):
     acked = int(line[-1].split("published=")[1].split()[0])
     records = read_all(kafka)
     assert len({r.rollout_id for r in records}) == acked == len(records)
-    from common.runfile import read_run_file
+    from rlstream.common.runfile import read_run_file
     status = read_run_file(producer["tmp"] / "producer.run.json")
     assert status["state"] == "stopped" and status["published"] == acked and status["pid"] == proc.pid
     assert status["http_url"] == f"http://127.0.0.1:{producer['port']}"

@@ -12,9 +12,9 @@ def test_kafka_prompt_source_serves_prompts_and_dead_letters_bad_ones(kafka_sett
 
     from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
-    from common.config import KafkaTopicPrompts
-    from common.kafka.client import client_kwargs
-    from producer.prompts import KafkaPromptSource, open_prompt_source
+    from rlstream.common.config import KafkaTopicPrompts
+    from rlstream.common.kafka.client import client_kwargs
+    from rlstream.producer.prompts import KafkaPromptSource, open_prompt_source
 
     topic = kafka_settings.topics.rollouts.replace("rollouts", "prompts")
     p = KafkaProducer(**client_kwargs(kafka_settings), acks="all")

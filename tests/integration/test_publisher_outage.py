@@ -11,13 +11,13 @@ import time
 
 import pytest
 
-from common import metrics
-from common.kafka.broker import EmbeddedBroker
-from common.config import BrokerSettings
-from common.errors import PublishError
-from common.kafka.client import ensure_topics
-from common.kafka.publisher import RolloutPublisher
-from common.kafka.reader import RolloutReader
+from rlstream.common import metrics
+from rlstream.common.kafka.broker import EmbeddedBroker
+from rlstream.common.config import BrokerSettings
+from rlstream.common.errors import PublishError
+from rlstream.common.kafka.client import ensure_topics
+from rlstream.common.kafka.publisher import RolloutPublisher
+from rlstream.common.kafka.reader import RolloutReader
 from tests.fixtures.kafka import make_kafka_settings, realistic_rollout
 
 
@@ -133,8 +133,8 @@ def test_dead_letter_writer_fails_loudly_while_the_broker_hangs_and_recovers_wit
     its producer, and after SIGCONT the caller's re-send goes through a fresh one."""
     from types import SimpleNamespace
 
-    from common.errors import BrokerError
-    from common.kafka.dlq import H_SOURCE, DeadLetterWriter
+    from rlstream.common.errors import BrokerError
+    from rlstream.common.kafka.dlq import H_SOURCE, DeadLetterWriter
 
     kafka = make_kafka_settings(fresh_broker.bootstrap, tmp_path, request_timeout_ms=1000, retry_backoff_ms=100)
 
@@ -160,7 +160,7 @@ def test_dead_letter_writer_fails_loudly_while_the_broker_hangs_and_recovers_wit
         assert w.confirm() == 1 and w._producer is not first
     finally:
         w.close()
-    from common.kafka.client import make_consumer
+    from rlstream.common.kafka.client import make_consumer
     from kafka import TopicPartition
 
     c = make_consumer(kafka, auto_offset_reset="earliest")

@@ -1,5 +1,5 @@
-"""The rank protocol on 2 real ranks (torchrun, gloo): consumer/ranks.py over
-consumer/channel.py, with the real Trainer.
+"""The rank protocol on 2 real ranks (torchrun, gloo): consumer/ranks/protocol.py over
+consumer/ranks/channel.py, with the real Trainer.
 
 - A follower outlives a wait longer than the default group's timeout (the CPU
   stand-in for NCCL's 10-minute watchdog): it waits on the control channel's
@@ -46,7 +46,7 @@ def run(sharp_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def one_process(megatron_world, sharp_model_dir):
-    from consumer.trainer import Trainer
+    from rlstream.consumer.train.trainer import Trainer
 
     trainer = Trainer.from_hf(sharp_model_dir, trainer_config("dp2", one_rank=True))
     metrics = trainer.train_step(trainer.build_batch(make_samples(sharp_model_dir), group_size=4))
@@ -71,8 +71,8 @@ def test_the_follower_outlives_a_wait_past_the_default_groups_timeout(run):
 @pytest.mark.parametrize("layout", worker.LAYOUTS)
 def test_each_rank_receives_its_share_and_trains_what_one_process_trains(run, one_process, sharp_model_dir,
                                                                          layout):
-    from consumer.batch import split_global_batch
-    from consumer.shares import pack
+    from rlstream.consumer.train.batch import split_global_batch
+    from rlstream.consumer.ranks.shares import pack
 
     s = seen(run, layout, 1)
     # on the wire: rank 1's share as four tensors after their 4 sizes (int64), nothing else
@@ -95,7 +95,7 @@ def test_each_rank_receives_its_share_and_trains_what_one_process_trains(run, on
 @pytest.mark.parametrize("layout,shards", [("dp2", ["trainer.pt"]),
                                            ("tp2", ["trainer-tp0-ep0.pt", "trainer-tp1-ep0.pt"])])
 def test_the_step_was_checkpointed_with_every_shard(run, layout, shards):
-    from consumer.checkpoint import CheckpointManager
+    from rlstream.consumer.checkpoint.files import CheckpointManager
 
     st, path = CheckpointManager(run / f"ckpt-{layout}").latest()
     assert (st.step, st.runs) == (1, [["w", 0]])

@@ -14,11 +14,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from common import metrics
-from common.kafka.publisher import RolloutPublisher
-from common.kafka.dlq import H_FIELD, H_REASON, H_SOURCE
-from common.kafka.reader import INTERNAL_FIELD, RolloutReader
-from common.record import encode
+from rlstream.common import metrics
+from rlstream.common.kafka.publisher import RolloutPublisher
+from rlstream.common.kafka.dlq import H_FIELD, H_REASON, H_SOURCE
+from rlstream.common.kafka.reader import INTERNAL_FIELD, RolloutReader
+from rlstream.common.record import encode
 from tests.fixtures.kafka import make_kafka_settings, realistic_rollout
 
 VALID = realistic_rollout(response_tokens=12, prompt_tokens=5, layers=3, top_k=2, num_experts=8, group_id="fz")
@@ -142,7 +142,7 @@ def test_valid_record_still_returned_and_dlq_entries_carry_reasons(harness):
     # every DLQ entry so far: original bytes, a reason, a field, its source; no decoder bug
     from kafka import TopicPartition
 
-    from common.kafka.client import make_consumer
+    from rlstream.common.kafka.client import make_consumer
 
     c = make_consumer(harness.kafka)
     tp = TopicPartition(harness.kafka.topics.dlq, 0)

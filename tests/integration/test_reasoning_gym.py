@@ -3,7 +3,7 @@ configs/tiny-reasoning-gym.yaml as shipped (chain_sum from reasoning-gym 0.1.25,
 compact prompts, the dataset's own score as the reward, dynamic sampling on).
 
 The harness writes the task's held-out split and one epoch of its training
-range (common/toy/build.py `task_files`), warm-starts the tiny model on it by
+range (ops/toy/build.py `task_files`), warm-starts the tiny model on it by
 SFT, then runs the real pipeline as processes (`rlstream broker`, one
 `rlstream producer` with vLLM generating chain_sum prompts itself, one
 `rlstream consumer` with Megatron-core) for a fixed number of versions, and
@@ -28,9 +28,9 @@ from pathlib import Path
 
 import pytest
 
-from common.config import load_config
-from common.harness.demo import prepare_warm
-from common.harness.runs import StopRule, run_rl
+from rlstream.common.config import load_config
+from rlstream.harness.demo import prepare_warm
+from rlstream.harness.runs import StopRule, run_rl
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.megatron, pytest.mark.broker]
 

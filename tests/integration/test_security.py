@@ -52,8 +52,8 @@ def _calls(tree):
 
 
 # torch.distributed's *_object collectives pickle. None is allowed: the rank protocol sends commands
-# and batch shares as plain tensors (consumer/channel.py, consumer/shares.py) and the weight export
-# gathers raw bytes (consumer/weights/export.py).
+# and batch shares as plain tensors (consumer/ranks/channel.py, consumer/ranks/shares.py) and the weight export
+# gathers raw bytes (consumer/train/export.py).
 ALLOWED: set[tuple[str, str]] = set()
 
 
@@ -134,7 +134,7 @@ def test_a_pickled_checkpoint_is_refused_without_running_it(tmp_path):
 
     import torch
 
-    from consumer.checkpoint import STATE, TRAINER, CheckpointManager
+    from rlstream.consumer.checkpoint.files import STATE, TRAINER, CheckpointManager
 
     MARKER.unlink(missing_ok=True)
     d = tmp_path / "step-00000001"
@@ -162,7 +162,7 @@ def _cafile() -> str:
 
 
 def _sasl_ssl_config(tmp_path, port: int):
-    from common.config import load_config
+    from rlstream.common.config import load_config
 
     cfg = tmp_path / "sasl.yaml"
     cfg.write_text(f"""
@@ -180,7 +180,7 @@ kafka:
 
 
 def test_sasl_ssl_settings_reach_the_kafka_client_config(tmp_path):
-    from common.kafka.client import client_kwargs, make_consumer, make_producer
+    from rlstream.common.kafka.client import client_kwargs, make_consumer, make_producer
 
     cfg = _sasl_ssl_config(tmp_path, 9)
     kw = client_kwargs(cfg.kafka)
@@ -197,14 +197,14 @@ def test_sasl_ssl_settings_reach_the_kafka_client_config(tmp_path):
     finally:
         c.close()
         p.close(timeout=0)
-    from common.config import dump_config
+    from rlstream.common.config import dump_config
 
     assert "s3cret-from-config" not in dump_config(cfg), "--dry-run prints the SASL password"
 
 
 def test_sasl_ssl_client_speaks_tls_on_the_wire(tmp_path):
     """A listener that records the first bytes: the client opens with a TLS handshake record."""
-    from common.kafka.client import make_producer
+    from rlstream.common.kafka.client import make_producer
 
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))

@@ -1,4 +1,4 @@
-"""Start-up (consumer/loader.py): each rank reads only the tensors it keeps.
+"""Start-up (consumer/train/loader.py): each rank reads only the tensors it keeps.
 
 Against the loader it replaces (read every tensor, convert the whole model,
 then cut the rank's shard: `shard_megatron(hf_to_megatron(...))`), for every
@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from consumer import convert
-from consumer.loader import ShardReader, read_rank_shard
-from consumer.model import read_hf_dims
+from rlstream.consumer.train import layout as convert
+from rlstream.consumer.train.loader import ShardReader, read_rank_shard
+from rlstream.consumer.train.model import read_hf_dims
 
 pytestmark = [pytest.mark.megatron]
 
@@ -92,7 +92,7 @@ def test_a_rank_reads_a_fraction_of_the_checkpoint(perturbed_dirs):
 def test_a_checkpoint_that_does_not_match_the_config_is_refused(perturbed_dirs, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from common.errors import ModelError
+    from rlstream.common.errors import ModelError
 
     src = Path(perturbed_dirs["untied"])
     sd = load_file(str(src / "model.safetensors"))

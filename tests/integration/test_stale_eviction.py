@@ -14,9 +14,9 @@ import time
 
 import pytest
 
-from common import metrics
-from common.config import RlstreamConfig
-from common.control.messages import TrainerProgress
+from rlstream.common import metrics
+from rlstream.common.config import RlstreamConfig
+from rlstream.common.control.messages import TrainerProgress
 from tests.fixtures.kafka import make_kafka_settings
 from tests.support.configs import ADMIN_TOKEN
 from tests.integration.test_producer_service import read_all
@@ -27,10 +27,10 @@ G, B, GROUPS, MAX_TOKENS = 2, 2, 4, 120
 
 
 def _service(broker, tiny_model_dir, tmp_path, engine):
-    from common.control.plane import ControlPlaneWriter
-    from common.control.signing import signing_key
-    from common.toy.build import ensure_data
-    from producer.service import ProducerService
+    from rlstream.common.control.plane import ControlPlaneWriter
+    from rlstream.common.control.signing import signing_key
+    from rlstream.toy.build import ensure_data
+    from rlstream.producer.service import ProducerService
 
     kafka = make_kafka_settings(broker.bootstrap, tmp_path / "blobs")
     cfg = RlstreamConfig.model_validate({
@@ -79,7 +79,7 @@ def _evicts_everything_in_flight(svc, change, applied) -> int:
         svc.iterate()
     for _ in range(3):
         svc.iterate()
-    assert svc.engine.num_in_flight == 0 and len(svc.groups) == 0, \
+    assert svc.engine.num_in_flight == 0 and len(svc.groups) == 0,\
         f"{svc.engine.num_in_flight} samples still generating after the bound moved"
     assert not svc.engine.has_work()
     after = _evicted()

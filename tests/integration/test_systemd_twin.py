@@ -1,8 +1,8 @@
 """The systemd units, as shipped, on a cluster twin: a trainer on two hosts, a producer on a third.
 
-The units of ops/systemd/ are read as systemd reads them (common/cluster/shipped.py:
+The units of ops/systemd/ are read as systemd reads them (ops/cluster/shipped.py:
 ExecStart, Environment=, EnvironmentFile=, ${VAR} expansion) and run on their own
-hosts (common/harness/rehearsal.py, SystemdOnTwin): `rlstream-consumer.service` on
+hosts (ops/harness/rehearsal.py, SystemdOnTwin): `rlstream-consumer.service` on
 trainer-0 and trainer-1 (one torchrun job across two hosts, gloo, rendezvous at
 trainer-0 as torchrun.env says), `rlstream-producer.service` on producer-0 and the
 broker unit on `broker`. The operator's files, which are not shipped, are written
@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import pytest
 
-from common.cluster.twin import unavailable_reason
-from common.harness.rehearsal import SystemdOnTwin
-from common.harness.supervisor import wait_until
+from rlstream.cluster.twin import unavailable_reason
+from rlstream.harness.rehearsal import SystemdOnTwin
+from rlstream.harness.supervisor import wait_until
 
 VERSIONS = 5
 _WHY = unavailable_reason()

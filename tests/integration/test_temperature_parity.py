@@ -30,9 +30,9 @@ G = 4
 
 def sample_records(engine, temperature: float) -> list:
     """3 groups of G from vLLM at `temperature`, as decoded wire records."""
-    from common.record import decode, encode
-    from producer.rollout.trajectory import Trajectory
-    from producer.sample import SamplingConfig
+    from rlstream.common.record import decode, encode
+    from rlstream.producer.rollout.trajectory import Trajectory
+    from rlstream.producer.sample import SamplingConfig
 
     sampling = SamplingConfig(max_tokens=16, temperature=temperature)
     for i, text in enumerate(["12+7=", "3-1=", "40+45="]):
@@ -54,8 +54,8 @@ def sample_records(engine, temperature: float) -> list:
 @pytest.fixture
 def trainer(megatron_world, tiny_model_dir):
     """A fresh fp32 trainer on the engine's weights (its step changes them), replaying rollout routing."""
-    from common.config import ConsumerSettings
-    from consumer.trainer import Trainer
+    from rlstream.common.config import ConsumerSettings
+    from rlstream.consumer.train.trainer import Trainer
 
     return Trainer.from_hf(tiny_model_dir, ConsumerSettings(group_size=G, groups_per_batch=3, replay="R3"))
 
@@ -65,9 +65,9 @@ def trainer(megatron_world, tiny_model_dir):
 def test_trainer_pi_old_matches_vllm_mu_old_at_the_records_temperature(rollout_engine, trainer, temperature):
     import torch
 
-    from consumer.batch import TrainSample
-    from consumer.model import per_token_logprobs
-    from consumer.replay import replaying
+    from rlstream.consumer.train.batch import TrainSample
+    from rlstream.consumer.train.model import per_token_logprobs
+    from rlstream.consumer.train.replay import replaying
 
     records = sample_records(rollout_engine, temperature)
     assert all(r.temperature == pytest.approx(temperature) for r in records)

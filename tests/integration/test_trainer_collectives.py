@@ -63,8 +63,8 @@ class HostSyncs(torch.overrides.TorchFunctionMode):
 
 
 def host_syncs_of_a_step(model_dir, samples) -> int:
-    from common.config import ConsumerSettings
-    from consumer.trainer import Trainer
+    from rlstream.common.config import ConsumerSettings
+    from rlstream.consumer.train.trainer import Trainer
 
     trainer = Trainer.from_hf(model_dir, ConsumerSettings(replay="R3", num_minibatches=2))
     gb = trainer.build_batch(samples, 4)
@@ -78,7 +78,7 @@ def test_host_syncs_do_not_grow_with_the_parameter_count(megatron_world, tmp_pat
     16 experts (3.6x the parameter tensors): the same number of host syncs in
     rlstream's code. (The old clip_grad_norm made one `.cpu()` per parameter
     tensor; Megatron's gradient norm is kept on the device by shim 7.)"""
-    from common.toy.tinymodel import TinyModelSpec, build_tiny_model
+    from rlstream.toy.tinymodel import TinyModelSpec, build_tiny_model
     from tests.integration.multirank_worker import make_samples
 
     small = build_tiny_model(tmp_path / "small")

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.config import ConsumerSettings
-from consumer import replay
-from consumer.logprobs import logprobs_from_logits
-from consumer.model import forward_logits, load_hf_checkpoint, per_token_logprobs
-from consumer.trainer import Trainer
+from rlstream.common.config import ConsumerSettings
+from rlstream.consumer.train import replay
+from rlstream.consumer.train.logprobs import logprobs_from_logits
+from rlstream.consumer.train.model import forward_logits, load_hf_checkpoint, per_token_logprobs
+from rlstream.consumer.train.trainer import Trainer
 
 pytestmark = pytest.mark.megatron
 

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from common.config import ConsumerSettings
-from consumer import convert
-from consumer.batch import build_global_batch
-from consumer.losses import LOSSES, advantage_mode
-from consumer.model import per_token_logprobs
-from consumer.trainer import Trainer
+from rlstream.common.config import ConsumerSettings
+from rlstream.consumer.train import layout as convert
+from rlstream.consumer.train.batch import build_global_batch
+from rlstream.consumer.train.losses import LOSSES, advantage_mode
+from rlstream.consumer.train.model import per_token_logprobs
+from rlstream.consumer.train.trainer import Trainer
 from tests.support.state import tensors_of
 
 pytestmark = pytest.mark.megatron
@@ -69,7 +69,7 @@ def test_every_rank_reduces_the_same_metric_sums_with_or_without_routing(sharp_m
     has it. It added fewer, and gloo aborted a 2-rank trainer on the cluster twin ("32 vs 24")."""
     import dataclasses
 
-    import consumer.trainer as trainer_mod
+    import rlstream.consumer.train.trainer as trainer_mod
 
     sizes: list[int] = []
 
@@ -150,10 +150,10 @@ def test_checkpoint_round_trip_continues_identically(sharp_model_dir, bf16_rollo
     saved = a.state_dict()
     torch.save(saved, tmp_path / "ckpt.pt")
     b = Trainer.from_hf(sharp_model_dir, cfg)
-    b.load_state_dict(torch.load(tmp_path / "ckpt.pt", weights_only=True))  # as consumer/checkpoint.py
+    b.load_state_dict(torch.load(tmp_path / "ckpt.pt", weights_only=True))  # as consumer/checkpoint/files.py
     assert b.step == 1
     # fp32 masters and Adam moments survive bit-exactly (the distributed optimizer's
-    # own state_dict() holds none of them: consumer/optimizer.py adds this rank's shard)
+    # own state_dict() holds none of them: consumer/train/optimizer.py adds this rank's shard)
     want, got = tensors_of(saved["optimizer"]), tensors_of(b.state_dict()["optimizer"])
     assert any(t.dtype == torch.float32 and t.numel() > 1000 for t in want.values())
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
@@ -176,8 +176,8 @@ def test_a_checkpoint_is_each_ranks_own_files_taken_without_a_collective(sharp_m
     """N7b: the snapshot copies this rank's own optimizer shard (no gather to data-parallel
     rank 0: no collective at all) and the model into the pair's file and the rank's own;
     a fresh trainer resumed from those files holds the same state."""
-    from consumer.checkpoint import CheckpointManager, CheckpointState
-    from consumer.ranks import Leader, checkpoint_shard
+    from rlstream.consumer.checkpoint.files import CheckpointManager, CheckpointState
+    from rlstream.consumer.ranks.protocol import Leader, checkpoint_shard
     from tests.support.collectives import recorded
 
     a, cfg = trained_distributed(sharp_model_dir, bf16_rollouts)
@@ -200,8 +200,13 @@ def test_a_checkpoint_is_each_ranks_own_files_taken_without_a_collective(sharp_m
 
 def test_a_checkpoint_from_before_per_rank_files_still_resumes(sharp_model_dir, bf16_rollouts, tmp_path):
     """The gathered form (optimizer state in the pair's file, "dp_zero_gather_scatter", as
-    consumer/optimizer.py wrote it up to the per-rank files) loads and trains on identically."""
-    from consumer.checkpoint import TRAINER, CheckpointManager, CheckpointState, rank_shard_name
+    consumer/train/optimizer.py wrote it up to the per-rank files) loads and trains on identically."""
+    from rlstream.consumer.checkpoint.files import (
+        TRAINER,
+        CheckpointManager,
+        CheckpointState,
+        rank_shard_name,
+    )
 
     a, cfg = trained_distributed(sharp_model_dir, bf16_rollouts, dtype="float32")
     old = a.state_dict()
@@ -225,7 +230,7 @@ def test_export_after_step_is_the_trained_model(sharp_model_dir, bf16_rollouts, 
     """Export -> save -> reload gives a model with the trained log-probabilities."""
     from safetensors.torch import save_file
 
-    from consumer.model import load_hf_checkpoint
+    from rlstream.consumer.train.model import load_hf_checkpoint
 
     trainer = Trainer.from_hf(sharp_model_dir, settings(lr=1e-2))
     gb = trainer.build_batch(bf16_rollouts, 4)

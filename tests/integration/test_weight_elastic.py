@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from common.control.messages import TrainerProgress
-from common.harness.census import read_rollouts
-from common.harness.supervisor import Service, wait_until
+from rlstream.common.control.messages import TrainerProgress
+from rlstream.harness.census import read_rollouts
+from rlstream.harness.supervisor import Service, wait_until
 from tests.fixtures.kafka import make_kafka_settings
 from tests.support.configs import ensure_prompts, service_config, trainer_writer, write_config
 from tests.support.weights import TrainerSide, perturbed, read_weights
@@ -40,7 +40,7 @@ class SlowSnapshot:
 
     @classmethod
     def make(cls, version, source, reuse=None):
-        from consumer.weights.snapshot import Snapshot
+        from rlstream.consumer.weights.snapshot import Snapshot
 
         class Slow(Snapshot):
             def groups(self, timeout_s: float = 600.0):

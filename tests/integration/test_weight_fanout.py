@@ -33,7 +33,7 @@ def written_bytes() -> int:
 
 
 def slow_snapshot(sent: list):
-    from consumer.weights.snapshot import Snapshot
+    from rlstream.consumer.weights.snapshot import Snapshot
 
     class Slow(Snapshot):
         def groups(self, timeout_s: float = 600.0):

@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 
-from common.errors import DigestMismatchError, WeightTransferError
-from common.weights import link, wire
+from rlstream.common.errors import DigestMismatchError, WeightTransferError
+from rlstream.common.weights import link, wire
 from tests.support.weights import TrainerSide, WorkerProcesses, dict_source
 
 
@@ -105,7 +105,7 @@ def test_a_receiver_that_goes_away_fails_the_send_within_the_timeout():
 
 
 def test_a_snapshot_streams_groups_while_it_is_still_filling():
-    from consumer.weights.snapshot import Snapshot
+    from rlstream.consumer.weights.snapshot import Snapshot
 
     ts = groups_of(4)
     slow = dict_source(ts)
@@ -146,7 +146,7 @@ def test_a_producer_of_two_workers_gets_a_group_of_three_and_both_workers_receiv
     the workers join at rank_offset + their rank (vLLM's numbering), and each version
     reaches both, verified, before the trainer counts it delivered. With a group of 2
     (what every link was), the second worker has no rank and the init fails."""
-    from producer.weights.trainer_link import TrainerLink
+    from rlstream.producer.weights.trainer_link import TrainerLink
 
     with WorkerProcesses(2) as engine:  # forked before the trainer's threads start
         trainer = TrainerSide(tmp_path / "store", model_dir=None, timeout_s=30.0)

@@ -46,7 +46,7 @@ def standin():
     the trainer on device 0, p1's workers on 1 and 2, p2's on 3."""
     import contextlib
 
-    from common import gpu_standin
+    from rlstream.common import gpu_standin
 
     with contextlib.nullcontext() if torch.cuda.is_available() else gpu_standin.installed():
         yield
@@ -55,7 +55,7 @@ def standin():
 def held_back(gate: threading.Event):
     """A Snapshot whose tensors wait for `gate` before the first goes out: a version stays
     mid-transfer (every producer in its receive) until the test has killed one."""
-    from consumer.weights.snapshot import Snapshot
+    from rlstream.consumer.weights.snapshot import Snapshot
 
     class Held(Snapshot):
         def tensors(self):

@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 import torch
 
-from common import metrics
+from rlstream.common import metrics
 from tests.support.engine import greedy
 from tests.support.weights import TrainerSide, perturbed, read_weights, write_version
 
@@ -48,7 +48,7 @@ def until(cond, reloader, engine, timeout_s=60.0, step=False):
 
 @pytest.fixture
 def setup(rollout_engine, tiny_model_dir, tmp_path):
-    from producer.weights.reload import Reloader
+    from rlstream.producer.weights.reload import Reloader
 
     trainer = TrainerSide(tmp_path / "store", tiny_model_dir)
     reloader = Reloader(rollout_engine, tiny_model_dir, "p-test", timeout_s=20.0)
@@ -70,7 +70,7 @@ def setup(rollout_engine, tiny_model_dir, tmp_path):
 
 @pytest.mark.timeout(600)
 def test_a_version_streams_in_while_requests_continue_and_then_serves_exactly_those_weights(setup):
-    from producer.sample import SamplingConfig
+    from rlstream.producer.sample import SamplingConfig
 
     engine, trainer, reloader, versions, reference = setup
     want = reference(1)
@@ -102,8 +102,8 @@ def test_a_version_streams_in_while_requests_continue_and_then_serves_exactly_th
 def _stage_checkpoint_and_compare(worker, model_dir: str) -> dict:
     """In the engine's worker: stage every expert of `model_dir` (what serves) and compare
     the staged tensors with the live layer's, packed and as loaded."""
-    from producer.weights.worker.staging import ExpertStaging
-    from common.weights.wire import GroupSpec, pack
+    from rlstream.producer.weights.worker.staging import ExpertStaging
+    from rlstream.common.weights.wire import GroupSpec, pack
     from tests.support.weights import read_weights
 
     staging = ExpertStaging(worker.model_runner.model)
@@ -133,7 +133,7 @@ def test_staged_experts_are_the_bytes_a_load_leaves_in_the_layer(rollout_engine,
 
 @pytest.mark.timeout(600)
 def test_when_staging_the_experts_fails_the_swap_loads_them_itself(setup, monkeypatch):
-    from producer.weights.worker.staging import ExpertStaging
+    from rlstream.producer.weights.worker.staging import ExpertStaging
 
     engine, trainer, reloader, versions, reference = setup
     want = reference(2)
@@ -156,7 +156,7 @@ def test_a_received_version_changes_nothing_until_the_trainer_finishes_it(setup,
     is not what the producer waits for."""
     import threading
 
-    from consumer.weights.client import LinkClient
+    from rlstream.consumer.weights.client import LinkClient
 
     engine, trainer, reloader, versions, reference = setup
     want1, want2 = reference(1), reference(2)
@@ -180,14 +180,14 @@ def test_a_received_version_changes_nothing_until_the_trainer_finishes_it(setup,
 
 @pytest.mark.timeout(600)
 def test_a_bucket_corrupted_in_flight_is_refused_and_the_durable_copy_serves(setup, monkeypatch):
-    from common.weights import link
+    from rlstream.common.weights import link
 
     engine, trainer, reloader, versions, reference = setup
     want3, want4 = reference(3), reference(4)
     engine.reload_weights(engine.model_dir, 0)
     reloader.apply(trainer.publish(3, versions[3], durable=True))
     until(lambda: engine.version == 3, reloader, engine)
-    from common.weights.chain import ChainLink
+    from rlstream.common.weights.chain import ChainLink
 
     sends = {cls: cls.send for cls in (link.GlooPair, ChainLink)}  # a link's own, the fan-out group's
     hits = {"n": 0}
@@ -253,9 +253,9 @@ class NcclStandIn:
 def test_an_nccl_update_failing_halfway_is_restored_before_the_next_step(rollout_engine, tiny_model_dir):
     """N6: the producer never steps a half-loaded model; the Reloader restores what it served
     (one restore path for every transport) and greedy outputs are those from before."""
-    from common.control.messages import WeightsReady
-    from producer.weights.reload import Reloader
-    from producer.weights.trainer_link import NcclLink
+    from rlstream.common.control.messages import WeightsReady
+    from rlstream.producer.weights.reload import Reloader
+    from rlstream.producer.weights.trainer_link import NcclLink
     from tests.unit.producer.test_link import FakeChannel
 
     rollout_engine.reload_weights(tiny_model_dir, 0)
@@ -283,8 +283,8 @@ def test_a_trainer_killed_mid_version_ends_the_producers_receive_within_the_boun
     and the weight state /healthz reports says why."""
     import signal
 
-    from common.control.messages import WeightsReady
-    from producer.weights.reload import Reloader
+    from rlstream.common.control.messages import WeightsReady
+    from rlstream.producer.weights.reload import Reloader
 
     timeout_s = 5.0
     rollout_engine.reload_weights(tiny_model_dir, 0)

@@ -1,4 +1,4 @@
-"""The weight export of a sharded trainer, over a weight link (consumer/weights/export.py):
+"""The weight export of a sharded trainer, over a weight link (consumer/train/export.py):
 under torchrun (gloo, CPU) with data 2 x expert 2, tensor 2, and tensor 2 x data 2 x
 expert 2, what a producer receives equals the single-process export bit for bit, in the
 same layer groups, with the same version digest. After a training step under Megatron's
@@ -26,8 +26,8 @@ LAYOUTS = {"dp2_ep2": 2, "tp2": 2, "tp2_dp2_ep2": 4}
 @pytest.fixture(scope="module")
 def one_rank(megatron_world, sharp_model_dir):
     """The single-process export of the same checkpoint, packed the same way."""
-    from consumer.trainer import Trainer
-    from consumer.weights.snapshot import Snapshot
+    from rlstream.consumer.train.trainer import Trainer
+    from rlstream.consumer.weights.snapshot import Snapshot
 
     trainer = Trainer.from_hf(sharp_model_dir)
     snap = Snapshot(1, trainer.weight_source())
@@ -39,7 +39,7 @@ def one_rank(megatron_world, sharp_model_dir):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_what_a_producer_receives_from_sharded_ranks_is_the_single_process_export(one_rank, sharp_model_dir,
                                                                                    layout, tmp_path):
-    from consumer.convert import read_hf_safetensors
+    from rlstream.consumer.train.layout import read_hf_safetensors
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     torchrun = Path(sys.executable).with_name("torchrun")
@@ -64,8 +64,8 @@ def test_after_a_distributed_optimizer_step_producers_receive_the_updated_model_
     the link carries exactly the trainer's `export_hf_state_dict` (the path test_multirank.py
     checks against one process), equal to one process's step to test_multirank.py's 1e-6, and
     the step moved the weights far beyond that."""
-    from consumer.convert import read_hf_safetensors
-    from consumer.trainer import Trainer
+    from rlstream.consumer.train.layout import read_hf_safetensors
+    from rlstream.consumer.train.trainer import Trainer
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     torchrun = Path(sys.executable).with_name("torchrun")

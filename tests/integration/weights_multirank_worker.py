@@ -3,7 +3,7 @@
     torchrun --standalone --nproc_per_node N weights_multirank_worker.py MODEL_DIR OUT_DIR LAYOUT
 
 Every rank builds the trainer in LAYOUT (consumer.parallel) from MODEL_DIR and iterates its
-weight source (consumer/weights/export.py: each layer group gathered to rank 0 within the
+weight source (consumer/train/export.py: each layer group gathered to rank 0 within the
 TP/EP groups holding it); rank 0 packs it into a snapshot that one gloo link streams, while
 it fills, to a receiver thread (common/weights/link.py receive_version, the producer's
 receive path). Rank 0 writes what arrived and the version digest to OUT_DIR/LAYOUT.pt.
@@ -30,7 +30,7 @@ def trained(model_dir: str, layout: str):
     """The trainer after one step of multirank_worker.py's run (distributed optimizer)."""
     sys.path.insert(0, str(Path(__file__).parent))
     import multirank_worker as mw
-    from consumer.trainer import Trainer
+    from rlstream.consumer.train.trainer import Trainer
 
     trainer = Trainer.from_hf(model_dir, mw.trainer_config(layout.removesuffix("_step")))
     assert trainer.optimizer_state_sharded, "the step must run under the sharded optimizer"
@@ -41,10 +41,10 @@ def trained(model_dir: str, layout: str):
 def main(model_dir: str, out_dir: str, layout: str) -> None:
     import torch.distributed as dist
 
-    from common.config import ConsumerSettings
-    from common.weights import link
-    from consumer.trainer import Trainer
-    from consumer.weights.snapshot import Snapshot
+    from rlstream.common.config import ConsumerSettings
+    from rlstream.common.weights import link
+    from rlstream.consumer.train.trainer import Trainer
+    from rlstream.consumer.weights.snapshot import Snapshot
 
     torch.set_num_threads(1)
     if layout.endswith("_step"):

@@ -28,10 +28,10 @@ from tests.support.weights import TrainerSide, perturbed, read_weights, write_ve
 
 
 def check(model_dir: Path, tmp_path: Path, transport: str = "gloo") -> None:
-    from common import metrics
-    from common.config import EngineSettings
-    from producer.engine import RolloutEngine
-    from producer.weights.reload import Reloader
+    from rlstream.common import metrics
+    from rlstream.common.config import EngineSettings
+    from rlstream.producer.engine import RolloutEngine
+    from rlstream.producer.weights.reload import Reloader
 
     settings = EngineSettings(dtype="float32", max_model_len=256, kv_cache_memory_bytes=64 << 20, max_num_seqs=8,
                               seed=0, enforce_eager=True, tensor_parallel_size=2, routing="off",
@@ -76,7 +76,7 @@ if __name__ == "__main__":
     if transport == "nccl" and torch.cuda.is_available():  # a GPU machine: vLLM's workers on 0 and 1
         torch.cuda.set_device(torch.cuda.device_count() - 1)  # the trainer's rank on a GPU of its own
     elif transport == "nccl":
-        from common import gpu_standin
+        from rlstream.common import gpu_standin
 
         os.environ[gpu_standin.ENV] = "1"  # the engine's worker processes install them too (vLLM plugin)
         gpu_standin.install()

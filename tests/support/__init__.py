@@ -1,7 +1,7 @@
 """Helpers for tests and benchmarks that drive the real services from outside.
 
 Processes, HTTP and metrics, and reading topics back are the harness's
-(common/harness/supervisor.py, observe.py, census.py), shared with the demo.
+(ops/harness/supervisor.py, observe.py, census.py), shared with the demo.
 What only tests need is here, one module per concern:
 
     configs.py     small configs for the tiny model, the admin token, task data

@@ -5,7 +5,7 @@ The consumer appends one JSON line per global step to
 (after the step), trained: [rollout ids], run (the incarnation)}. Checkpoints
 come on a cadence, so after a crash the steps since the last checkpoint are
 redone and logged again under the same step numbers by the next run. Which
-lines count is the lineage of the newest checkpoint (consumer/checkpoint.py):
+lines count is the lineage of the newest checkpoint (consumer/checkpoint/files.py):
 `lineage_entries`. `audit_steps` / `audit_entries` (the last line per step,
 any run) measure progress while the consumer runs.
 """
@@ -65,7 +65,7 @@ def step_staleness(entries: dict[int, dict], rollouts: dict) -> dict[int, int]:
     the gate's own rule). `entries` from `audit_entries`; `rollouts` maps rollout
     id -> Rollout (census.read_rollouts, read after the entries: it must hold
     every record they trained)."""
-    from consumer.staleness import sample_staleness
+    from rlstream.consumer.stream.gate import sample_staleness
 
     return {s: max(sample_staleness(rollouts[rid], e["version"] - 1) for rid in e["trained"])
             for s, e in entries.items() if e["trained"]}
@@ -73,7 +73,7 @@ def step_staleness(entries: dict[int, dict], rollouts: dict) -> dict[int, int]:
 
 def committed_checkpoint(checkpoint_dir: Path):
     """The newest complete checkpoint's CheckpointState, or None."""
-    from consumer.checkpoint import CheckpointManager
+    from rlstream.consumer.checkpoint.files import CheckpointManager
 
     latest = CheckpointManager(checkpoint_dir).latest()
     return None if latest is None else latest[0]

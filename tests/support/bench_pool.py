@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.process import signal_group
+from rlstream.common.process import signal_group
 
 
 @dataclass

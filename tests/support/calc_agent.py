@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 
-from producer.envs.calculator import calculate
+from rlstream.common.tasks.envs.calculator import calculate
 
 CALL = re.compile(r"c\(([0-9+\-*/ ]{1,32})\)$")
 

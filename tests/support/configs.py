@@ -2,7 +2,7 @@
 
 `service_config` fills both the producer and the consumer section (one file
 can start either); `write_config` writes it for `Service(command, path, ...)`
-(common/harness/supervisor.py), which adds each incarnation's run file on the
+(ops/harness/supervisor.py), which adds each incarnation's run file on the
 command line. HTTP ports are 0: a service picks a free one and reports it in
 its run file.
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from common.config import KafkaSettings, RlstreamConfig
+from rlstream.common.config import KafkaSettings, RlstreamConfig
 
 ADMIN_TOKEN = "rlstream-test-token-7f3a"
 
@@ -40,8 +40,8 @@ def trainer_writer(kafka: KafkaSettings):
     """A ControlPlaneWriter that speaks as the trainer of these configs: its announcements and
     control changes are signed with ADMIN_TOKEN, so services started from `service_config`
     (which only apply signed records) take them."""
-    from common.control.plane import ControlPlaneWriter
-    from common.control.signing import signing_key
+    from rlstream.common.control.plane import ControlPlaneWriter
+    from rlstream.common.control.signing import signing_key
 
     return ControlPlaneWriter(kafka, signing_key(ADMIN_TOKEN))
 
@@ -54,6 +54,6 @@ def write_config(cfg: RlstreamConfig, path: Path) -> Path:
 
 def ensure_prompts(cfg: RlstreamConfig, n_train: int = 64) -> None:
     """The arithmetic task's files beside `producer.prompts.path` (if missing)."""
-    from common.toy.build import ensure_data
+    from rlstream.toy.build import ensure_data
 
     ensure_data(cfg, n_train=n_train, n_heldout=8)

@@ -20,7 +20,7 @@ def run_until_done(eng, max_steps: int = 1000) -> list:
 
 def greedy(engine, prompts=PROMPTS, max_tokens: int = 6) -> np.ndarray:
     """Greedy log-probs of one sample per prompt, in prompt order (what a weight version computes)."""
-    from producer.sample import SamplingConfig
+    from rlstream.producer.sample import SamplingConfig
 
     for i, p in enumerate(prompts):
         engine.submit_group(engine.encode(p), n=1, tag=f"greedy-{time.monotonic_ns()}-{i}",

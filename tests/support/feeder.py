@@ -16,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from common.config import KafkaSettings
-from common.errors import PipelineError
-from common.harness.supervisor import Service, wait_until
+from rlstream.common.config import KafkaSettings
+from rlstream.common.errors import PipelineError
+from rlstream.harness.supervisor import Service, wait_until
 from tests.support.audit import audit_lines, audit_steps
 from tests.support.synthetic import publish_groups, synthetic_group
 
@@ -52,7 +52,7 @@ class SyntheticFeeder(threading.Thread):
                  p_partial: float = 0.1, p_stale: float = 0.15, p_bad: float = 0.05,
                  version_of=None, stale_after: int | None = None):
         super().__init__(name="synthetic-feeder", daemon=True)
-        from common.kafka.publisher import RolloutPublisher
+        from rlstream.common.kafka.publisher import RolloutPublisher
 
         self.kafka, self.G = kafka, G
         self.rng = np.random.default_rng(seed)
@@ -131,8 +131,8 @@ class PolicyVersion:
     thread-safe)."""
 
     def __init__(self, kafka: KafkaSettings):
-        from common.config import ControlSettings
-        from common.control.plane import ControlFollower
+        from rlstream.common.config import ControlSettings
+        from rlstream.common.control.plane import ControlFollower
 
         self.follower = ControlFollower(kafka, ControlSettings())
 
@@ -158,7 +158,7 @@ def flush_half_batch(kafka: KafkaSettings, checkpoint_dir: Path, consumer: Servi
     `version_of()` gives the fillers' version (default: the step count, which
     is the version while the consumer never restarted).
     """
-    from common.kafka.publisher import RolloutPublisher
+    from rlstream.common.kafka.publisher import RolloutPublisher
 
     rng = np.random.default_rng(seed)
     waiting = int(consumer.try_metric("rlstream_consumer_held_records", 0) or 0) // G % B

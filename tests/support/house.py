@@ -36,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("common", "producer", "consumer")
 ROLES = ("producer", "consumer")
-TOOLING = ("common.app", "common.harness", "common.toy", "common.cluster")
+TOOLING = ("rlstream", "rlstream.harness", "rlstream.toy", "rlstream.cluster")
 """Folders of common/ that no service runs: the CLI, the demo and experiment harness,
 the toy world and the cluster twin."""
 NAMESPACE = "rlstream."

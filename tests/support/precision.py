@@ -6,7 +6,7 @@ random batch per step) is fed to three optimizers that all start from the
 checkpoint rounded to bf16, so every difference is the optimizer's precision:
 
     reference   torch AdamW on fp32 copies of the weights
-    trainer     the trainer's own optimizer (consumer/optimizer.py) on the bf16 model:
+    trainer     the trainer's own optimizer (consumer/train/optimizer.py) on the bf16 model:
                 the update read from its fp32 master weights
     plain_bf16  torch AdamW on the bf16 parameters (the trainer before issue #14)
 
@@ -36,7 +36,7 @@ def bf16_rounded_copy(src: Path, dst: Path) -> Path:
 
 def reference_gradients(hf_dir: Path, steps: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
     """The fp32 model's gradients of -mean log p on `steps` random batches, at its start."""
-    from consumer.model import load_hf_checkpoint, per_token_logprobs
+    from rlstream.consumer.train.model import load_hf_checkpoint, per_token_logprobs
 
     model = load_hf_checkpoint(hf_dir)
     vocab = model.hf_dims.vocab_size
@@ -70,8 +70,8 @@ def _trainer_deltas(hf_dir: Path, start: dict[str, torch.Tensor], grads: list[di
                     lr: float, distributed: bool) -> tuple[dict, bool]:
     """The trainer's optimizer on the bf16 model, fed `grads` through its fp32
     gradient buffers; (master-weight deltas, bf16 params == masters rounded)."""
-    from common.config import ConsumerSettings
-    from consumer.trainer import Trainer
+    from rlstream.common.config import ConsumerSettings
+    from rlstream.consumer.train.trainer import Trainer
 
     cfg = ConsumerSettings(dtype="bfloat16", optimizer={"lr": lr, "grad_clip": 0.0,
                                                         "distributed": distributed})
@@ -94,7 +94,7 @@ def update_rel_errors(hf_dir: Path, work: Path, steps: int = 10, lr: float = 1e-
     """{"trainer", "plain_bf16": rel_error against the fp32 reference,
     "params_are_rounded_masters": bool, "unmoved_share_plain_bf16": share of
     weights the plain bf16 optimizer never moved where the reference did}."""
-    from consumer.model import load_hf_checkpoint
+    from rlstream.consumer.train.model import load_hf_checkpoint
 
     rounded = bf16_rounded_copy(Path(hf_dir), Path(work) / "bf16-rounded")
     start = {n: p.detach().clone() for n, p in load_hf_checkpoint(rounded).named_parameters()}

@@ -53,7 +53,7 @@ def run_to_exit(argv: list[str], env: dict[str, str], stall_s: float = 180.0,
     import tempfile
     import time
 
-    from common import process
+    from rlstream.common import process
 
     with tempfile.TemporaryFile() as out:
         proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,

@@ -10,8 +10,8 @@ import uuid
 
 import numpy as np
 
-from common.record import Rollout
-from common.toy.tinymodel import TinyModelSpec
+from rlstream.common.record import Rollout
+from rlstream.toy.tinymodel import TinyModelSpec
 
 
 def synthetic_group(group_id: str, G: int, version: int, rng: np.random.Generator,

@@ -1,12 +1,12 @@
 """Test-only topic access: raw writes (no validation at all) and the weights announced.
 
 Reading whole topics back (read_topic, read_dlq, read_rollouts) is the
-harness's: common/harness/census.py.
+harness's: ops/harness/census.py.
 """
 from __future__ import annotations
 
-from common.config import KafkaSettings
-from common.harness.census import read_topic
+from rlstream.common.config import KafkaSettings
+from rlstream.harness.census import read_topic
 
 
 def latest_policy(kafka: KafkaSettings):
@@ -17,7 +17,7 @@ def latest_policy(kafka: KafkaSettings):
 
 def weights_announcements(kafka: KafkaSettings) -> list:
     """Every WeightsReady on the policy topic, in log order."""
-    from common.control.messages import WeightsReady, parse_policy_message
+    from rlstream.common.control.messages import WeightsReady, parse_policy_message
 
     out = []
     for m in read_topic(kafka, kafka.topics.policy, quiet_s=0.8):
@@ -50,7 +50,7 @@ def send_raw(kafka: KafkaSettings, topic: str, key: bytes | None, value: bytes) 
     """One message, acknowledged (acks=all), no validation at all."""
     from kafka import KafkaProducer
 
-    from common.kafka.client import client_kwargs
+    from rlstream.common.kafka.client import client_kwargs
 
     p = KafkaProducer(**client_kwargs(kafka), acks="all", max_request_size=kafka.max_message_bytes)
     try:
@@ -71,7 +71,7 @@ def append_batches(bootstrap: str, topic: str, partition: int, n: int, value: by
     from kafka.protocol.producer.produce import ProduceRequest
     from kafka.record.memory_records import MemoryRecordsBuilder
 
-    from common.kafka.broker import recv_exact
+    from rlstream.common.kafka.broker import recv_exact
 
     builder = MemoryRecordsBuilder(magic=2, compression_type=0, batch_size=1 << 20)
     builder.append(0, None, value, [])

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from common.cluster.twin import unavailable_reason
-from common.harness.supervisor import wait_until
+from rlstream.cluster.twin import unavailable_reason
+from rlstream.harness.supervisor import wait_until
 
 _WHY = unavailable_reason()
 TWIN_MARKS = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.megatron, pytest.mark.broker,

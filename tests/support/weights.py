@@ -63,9 +63,9 @@ class corrupting:
         self.on, self.thread, self.sent, self.transport = on, thread, {}, transport
 
     def __enter__(self):
-        from common.gpu_standin.ring import Ring
-        from common.weights.chain import ChainLink
-        from common.weights.link import GlooPair
+        from rlstream.common.gpu_standin.ring import Ring
+        from rlstream.common.weights.chain import ChainLink
+        from rlstream.common.weights.link import GlooPair
 
         # the wire: gloo's pairs (a link's own, the fan-out group's), or the NCCL stand-in's sockets
         classes = (Ring,) if self.transport == "nccl-standin" else (GlooPair, ChainLink)
@@ -102,7 +102,7 @@ class corrupting:
         return send
 
     def __exit__(self, *exc):
-        from common.gpu_standin.ring import Ring
+        from rlstream.common.gpu_standin.ring import Ring
 
         for cls, orig in self.saved:
             setattr(cls, "_send" if cls is Ring else "send", orig)
@@ -137,7 +137,7 @@ class LinkedProducer:
         self.gone = False
 
     def connect(self) -> None:
-        from producer.weights.trainer_link import TrainerLink
+        from rlstream.producer.weights.trainer_link import TrainerLink
 
         self.link = TrainerLink.connect(self.engine, self.endpoint, self.name, self.timeout_s)
         self.registrations += 1
@@ -183,9 +183,9 @@ class TrainerSide:
 
     def __init__(self, store_dir: Path, model_dir, timeout_s: float = 20.0, writer=None,
                  backend: str = "rlstream_gloo"):
-        from common.config import WeightSyncSettings
-        from common.weights.store import WeightStore
-        from consumer.weights.sender import WeightSender
+        from rlstream.common.config import WeightSyncSettings
+        from rlstream.common.weights.store import WeightStore
+        from rlstream.consumer.weights.sender import WeightSender
 
         self.sender = WeightSender(WeightSyncSettings(timeout_s=timeout_s), backend=backend)
         self.store = WeightStore(store_dir, keep=20)
@@ -195,8 +195,8 @@ class TrainerSide:
 
     def publish(self, version: int, tensors: dict, durable: bool = False, snapshot_cls=None):
         """Stream `tensors` as `version` to every link; announce it (through `writer` when set)."""
-        from common.control.messages import DurableCopy, WeightsReady
-        from consumer.weights.snapshot import Snapshot
+        from rlstream.common.control.messages import DurableCopy, WeightsReady
+        from rlstream.consumer.weights.snapshot import Snapshot
 
         snap = (snapshot_cls or Snapshot)(version, dict_source(tensors), reuse=self.snapshot)
         self.sender.publish(snap)
@@ -270,7 +270,7 @@ class WorkerProcesses:
             if seq != self._seq:
                 continue
             if not ok:
-                from common.errors import WeightTransferError
+                from rlstream.common.errors import WeightTransferError
 
                 raise WeightTransferError(value)
             return value
@@ -284,7 +284,7 @@ class WorkerProcesses:
         self._rpc("receive")
 
     def weight_status(self) -> dict:
-        from producer.weights.worker.gloo_engine import combine_worker_status
+        from rlstream.producer.weights.worker.gloo_engine import combine_worker_status
 
         return combine_worker_status(self._rpc("status"))
 
@@ -293,7 +293,7 @@ class WorkerProcesses:
 
     def load_weight_update(self, update_info: dict, timeout_s: float) -> str:
         """nccl: receive and load now, as producer.engine.RolloutEngine does (the workers must agree)."""
-        from common.errors import WeightTransferError
+        from rlstream.common.errors import WeightTransferError
 
         digests = self._rpc("update", update_info=update_info, timeout_s=timeout_s)
         if len(set(digests)) != 1:
@@ -385,7 +385,7 @@ def _nccl_worker_main(conn, rank: int, n: int, device_base: int = 1) -> None:
     from types import SimpleNamespace
 
     torch.set_num_threads(1)
-    from common import gpu_standin
+    from rlstream.common import gpu_standin
 
     if torch.cuda.is_available():
         torch.cuda.set_device(device_base + rank)
@@ -399,7 +399,7 @@ def _nccl_worker_main(conn, rank: int, n: int, device_base: int = 1) -> None:
     # what the receive imports, imported now as a vLLM worker has (it loaded a model at start)
     from vllm.model_executor.model_loader import mtp_validation  # noqa: F401
 
-    from producer.weights.worker.verified_update import update_weights_folded
+    from rlstream.producer.weights.worker.verified_update import update_weights_folded
 
     parallel = SimpleNamespace(world_size=n, rank=rank, data_parallel_index=0)
     engine = NCCLWeightTransferEngine(WeightTransferConfig(backend="nccl"),
@@ -422,7 +422,7 @@ def _worker_main(conn, rank: int, n: int) -> None:
 
     torch.set_num_threads(1)  # two workers and the trainer share the machine's cores
 
-    from producer.weights.worker.gloo_engine import RlstreamGlooEngine, RlstreamGlooUpdateInfo
+    from rlstream.producer.weights.worker.gloo_engine import RlstreamGlooEngine, RlstreamGlooUpdateInfo
 
     parallel = SimpleNamespace(world_size=n, rank=rank, data_parallel_index=0)
     engine = RlstreamGlooEngine(None, SimpleNamespace(parallel_config=parallel, model_config=None), "cpu",

@@ -17,13 +17,13 @@ TREE = {
     "pyproject.toml": '[tool.setuptools.packages.find]\ninclude = ["producer*", "consumer*", "common*"]\n',
     "common/__init__.py": "",
     "common/config.py": "import os\n\n\nX = 1\n",
-    "common/harness/__init__.py": "",
-    "common/harness/demo.py": "def run():\n    from consumer.ledger import OUTCOMES, Ledger\n    return OUTCOMES\n",
+    "ops/harness/__init__.py": "",
+    "ops/harness/demo.py": "def run():\n    from consumer.ledger import OUTCOMES, Ledger\n    return OUTCOMES\n",
     "producer/__init__.py": "",
     "producer/a.py": "from producer import b\n",
     "producer/b.py": "def f():\n    from . import a\n    import json\n    return a, json\n",
     "consumer/__init__.py": "",
-    "consumer/ledger.py": "from rlstream.common.config import X\nOUTCOMES = X\n",
+    "consumer/stream/ledger.py": "from rlstream.common.config import X\nOUTCOMES = X\n",
     "tests/test_x.py": "def test():\n    pass\n",
 }
 
@@ -38,8 +38,8 @@ def test_the_figures_of_a_small_tree(tmp_path):
     assert got["circles"] == [["producer.a", "producer.b"]]
     assert got["in_function_imports"]["all"] == 3
     assert got["in_function_imports"]["ours"] == 2  # demo.py's one statement, b.py's `from . import a`
-    # the namespace is dropped: consumer.ledger imports common.config, which is no circle and no role
-    assert got["imports_into_roles"] == ["common.harness.demo -> consumer.ledger"]
+    # the namespace is dropped: consumer.ledger imports rlstream.common.config, which is no circle and no role
+    assert got["imports_into_roles"] == ["rlstream.harness.demo -> consumer.ledger"]
     assert got["packages"]["common"]["rooms"] == {"harness": {"lines": 3, "files": 2}}
     assert got["tooling_share_of_common"] == round(3 / 7, 3)
     assert got["installed_top_level"] == ["common", "consumer", "producer"]

@@ -3,14 +3,14 @@
     producer/  consumer/       roles: never import each other, never the toy
                                world, the harness or the composition root
     common/ (runtime)          shared by both roles: imports neither role, nor
-                               common.app / common.toy / common.harness
+                               rlstream / rlstream.toy / rlstream.harness
     common/toy/                the self-contained tiny model and task
-    common/harness/            runs services as processes and measures them
+    ops/harness/            runs services as processes and measures them
     common/app/                the composition root (the `rlstream` command):
                                the one place in common/ that names the roles
 
 `producer/__main__.py` and `consumer/__main__.py` are entry shims that call the
-composition root (`python -m producer` == `rlstream producer`); they are the
+composition root (`python -m rlstream producer` == `rlstream producer`); they are the
 only exceptions.
 """
 from __future__ import annotations
@@ -21,13 +21,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-OFF_RUNTIME = ("common.app", "common.toy", "common.harness")
+OFF_RUNTIME = ("rlstream", "rlstream.toy", "rlstream.harness")
 FORBIDDEN = {
     # package -> imports it must never make
     "producer": ("consumer",) + OFF_RUNTIME,
     "consumer": ("producer",) + OFF_RUNTIME,
     "common": ("producer", "consumer") + OFF_RUNTIME,
-    "common.toy": ("common.app", "common.harness", "consumer"),
+    "rlstream.toy": ("rlstream", "rlstream.harness", "consumer"),
 }
 ENTRY_SHIMS = {"producer.__main__", "consumer.__main__"}
 
@@ -84,9 +84,9 @@ def test_layers_hold():
 
 @pytest.mark.parametrize("module, imported", [
     ("producer.engine", "consumer.trainer"),
-    ("consumer.service", "common.harness.demo"),
-    ("common.kafka.reader", "common.toy.tasks"),
-    ("common.config", "producer.service"),
+    ("consumer.service", "rlstream.harness.demo"),
+    ("rlstream.common.kafka.reader", "rlstream.common.tasks.arithmetic"),
+    ("rlstream.common.config", "producer.service"),
 ])
 def test_checker_catches_a_violation(tmp_path, monkeypatch, module, imported):
     """The walker would catch each forbidden edge (it can fail)."""

@@ -1,5 +1,5 @@
 """The configs for the clusters people have (issue 26 item 4): one node of 8 x 80 GB, two
-such nodes, two nodes of 8 x H200, each against the memory check of consumer/memory_budget.py
+such nodes, two nodes of 8 x H200, each against the memory check of consumer/train/memory_budget.py
 (GPU and host); the optimizer CPU offload's arithmetic against a hand calculation; and the
 offload setting reaching megatron-core 0.16.1 (its HybridDeviceOptimizer needs CUDA, so no
 step runs here: the factory call is stopped where it builds the offloading optimizer).
@@ -12,11 +12,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.config import OptimizerSettings, load_config
-from common.errors import ConfigError
-from consumer.memory_budget import (GB, MemoryPlan, check_config, estimate, host_estimate,
-                                    parameter_counts)
-from consumer.model import HFModelDims
+from rlstream.common.config import OptimizerSettings, load_config
+from rlstream.common.errors import ConfigError
+from rlstream.consumer.train.memory_budget import (
+    GB,
+    MemoryPlan,
+    check_config,
+    estimate,
+    host_estimate,
+    parameter_counts,
+)
+from rlstream.consumer.train.model import HFModelDims
 
 ROOT = Path(__file__).resolve().parents[2]
 QWEN3_30B = ROOT / "tests" / "fixtures" / "models" / "qwen3-30b-a3b"
@@ -148,7 +154,7 @@ def test_the_offload_needs_the_distributed_adamw(bad):
 def _megatron_config(settings: OptimizerSettings):
     from types import SimpleNamespace
 
-    from consumer.optimizer import _megatron_config
+    from rlstream.consumer.train.optimizer import _megatron_config
 
     return _megatron_config(settings, SimpleNamespace(bf16=True, params_dtype=torch.bfloat16), True)
 
@@ -188,7 +194,7 @@ def test_megatron_builds_its_hybrid_device_optimizer_from_the_setting(monkeypatc
 
 
 def test_the_offload_is_refused_without_a_gpu(monkeypatch):
-    from consumer.optimizer import TrainerOptimizer
+    from rlstream.consumer.train.optimizer import TrainerOptimizer
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="no CUDA device") as e:

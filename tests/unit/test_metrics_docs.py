@@ -2,8 +2,8 @@
 
 The modules that declare metrics do so at import (none of them imports vLLM,
 Megatron or torch at module level), so importing them fills
-`common.metrics._METRICS` with everything a producer or a consumer can expose.
-The exposition is then scraped over HTTP from the real `common.control.http`
+`rlstream.common.metrics._METRICS` with everything a producer or a consumer can expose.
+The exposition is then scraped over HTTP from the real `rlstream.common.control.http`
 endpoint and parsed with prometheus-client's own text parser.
 """
 from __future__ import annotations
@@ -22,18 +22,18 @@ DOC = ROOT / "docs" / "metrics.md"
 
 # module -> service whose /metrics exposes what it declares
 DECLARING_MODULES = {
-    "common.kafka.publisher": "producer",
-    "common.kafka.reader": "consumer",
-    "common.kafka.fetch_wait": "both",
-    "common.control.plane": "both",
-    "common.control.http": "both",
-    "common.control.liveness": "both",
-    "common.http_server": "both",
-    "producer.telemetry": "producer",
-    "producer.prompts": "producer",
-    "producer.mathjudge": "producer",
-    "consumer.telemetry": "consumer",
-    "consumer.intake": "consumer",
+    "rlstream.common.kafka.publisher": "producer",
+    "rlstream.common.kafka.reader": "consumer",
+    "rlstream.common.kafka.fetch_wait": "both",
+    "rlstream.common.control.plane": "both",
+    "rlstream.common.control.http": "both",
+    "rlstream.common.control.liveness": "both",
+    "rlstream.common.http_server": "both",
+    "rlstream.producer.telemetry": "producer",
+    "rlstream.producer.prompts": "producer",
+    "rlstream.common.tasks.mathjudge": "producer",
+    "rlstream.consumer.telemetry": "consumer",
+    "rlstream.consumer.stream.intake": "consumer",
 }
 KINDS = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
 NON_BASE_UNITS = ("_ms", "_milliseconds", "_microseconds", "_us", "_ns", "_minutes", "_hours",
@@ -51,7 +51,7 @@ def parse_metric_table(text: str) -> dict[str, dict]:
         name = cells[0].strip("`")
         assert name not in rows, f"{name} documented twice"
         # labels cell: "`label` = `v1`, `v2`" or "`label` (note)"; several labels separated by ";"
-        labels = sorted(re.match(r"`(\w+)`", part.strip()).group(1) for part in cells[2].split(";")) \
+        labels = sorted(re.match(r"`(\w+)`", part.strip()).group(1) for part in cells[2].split(";"))\
             if cells[2] else []
         rows[name] = {"type": cells[1], "labels": labels, "service": cells[3], "meaning": cells[4]}
     return rows
@@ -61,7 +61,7 @@ def parse_metric_table(text: str) -> dict[str, dict]:
 def registry():
     for mod in DECLARING_MODULES:
         importlib.import_module(mod)
-    from common import metrics
+    from rlstream.common import metrics
 
     return metrics
 
@@ -120,7 +120,7 @@ def test_documented_type_labels_and_service_match_the_code(registry, documented)
 
 
 def test_names_follow_prometheus_rules(registry):
-    from common.metrics import LATENCY_BUCKETS
+    from rlstream.common.metrics import LATENCY_BUCKETS
 
     for name, m in registry._METRICS.items():
         assert re.fullmatch(r"rlstream_[a-z0-9_]+", name), name
@@ -136,7 +136,7 @@ def test_names_follow_prometheus_rules(registry):
 
 
 def test_scraped_exposition_has_every_documented_family(registry, documented):
-    from common.control.http import ServiceHttp
+    from rlstream.common.control.http import ServiceHttp
 
     http = ServiceHttp("127.0.0.1", 0, lambda: (True, {})).start()
     try:

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from common.config import load_config
+from rlstream.common.config import load_config
 from test_metrics_docs import parse_metric_table
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -236,7 +236,7 @@ def test_k8s_consumer_runs_torchrun_with_a_layout_that_fits(tmp_path):
     """The consumer starts under torchrun on every node of one JobSet, with GPUs per pod =
     processes per node, and the ConfigMap's parallel layout validates for that world size
     (the review found a one-process consumer with expert 8: "ep=8 must divide dp=1")."""
-    from common.errors import ConfigError
+    from rlstream.common.errors import ConfigError
 
     cons = find("JobSet", "rlstream-consumer")
     (rjob,) = cons["spec"]["replicatedJobs"]
@@ -290,7 +290,7 @@ def test_compose_services_images_mounts_and_targets_agree():
     assert {s["image"] for s in rl.values()} == {"rlstream:0.1.0"}
     for s in rl.values():
         assert (COMPOSE.parent / s["build"]["context"] / s["build"]["dockerfile"]).is_file()
-    assert "KRaft" in COMPOSE.read_text() and services["kafka"]["environment"]["KAFKA_PROCESS_ROLES"] == \
+    assert "KRaft" in COMPOSE.read_text() and services["kafka"]["environment"]["KAFKA_PROCESS_ROLES"] ==\
         "broker,controller"
     for name, s in services.items():
         deps = s.get("depends_on", [])
@@ -378,14 +378,14 @@ UNITS = sorted((OPS / "systemd").glob("*.service"))
 
 @pytest.mark.parametrize("unit", UNITS, ids=lambda p: p.name)
 def test_systemd_unit(unit, tmp_path):
-    from common.app.cli import SERVICES
+    from rlstream.cli import SERVICES
 
     cp = configparser.ConfigParser(strict=False, interpolation=None)
     cp.optionxform = str
     cp.read_string(unit.read_text())
     assert {"Unit", "Service", "Install"} <= set(cp.sections())
     exec_start = cp["Service"]["ExecStart"].split()
-    if exec_start[0].endswith("/torchrun"):  # the consumer: `torchrun ... -m consumer -c` (test_ops_cluster.py)
+    if exec_start[0].endswith("/torchrun"):  # the consumer: `torchrun ... -m rlstream consumer -c` (test_ops_cluster.py)
         exec_start = [exec_start[0], *exec_start[exec_start.index("-m") + 1:]]
     else:
         assert exec_start[0].endswith("/rlstream")
@@ -464,13 +464,13 @@ def test_dockerfile_cuda_base_matches_the_pinned_torch_build():
     m = re.fullmatch(r"nvidia/cuda:(\d+\.\d+)\.\d+-[a-z-]*runtime-ubuntu22\.04", image)
     assert m, image
     assert m.group(1) == torch_cuda, f"base image CUDA {m.group(1)} != torch's CUDA {torch_cuda}"
-    assert "common.app.doctor --gpu" in text
+    assert "rlstream.doctor --gpu" in text
 
 
 def test_doctor_refuses_a_cpu_torch_for_gpu_installs(monkeypatch):
     import torch
 
-    from common.app import doctor
+    from rlstream import doctor
 
     monkeypatch.setattr(torch.version, "cuda", None)
     assert "CPU-only" in doctor.check_cuda_torch()

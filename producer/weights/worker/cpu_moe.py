@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from common.errors import EngineError
+from rlstream.common.errors import EngineError
 
 
 def repack_cpu_moe(model, loaded_names: Collection[str] | None = None) -> int:

@@ -45,10 +45,16 @@ from typing import Any
 from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
                                                    WeightTransferUpdateInfo)
 
-from common.errors import DigestMismatchError, WeightTransferError
-from common.weights.backends import GLOO
-from common.weights.chain import ChainLink
-from common.weights.link import GlooPair, ReceivedVersion, open_store, receive_version, worker_group_rank
+from rlstream.common.errors import DigestMismatchError, WeightTransferError
+from rlstream.common.weights.backends import GLOO
+from rlstream.common.weights.chain import ChainLink
+from rlstream.common.weights.link import (
+    GlooPair,
+    ReceivedVersion,
+    open_store,
+    receive_version,
+    worker_group_rank,
+)
 
 log = logging.getLogger("rlstream.producer")
 
@@ -225,7 +231,7 @@ class RlstreamGlooEngine(WeightTransferEngine[RlstreamGlooInitInfo, RlstreamGloo
         self._discard()
 
     def _expert_staging(self):
-        from producer.weights.worker.staging import ExpertStaging
+        from rlstream.producer.weights.worker.staging import ExpertStaging
 
         if self._experts is None:
             self._experts = ExpertStaging(self.model)
@@ -259,7 +265,7 @@ class RlstreamGlooEngine(WeightTransferEngine[RlstreamGlooInitInfo, RlstreamGloo
 
         if not current_platform.is_cpu():
             return 0
-        from producer.weights.worker.cpu_moe import repack_cpu_moe
+        from rlstream.producer.weights.worker.cpu_moe import repack_cpu_moe
 
         return repack_cpu_moe(self.model, names)
 
@@ -311,13 +317,13 @@ class RlstreamWorkerExtension:
 
     # restore branch hook (issue 23, N5): the nccl update, folded into a digest as it loads
     def rlstream_update_weights_folded(self, update_info: dict[str, Any], timeout_s: float) -> str:
-        from producer.weights.worker.verified_update import update_weights_folded
+        from rlstream.producer.weights.worker.verified_update import update_weights_folded
 
         return update_weights_folded(self, update_info, timeout_s)
 
     def rlstream_repack_cpu_moe(self) -> int:
         """After vLLM's `reload_weights` of a whole checkpoint (the file path)."""
-        from producer.weights.worker.cpu_moe import repack_cpu_moe
+        from rlstream.producer.weights.worker.cpu_moe import repack_cpu_moe
 
         return repack_cpu_moe(self.model_runner.model)
 

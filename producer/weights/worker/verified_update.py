@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from common.weights.digest import Fold
-from common.weights.watchdog import Watchdog, abort_nccl, nccl_async_error
+from rlstream.common.weights.digest import Fold
+from rlstream.common.weights.watchdog import Watchdog, abort_nccl, nccl_async_error
 
 
 def update_weights_folded(worker, update_info: dict[str, Any], timeout_s: float) -> str:

@@ -1,14 +1,23 @@
-"""The k8s manifests read as the cluster runs them (common/cluster/shipped.py), and the
-rehearsal's swaps (common/harness/rehearsal.py) kept off what decides reachability.
+"""The k8s manifests read as the cluster runs them (ops/cluster/shipped.py), and the
+rehearsal's swaps (ops/harness/rehearsal.py) kept off what decides reachability.
 Pure file logic: no twin, no root."""
 from __future__ import annotations
 
 import pytest
 import yaml
 
-from common.cluster.shipped import (cluster_dns, dockerfile_entrypoint, external_service_names, k8s_config_text,
-                                    k8s_deployment, k8s_documents, k8s_expand, k8s_jobset, k8s_service)
-from common.harness.rehearsal import DOCKERFILE, K8S, K8S_CONFIG_SWAPS, swap_config
+from rlstream.cluster.shipped import (
+    cluster_dns,
+    dockerfile_entrypoint,
+    external_service_names,
+    k8s_config_text,
+    k8s_deployment,
+    k8s_documents,
+    k8s_expand,
+    k8s_jobset,
+    k8s_service,
+)
+from rlstream.harness.rehearsal import DOCKERFILE, K8S, K8S_CONFIG_SWAPS, swap_config
 
 SECRETS = {("rlstream-secrets", "admin-token"): "t", ("rlstream-secrets", "kafka-password"): "p"}
 

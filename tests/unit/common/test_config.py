@@ -3,8 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from common.config import dump_config, load_config
-from common.errors import ConfigError
+from rlstream.common.config import dump_config, load_config
+from rlstream.common.errors import ConfigError
 
 CONFIGS = sorted(Path(__file__).resolve().parents[3].joinpath("configs").glob("*.yaml"))
 
@@ -124,7 +124,7 @@ def test_every_rlstream_environment_variable_is_declared():
     RLSTREAM__SECTION__KEY form maps onto settings by construction; the harness owns its own knobs)."""
     import re
 
-    from common.config import ENV_ALIASES, RlstreamConfig
+    from rlstream.common.config import ENV_ALIASES, RlstreamConfig
 
     def names(paths):
         return {m for p in paths for m in re.findall(r"\bRLSTREAM_[A-Z][A-Z_]*[A-Z]\b", p.read_text(errors="replace"))}
@@ -147,8 +147,8 @@ def test_every_rlstream_environment_variable_is_declared():
 
 
 def test_the_control_settings_are_one_model_for_the_file_and_the_control_plane():
-    from common.config import ControlSettings, StalenessSettings
-    from common.control.messages import CONTROL_KEYS, parse_control_value
+    from rlstream.common.config import ControlSettings, StalenessSettings
+    from rlstream.common.control.messages import CONTROL_KEYS, parse_control_value
 
     assert issubclass(StalenessSettings, ControlSettings) and CONTROL_KEYS == tuple(ControlSettings.model_fields)
     # and `auto`: the limits of `max_staleness: auto`, file-only (the controller's bound is max_staleness)
@@ -184,7 +184,7 @@ def test_every_shipped_config_passes_dry_run(path):
     root = CONFIGS[0].parents[1]
     env = {k: v for k, v in os.environ.items() if not k.startswith("RLSTREAM")}
     env["PYTHONPATH"] = str(root)
-    out = subprocess.run([sys.executable, "-m", "common.app.cli", "consumer", "--dry-run", "-c", str(path)],
+    out = subprocess.run([sys.executable, "-m", "rlstream.cli", "consumer", "--dry-run", "-c", str(path)],
                          cwd=root, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "consumer:" in out.stdout and "producer:" in out.stdout

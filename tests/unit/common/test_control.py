@@ -5,9 +5,9 @@ import urllib.request
 
 import pytest
 
-from common.control.messages import encode_control, parse_control_text, parse_control_value
-from common.errors import ConfigError
-from common.control.http import ServiceHttp
+from rlstream.common.control.messages import encode_control, parse_control_text, parse_control_value
+from rlstream.common.errors import ConfigError
+from rlstream.common.control.http import ServiceHttp
 
 
 @pytest.mark.parametrize("key,raw,want", [
@@ -107,7 +107,7 @@ def test_health_and_metrics(http):
 
 
 def test_ctl_cli_get_set_and_refusals(http, capsys):
-    from common.app.cli import main
+    from rlstream.cli import main
 
     s, state = http
     assert main(["ctl", "set", "max_staleness", "5", "--url", s.url, "--token", "tok"]) == 0
@@ -124,7 +124,7 @@ def test_ctl_cli_get_set_and_refusals(http, capsys):
 
 
 def test_ctl_takes_url_and_token_from_the_declared_environment_and_flags_win(http, capsys, monkeypatch):
-    from common.app.cli import main
+    from rlstream.cli import main
 
     s, state = http
     monkeypatch.setenv("RLSTREAM_ADMIN_URL", s.url)
@@ -142,8 +142,8 @@ def test_ctl_takes_url_and_token_from_the_declared_environment_and_flags_win(htt
 
 
 def test_admin_api_errors_carry_the_status():
-    from common.control.ctl import _request
-    from common.errors import AdminApiError
+    from rlstream.common.control.ctl import _request
+    from rlstream.common.errors import AdminApiError
 
     with pytest.raises(AdminApiError) as e:
         _request("http://127.0.0.1:9", None)
@@ -153,7 +153,7 @@ def test_admin_api_errors_carry_the_status():
 def test_dry_run_prints_the_resolved_declared_variables_masked(capsys, monkeypatch):
     import yaml
 
-    from common.app.cli import main
+    from rlstream.cli import main
 
     monkeypatch.setenv("RLSTREAM_ADMIN_TOKEN", "s3cret-token")
     monkeypatch.setenv("RLSTREAM_LOG_LEVEL", "debug")
@@ -171,7 +171,7 @@ def test_dry_run_prints_the_resolved_declared_variables_masked(capsys, monkeypat
 def test_policy_messages_are_tagged_by_kind():
     import pydantic
 
-    from common.control.messages import TrainerProgress, WeightsReady, parse_policy_message
+    from rlstream.common.control.messages import TrainerProgress, WeightsReady, parse_policy_message
 
     ready = WeightsReady(version=3, uri="file:///w/v3", sha256="0" * 64, bytes=10)
     progress = TrainerProgress(trainer_version=3, read_offsets={0: 30}, held_records=4,
@@ -193,9 +193,9 @@ def test_policy_messages_are_tagged_by_kind():
 
 
 def test_follower_keeps_the_newest_version_and_the_latest_progress():
-    from common.config import ControlSettings
-    from common.control.messages import TrainerProgress, WeightsReady
-    from common.control.plane import ControlFollower, ControlView
+    from rlstream.common.config import ControlSettings
+    from rlstream.common.control.messages import TrainerProgress, WeightsReady
+    from rlstream.common.control.plane import ControlFollower, ControlView
 
     f = ControlFollower.__new__(ControlFollower)  # no Kafka: exercise the apply rule alone
     f.view = ControlView(state=ControlSettings())
@@ -308,7 +308,7 @@ def test_connections_beyond_the_limit_get_503_with_retry_after(strict_http):
     import socket
     import time
 
-    from common import metrics
+    from rlstream.common import metrics
 
     s, _ = strict_http
     refused0 = metrics.value("rlstream_http_refused_total", reason="connections") or 0
@@ -335,7 +335,14 @@ def test_connections_beyond_the_limit_get_503_with_retry_after(strict_http):
 # ---------------------------------------------------------------- signed control records
 
 def test_control_records_verify_only_with_the_deployments_key_and_unchanged():
-    from common.control.signing import HEADER, UnverifiedRecord, publish, signature, signing_key, verify
+    from rlstream.common.control.signing import (
+        HEADER,
+        UnverifiedRecord,
+        publish,
+        signature,
+        signing_key,
+        verify,
+    )
 
     key, other = signing_key("tok"), signing_key("another")
     assert signing_key(None) is None and signing_key("") is None and key != other and b"tok" not in key

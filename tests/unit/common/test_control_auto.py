@@ -7,11 +7,17 @@ import json
 
 import pytest
 
-from common.config import ControlSettings, KafkaSettings, StalenessSettings
-from common.control.messages import AUTO, CONTROLLER, encode_control, parse_control_text, parse_control_value
-from common.control import signing
-from common.control.plane import ControlFollower, ControlPlaneWriter, ControlView, _RefusalLog
-from common.errors import ConfigError
+from rlstream.common.config import ControlSettings, KafkaSettings, StalenessSettings
+from rlstream.common.control.messages import (
+    AUTO,
+    CONTROLLER,
+    encode_control,
+    parse_control_text,
+    parse_control_value,
+)
+from rlstream.common.control import signing
+from rlstream.common.control.plane import ControlFollower, ControlPlaneWriter, ControlView, _RefusalLog
+from rlstream.common.errors import ConfigError
 
 
 def test_config_auto_starts_the_controller_at_its_start_bound():

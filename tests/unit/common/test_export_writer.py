@@ -8,8 +8,8 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from common.export import ExportError
-from common.export.writer import CURSOR, Cursor, PartWriter
+from rlstream.common.export import ExportError
+from rlstream.common.export.writer import CURSOR, Cursor, PartWriter
 from tests.support.synthetic import synthetic_group
 
 

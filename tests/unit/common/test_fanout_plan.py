@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from common.errors import WeightTransferError
-from common.weights.chain import chain_plan, group_prefix
-from common.weights.link import NoAnswerError, group_layout, worker_group_rank
+from rlstream.common.errors import WeightTransferError
+from rlstream.common.weights.chain import chain_plan, group_prefix
+from rlstream.common.weights.link import NoAnswerError, group_layout, worker_group_rank
 
 TP = [2, 1, 2]  # three producers: TP=2, TP=1, TP=2
 
@@ -65,7 +65,7 @@ def members(clients, workers):
 
 
 def test_each_member_joins_at_its_own_rank_offset_and_link():
-    from consumer.weights.fanout import FanoutClient
+    from rlstream.consumer.weights.fanout import FanoutClient
 
     clients = [FakeClient(n) for n in (4, 7, 9)]
     layout = group_layout(TP)
@@ -84,8 +84,8 @@ def test_the_nccl_group_across_tp2_producers_gives_every_worker_a_rank(monkeypat
     from vllm.distributed.weight_transfer import nccl_common, nccl_engine
     from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo, worker_init_process_group
 
-    from consumer.weights.nccl import open_nccl_link
-    from consumer.weights.fanout import FanoutClient
+    from rlstream.consumer.weights.nccl import open_nccl_link
+    from rlstream.consumer.weights.fanout import FanoutClient
 
     groups: list[tuple[int, int]] = []
     monkeypatch.setattr(nccl_common, "stateless_init_process_group",
@@ -106,7 +106,7 @@ def test_the_nccl_group_across_tp2_producers_gives_every_worker_a_rank(monkeypat
 
 
 def test_a_silent_member_is_told_apart_from_one_that_answered_an_error():
-    from consumer.weights.fanout import FanoutClient, FanoutFailure
+    from rlstream.consumer.weights.fanout import FanoutClient, FanoutFailure
 
     clients = [FakeClient(1), FakeClient(2, fail=({"ping", "start"}, NoAnswerError("no ack"))),
                FakeClient(3, fail=({"start"}, WeightTransferError("refused")))]
@@ -120,7 +120,7 @@ def test_a_silent_member_is_told_apart_from_one_that_answered_an_error():
 
 
 def test_finish_carries_the_sent_digest_and_names_a_member_that_acknowledged_another():
-    from consumer.weights.fanout import FanoutClient, FanoutFailure
+    from rlstream.consumer.weights.fanout import FanoutClient, FanoutFailure
 
     def client(clients, workers):
         c = FanoutClient(members(clients, workers), group_layout(workers))

@@ -1,4 +1,4 @@
-"""reasoning-gym tasks (common/gymtasks.py), with the real reasoning-gym 0.1.25:
+"""reasoning-gym tasks (common/tasks/reasoning_gym.py), with the real reasoning-gym 0.1.25:
 compact prompts in the tiny model's characters with right answers, a held-out
 split that is reproducible across processes and disjoint from training, the
 dataset's score as the reward, and refusals that name the setting."""
@@ -11,10 +11,10 @@ import sys
 
 import pytest
 
-from common.config import ReasoningGymPrompts
-from common.errors import ConfigError
-from common.gymtasks import COMPACT_FORMATS, HASH_SEED_DEPENDENT, GymTask
-from common.toy.tinymodel import CHARS
+from rlstream.common.config import ReasoningGymPrompts
+from rlstream.common.errors import ConfigError
+from rlstream.common.tasks.reasoning_gym import COMPACT_FORMATS, HASH_SEED_DEPENDENT, GymTask
+from rlstream.toy.tinymodel import CHARS
 
 # small params per dataset: the sizes the tiny model can learn
 TINY_PARAMS = {
@@ -73,7 +73,7 @@ def test_split_is_distinct_disjoint_and_reproducible():
 
 
 def test_split_is_the_same_under_another_hash_seed():
-    code = ("import json; from common.config import ReasoningGymPrompts as R; from common.gymtasks import GymTask;"
+    code = ("import json; from rlstream.common.config import ReasoningGymPrompts as R; from rlstream.common.tasks.reasoning_gym import GymTask;"
             "s = GymTask(R(dataset='chain_sum', params=%r, prompt_format='compact', heldout=32)).split();"
             "print(json.dumps([s.train_start, [i.prompt for i in s.heldout]]))" % TINY_PARAMS["chain_sum"])
     outs = []

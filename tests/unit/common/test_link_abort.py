@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from common.errors import WeightTransferError
-from common.weights import link
-from common.weights.link import Channel, NoAnswerError
+from rlstream.common.errors import WeightTransferError
+from rlstream.common.weights import link
+from rlstream.common.weights.link import Channel, NoAnswerError
 
 
 @pytest.fixture
@@ -72,9 +72,9 @@ def test_the_sender_closes_at_once_while_a_producer_does_not_answer():
     joining the link's thread for the whole timeout (30 s)."""
     import torch
 
-    from common.config import WeightSyncSettings
-    from consumer.weights.snapshot import Snapshot
-    from consumer.weights.sender import WeightSender
+    from rlstream.common.config import WeightSyncSettings
+    from rlstream.consumer.weights.snapshot import Snapshot
+    from rlstream.consumer.weights.sender import WeightSender
     from tests.support.weights import dict_source
 
     sender = WeightSender(WeightSyncSettings(host="127.0.0.1", port=0, timeout_s=30.0), topology="star")

@@ -19,11 +19,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from common import metrics
-from common.config import ControlSettings, RlstreamConfig
-from common.control.http import ServiceHttp
-from common.control.liveness import ProgressMonitor, Readiness, broker_reachable
-from common.record import Rollout
+from rlstream.common import metrics
+from rlstream.common.config import ControlSettings, RlstreamConfig
+from rlstream.common.control.http import ServiceHttp
+from rlstream.common.control.liveness import ProgressMonitor, Readiness, broker_reachable
+from rlstream.common.record import Rollout
 
 
 class Clock:
@@ -116,7 +116,7 @@ def test_health_details_carry_the_reasons_only_when_not_live(clock):
 
 
 def test_a_change_of_liveness_is_logged_once_not_per_probe(clock, caplog):
-    caplog.set_level(logging.INFO, logger="common.control.liveness")
+    caplog.set_level(logging.INFO, logger="rlstream.common.control.liveness")
     m = monitor(clock)
     m.has_work("train_step", True)
     clock.t += 11.0
@@ -124,7 +124,7 @@ def test_a_change_of_liveness_is_logged_once_not_per_probe(clock, caplog):
         m.check()
     m.beat("train_step")
     m.check()
-    assert [(r.levelname, r.getMessage()[:21]) for r in caplog.records if r.name == "common.control.liveness"] == [
+    assert [(r.levelname, r.getMessage()[:21]) for r in caplog.records if r.name == "rlstream.common.control.liveness"] == [
         ("ERROR", "liveness: train_step "), ("INFO", "liveness: live again")]
 
 
@@ -269,8 +269,8 @@ class WedgedLeader:
 
 
 def test_consumer_with_a_full_batch_and_a_hung_train_step_turns_unhealthy():
-    import consumer.batch  # noqa: F401 - train_step imports it (and torch): not inside the measured bound
-    from consumer.service import ConsumerService
+    from rlstream.consumer.train import batch
+    from rlstream.consumer.service import ConsumerService
 
     cfg = RlstreamConfig.model_validate({"producer": {"group_size": 2},
                                          "consumer": {"group_size": 2, "groups_per_batch": 2,
@@ -319,12 +319,12 @@ class Engine:
 
 
 def producer_service(liveness: dict):
-    from producer.service import ProducerService
+    from rlstream.producer.service import ProducerService
 
     cfg = RlstreamConfig.model_validate({"producer": {"liveness": liveness}})
     svc = ProducerService(cfg, "127.0.0.1:1")
-    from producer.following import Following
-    from producer.rollout.single_turn import SingleTurn
+    from rlstream.producer.following import Following
+    from rlstream.producer.rollout.single_turn import SingleTurn
 
     svc.engine = Engine()
     svc.driver = SingleTurn(svc.engine, svc.groups, svc.sampling, svc.producer_id)

@@ -6,7 +6,7 @@ import signal
 import sys
 import time
 
-from common import process
+from rlstream.common import process
 
 # a leader that forks a worker (like vLLM), prints both pids, and exits 0 on SIGTERM
 LEADER = """

@@ -7,9 +7,16 @@ import msgpack
 import numpy as np
 import pytest
 
-from common.errors import InvalidRecordError
-from common.record import (ClaimPointer, Rollout, decode, decode_any, encode, encode_claim_pointer,
-                           RecordLimits)
+from rlstream.common.errors import InvalidRecordError
+from rlstream.common.record import (
+    ClaimPointer,
+    Rollout,
+    decode,
+    decode_any,
+    encode,
+    encode_claim_pointer,
+    RecordLimits,
+)
 from tests.fixtures.kafka import realistic_rollout
 
 ARRAYS = ("prompt_ids", "response_ids", "logprobs", "token_versions", "routed_experts")
@@ -268,7 +275,7 @@ def test_rollout_is_a_plain_dataclass():
 
 
 def test_model_limits_refuse_what_the_model_cannot_take():
-    from common.record import RecordLimits
+    from rlstream.common.record import RecordLimits
 
     r = realistic_rollout(response_tokens=8, prompt_tokens=4, layers=2, top_k=2, num_experts=8, vocab=64)
     buf = encode(r)

@@ -10,8 +10,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common.errors import InvalidRecordError
-from common.record import (MAX_TEMPERATURE, MIN_LOGPROB, MIN_TEMPERATURE, RecordLimits, decode, encode)
+from rlstream.common.errors import InvalidRecordError
+from rlstream.common.record import (
+    MAX_TEMPERATURE,
+    MIN_LOGPROB,
+    MIN_TEMPERATURE,
+    RecordLimits,
+    decode,
+    encode,
+)
 from tests.fixtures.kafka import realistic_rollout
 
 

@@ -5,8 +5,8 @@ import msgpack
 import numpy as np
 import pytest
 
-from common.errors import InvalidRecordError
-from common.record import Rollout, decode, encode
+from rlstream.common.errors import InvalidRecordError
+from rlstream.common.record import Rollout, decode, encode
 from tests.fixtures.kafka import realistic_rollout
 
 # model turn (4) | env turn (3) | model turn (3) | env turn (2)

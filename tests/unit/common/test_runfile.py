@@ -1,5 +1,5 @@
 """common/runfile.py: the services' machine-readable status."""
-from common.runfile import read_run_file, started, stopped, write_run_file
+from rlstream.common.runfile import read_run_file, started, stopped, write_run_file
 
 
 def test_start_then_stop_merges_and_a_new_incarnation_starts_fresh(tmp_path):

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from common.errors import WeightStoreError
-from common.weights.store import WeightStore, verify
-from consumer.checkpoint import CheckpointManager, CheckpointState
+from rlstream.common.errors import WeightStoreError
+from rlstream.common.weights.store import WeightStore, verify
+from rlstream.consumer.checkpoint.files import CheckpointManager, CheckpointState
 
 
 def test_weight_store_write_verify_prune(tmp_path):
@@ -53,7 +53,7 @@ def test_checkpoint_roundtrip_and_incomplete_ignored(tmp_path):
 def test_staged_version_survives_pruning_and_is_what_gets_verified(tmp_path):
     import shutil as _shutil
 
-    from common.weights.store import stage_version
+    from rlstream.common.weights.store import stage_version
 
     ws = WeightStore(tmp_path / "w", keep=1)
     a = ws.write(1, {"w": torch.arange(16.0)}, tmp_path)

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from common.errors import WeightTransferError
-from common.weights.watchdog import Watchdog
+from rlstream.common.errors import WeightTransferError
+from rlstream.common.weights.watchdog import Watchdog
 
 
 def test_a_call_blocked_without_progress_is_aborted_within_the_bound():

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from common.weights import digest as digest_mod
-from common.weights.digest import fold_digest
+from rlstream.common.weights import digest as digest_mod
+from rlstream.common.weights.digest import fold_digest
 
 TENSORS = [("embed", torch.randn(64, 33, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)),
            ("norm", torch.randn(33, generator=torch.Generator().manual_seed(1))),

@@ -7,9 +7,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from common.errors import WeightTransferError
-from common.weights import link
-from common.weights.link import GroupLayout, group_layout, read_registration, register, worker_group_rank
+from rlstream.common.errors import WeightTransferError
+from rlstream.common.weights import link
+from rlstream.common.weights.link import (
+    GroupLayout,
+    group_layout,
+    read_registration,
+    register,
+    worker_group_rank,
+)
 
 
 def test_a_group_has_the_trainer_then_each_producers_workers():
@@ -52,7 +58,7 @@ def test_the_nccl_link_of_a_tp2_producer_gives_both_of_its_workers_a_rank(store,
     from vllm.distributed.weight_transfer import nccl_common, nccl_engine
     from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo, worker_init_process_group
 
-    from consumer.weights.nccl import open_nccl_link
+    from rlstream.consumer.weights.nccl import open_nccl_link
 
     groups: list[tuple[int, int]] = []
     monkeypatch.setattr(nccl_common, "stateless_init_process_group",
@@ -89,7 +95,7 @@ def test_the_gloo_twin_numbers_workers_as_vllms_nccl_does(rank, tp_size, dp_inde
 
 
 def test_the_engines_status_is_ready_only_when_every_worker_holds_the_same_version():
-    from producer.weights.worker.gloo_engine import combine_worker_status
+    from rlstream.producer.weights.worker.gloo_engine import combine_worker_status
 
     def st(state, version=None, digest=None, **kw):
         return {"state": state, "version": version, "digest": digest, "error": None, "digest_mismatch": False, **kw}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pydantic
 import pytest
 
-from common.control.messages import DurableCopy, WeightsReady, parse_policy_message
+from rlstream.common.control.messages import DurableCopy, WeightsReady, parse_policy_message
 
 SHA, DIGEST = "0" * 64, "ab" * 32
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.errors import DigestMismatchError, WeightTransferError
-from common.weights import wire
+from rlstream.common.errors import DigestMismatchError, WeightTransferError
+from rlstream.common.weights import wire
 
 
 def tensors():

@@ -2,10 +2,16 @@
 import numpy as np
 import pytest
 
-from common.config import ControlSettings
-from common.record import Rollout
-from consumer.assembler import GroupAssembler
-from consumer.staleness import FilteredShare, GateDecision, gate_group, sample_staleness, zero_variance
+from rlstream.common.config import ControlSettings
+from rlstream.common.record import Rollout
+from rlstream.consumer.stream.assembler import GroupAssembler
+from rlstream.consumer.stream.gate import (
+    FilteredShare,
+    GateDecision,
+    gate_group,
+    sample_staleness,
+    zero_variance,
+)
 
 
 def roll(group="g", idx=0, G=2, version=0, rid=None, tv=None, reward=1.0):
@@ -33,9 +39,9 @@ def test_group_completes_and_dedups():
 
 
 def test_another_group_size_never_reaches_a_group():
-    """The reader refuses such records (DLQ, field group_size: consumer/intake.py); one that slips
+    """The reader refuses such records (DLQ, field group_size: consumer/stream/intake.py); one that slips
     through is a bug, raised, not held in a group that can never complete."""
-    from common.errors import InvalidSampleError
+    from rlstream.common.errors import InvalidSampleError
 
     a = GroupAssembler(group_size=4, timeout_s=10)
     with pytest.raises(InvalidSampleError, match="group_size 2"):
@@ -111,7 +117,7 @@ def test_dynamic_sampling_filters_equal_rewards_after_the_staleness_bound(mode):
 def test_filtered_share_over_a_window_of_groups_within_the_bound():
     share = FilteredShare(window=4)
     assert share.value == 0.0
-    kept, filtered, stale = GateDecision(True, 0, (1.0,)), GateDecision(False, 0, (), "filtered"), \
+    kept, filtered, stale = GateDecision(True, 0, (1.0,)), GateDecision(False, 0, (), "filtered"),\
         GateDecision(False, 9, (), "dropped_stale")
     for d in (filtered, kept, stale, stale):
         share.note(d)

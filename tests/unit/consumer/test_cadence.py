@@ -1,4 +1,4 @@
-"""consumer/cadence.py: when a checkpoint is due, the snapshot, one write in flight."""
+"""consumer/checkpoint/cadence.py: when a checkpoint is due, the snapshot, one write in flight."""
 from __future__ import annotations
 
 import threading
@@ -6,9 +6,9 @@ import threading
 import pytest
 import torch
 
-from common.config import CheckpointSettings, ConsumerSettings, load_config
-from common.errors import CheckpointError, ConfigError
-from consumer.cadence import BackgroundWrite, Cadence, host_copy
+from rlstream.common.config import CheckpointSettings, ConsumerSettings, load_config
+from rlstream.common.errors import CheckpointError, ConfigError
+from rlstream.consumer.checkpoint.cadence import BackgroundWrite, Cadence, host_copy
 
 
 class Clock:
@@ -84,11 +84,11 @@ def test_host_copy_of_device_tensors_pins_one_slab_of_exactly_their_bytes():
     the caching host allocator (`pin_memory=True`, which rounds to powers of two and stays pinned)."""
     import torch
 
-    from common import gpu_standin
-    from common.gpu_standin import cuda
-    from common.gpu_standin.device import device_memory, on_device, place
-    from consumer.cadence import host_copy
-    from consumer.weights.snapshot import slab_plan
+    from rlstream.common import gpu_standin
+    from rlstream.common.gpu_standin import cuda
+    from rlstream.common.gpu_standin.device import device_memory, on_device, place
+    from rlstream.consumer.checkpoint.cadence import host_copy
+    from rlstream.consumer.weights.snapshot import slab_plan
 
     with gpu_standin.installed(), device_memory():
         state = {"w": torch.randn(300, 7), "m": [torch.arange(5, dtype=torch.int64), torch.ones(3, dtype=torch.bfloat16)],

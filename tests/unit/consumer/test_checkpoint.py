@@ -1,4 +1,4 @@
-"""consumer/checkpoint.py's files: one per (tp, ep) pair and one per rank (each rank's own
+"""consumer/checkpoint/files.py's files: one per (tp, ep) pair and one per rank (each rank's own
 optimizer shard), the commit on all of them, and loading both that form and the older one
 (the optimizer state gathered into the pair's file)."""
 from __future__ import annotations
@@ -6,9 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.errors import CheckpointError
-from consumer.checkpoint import CheckpointManager, CheckpointState, all_shard_names, rank_shard_name
-from consumer.optimizer import GATHERED, PER_RANK, join_rank_state, split_rank_state
+from rlstream.common.errors import CheckpointError
+from rlstream.consumer.checkpoint.files import (
+    CheckpointManager,
+    CheckpointState,
+    all_shard_names,
+    rank_shard_name,
+)
+from rlstream.consumer.train.optimizer import GATHERED, PER_RANK, join_rank_state, split_rank_state
 
 
 def trainer_state(rank: int = 0) -> dict:
@@ -25,7 +30,7 @@ def trainer_state(rank: int = 0) -> dict:
 
 
 def write_new_form(ckpt: CheckpointManager, world: int, step: int = 1):
-    """What consumer/ranks.py writes: rank 0 the pair's file, every rank its own."""
+    """What consumer/ranks/protocol.py writes: rank 0 the pair's file, every rank its own."""
     tmp = ckpt.begin(step)
     for rank in range(world):
         state = trainer_state(rank)
@@ -96,8 +101,8 @@ def test_a_checkpoint_of_another_experts_kernel_is_refused_naming_the_setting():
     assertion on Megatron's bucket sizes), before any tensor is touched."""
     from types import SimpleNamespace
 
-    from common.errors import CheckpointError
-    from consumer.trainer import Trainer
+    from rlstream.common.errors import CheckpointError
+    from rlstream.consumer.train.trainer import Trainer
 
     trainer = SimpleNamespace(model=SimpleNamespace(experts="torch_grouped"))
     with pytest.raises(CheckpointError, match="consumer.memory.experts.*sequential experts kernel"):

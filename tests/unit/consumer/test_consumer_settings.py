@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from common.config import ConsumerSettings, RlstreamConfig, load_config
-from common.errors import ConfigError
+from rlstream.common.config import ConsumerSettings, RlstreamConfig, load_config
+from rlstream.common.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -45,7 +45,7 @@ def test_grad_clip_can_be_turned_off_and_defaults_are_the_config_files():
     cfg = load_config(None, ["consumer.optimizer.grad_clip=0"], environ={}).consumer
     assert cfg.optimizer.grad_clip == 0
     d = ConsumerSettings()
-    assert (d.optimizer.lr, d.optimizer.grad_clip, d.loss.eps_low, d.loss.eps_high, d.loss.is_cap) == \
+    assert (d.optimizer.lr, d.optimizer.grad_clip, d.loss.eps_low, d.loss.eps_high, d.loss.is_cap) ==\
         (1e-4, 1.0, 0.2, 0.27, 5.0)
 
 
@@ -70,7 +70,7 @@ def test_fitting_layouts_load():
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("WORLD_SIZE", None)
-    return subprocess.run([sys.executable, "-m", "common.app.cli", *args], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "rlstream.cli", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
 
 
@@ -115,7 +115,7 @@ def _error_keys(path: Path) -> list[tuple[int, str]]:
         if isinstance(node, ast.Call) and getattr(node.func, "id", "") in ("ConfigError", "ParallelLayoutError"):
             out += [(node.lineno, a.value) for a in node.args[1:] + [k.value for k in node.keywords if k.arg == "key"]
                     if isinstance(a, ast.Constant) and isinstance(a.value, str)]
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("consumer.") \
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("consumer.")\
                 and all(part.isidentifier() for part in node.value.split(".")):
             out.append((node.lineno, node.value))
     return out

@@ -6,8 +6,8 @@ import threading
 
 import torch
 
-from common.weights.store import WeightStore, verify
-from consumer.weights.durable import DurableWriter
+from rlstream.common.weights.store import WeightStore, verify
+from rlstream.consumer.weights.durable import DurableWriter
 
 
 class FakeSnapshot:

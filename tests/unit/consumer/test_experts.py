@@ -1,16 +1,16 @@
-"""consumer/experts.py: the choice of the MoE experts kernel and the grouped weights'
+"""consumer/train/experts.py: the choice of the MoE experts kernel and the grouped weights'
 per-expert names (the model-level equality test is in tests/integration/test_megatron_model.py)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from common.errors import ConfigError
-from consumer import experts
+from rlstream.common.errors import ConfigError
+from rlstream.consumer.train import experts
 
 
 def kernel_metric() -> dict[str, float]:
-    from common.metrics import REGISTRY
+    from rlstream.common.metrics import REGISTRY
 
     return {k: REGISTRY.get_sample_value("rlstream_trainer_experts_kernel", {"kind": k})
             for k in experts.KINDS}

@@ -1,4 +1,4 @@
-"""Fenced copies (consumer/assembler.py "Fencing"): a rollout id is trained only from its
+"""Fenced copies (consumer/stream/assembler.py "Fencing"): a rollout id is trained only from its
 newest journal claim epoch; an older epoch's copy goes to the DLQ (field claim_epoch),
 also when it was held first; every record read still ends in exactly one outcome.
 tests/integration/test_journal_fencing.py runs it end to end on the cluster twin."""
@@ -9,10 +9,10 @@ import dataclasses
 import numpy as np
 import pytest
 
-from common.errors import InvalidRecordError
-from common.record import Rollout, decode, encode
-from consumer.assembler import GroupAssembler
-from consumer.ledger import Ledger
+from rlstream.common.errors import InvalidRecordError
+from rlstream.common.record import Rollout, decode, encode
+from rlstream.consumer.stream.assembler import GroupAssembler
+from rlstream.consumer.stream.ledger import Ledger
 from tests.unit.consumer.test_group_reuse import G, Item, copy, read_all
 
 

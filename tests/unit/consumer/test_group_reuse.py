@@ -1,6 +1,6 @@
 """A reused group_id (issue 24): refused in the assembler, never mixed, never trained twice.
 
-Examples of each rule (consumer/assembler.py), then a hypothesis property
+Examples of each rule (consumer/stream/assembler.py), then a hypothesis property
 test that drives the assembler and the ledger with arbitrary interleavings of
 copies of a few group ids, partial copies, publisher retries, timeouts (a fake
 clock) and restarts (a new assembler and ledger from what the last checkpoint
@@ -9,7 +9,7 @@ train, checkpoint). Checked: no exception; every record read ends in exactly
 one outcome; no group is assembled from two copies (a copy: the records of
 one producer under one group id); no group id completes (trained or dropped)
 twice in the lineage of the final model; a batch never holds two groups under one id (what
-consumer/batch.py asserts).
+consumer/train/batch.py asserts).
 """
 from __future__ import annotations
 
@@ -20,11 +20,11 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from common.record import Rollout
-from consumer.assembler import GroupAssembler
-from consumer.batch import TrainSample, group_advantages
-from consumer.checkpoint import CheckpointState
-from consumer.ledger import OUTCOMES, Ledger
+from rlstream.common.record import Rollout
+from rlstream.consumer.stream.assembler import GroupAssembler
+from rlstream.consumer.train.batch import TrainSample, group_advantages
+from rlstream.consumer.checkpoint.files import CheckpointState
+from rlstream.consumer.stream.ledger import OUTCOMES, Ledger
 
 G, TIMEOUT_S = 4, 10.0
 
@@ -38,7 +38,7 @@ def rollout(group: str, idx: int, producer: str = "p", rid: str | None = None) -
 
 @dataclass(frozen=True)
 class Item:
-    """What common.kafka.reader.RolloutReader.poll returns."""
+    """What rlstream.common.kafka.reader.RolloutReader.poll returns."""
 
     partition: int
     offset: int
@@ -149,7 +149,7 @@ def test_the_closed_window_is_bounded():
 @dataclass(frozen=True)
 class Published:
     rollout: Rollout
-    copy: tuple[str, str]  # (group id, producer): the copy it belongs to (consumer/assembler.py)
+    copy: tuple[str, str]  # (group id, producer): the copy it belongs to (consumer/stream/assembler.py)
 
 
 @st.composite
@@ -161,7 +161,7 @@ def streams(draw) -> list[Published]:
     for _ in range(draw(st.integers(1, 7))):
         gid = f"g{draw(st.integers(0, n_ids - 1))}"
         producer = draw(st.sampled_from(["a", "b", "c"]))
-        slots = draw(st.lists(st.integers(0, G - 1), min_size=1, max_size=G, unique=True)) \
+        slots = draw(st.lists(st.integers(0, G - 1), min_size=1, max_size=G, unique=True))\
             if draw(st.booleans()) else list(range(G))
         n = sum(1 for c in copies if c[0] == gid and c[1] == producer)
         copies.append((gid, producer, [rollout(gid, i, producer, rid=f"{producer}/{gid}/{n}/{i}") for i in slots]))

@@ -1,13 +1,13 @@
-"""consumer/intake.py: what the consumer refuses before the ledger (the reader DLQs it)."""
+"""consumer/stream/intake.py: what the consumer refuses before the ledger (the reader DLQs it)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from common.errors import InvalidRecordError
-from common.record import Rollout, decode, encode
-from consumer.intake import FUTURE_VERSION_SLACK, VersionBound, record_limits
-from consumer.model import HFModelDims
+from rlstream.common.errors import InvalidRecordError
+from rlstream.common.record import Rollout, decode, encode
+from rlstream.consumer.stream.intake import FUTURE_VERSION_SLACK, VersionBound, record_limits
+from rlstream.consumer.train.model import HFModelDims
 
 
 def roll(version: int = 0, tv=None, P: int = 2, T: int = 1, G: int = 4) -> Rollout:
@@ -59,7 +59,7 @@ class Clock:
 
 
 def test_intake_starved_only_when_polls_return_nothing_while_records_wait_and_no_step():
-    from consumer.intake import IntakeWatch
+    from rlstream.consumer.stream.intake import IntakeWatch
 
     clock = Clock()
     w = IntakeWatch(60.0, "rlstream.rollouts", clock=clock, export=False)
@@ -89,8 +89,8 @@ def test_the_version_bound_is_the_trainers_own_not_the_policy_topics():
     open the reader to records from that future: the bound is the version this trainer has made."""
     from types import SimpleNamespace
 
-    from common.control.messages import WeightsReady
-    from consumer.service import ConsumerService
+    from rlstream.common.control.messages import WeightsReady
+    from rlstream.consumer.service import ConsumerService
 
     forged = WeightsReady(version=1_000_000, transport="collective", digest="f" * 64, endpoint="10.9.9.9:1")
     service = SimpleNamespace(version=7, follower=SimpleNamespace(view=SimpleNamespace(weights=forged)))

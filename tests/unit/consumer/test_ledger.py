@@ -1,4 +1,4 @@
-"""consumer/ledger.py without Kafka: the exactly-once invariant.
+"""consumer/stream/ledger.py without Kafka: the exactly-once invariant.
 
 A fake two-partition topic (complete and partial groups, publisher-retry
 duplicates, dead letters: undecodable or of another group size, both refused by the reader) is read in random chunks by a
@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from common.record import Rollout
-from consumer.assembler import GroupAssembler
-from consumer.checkpoint import CheckpointState
-from consumer.ledger import OUTCOMES, Ledger
+from rlstream.common.record import Rollout
+from rlstream.consumer.stream.assembler import GroupAssembler
+from rlstream.consumer.checkpoint.files import CheckpointState
+from rlstream.consumer.stream.ledger import OUTCOMES, Ledger
 
 G, B, TIMEOUT_S = 3, 2, 10.0
 Pos = tuple[int, int]  # (partition, offset)
@@ -37,7 +37,7 @@ def rollout(group: str, idx: int, group_size: int = G, rid: str | None = None) -
 
 @dataclass(frozen=True)
 class Item:
-    """What common.kafka.reader.RolloutReader.poll returns."""
+    """What rlstream.common.kafka.reader.RolloutReader.poll returns."""
 
     partition: int
     offset: int
@@ -76,7 +76,7 @@ def make_topic(rng, n_groups: int = 16) -> Topic:
                 recs.insert(int(rng.integers(first + 1, len(recs) + 1)), rollout(f"g{g}", 0))
                 t.duplicates += 1
         for i in range(2):
-            # the reader refuses a record of another group size (consumer/intake.py): a dead letter
+            # the reader refuses a record of another group size (consumer/stream/intake.py): a dead letter
             recs.insert(int(rng.integers(0, len(recs) + 1)), None)
             recs.insert(int(rng.integers(0, len(recs) + 1)), None)
             t.wrong_size, t.dead = t.wrong_size + 1, t.dead + 2

@@ -10,9 +10,15 @@ import torch
 
 from typing import get_args
 
-from common.config import LossName, LossSettings
-from common.errors import ConfigError
-from consumer.losses import LOSSES, LossInputs, advantage_mode, decoupled_token_mask, get_loss_fn
+from rlstream.common.config import LossName, LossSettings
+from rlstream.common.errors import ConfigError
+from rlstream.consumer.train.losses import (
+    LOSSES,
+    LossInputs,
+    advantage_mode,
+    decoupled_token_mask,
+    get_loss_fn,
+)
 
 CFG = LossSettings(eps_low=0.2, eps_high=0.27, is_cap=5.0)
 
@@ -261,8 +267,8 @@ def test_dynamic_sampling_auto_covers_exactly_the_group_relative_losses():
     """`consumer.dynamic_sampling: auto` filters zero-variance groups for a loss iff its
     advantage is group-relative (mean or mean/std over the group: exactly 0 for a
     group of equal rewards), which is every registered loss today."""
-    from common.config import DYNAMIC_SAMPLING_LOSSES
-    from consumer.batch import ADVANTAGE_MODES
+    from rlstream.common.config import DYNAMIC_SAMPLING_LOSSES
+    from rlstream.consumer.train.batch import ADVANTAGE_MODES
 
     group_relative = {name for name, reg in LOSSES.items() if reg.advantage in ADVANTAGE_MODES}
     assert set(DYNAMIC_SAMPLING_LOSSES) == group_relative == set(LOSSES)

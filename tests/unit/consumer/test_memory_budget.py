@@ -1,4 +1,4 @@
-"""consumer/memory_budget.py: the arithmetic of docs/trainer-scale.md ("Static memory
+"""consumer/train/memory_budget.py: the arithmetic of docs/trainer-scale.md ("Static memory
 per GPU", "Activations per micro-batch") on Qwen3-30B-A3B's published architecture
 (tests/fixtures/models/qwen3-30b-a3b/config.json, written from the numbers in the doc:
 nothing downloaded), the two settings that drive it, and every shipped GPU config
@@ -14,11 +14,17 @@ from pathlib import Path
 import pytest
 import yaml
 
-from common.config import load_config
-from common.errors import ConfigError
-from consumer.memory_budget import (GB, MemoryPlan, check_config, estimate, layer_working_elements,
-                                    parameter_counts)
-from consumer.model import HFModelDims
+from rlstream.common.config import load_config
+from rlstream.common.errors import ConfigError
+from rlstream.consumer.train.memory_budget import (
+    GB,
+    MemoryPlan,
+    check_config,
+    estimate,
+    layer_working_elements,
+    parameter_counts,
+)
+from rlstream.consumer.train.model import HFModelDims
 
 ROOT = Path(__file__).resolve().parents[3]
 QWEN3_30B = ROOT / "tests" / "fixtures" / "models" / "qwen3-30b-a3b"
@@ -182,7 +188,7 @@ def test_declared_world_size_is_checked_against_torchrun_and_the_layout():
 def _dry_run(*args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RLSTREAM") and k != "WORLD_SIZE"}
     env["PYTHONPATH"] = str(ROOT)
-    return subprocess.run([sys.executable, "-m", "common.app.cli", "consumer", "--dry-run", *args],
+    return subprocess.run([sys.executable, "-m", "rlstream.cli", "consumer", "--dry-run", *args],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
 
 

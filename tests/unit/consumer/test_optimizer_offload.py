@@ -3,7 +3,7 @@ Python, on CPU over the GPU stand-ins (common/gpu_standin/: CUDA streams, pinned
 and device memory, so the model's parameters count as GPU-resident and HDO offloads half
 of them, as `cpu_offload_fraction: 0.5` does on a GPU).
 
-A checkpoint's per-rank state (consumer/optimizer.py state_dict, split_rank_state, host
+A checkpoint's per-rank state (consumer/train/optimizer.py state_dict, split_rank_state, host
 copies as `map_location="cpu"` loads them) loaded into a fresh optimizer must leave
 - every sub-optimizer's fp32 parameter equal to the checkpoint's master,
 - every state tensor on its parameter's device,
@@ -20,18 +20,18 @@ pytestmark = pytest.mark.megatron
 
 @pytest.fixture
 def device_memory():
-    from common import gpu_standin
-    from common.gpu_standin.device import device_memory
+    from rlstream.common import gpu_standin
+    from rlstream.common.gpu_standin.device import device_memory
 
     with gpu_standin.installed(), device_memory():
         yield
 
 
 def offloading(model_dir):
-    from common.config import OptimizerSettings
-    from common.gpu_standin.device import place
-    from consumer.model import load_hf_checkpoint
-    from consumer.optimizer import TrainerOptimizer
+    from rlstream.common.config import OptimizerSettings
+    from rlstream.common.gpu_standin.device import place
+    from rlstream.consumer.train.model import load_hf_checkpoint
+    from rlstream.consumer.train.optimizer import TrainerOptimizer
 
     model = load_hf_checkpoint(model_dir, dtype=torch.bfloat16)
     place(model.parameters())  # loaded onto the GPU
@@ -52,8 +52,8 @@ def test_a_resume_with_optimizer_offload_keeps_masters_devices_and_weights(megat
     from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
     from torch.utils._pytree import tree_map
 
-    from common.gpu_standin.device import on_device
-    from consumer.optimizer import join_rank_state, split_rank_state
+    from rlstream.common.gpu_standin.device import on_device
+    from rlstream.consumer.train.optimizer import join_rank_state, split_rank_state
 
     model, opt = offloading(tiny_model_dir)
     hdo = opt.parts[0].optimizer

@@ -1,4 +1,4 @@
-"""consumer/ranks.py without torch.distributed: what rank 0 sends, in which
+"""consumer/ranks/protocol.py without torch.distributed: what rank 0 sends, in which
 order, and what a follower does with it (the channel is replaced by lists)."""
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from common.config import ConsumerSettings
-from common.errors import CheckpointError, RankProtocolError
-from consumer import ranks
-from consumer.checkpoint import CheckpointState
-from consumer.ranks import WIRE_CODES, Follower, Leader, RankCommand
+from rlstream.common.config import ConsumerSettings
+from rlstream.common.errors import CheckpointError, RankProtocolError
+from rlstream.consumer.ranks import protocol as ranks
+from rlstream.consumer.checkpoint.files import CheckpointState
+from rlstream.consumer.ranks.protocol import WIRE_CODES, Follower, Leader, RankCommand
 
 SHARDS = ["trainer-tp0-ep0.pt", "trainer-tp1-ep0.pt"]
 OWN = ["optim-rank00000-of00002.pt", "optim-rank00001-of00002.pt"]

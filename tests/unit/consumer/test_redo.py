@@ -13,13 +13,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from common.config import ControlSettings
-from common.record import Rollout
-from consumer.assembler import GroupAssembler
-from consumer.checkpoint import CheckpointManager
-from consumer.ledger import Ledger
-from consumer.service import _gate_clock
-from consumer.staleness import GateClock, gate_group
+from rlstream.common.config import ControlSettings
+from rlstream.common.record import Rollout
+from rlstream.consumer.stream.assembler import GroupAssembler
+from rlstream.consumer.checkpoint.files import CheckpointManager
+from rlstream.consumer.stream.ledger import Ledger
+from rlstream.consumer.service import _gate_clock
+from rlstream.consumer.stream.gate import GateClock, gate_group
 
 G, MAX_STALENESS = 2, 1
 STATE = ControlSettings(max_staleness=MAX_STALENESS, mode="drop")
@@ -130,7 +130,7 @@ def test_versions_map_to_the_steps_whose_models_they_were(tmp_path):
 
 @pytest.mark.parametrize("chunk", [1 << 20, 7])
 def test_audit_since_reads_only_the_lines_after_the_checkpoint_step(tmp_path, monkeypatch, chunk):
-    monkeypatch.setattr("consumer.checkpoint.AUDIT_CHUNK", chunk)
+    monkeypatch.setattr("rlstream.consumer.checkpoint.files.AUDIT_CHUNK", chunk)
     ckpt = CheckpointManager(tmp_path)
     for run, steps in (("a", range(1, 6)), ("b", range(4, 8))):  # b resumed at 3; then a checkpoint at 6
         for s in steps:
@@ -147,7 +147,7 @@ def test_a_crash_during_the_redo_keeps_the_first_gating_of_what_is_still_held(tm
     """Crash 1 lost step 4 (it trained x, gated at step 3); the redo put x into a later batch and
     checkpointed step 5 before training it; crash 2. The audit lines after step 5 do not name x:
     the checkpoint does, so the second redo judges x at step 3 too."""
-    from consumer.checkpoint import CheckpointState
+    from rlstream.consumer.checkpoint.files import CheckpointState
 
     ckpt = CheckpointManager(tmp_path)
     ckpt.audit({"step": 4, "version": 4, "trained": ["x"], "run": "a"})  # lost at crash 1

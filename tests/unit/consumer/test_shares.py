@@ -1,4 +1,4 @@
-"""consumer/shares.py: a rank's share of the global batch as flat tensors.
+"""consumer/ranks/shares.py: a rank's share of the global batch as flat tensors.
 
 What a rank builds from its received share equals, tensor for tensor, what
 `build_global_batch` gives that rank from the whole batch (the multi-rank
@@ -10,9 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from common.errors import RankProtocolError
-from consumer.batch import TrainSample, batch_from_share, build_global_batch, split_global_batch
-from consumer.shares import MAGIC, pack, sample_bytes, unpack
+from rlstream.common.errors import RankProtocolError
+from rlstream.consumer.train.batch import (
+    TrainSample,
+    batch_from_share,
+    build_global_batch,
+    split_global_batch,
+)
+from rlstream.consumer.ranks.shares import MAGIC, pack, sample_bytes, unpack
 
 
 def samples(n_groups: int, g: int, seed: int, routing=np.uint8, scope="mixed", layers=3, k=2):

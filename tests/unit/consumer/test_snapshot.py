@@ -9,8 +9,8 @@ import gc
 import pytest
 import torch
 
-from consumer.weights import snapshot as snapshot_mod
-from consumer.weights.snapshot import HostSlab, Snapshot, slab_plan
+from rlstream.consumer.weights import snapshot as snapshot_mod
+from rlstream.consumer.weights.snapshot import HostSlab, Snapshot, slab_plan
 from tests.support.weights import dict_source
 
 GB = 10**9
@@ -91,9 +91,9 @@ def test_a_pinned_slab_stays_registered_while_any_view_of_it_lives():
 
     import torch
 
-    from common import gpu_standin
-    from common.gpu_standin import cuda
-    from consumer.weights.snapshot import HostSlab
+    from rlstream.common import gpu_standin
+    from rlstream.common.gpu_standin import cuda
+    from rlstream.consumer.weights.snapshot import HostSlab
 
     with gpu_standin.installed():
         gc.collect()  # an earlier test's slab, collected mid-test, would change the count below
@@ -115,9 +115,9 @@ def test_a_slab_freed_after_the_stand_in_is_removed_is_unregistered_from_it():
     stand-in stayed in its accounting, and a later slab at the same address got cudaError 712."""
     import gc
 
-    from common import gpu_standin
-    from common.gpu_standin import cuda
-    from consumer.weights.snapshot import HostSlab
+    from rlstream.common import gpu_standin
+    from rlstream.common.gpu_standin import cuda
+    from rlstream.consumer.weights.snapshot import HostSlab
 
     with gpu_standin.installed():
         gc.collect()

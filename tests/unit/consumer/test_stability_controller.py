@@ -7,10 +7,10 @@ import random
 
 import pytest
 
-from common.config import AutoStalenessSettings, ControlSettings
-from common.control.messages import CONTROLLER
-from consumer.stability.auto import AutoStaleness
-from consumer.stability.controller import StalenessController, StepSignals
+from rlstream.common.config import AutoStalenessSettings, ControlSettings
+from rlstream.common.control.messages import CONTROLLER
+from rlstream.consumer.stability.auto import AutoStaleness
+from rlstream.consumer.stability.controller import StalenessController, StepSignals
 
 CFG = AutoStalenessSettings(min=1, max=8, start=4, window=4)  # ess 0.6 / 0.8, kl 0.05 / 0.02, gn 2 / 1.5
 HEALTHY_WAITING = StepSignals(ess=0.95, kl=0.005, grad_norm=1.0, wait_share=0.5)

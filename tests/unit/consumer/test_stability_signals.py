@@ -8,7 +8,14 @@ import math
 import pytest
 import torch
 
-from consumer.stability.signals import BUCKETS, LABELS, add_old_policy, add_update, bucket_of, step_signals
+from rlstream.consumer.stability.signals import (
+    BUCKETS,
+    LABELS,
+    add_old_policy,
+    add_update,
+    bucket_of,
+    step_signals,
+)
 
 
 class MetricSums:

@@ -11,12 +11,12 @@ from dataclasses import asdict
 import numpy as np
 import pytest
 
-from common.config import ConsumerSettings, ControlSettings
-from consumer.checkpoint import CheckpointState
-from consumer.logreplay import ReplayError
-from consumer.logreplay.lineage import lineage_lines, resume_floors
-from consumer.logreplay.record import INPUTS_SCHEMA, StepInputs, compared_metrics, settings_digest
-from consumer.logreplay.run import samples
+from rlstream.common.config import ConsumerSettings, ControlSettings
+from rlstream.consumer.checkpoint.files import CheckpointState
+from rlstream.consumer.logreplay import ReplayError
+from rlstream.consumer.logreplay.lineage import lineage_lines, resume_floors
+from rlstream.consumer.logreplay.record import INPUTS_SCHEMA, StepInputs, compared_metrics, settings_digest
+from rlstream.consumer.logreplay.run import samples
 from tests.support.synthetic import synthetic_group
 
 
@@ -89,7 +89,7 @@ def test_settings_digest_follows_the_trainer_settings_only():
 
 
 def test_a_start_checkpoint_must_lie_on_the_lineage():
-    from consumer.logreplay.run import _start_in_lineage
+    from rlstream.consumer.logreplay.run import _start_in_lineage
 
     newest = CheckpointState(8, 9, {}, runs=[["a", 0], ["b", 4]])  # a died after its checkpoint of step 4
     assert _start_in_lineage(CheckpointState(4, 4, {}, runs=[["a", 0]]), newest, "c4") == 4

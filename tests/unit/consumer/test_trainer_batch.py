@@ -1,13 +1,13 @@
-"""consumer/batch.py: positions, padding, routing scopes, data-parallel slices."""
+"""consumer/train/batch.py: positions, padding, routing scopes, data-parallel slices."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from common.config import ParallelSettings
-from common.errors import ConfigError, InvalidSampleError, ParallelLayoutError
-from consumer.batch import TrainSample, build_global_batch
-from consumer.parallel import ParallelLayout
+from rlstream.common.config import ParallelSettings
+from rlstream.common.errors import ConfigError, InvalidSampleError, ParallelLayoutError
+from rlstream.consumer.train.batch import TrainSample, build_global_batch
+from rlstream.consumer.train.parallel import ParallelLayout
 
 L, K = 2, 2
 
@@ -115,7 +115,7 @@ def test_layout_from_settings_and_world_size():
 
 
 def test_from_rollout_keeps_the_record_and_takes_the_gate_weight():
-    from common.record import Rollout, validate
+    from rlstream.common.record import Rollout, validate
 
     r = Rollout(rollout_id="r", group_id="g", sample_idx=0, group_size=1,
                 prompt_ids=np.array([5, 6], np.int32), response_ids=np.array([7, 8, 9], np.int32),
@@ -132,7 +132,7 @@ def test_from_rollout_keeps_the_record_and_takes_the_gate_weight():
 def test_temperature_travels_per_sample_with_padding_rows_at_one():
     import dataclasses
 
-    from common.record import Rollout
+    from rlstream.common.record import Rollout
 
     r = Rollout(rollout_id="r", group_id="a", sample_idx=0, group_size=2, prompt_ids=np.array([5, 6], np.int32),
                 response_ids=np.array([7], np.int32), logprobs=np.array([-.1], np.float32), policy_version=0,
@@ -152,7 +152,7 @@ def test_temperature_travels_per_sample_with_padding_rows_at_one():
 def test_logprobs_are_taken_at_each_rows_temperature():
     import torch
 
-    from consumer.logprobs import logprobs_from_logits
+    from rlstream.consumer.train.logprobs import logprobs_from_logits
 
     g = torch.Generator().manual_seed(0)
     logits, targets = torch.randn(2, 3, 11, generator=g), torch.randint(0, 11, (2, 3), generator=g)
@@ -169,9 +169,9 @@ def test_logprobs_are_taken_at_each_rows_temperature():
 def test_multi_turn_mask_keeps_env_tokens_out_of_the_loss_but_routes_every_position():
     """Record schema 2: loss_mask (the batch's) = response positions AND the record's model mask;
     num_tokens (the cispo normaliser) counts model tokens; routing covers env positions too."""
-    from common.record import Rollout, validate
-    from consumer.losses import LOSSES, LossInputs
-    from common.config import LossSettings
+    from rlstream.common.record import Rollout, validate
+    from rlstream.consumer.train.losses import LOSSES, LossInputs
+    from rlstream.common.config import LossSettings
     import torch
 
     mask = np.array([1, 1, 0, 0, 1], dtype=bool)  # model, model, env, env, model

@@ -7,8 +7,14 @@ import dataclasses
 
 import pytest
 
-from common.control.messages import TrainerProgress
-from producer.admission import MAX_FILTERED_SHARE, AdmissionView, admission_block, queued_groups, steps_ahead
+from rlstream.common.control.messages import TrainerProgress
+from rlstream.producer.admission import (
+    MAX_FILTERED_SHARE,
+    AdmissionView,
+    admission_block,
+    queued_groups,
+    steps_ahead,
+)
 
 G, B = 4, 2
 
@@ -95,7 +101,7 @@ def test_before_any_trainer_progress_the_cautious_default_holds_at_max_staleness
     admits max_staleness + 1 groups, then waits for the trainer."""
     start = view(progress=TrainerProgress(trainer_version=0, groups_per_batch=1, group_size=G),
                  end_offsets=lambda: {0: 0}, max_staleness=2)
-    assert [admission_block(dataclasses.replace(start, groups_in_flight=n)) for n in range(4)] == \
+    assert [admission_block(dataclasses.replace(start, groups_in_flight=n)) for n in range(4)] ==\
         [None, None, None, "staleness"]
 
 

@@ -1,4 +1,4 @@
-"""producer/rollout/agents.py: every field of an agent's request is type- and range-checked,
+"""producer/rollout/agents/driver.py: every field of an agent's request is type- and range-checked,
 so a wrong one is a 400 naming it (the error body's `param`), never a 500, and the
 episode stays as it was."""
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from common.errors import AgentRequestError
-from producer.rollout.agents import BadParameter, parse_chat
-from producer.sample import SamplingConfig
+from rlstream.common.errors import AgentRequestError
+from rlstream.producer.rollout.agents.driver import BadParameter, parse_chat
+from rlstream.producer.sample import SamplingConfig
 from tests.unit.producer.test_agents import chat, command, endpoint, make, serve  # noqa: F401 (fixture)
 
 USER = [{"role": "user", "content": "1+2="}]
@@ -103,8 +103,8 @@ def test_a_wrong_reward_or_info_is_a_400_and_the_episode_stays_open():
                                         ({"prompt": "1+2=", "answer": [3]}, "answer"),
                                         ({"prompt": "1+2=", "answer": True}, "answer")])
 def test_a_wrong_task_is_a_400_naming_it(body, param):
-    from producer.rollout.agents import task_for
-    from producer.verifiers import get_verifier
+    from rlstream.producer.rollout.agents.driver import task_for
+    from rlstream.common.tasks.verifiers import get_verifier
 
     with pytest.raises(AgentRequestError) as e:
         task_for(body, None, get_verifier("exact_match"))

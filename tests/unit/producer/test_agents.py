@@ -1,4 +1,4 @@
-"""producer/rollout/agents.py and producer/agent_http.py: the black-box agent endpoint's logic
+"""producer/rollout/agents/driver.py and producer/rollout/agents/http.py: the black-box agent endpoint's logic
 (request validation, token-in/token-out history, limits, ends, the record) over a
 scripted stand-in engine, and its HTTP hardening over a real socket;
 tests/integration/test_agent_endpoint.py runs a real agent against the real engine."""
@@ -13,15 +13,15 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from common import metrics
-from common.config import AgentEndpointSettings, EpisodeSettings, ProducerSettings
-from common.errors import AgentRequestError
-from common.record import decode, encode
-from common.toy.tinymodel import build_tokenizer
-from producer.rollout.agents import AgentEpisodes, AgentTag, new_messages, parse_chat
-from producer.rollout.task import Task
-from producer.groups import InFlightGroups
-from producer.sample import FinishedSample, SamplingConfig
+from rlstream.common import metrics
+from rlstream.common.config import AgentEndpointSettings, EpisodeSettings, ProducerSettings
+from rlstream.common.errors import AgentRequestError
+from rlstream.common.record import decode, encode
+from rlstream.toy.tinymodel import build_tokenizer
+from rlstream.producer.rollout.agents.driver import AgentEpisodes, AgentTag, new_messages, parse_chat
+from rlstream.common.tasks.task import Task
+from rlstream.producer.groups import InFlightGroups
+from rlstream.producer.sample import FinishedSample, SamplingConfig
 from tests.unit.producer.test_episodes import TextCodec
 
 TOK = build_tokenizer()
@@ -244,7 +244,7 @@ def test_agent_endpoint_settings_are_off_by_default_and_need_a_token_off_loopbac
         ProducerSettings.model_validate({"agent_endpoint": {"host": "0.0.0.0"}})
     with pytest.raises(ValidationError):
         AgentEndpointSettings(idle_timeout_s=0)
-    from common.config import dump_config, load_config
+    from rlstream.common.config import dump_config, load_config
 
     assert "agent-s3cret" not in dump_config(load_config(None, ["producer.agent_endpoint.token=agent-s3cret"],
                                                          environ={}))
@@ -254,7 +254,7 @@ def test_agent_endpoint_settings_are_off_by_default_and_need_a_token_off_loopbac
 
 @pytest.fixture
 def endpoint():
-    from producer.agent_http import AgentHttp
+    from rlstream.producer.rollout.agents.http import AgentHttp
 
     eng, groups, agents = make(["c(1+2)"] * 8, group_size=1)
     http = AgentHttp(AgentEndpointSettings(token="tok", max_body_bytes=4096), agents).start()
@@ -300,8 +300,8 @@ def test_http_routes_auth_first_and_bounded_bodies(endpoint):
 
 
 def test_a_group_task_is_the_agents_own_prompt_or_the_next_of_the_prompt_source():
-    from producer.rollout.agents import task_for
-    from producer.verifiers import get_verifier
+    from rlstream.producer.rollout.agents.driver import task_for
+    from rlstream.common.tasks.verifiers import get_verifier
 
     verify, dry = get_verifier("exact_match"), type("Dry", (), {"take": lambda self: None})()
     own = task_for({"prompt": "1+2=", "answer": 3}, dry, verify)

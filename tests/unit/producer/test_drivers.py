@@ -10,13 +10,13 @@ from pathlib import Path
 
 import numpy as np
 
-from common.record import decode, encode
-from producer.envs.calculator import CalculatorEnv
-from producer.groups import InFlightGroups
-from producer.rollout.episodes import EpisodeRunner, Episodes
-from producer.rollout.single_turn import SingleTurn
-from producer.rollout.task import Task
-from producer.sample import FinishedSample, SamplingConfig
+from rlstream.common.record import decode, encode
+from rlstream.common.tasks.envs.calculator import CalculatorEnv
+from rlstream.producer.groups import InFlightGroups
+from rlstream.producer.rollout.episodes import EpisodeRunner, Episodes
+from rlstream.producer.rollout.single_turn import SingleTurn
+from rlstream.common.tasks.task import Task
+from rlstream.producer.sample import FinishedSample, SamplingConfig
 from tests.unit.producer.test_episodes import TOK, ScriptedEngine, settings, task
 
 ROOT = Path(__file__).resolve().parents[3]

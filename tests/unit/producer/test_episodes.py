@@ -1,4 +1,4 @@
-"""producer/rollout/episodes.py and producer/envs/calculator.py: the episode protocol's logic
+"""producer/rollout/episodes.py and common/tasks/envs/calculator.py: the episode protocol's logic
 (limits, failures, versions, routing, the record) over a scripted stand-in engine;
 tests/integration/test_episodes.py runs the same with the real vLLM engine."""
 from __future__ import annotations
@@ -9,15 +9,15 @@ import time
 import numpy as np
 import pytest
 
-from common.config import EpisodeSettings
-from common.errors import ConfigError
-from common.record import decode, encode
-from common.toy.tinymodel import build_tokenizer
-from producer.envs.calculator import CalculatorEnv, calculate
-from producer.rollout.environment import ModelTurn, StepResult
-from producer.rollout.episodes import EpisodeRunner, ObservationEncoder
-from producer.rollout.task import Task
-from producer.sample import FinishedSample, SamplingConfig
+from rlstream.common.config import EpisodeSettings
+from rlstream.common.errors import ConfigError
+from rlstream.common.record import decode, encode
+from rlstream.toy.tinymodel import build_tokenizer
+from rlstream.common.tasks.envs.calculator import CalculatorEnv, calculate
+from rlstream.common.tasks.environment import ModelTurn, StepResult
+from rlstream.producer.rollout.episodes import EpisodeRunner, ObservationEncoder
+from rlstream.common.tasks.task import Task
+from rlstream.producer.sample import FinishedSample, SamplingConfig
 
 TOK = build_tokenizer()
 L, K, E = 2, 2, 8
@@ -65,7 +65,7 @@ class ScriptedEngine(TextCodec):
             pos = np.arange(ids.size + resp.size - 1)  # expert 0: the turn that computed the row (< 3)
             routing = np.stack([np.full(pos.size, turn), 3 + pos % 5], -1)[:, None, :].repeat(L, 1).astype(np.uint8)
             half = resp.size // 2  # a reload "mid-turn" when the engine's version moved
-            versions = [(dispatch, resp.size)] if self.version == dispatch else \
+            versions = [(dispatch, resp.size)] if self.version == dispatch else\
                 [(dispatch, half), (self.version, resp.size - half)]
             out.append(FinishedSample(
                 tag=tag, sample_idx=0, group_size=1, request_id=f"{tag}/0", prompt_ids=ids, response_ids=resp,
@@ -95,7 +95,7 @@ def settings(**kw):
 
 
 def test_calculator_tool():
-    assert [calculate(e) for e in ("37+48", "85-19", "2*3+4", "-5+2", "7/2", "7/0", "1+", "a")] == \
+    assert [calculate(e) for e in ("37+48", "85-19", "2*3+4", "-5+2", "7/2", "7/0", "1+", "a")] ==\
         ["85", "66", "10", "-3", "3", "err", "err", "err"]
     env = CalculatorEnv()
     assert env.reset(task()) == "37+48-19="
@@ -183,8 +183,8 @@ class Garbage(CalculatorEnv):
 
 @pytest.mark.timeout(30)
 def test_env_errors_and_timeouts_end_the_episode_never_hang():
-    from producer import telemetry
-    from common import metrics
+    from rlstream.producer import telemetry
+    from rlstream.common import metrics
 
     before = {e: metrics.value("rlstream_producer_episodes_total", end=e) or 0 for e in ("env_error", "step_timeout")}
     for env, end in ((Broken, "env_error"), (Hangs, "step_timeout")):
@@ -234,7 +234,7 @@ def test_observations_go_through_the_chat_template_once_without_the_models_closi
 
 
 def test_episode_settings_are_validated_and_off_by_default():
-    from common.config import ProducerSettings
+    from rlstream.common.config import ProducerSettings
 
     assert ProducerSettings().episodes is None
     assert ProducerSettings(episodes={"max_turns": 2}).episodes.max_turns == 2
@@ -277,9 +277,9 @@ def test_numpy_step_rewards_are_numbers():
 def test_a_group_beyond_the_staleness_bound_is_evicted_unpublished_and_its_slot_freed():
     """Stale eviction (producer/eviction.py) for episodes: the trainer moved past the bound of a
     group whose episodes are mid-episode; they end unpublished, their requests aborted."""
-    from common import metrics
-    from producer.groups import InFlightGroups
-    from producer.rollout.episodes import Episodes
+    from rlstream.common import metrics
+    from rlstream.producer.groups import InFlightGroups
+    from rlstream.producer.rollout.episodes import Episodes
 
     class Engine(ScriptedEngine):
         def oldest_versions(self):

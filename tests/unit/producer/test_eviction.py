@@ -7,12 +7,12 @@ import itertools
 
 import numpy as np
 
-from common.config import ControlSettings
-from common.record import Rollout
-from consumer.staleness import gate_group
-from producer.eviction import StaleEviction, stale_groups
-from producer.groups import GroupInfo, InFlightGroups
-from producer.rollout.task import Task
+from rlstream.common.config import ControlSettings
+from rlstream.common.record import Rollout
+from rlstream.consumer.stream.gate import gate_group
+from rlstream.producer.eviction import StaleEviction, stale_groups
+from rlstream.producer.groups import GroupInfo, InFlightGroups
+from rlstream.common.tasks.task import Task
 
 
 def sample(idx: int, token_versions: list[tuple[int, int]]) -> Rollout:

@@ -8,16 +8,16 @@ import json
 import numpy as np
 import pytest
 
-from common.config import JournalSettings
-from common.record import Rollout
-from producer.envs.calculator import CalculatorEnv
-from producer.rollout.episodes import EpisodeRunner
-from producer.groups import InFlightGroups
-from producer.journal import EpisodeJournal, Resumer, StalenessView
-from producer.journal.claims import Held, Lease, claimant, claims_for, is_orphan
-from producer.journal.snapshot import JournalError, ModelTurnLog, Snapshot, decode, encode
-from producer.journal.topic import JournalTopic
-from producer.sample import SamplingConfig
+from rlstream.common.config import JournalSettings
+from rlstream.common.record import Rollout
+from rlstream.common.tasks.envs.calculator import CalculatorEnv
+from rlstream.producer.rollout.episodes import EpisodeRunner
+from rlstream.producer.groups import InFlightGroups
+from rlstream.producer.journal import EpisodeJournal, Resumer, StalenessView
+from rlstream.producer.journal.claims import Held, Lease, claimant, claims_for, is_orphan
+from rlstream.producer.journal.snapshot import JournalError, ModelTurnLog, Snapshot, decode, encode
+from rlstream.producer.journal.topic import JournalTopic
+from rlstream.producer.sample import SamplingConfig
 from tests.unit.producer.test_episodes import ScriptedEngine, run, settings, task
 
 
@@ -180,8 +180,8 @@ def test_a_crashed_producers_episode_is_resumed_by_a_peer_from_its_last_turn():
 
 
 def test_unresumable_and_stale_episodes_are_dropped_and_tombstoned():
-    from producer import telemetry
-    from common import metrics
+    from rlstream.producer import telemetry
+    from rlstream.common import metrics
 
     class Plain(CalculatorEnv):
         resumable = False
@@ -255,7 +255,7 @@ def test_a_reader_behind_the_journal_does_not_take_a_live_peer_for_dead():
 # ------------------------------------------- one claimant, one publication
 
 def test_of_two_claims_of_one_entry_only_the_first_in_the_log_takes_effect():
-    from common import metrics
+    from rlstream.common import metrics
 
     topic = MemoryTopic()
     orphan = snapshot(group_id="g", sample_idx=0, holder="a", incarnation="dead", written_at=10.0)
@@ -276,7 +276,7 @@ def test_of_two_claims_of_one_entry_only_the_first_in_the_log_takes_effect():
 
 
 def test_an_orphan_whose_record_was_published_before_its_holder_died_is_not_resumed():
-    from common import metrics
+    from rlstream.common import metrics
 
     topic, asked = MemoryTopic(), []
     mine = snapshot(group_id="g", sample_idx=0, holder="a", incarnation="dead", rollout_id="done",
@@ -328,7 +328,7 @@ def test_a_claim_from_a_view_behind_the_holders_renewal_does_not_take_a_live_epi
 
 
 def test_an_entry_whose_arrays_do_not_decode_is_skipped_when_claimed_not_a_crash():
-    from common import metrics
+    from rlstream.common import metrics
 
     topic = MemoryTopic()  # readers fold headers only: the arrays are read when an entry is claimed
     torn = encode(snapshot(group_id="g", sample_idx=0, holder="a", incarnation="dead", written_at=10.0))[:-10]

@@ -7,14 +7,14 @@ import dataclasses
 
 import numpy as np
 
-from common import metrics
-from common.config import JournalSettings
-from common.record import Rollout
-from producer.groups import GroupInfo
-from producer.journal import EpisodeJournal
-from producer.journal.claims import Held
-from producer.journal.snapshot import encode
-from producer.rollout.trajectory import Trajectory
+from rlstream.common import metrics
+from rlstream.common.config import JournalSettings
+from rlstream.common.record import Rollout
+from rlstream.producer.groups import GroupInfo
+from rlstream.producer.journal import EpisodeJournal
+from rlstream.producer.journal.claims import Held
+from rlstream.producer.journal.snapshot import encode
+from rlstream.producer.rollout.trajectory import Trajectory
 from tests.unit.producer.test_episodes import ScriptedEngine, run
 from tests.unit.producer.test_journal import Ack, LaggingTopic, MemoryTopic, lease, producer, snapshot, task
 
@@ -146,7 +146,7 @@ def test_a_producer_whose_lease_lapsed_stops_the_episodes_a_peer_took_over_and_p
     assert runner.active == 0 and not eng.requests  # episode 0 abandoned
     groups.finish_sample("g")  # (the driver does, before it stamps the record)
     assert a.stamp(ended[0].to_rollout("a", runner.sampling, "37+48-19=")) is None  # not published
-    assert {at: count("rlstream_producer_episodes_fenced_total", at=at) - fenced0[at] for at in fenced0} == \
+    assert {at: count("rlstream_producer_episodes_fenced_total", at=at) - fenced0[at] for at in fenced0} ==\
         {"running": 1, "ended": 1}
     assert count("rlstream_producer_fenced_generation_seconds_total") - wasted0 > 2 * 9.0  # since a's last writes
     assert len(groups) == 0  # the group's slots are free

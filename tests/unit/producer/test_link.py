@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from producer.weights.trainer_link import GlooLink, TrainerLink
+from rlstream.producer.weights.trainer_link import GlooLink, TrainerLink
 
 DIGEST = "c" * 64
 
@@ -149,7 +149,7 @@ def test_an_init_a_worker_refused_marks_the_link_dead_and_the_loop_keeps_going()
 
 
 def test_the_receiver_is_chosen_once_by_the_engines_backend(monkeypatch):
-    from producer.weights.trainer_link import NcclLink
+    from rlstream.producer.weights.trainer_link import NcclLink
 
     monkeypatch.setattr(TrainerLink, "_register", lambda self: None)  # no endpoint to dial
     nccl = type("NcclEngine", (FakeEngine,), {"weight_transfer": "nccl"})

@@ -54,7 +54,7 @@ class FakeLLMEngine:
 
 
 def rollout_engine(llm_engine, backend: str):
-    from producer.engine import RolloutEngine
+    from rlstream.producer.engine import RolloutEngine
 
     eng = object.__new__(RolloutEngine)
     eng._engine, eng.weight_transfer, eng._thread = llm_engine, backend, threading.get_ident()
@@ -74,7 +74,7 @@ def test_three_nccl_registrations_leave_one_live_communicator(monkeypatch):
 
 
 def test_three_gloo_registrations_leave_one_live_group(monkeypatch):
-    from producer.weights.worker import gloo_engine
+    from rlstream.producer.weights.worker import gloo_engine
 
     pairs: list = []
 

@@ -7,15 +7,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from common.config import EpisodeSettings, JournalSettings
-from producer.envs.calculator import CalculatorEnv
-from producer.groups import InFlightGroups
-from producer.journal import EpisodeJournal, Resumer
-from producer.journal.resume import rebuild
-from producer.journal.snapshot import JournalError, decode, encode
-from producer.rollout.environment import StepResult
-from producer.rollout.episodes import EpisodeRunner
-from producer.sample import FinishedSample, SamplingConfig
+from rlstream.common.config import EpisodeSettings, JournalSettings
+from rlstream.common.tasks.envs.calculator import CalculatorEnv
+from rlstream.producer.groups import InFlightGroups
+from rlstream.producer.journal import EpisodeJournal, Resumer
+from rlstream.producer.journal.resume import rebuild
+from rlstream.producer.journal.snapshot import JournalError, decode, encode
+from rlstream.common.tasks.environment import StepResult
+from rlstream.producer.rollout.episodes import EpisodeRunner
+from rlstream.producer.sample import FinishedSample, SamplingConfig
 from tests.unit.producer.test_episodes import TextCodec, task
 from tests.unit.producer.test_journal import MemoryTopic, lease, snapshot
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
-from producer.groups import GroupInfo, InFlightGroups
-from producer.rollout.task import Task
-from producer.outbox import Outbox
+from rlstream.producer.groups import GroupInfo, InFlightGroups
+from rlstream.common.tasks.task import Task
+from rlstream.producer.outbox import Outbox
 
 
 class FakePublisher:

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from common.app.cli import main as cli
-from common.config import EngineSettings, JsonlPrompts, KafkaTopicPrompts, load_config
-from common.errors import ConfigError
-from producer.engine import engine_args, prefix_caching, resolve_routing, resolve_weight_transfer
+from rlstream.cli import main as cli
+from rlstream.common.config import EngineSettings, JsonlPrompts, KafkaTopicPrompts, load_config
+from rlstream.common.errors import ConfigError
+from rlstream.producer.engine import engine_args, prefix_caching, resolve_routing, resolve_weight_transfer
 
 
 def load(*overrides: str):
@@ -27,7 +27,7 @@ def test_defaults_are_todays_behaviour():
     assert p.prompts == JsonlPrompts(path="runs/data/train.jsonl", seed=0)
     assert p.drain_timeout_s == 60.0
     e = p.engine
-    assert (e.max_model_len, e.routing, e.enable_prefix_caching, e.logprobs_mode, e.enable_chunked_prefill) == \
+    assert (e.max_model_len, e.routing, e.enable_prefix_caching, e.logprobs_mode, e.enable_chunked_prefill) ==\
         (256, "auto", None, "processed_logprobs", True)
     # unset prefix caching: off with capture (today's CPU path), on with native routing (vLLM 0.32 needs it)
     assert prefix_caching(e, "capture") is False and prefix_caching(e, "off") is False
@@ -98,8 +98,8 @@ def test_sampling_the_trainer_reproduces_loads_and_the_bias_can_be_accepted_by_n
 
 
 def test_the_temperature_bounds_are_the_records():
-    from common.config import ProducerSettings
-    from common.record import MAX_TEMPERATURE, MIN_TEMPERATURE
+    from rlstream.common.config import ProducerSettings
+    from rlstream.common.record import MAX_TEMPERATURE, MIN_TEMPERATURE
 
     ProducerSettings(temperature=MIN_TEMPERATURE)
     ProducerSettings(temperature=MAX_TEMPERATURE)  # every temperature the config takes, a record takes
@@ -147,7 +147,7 @@ def test_auto_routing_resolves_per_platform_and_checks_what_needs_it():
         with pytest.raises(ConfigError) as e:
             resolve_routing(settings, on_cpu=True)
         assert e.value.key == key
-    assert resolve_routing(EngineSettings(tensor_parallel_size=2, kv_cache_memory_bytes=None), on_cpu=False) == \
+    assert resolve_routing(EngineSettings(tensor_parallel_size=2, kv_cache_memory_bytes=None), on_cpu=False) ==\
         "native"
     # vLLM 0.32 refuses native routing without prefix caching (review B1): refused at start, naming the key
     with pytest.raises(ConfigError) as e:
@@ -168,7 +168,7 @@ def test_weight_transfer_resolves_per_platform():
                        on_cpu=True, weight_transfer="rlstream_gloo")
     assert args["weight_transfer_config"] == {"backend": "rlstream_gloo"} and args["block_size"] == 16
     assert args["enable_prefix_caching"] is True
-    assert args["worker_extension_cls"] == "producer.weights.worker.gloo_engine.RlstreamWorkerExtension"
+    assert args["worker_extension_cls"] == "rlstream.producer.weights.worker.gloo_engine.RlstreamWorkerExtension"
     assert "weight_transfer_config" not in engine_args(EngineSettings(), "/m", "capture", on_cpu=True)
 
 

@@ -4,11 +4,11 @@ import json
 
 import pytest
 
-from common.config import JsonlPrompts, KafkaSettings, ReasoningGymPrompts, load_config
-from common.errors import ConfigError
-from common.toy import tasks
-from producer.prompts import GymPromptSource, JsonlPromptSource, open_prompt_source
-from producer.verifiers import get_verifier
+from rlstream.common.config import JsonlPrompts, KafkaSettings, ReasoningGymPrompts, load_config
+from rlstream.common.errors import ConfigError
+from rlstream.common.tasks import arithmetic as tasks
+from rlstream.producer.prompts import GymPromptSource, JsonlPromptSource, open_prompt_source
+from rlstream.common.tasks.verifiers import get_verifier
 
 
 def test_prompt_source_cycles_and_reshuffles_each_epoch(tmp_path):
@@ -96,7 +96,7 @@ def test_gym_source_cycles_reshuffles_and_never_serves_a_heldout_prompt():
 def test_gym_source_takes_in_the_order_it_iterates():
     a = GymPromptSource(gym_settings(seed=3))
     b = list(GymPromptSource(gym_settings(seed=3), epochs=1))
-    assert [(x.prompt_id, x.task.prompt, x.task.reference) for x in (a.take() for _ in b)] == \
+    assert [(x.prompt_id, x.task.prompt, x.task.reference) for x in (a.take() for _ in b)] ==\
         [(x.prompt_id, x.task.prompt, x.task.reference) for x in b]
 
 

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from common import metrics
-from common.control.messages import WeightsReady
-from common.errors import WeightReloadError
-from common.weights.store import WEIGHTS_FILE, sha256_file
-from producer.weights.reload import Reloader
-from producer.weights.trainer_link import GlooLink
+from rlstream.common import metrics
+from rlstream.common.control.messages import WeightsReady
+from rlstream.common.errors import WeightReloadError
+from rlstream.common.weights.store import WEIGHTS_FILE, sha256_file
+from rlstream.producer.weights.reload import Reloader
+from rlstream.producer.weights.trainer_link import GlooLink
 from tests.unit.producer.test_link import FakeChannel
 
 
@@ -200,7 +200,7 @@ def finish_ack(link: FakeLink) -> dict:
 
 @pytest.fixture
 def linked(tmp_path, monkeypatch):
-    import producer.weights.reload as reload_mod
+    import rlstream.producer.weights.reload as reload_mod
 
     FakeLink.made, FakeLink.on_connect = [], []
     monkeypatch.setattr(reload_mod, "TrainerLink", FakeLink)
@@ -260,7 +260,7 @@ def test_a_receive_that_failed_its_digest_check_is_refused_and_falls_back(linked
 
 
 def test_a_broken_link_is_counted_and_registered_anew_without_a_refusal(linked, monkeypatch):
-    import producer.weights.reload as reload_mod
+    import rlstream.producer.weights.reload as reload_mod
 
     engine, reloader, _ = linked
     monkeypatch.setattr(reload_mod, "_REJOIN_EVERY_S", 0.0)
@@ -385,7 +385,7 @@ def test_a_trainer_on_another_backend_is_not_linked_and_durable_copies_are_serve
 
 @pytest.fixture
 def confined(tmp_path):
-    from common.weights.store import WeightStore
+    from rlstream.common.weights.store import WeightStore
 
     engine, store = FakeEngine(), WeightStore(tmp_path / "weights")
     reloader = Reloader(engine, tmp_path / "base", "p/0", store_dir=store.root)

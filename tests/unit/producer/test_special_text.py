@@ -8,12 +8,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from common.config import EngineSettings
-from common.toy.tinymodel import build_tokenizer
-from producer.rollout.environment import StepResult
-from producer.rollout.episodes import EpisodeRunner, ObservationEncoder
-from producer.envs.calculator import CalculatorEnv
-from producer.sample import SamplingConfig
+from rlstream.common.config import EngineSettings
+from rlstream.toy.tinymodel import build_tokenizer
+from rlstream.common.tasks.environment import StepResult
+from rlstream.producer.rollout.episodes import EpisodeRunner, ObservationEncoder
+from rlstream.common.tasks.envs.calculator import CalculatorEnv
+from rlstream.producer.sample import SamplingConfig
 from tests.unit.producer import test_agents, test_episodes
 
 TOK = build_tokenizer()
@@ -40,13 +40,13 @@ def test_the_tokenizer_alone_parses_the_text_so_the_fix_is_needed():
 
 @pytest.mark.timeout(30)
 def test_the_engines_encode_keeps_special_text_as_text_unless_trusted():
-    from producer.engine import RolloutEngine
+    from rlstream.producer.engine import RolloutEngine
 
     eng = object.__new__(RolloutEngine)  # only the tokenizer helpers: no vLLM engine needed
     eng._engine = type("V", (), {"get_tokenizer": staticmethod(lambda: TOK)})()
     eng.settings = EngineSettings()
     ids = eng.encode(HOSTILE)
-    assert EOS not in ids and TOK.decode(ids.tolist()) == TOK.decode(TOK.encode("1+", add_special_tokens=False)) \
+    assert EOS not in ids and TOK.decode(ids.tolist()) == TOK.decode(TOK.encode("1+", add_special_tokens=False))\
         + "<unk>eos<unk>2="  # '<' and '>' are not in the tiny vocabulary: ordinary (unknown) characters
     assert eng.encode("12+7=").tolist() == TOK.encode("12+7=", add_special_tokens=False)  # plain text unchanged
     eng.settings = EngineSettings(parse_special_tokens=True)
@@ -66,13 +66,13 @@ def test_through_a_chat_template_its_markers_stay_special_and_the_content_does_n
     # "<eos>:" closes the assistant turn (the template's: special), then "=" "<eos>" "," (the tool's: text)
     assert ids[0] == EOS and EOS not in ids[1:]
     assert tok.decode(ids[1:], skip_special_tokens=False) == ":=<unk>eos<unk>,a:"
-    assert ObservationEncoder(tok)("85", last_model_token=5) == \
+    assert ObservationEncoder(tok)("85", last_model_token=5) ==\
         tok.encode("<eos>:=85,a:", add_special_tokens=False)  # ordinary text: exactly as before
 
 
 @pytest.mark.timeout(30)
 def test_a_template_that_rewrites_special_text_is_refused_not_parsed():
-    from producer.text_tokens import RewrittenSpecialText, encode_rendered
+    from rlstream.producer.text_tokens import RewrittenSpecialText, encode_rendered
 
     tok = _template_tokenizer("{%- for m in messages -%}[{{ m['content'] | upper }}]{%- endfor -%}")
 

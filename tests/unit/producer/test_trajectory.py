@@ -9,9 +9,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from common.record import FINISH_REASONS, Rollout, decode, encode, routing_dtype_for
-from producer.rollout.trajectory import FINISH, Trajectory
-from producer.sample import FinishedSample, SamplingConfig
+from rlstream.common.record import FINISH_REASONS, Rollout, decode, encode, routing_dtype_for
+from rlstream.producer.rollout.trajectory import FINISH, Trajectory
+from rlstream.producer.sample import FinishedSample, SamplingConfig
 
 
 def sample(**changes) -> FinishedSample:

@@ -13,13 +13,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from common import metrics
-from common.control.messages import WeightsReady
-from common.errors import WeightTransferError
-from common.weights.digest import fold_digest
-from producer.weights.reload import Reloader
-from producer.weights.trainer_link import NcclLink
-from producer.weights.worker.verified_update import update_weights_folded
+from rlstream.common import metrics
+from rlstream.common.control.messages import WeightsReady
+from rlstream.common.errors import WeightTransferError
+from rlstream.common.weights.digest import fold_digest
+from rlstream.producer.weights.reload import Reloader
+from rlstream.producer.weights.trainer_link import NcclLink
+from rlstream.producer.weights.worker.verified_update import update_weights_folded
 from tests.unit.producer.test_link import FakeChannel
 
 SENT = {"model.embed_tokens.weight": torch.arange(24, dtype=torch.float32).reshape(4, 6),
@@ -129,8 +129,8 @@ def test_an_nccl_update_whose_finish_never_comes_is_restored_within_the_timeout(
 def nccl_pair():
     """Two ranks of vLLM's PyNcclCommunicator (its own Python: rendezvous, unique id, warm-up),
     over the CPU stand-in of libnccl (common/gpu_standin/): rank 0 is the trainer, rank 1 the worker."""
-    from common import gpu_standin
-    from common.kafka.broker import free_port
+    from rlstream.common import gpu_standin
+    from rlstream.common.kafka.broker import free_port
 
     with gpu_standin.installed():
         from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
@@ -221,7 +221,7 @@ def test_a_trainer_that_aborts_mid_transfer_ends_the_workers_wait_at_once(nccl_p
     """The trainer gave up (its own watchdog aborted its communicator, or it died): the worker's
     receive never returns (NCCL), but NCCL reports the lost connection as an asynchronous error,
     which the watchdog polls: the wait ends within about a second, not at the 30 s bound."""
-    from common.weights.watchdog import abort_nccl
+    from rlstream.common.weights.watchdog import abort_nccl
 
     trainer, group = nccl_pair
     worker = Worker(group)
@@ -259,9 +259,9 @@ def test_the_trainers_finish_carries_the_digest_of_what_it_sent_in_the_order_the
     """consumer/weights/nccl.py: SnapshotSource folds each tensor as it goes to the device
     (here "cpu") and LinkClient's finish carries it; it equals what a worker folds from the same
     tensors in the metadata order vLLM's nccl engine receives them in."""
-    from consumer.weights.client import LinkClient
-    from consumer.weights.nccl import SnapshotSource
-    from consumer.weights.snapshot import Snapshot
+    from rlstream.consumer.weights.client import LinkClient
+    from rlstream.consumer.weights.nccl import SnapshotSource
+    from rlstream.consumer.weights.snapshot import Snapshot
     from tests.support.weights import dict_source
 
     snap = Snapshot(1, dict_source(dict(SENT)))

@@ -1,6 +1,6 @@
 """Verifiers: binary rewards, selection by name, math answers judged by math-verify.
 
-`math` is math-verify 0.9.0 (real, in its worker process: producer/mathjudge.py).
+`math` is math-verify 0.9.0 (real, in its worker process: common/tasks/mathjudge.py).
 The cases below were written for the hand-written normaliser it replaced; the
 five on which math-verify judges differently were decided one by one
 (docs/producer.md "Verifiers"): `+5` and `\\dfrac{1}{4}` still equal 5 and 0.25
@@ -17,9 +17,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.errors import ConfigError
-from producer import mathjudge
-from producer.verifiers import get_verifier, register_verifier, verifier_names
+from rlstream.common.errors import ConfigError
+from rlstream.common.tasks import mathjudge
+from rlstream.common.tasks.verifiers import get_verifier, register_verifier, verifier_names
 
 math = get_verifier("math")
 exact = get_verifier("exact_match")
@@ -151,7 +151,7 @@ def test_a_stuck_worker_is_replaced_and_the_answer_scores_zero(monkeypatch):
 
 
 def test_a_worker_that_cannot_start_is_a_verifier_error(monkeypatch):
-    from common.errors import VerifierError
+    from rlstream.common.errors import VerifierError
 
     judge = mathjudge.MathJudge()
     monkeypatch.setattr(mathjudge.sys, "executable", "/bin/false")

@@ -1,7 +1,7 @@
-"""Record accounting (common/harness/census.py): published == every outcome + held."""
+"""Record accounting (ops/harness/census.py): published == every outcome + held."""
 from __future__ import annotations
 
-from common.harness.census import TopicCensus, account
+from rlstream.harness.census import TopicCensus, account
 
 
 def test_account_balances_with_whole_held_groups():
@@ -42,9 +42,9 @@ def test_filtered_groups_are_an_outcome_of_their_own():
 
 
 def test_the_census_names_what_scored_the_records():
-    from common.harness.census import _scorer
+    from rlstream.harness.census import _scorer
 
-    assert _scorer({"reward_info": {"verifier": "reasoning_gym", "dataset": "chain_sum", "score": 0.5}}) \
+    assert _scorer({"reward_info": {"verifier": "reasoning_gym", "dataset": "chain_sum", "score": 0.5}})\
         == "reasoning_gym:chain_sum"
     assert _scorer({"reward_info": {"verifier": "exact_match"}}) == "exact_match"
     assert _scorer({"reward": 1.0}) == "?" and _scorer([1]) == "?"

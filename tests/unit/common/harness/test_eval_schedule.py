@@ -7,8 +7,8 @@ take); the demo's two-in-a-row stop rule then waits up to 40 s instead of 30 s
 to confirm. A fake clock drives the loop (no services)."""
 from types import SimpleNamespace
 
-from common.harness import observe, runs
-from common.harness.runs import RunResult, StopRule, _watch
+from rlstream.harness import observe, runs
+from rlstream.harness.runs import RunResult, StopRule, _watch
 
 
 class Clock:

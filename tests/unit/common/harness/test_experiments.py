@@ -1,13 +1,13 @@
-"""common/harness/experiments.py: which arms run (the `experiment` settings)."""
+"""ops/harness/experiments.py: which arms run (the `experiment` settings)."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
 
-from common.config import load_config
-from common.errors import ConfigError
-from common.harness.experiments import selected_arms
+from rlstream.common.config import load_config
+from rlstream.common.errors import ConfigError
+from rlstream.harness.experiments import selected_arms
 
 CONFIG = Path(__file__).resolve().parents[4] / "configs" / "tiny-cpu.yaml"
 
@@ -36,7 +36,7 @@ def test_dynamic_sampling_arms_differ_only_in_the_setting():
 
 
 def test_samples_to_target_read_the_progress_rows():
-    from common.harness.experiments import samples_to
+    from rlstream.harness.experiments import samples_to
 
     rows = [{"kind": "eval", "time": 0.0}]
     rows += [{"kind": "tick", "time": 5.0 * i, "generated": 100, "outcomes": {"trained": 64 * i}} for i in range(1, 7)]
@@ -46,7 +46,7 @@ def test_samples_to_target_read_the_progress_rows():
 
 
 def test_dynamic_sampling_summary_is_seconds_to_target_without_over_with():
-    from common.harness.experiments import SUMMARIES
+    from rlstream.harness.experiments import SUMMARIES
 
     def arm(s, t, rl=500.0):
         return {"seconds_to_target": s, "trained_to_target": t, "generated_to_target": t and 2 * t, "rl_seconds": rl}

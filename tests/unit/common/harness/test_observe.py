@@ -1,7 +1,7 @@
-"""common/harness/observe.py: reading a Prometheus exposition."""
+"""ops/harness/observe.py: reading a Prometheus exposition."""
 from __future__ import annotations
 
-from common.harness.observe import metric, metric_value, parse
+from rlstream.harness.observe import metric, metric_value, parse
 
 TEXT = """# TYPE rlstream_consumer_records counter
 rlstream_consumer_records_total{outcome="trained"} 640.0
@@ -33,7 +33,7 @@ def test_a_label_called_name_is_a_label():
 
 
 def test_observer_rows_are_interval_rates_and_last_step_values():
-    from common.harness.observe import Observer
+    from rlstream.harness.observe import Observer
 
     def scrapes(samples, reward, trained, kl):
         prod = {("rlstream_producer_samples_total", ()): samples, ("rlstream_producer_reward_sum", ()): reward}
@@ -51,7 +51,7 @@ def test_observer_rows_are_interval_rates_and_last_step_values():
 
 
 def test_observer_rows_carry_the_stability_signals_by_staleness():
-    from common.harness.observe import Observer
+    from rlstream.harness.observe import Observer
 
     nan = float("nan")
     sig = lambda s, b, v: (("rlstream_trainer_signal", (("signal", s), ("staleness", b))), v)  # noqa: E731

@@ -1,9 +1,9 @@
-"""The run report (common/harness/report.py): markdown and plots from progress rows."""
+"""The run report (ops/harness/report.py): markdown and plots from progress rows."""
 from __future__ import annotations
 
 import json
 
-from common.harness.report import write_report
+from rlstream.harness.report import write_report
 
 
 def test_report_writes_markdown_and_pngs(tmp_path):

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import stat
 
-from common.config import RlstreamConfig
-from common.harness.runs import ADMIN_TOKEN_FILE, RunDirs, run_admin_env
-from common.harness.supervisor import Pipeline, Service
+from rlstream.common.config import RlstreamConfig
+from rlstream.harness.runs import ADMIN_TOKEN_FILE, RunDirs, run_admin_env
+from rlstream.harness.supervisor import Pipeline, Service
 
 
 def test_a_run_without_a_token_gets_one_in_its_services_environment_and_a_0600_file(tmp_path, monkeypatch):

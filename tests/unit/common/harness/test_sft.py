@@ -1,11 +1,11 @@
-"""The SFT warm start (common/harness/sft.py): examples and batches."""
+"""The SFT warm start (ops/harness/sft.py): examples and batches."""
 from __future__ import annotations
 
-from common.toy.tasks import Problem
+from rlstream.common.tasks.arithmetic import Problem
 
 
 def test_sft_batches_mask_the_prompt():
-    from common.harness.sft import _collate
+    from rlstream.harness.sft import _collate
 
     x, mask, labels = _collate([([5, 6, 7, 1], [False, False, True, True]),
                                 ([5, 6, 1], [False, False, True])], pad_id=0)
@@ -15,7 +15,7 @@ def test_sft_batches_mask_the_prompt():
 
 
 def test_sft_examples_are_prompt_answer_eos_of_the_tasks_problems():
-    from common.harness.sft import _encode_examples
+    from rlstream.harness.sft import _encode_examples
 
     class CharTokenizer:  # one id per character, eos 1
         eos_token_id = 1

@@ -1,4 +1,4 @@
-"""The stability experiment's arms, its spreads over seeds, tables and plots (common/harness/stability.py),
+"""The stability experiment's arms, its spreads over seeds, tables and plots (ops/harness/stability.py),
 from hand-made per-arm results."""
 from __future__ import annotations
 
@@ -6,8 +6,15 @@ import pytest
 
 import json
 
-from common.harness.stability import (arm_specs, arms_from_run_dirs, main, main_arm, spread, stability_summary,
-                                     summarise)
+from rlstream.harness.stability import (
+    arm_specs,
+    arms_from_run_dirs,
+    main,
+    main_arm,
+    spread,
+    stability_summary,
+    summarise,
+)
 
 
 def test_arms_cover_the_grid_seed_major_then_the_mismatch_sweeps():
@@ -52,7 +59,7 @@ def test_summary_groups_seeds_counts_collapses_and_writes_tables_and_plots(tmp_p
 
 
 def run_dir(root, arm, stamp, versions=None, error=None, ess=0.9):
-    """A run directory as common.harness.runs.run_rl leaves it (summary.json absent: cut off)."""
+    """A run directory as rlstream.harness.runs.run_rl leaves it (summary.json absent: cut off)."""
     d = root / f"stability-{arm}-{stamp}"
     d.mkdir()
     rows = [{"kind": "eval", "time": 0.0, "version": 0, "heldout_accuracy": 0.09}]

@@ -1,4 +1,4 @@
-"""common/harness/supervisor.py: incarnations, run-file status, graceful stop and kill.
+"""ops/harness/supervisor.py: incarnations, run-file status, graceful stop and kill.
 
 The child is a stand-in for `rlstream producer|consumer` that follows the run
 file contract of common/runfile.py (start record once it "serves", stop
@@ -11,12 +11,12 @@ import sys
 
 import pytest
 
-from common.errors import PipelineError
-from common.harness.supervisor import Service, child_env, wait_until
+from rlstream.common.errors import PipelineError
+from rlstream.harness.supervisor import Service, child_env, wait_until
 
 FAKE = """
 import signal, sys, time
-from common import runfile
+from rlstream.common import runfile
 path, crash = sys.argv[1], sys.argv[2] == "crash"
 print("starting", flush=True)
 if crash:
@@ -42,7 +42,7 @@ def test_argv_gives_each_incarnation_its_own_run_file_and_log(tmp_path):
     s = Service("consumer", tmp_path / "c.yaml", tmp_path / "logs", sets=["kafka.bootstrap_servers=b:9"])
     s.incarnation = 3
     argv = s.argv()
-    assert argv[1:6] == ["-m", "common.app.cli", "consumer", "-c", str(tmp_path / "c.yaml")]
+    assert argv[1:6] == ["-m", "rlstream.cli", "consumer", "-c", str(tmp_path / "c.yaml")]
     assert argv[-4:] == ["--set", "kafka.bootstrap_servers=b:9", "--set",
                          f"consumer.run_file={tmp_path / 'logs' / 'consumer.3.run.json'}"]
     assert s.log_path() == tmp_path / "logs" / "consumer.3.log"

@@ -1,5 +1,5 @@
 """The tool_use experiment's pieces: the calculator's worked solutions, the tool-format
-SFT examples, held-out episodes with the tool (common/harness/tool_eval.py) driven by
+SFT examples, held-out episodes with the tool (ops/harness/tool_eval.py) driven by
 a scripted model, and the experiment's arms and report. The whole pipeline (real
 vLLM, broker, Megatron) is what `rlstream experiment tool_use` runs (docs/demo.md)."""
 from __future__ import annotations
@@ -9,10 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from common.config import EpisodeSettings, load_config
-from common.errors import ConfigError
-from common.toy.tasks import Problem
-from common.toy.tinymodel import CHARS, EOS, SPECIALS
+from rlstream.common.config import EpisodeSettings, load_config
+from rlstream.common.errors import ConfigError
+from rlstream.common.tasks.arithmetic import Problem
+from rlstream.toy.tinymodel import CHARS, EOS, SPECIALS
 
 ROOT = Path(__file__).resolve().parents[4]
 VOCAB = SPECIALS + CHARS
@@ -56,7 +56,7 @@ class ScriptedModel:
 
 def oracle(prompt: str) -> str:
     """The worked solution with the tool: what a perfect tool user writes (observations included)."""
-    from producer.envs.calculator import reference_turns
+    from rlstream.common.tasks.envs.calculator import reference_turns
 
     return "".join(text for text, _ in reference_turns(prompt))
 
@@ -67,9 +67,9 @@ LIMITS = EpisodeSettings(max_turns=3, max_turn_tokens=12, max_episode_tokens=48)
 
 
 def test_reference_turns_are_calls_observations_and_the_answer_the_environment_accepts():
-    from producer.envs.calculator import CalculatorEnv, reference_turns
-    from producer.rollout.environment import ModelTurn
-    from producer.rollout.task import Task
+    from rlstream.common.tasks.envs.calculator import CalculatorEnv, reference_turns
+    from rlstream.common.tasks.environment import ModelTurn
+    from rlstream.common.tasks.task import Task
 
     assert reference_turns("37+48-19=") == [("c(37+48)", True), ("=85,", False), ("c(85-19)", True),
                                             ("=66,", False), ("66", True)]
@@ -87,7 +87,7 @@ def test_reference_turns_are_calls_observations_and_the_answer_the_environment_a
 
 
 def test_tool_sft_examples_learn_model_turns_and_eos_not_prompt_or_observations():
-    from common.harness.sft import ToolSft, _encode_examples
+    from rlstream.harness.sft import ToolSft, _encode_examples
 
     tok = CharTokenizer()
     (ids, mask), = _encode_examples(tok, [Problem("3-48=", "-45")], ToolSft(LIMITS, traces=1.0))
@@ -104,7 +104,7 @@ def test_tool_sft_examples_learn_model_turns_and_eos_not_prompt_or_observations(
 
 
 def test_sft_marker_changes_only_for_the_tool_stage(tmp_path):
-    from common.harness.sft import SftConfig, ToolSft, _marker
+    from rlstream.harness.sft import SftConfig, ToolSft, _marker
 
     (tmp_path / "model.safetensors").write_bytes(b"w")
     data = tmp_path / "d.jsonl"
@@ -115,7 +115,7 @@ def test_sft_marker_changes_only_for_the_tool_stage(tmp_path):
 
 
 def test_episodes_with_the_tool_drive_the_environment_and_score_the_final_answer():
-    from common.harness.tool_eval import run_episodes
+    from rlstream.harness.tool_eval import run_episodes
 
     model = ScriptedModel(oracle)
     outs = run_episodes(model, model.tok, PROBLEMS, LIMITS)
@@ -127,7 +127,7 @@ def test_episodes_with_the_tool_drive_the_environment_and_score_the_final_answer
 
 
 def test_limits_end_episodes_as_in_the_producer():
-    from common.harness.tool_eval import run_episodes
+    from rlstream.harness.tool_eval import run_episodes
 
     caller = ScriptedModel(lambda p: "c(1)=1," * 10)  # calls forever
     (o,) = run_episodes(caller, caller.tok, PROBLEMS[:1], LIMITS)
@@ -146,11 +146,11 @@ def test_a_special_tokens_text_in_prompts_and_observations_stays_text_as_in_the_
     itself (the producer keeps such text as characters): it scored other episodes than it runs."""
     import torch
 
-    from common.harness import tool_eval
-    from common.harness.evaluate import generate_text
-    from common.toy.tinymodel import build_tokenizer
-    from producer.rollout.environment import StepResult
-    from producer.rollout.episodes import ObservationEncoder
+    from rlstream.harness import tool_eval
+    from rlstream.harness.evaluate import generate_text
+    from rlstream.toy.tinymodel import build_tokenizer
+    from rlstream.common.tasks.environment import StepResult
+    from rlstream.producer.rollout.episodes import ObservationEncoder
 
     tok = build_tokenizer()
     eos = tok.eos_token_id
@@ -182,14 +182,14 @@ def test_a_special_tokens_text_in_prompts_and_observations_stays_text_as_in_the_
     assert generate_text(eos_model, tok, ["1+<eos>2="], max_new_tokens=2) == [""]
     assert eos not in seen[0][0] and len(seen[0][0]) == len("1+<eos>2=")
 
-    from common.harness.sft import _encode_examples  # the warm start's examples, likewise
+    from rlstream.harness.sft import _encode_examples  # the warm start's examples, likewise
 
     (ids, mask), = _encode_examples(tok, [Problem("1+<eos>2=", "<eos>")])
     assert ids.count(eos) == 1 and ids[-1] == eos and len(ids) == len("1+<eos>2=<eos>") + 1
 
 
 def test_heldout_scores_with_the_tool_and_without():
-    from common.harness.evaluate import heldout_scores
+    from rlstream.harness.evaluate import heldout_scores
 
     model = ScriptedModel(oracle)
     s = heldout_scores(model, model.tok, PROBLEMS, "avg@2", 1.0, 8, episodes=LIMITS)
@@ -202,9 +202,9 @@ def test_heldout_scores_with_the_tool_and_without():
 
 
 def test_the_tool_use_experiment_needs_episodes_and_reports_both_sides(tmp_path):
-    from common.harness.experiments import arms
-    from common.harness.runs import Warm
-    from common.harness.tool_use import report
+    from rlstream.harness.experiments import arms
+    from rlstream.harness.runs import Warm
+    from rlstream.harness.tool_use import report
 
     with pytest.raises(ConfigError) as e:
         arms("tool_use", load_config(ROOT / "configs/tiny-cpu.yaml", environ={}))
@@ -222,9 +222,9 @@ def test_the_tool_use_experiment_needs_episodes_and_reports_both_sides(tmp_path)
 def test_tool_format_sft_on_the_real_tiny_model_saves_and_is_reused(tiny_model_dir, tmp_path):
     """Two steps of the tool stage on the random tiny model (HF, KV cache): it trains, is
     evaluated with the tool, saves a loadable model with its marker, and is reused."""
-    from common.harness.evaluate import heldout_scores, load_model
-    from common.harness.sft import SftConfig, ToolSft, warm_start
-    from common.toy.tasks import write_problems
+    from rlstream.harness.evaluate import heldout_scores, load_model
+    from rlstream.harness.sft import SftConfig, ToolSft, warm_start
+    from rlstream.common.tasks.arithmetic import write_problems
 
     data = write_problems(tmp_path / "p.jsonl", PROBLEMS)
     cfg = SftConfig(band_low=0.9, band_high=1.0, max_steps=2, eval_every=2, batch_size=4, num_threads=1)

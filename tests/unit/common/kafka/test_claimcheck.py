@@ -2,8 +2,8 @@
 tests/integration/test_kafka_roundtrip.py)."""
 import pytest
 
-from common.errors import ConfigError
-from common.kafka.claimcheck import BlobStore, open_blob_store
+from rlstream.common.errors import ConfigError
+from rlstream.common.kafka.claimcheck import BlobStore, open_blob_store
 
 
 def test_open_blob_store_takes_a_directory_or_a_file_url_and_names_the_setting_otherwise(tmp_path):
@@ -30,7 +30,7 @@ def _secret(tmp_path):
 
 def test_a_symlinked_blob_is_refused(tmp_path):
     """A link planted at a blob's path (pointing anywhere, even at the right bytes) is not followed."""
-    from common.errors import InvalidRecordError
+    from rlstream.common.errors import InvalidRecordError
 
     outside, data, sha = _secret(tmp_path)
     store = BlobStore(tmp_path / "blobs")
@@ -46,7 +46,7 @@ def test_a_symlinked_blob_is_refused(tmp_path):
 
 
 def test_a_symlinked_blob_directory_is_refused(tmp_path):
-    from common.errors import BlobStoreError, InvalidRecordError
+    from rlstream.common.errors import BlobStoreError, InvalidRecordError
 
     outside, data, sha = _secret(tmp_path)
     store = BlobStore(tmp_path / "blobs")

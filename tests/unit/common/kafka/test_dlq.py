@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from common.config import KafkaSettings
-from common.errors import BrokerError
-from common.kafka import dlq
-from common.kafka.dlq import H_FIELD, H_REASON, H_SOURCE, DeadLetterWriter, dead_letter_headers
+from rlstream.common.config import KafkaSettings
+from rlstream.common.errors import BrokerError
+from rlstream.common.kafka import dlq
+from rlstream.common.kafka.dlq import H_FIELD, H_REASON, H_SOURCE, DeadLetterWriter, dead_letter_headers
 
 
 @dataclass

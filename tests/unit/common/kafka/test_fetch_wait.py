@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections import namedtuple
 
-from common.kafka.fetch_wait import FetchWait
+from rlstream.common.kafka.fetch_wait import FetchWait
 
 TP = namedtuple("TP", "topic partition")
 

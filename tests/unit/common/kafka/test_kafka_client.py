@@ -6,10 +6,17 @@ from __future__ import annotations
 import pytest
 from kafka import TopicPartition
 
-from common.config import KafkaSettings
-from common.errors import BrokerError
-from common.kafka.client import (client_kwargs, consumer_kwargs, end_offsets, make_admin, make_consumer, make_producer,
-                                 producer_kwargs)
+from rlstream.common.config import KafkaSettings
+from rlstream.common.errors import BrokerError
+from rlstream.common.kafka.client import (
+    client_kwargs,
+    consumer_kwargs,
+    end_offsets,
+    make_admin,
+    make_consumer,
+    make_producer,
+    producer_kwargs,
+)
 
 M, RT = 64 << 20, 30_000
 

@@ -1,12 +1,12 @@
-"""The toy arithmetic task (common/toy/tasks.py): problems and their files."""
+"""The toy arithmetic task (common/tasks/arithmetic.py): problems and their files."""
 import json
 
 import pytest
 
-from common.errors import ConfigError
-from common.toy import tasks
-from common.toy.tinymodel import CHARS
-from producer.verifiers import get_verifier
+from rlstream.common.errors import ConfigError
+from rlstream.common.tasks import arithmetic as tasks
+from rlstream.toy.tinymodel import CHARS
+from rlstream.common.tasks.verifiers import get_verifier
 
 
 def test_problems_are_correct_reproducible_and_in_the_charset():
