@@ -1,6 +1,6 @@
 """The verifiable toy task: small-number arithmetic ("12+7=" -> "19").
 
-Prompts use only characters of the tiny tokenizer (`rlstream.toy.tinymodel.CHARS`):
+Prompts use only characters of `CHARS`, the alphabet the tiny tokenizer (ops/toy/tinymodel.py) is built on:
 digits, '+', '-' and '='. The answer is the exact integer result (negative
 results keep their '-'). Problems are generated from a seed, so a task file
 is reproducible; `write_splits` writes a train file and a held-out file with
@@ -21,7 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlstream.common.errors import ConfigError
-from rlstream.toy.tinymodel import CHARS
+
+CHARS = list("0123456789+-*/=?: abcdefghijklmnopqrstuvwxyz.,()")
+"""The alphabet of the toy world: every prompt and answer is written in it."""
 
 
 @dataclass(frozen=True)

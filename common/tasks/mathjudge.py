@@ -84,7 +84,7 @@ class MathJudge:
     def _ensure_started(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
             return
-        self._proc = subprocess.Popen([sys.executable, "-m", "producer.mathjudge"], stdin=subprocess.PIPE,
+        self._proc = subprocess.Popen([sys.executable, "-m", "rlstream.common.tasks.mathjudge"], stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
         self._buf = b""
         if self._read(time.monotonic() + STARTUP_TIMEOUT_S) != {"ready": True}:

@@ -22,7 +22,7 @@ items in every process (for the datasets it allows here). Hence:
 - prompt formats: `question` is the dataset's question text as is (real
   models); `compact` renders a short prompt from the item's metadata
   (`COMPACT_FORMATS`, e.g. "12+7=", "gcd(75,5)="), which the tiny model's
-  character vocabulary (ops/toy/tinymodel.py CHARS) can read: no question
+  character vocabulary (common/tasks/arithmetic.py CHARS) can read: no question
   text fits it (every one has upper case).
 - the score is the dataset's own `score_answer`: a float in [0, 1], binary for
   most datasets, partial credit for some (chain_sum gives "70" for 7 a 0.5),

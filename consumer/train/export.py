@@ -11,7 +11,7 @@ Each group is gathered to global rank 0, the sender, only within the groups
 that hold its shards, and freed before the next (memory: one layer):
 
 - tensor-parallel shards over the TP group of rank 0 (the data-parallel-rank-0
-  ranks), joined per weight (consumer/train/layout.py `_tp_join`);
+  ranks), joined per weight (consumer/train/layout.py `tp_join`);
 - expert shards, on the first expert-data-parallel replica only: over their
   expert-TP group, then the TP-rank-0 ranks over the expert-parallel group,
   renumbered to global expert ids.
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlstream.consumer.train import layout as convert
+from rlstream.consumer.train import layout
 from rlstream.consumer.train.parallel import world
 
 
@@ -52,7 +52,7 @@ class MegatronSource:
     def __init__(self, model):
         self.model, self.dims = model, model.hf_dims
         self.dtype = next(model.parameters()).dtype
-        self._groups = convert.hf_groups(self.dims)
+        self._groups = layout.hf_groups(self.dims)
 
     def metadata(self) -> list:
         """vLLM `ParamMeta` (name, dtype, full HF shape) of every tensor, without gathering;
@@ -82,15 +82,15 @@ class MegatronSource:
         """Collective on every rank: the HF tensors of each group on rank 0 (views of the
         live weights where the layouts agree: consume them before the next optimizer step)."""
         by_group: dict[int, dict[str, torch.Tensor]] = {g: {} for g in range(len(self._groups))}
-        for name, t in convert.local_megatron_state_dict(self.model).items():
-            by_group[convert.megatron_group_of(name, self.dims)][name] = t.detach()
+        for name, t in layout.local_megatron_state_dict(self.model).items():
+            by_group[layout.megatron_group_of(name, self.dims)][name] = t.detach()
         sender = world() == 1 or _rank() == 0
         for g, names in enumerate(self.groups()):
             full = _gather_to_sender(by_group.pop(g), self.dims)
             if not sender:
                 yield names, [None] * len(names)
                 continue
-            hf = convert.megatron_group_to_hf(full, g, self.dims)
+            hf = layout.megatron_group_to_hf(full, g, self.dims)
             yield names, [hf[n] for n in names]
 
 
@@ -118,8 +118,8 @@ def _gather_to_sender(part: dict[str, torch.Tensor], dims) -> dict[str, torch.Te
         return part
     from megatron.core import parallel_state as ps
 
-    dense = {k: v for k, v in part.items() if not convert._EXPERT_RE.match(k)}
-    experts = {k: v for k, v in part.items() if convert._EXPERT_RE.match(k)}
+    dense = {k: v for k, v in part.items() if not layout.EXPERT_RE.match(k)}
+    experts = {k: v for k, v in part.items() if layout.EXPERT_RE.match(k)}
     out: dict[str, torch.Tensor] = {}
     if ps.get_data_parallel_rank() == 0:  # rank 0's TP group holds the dense weights
         out.update(_join_tp(dense, ps.get_tensor_model_parallel_group(), dims))
@@ -137,13 +137,13 @@ def _join_tp(tensors: dict[str, torch.Tensor], group, dims) -> dict[str, torch.T
 
     if dist.get_world_size(group) == 1:
         return dict(tensors)
-    split = sorted(k for k in tensors if convert._tp_rule(k))
+    split = sorted(k for k in tensors if layout.tp_rule(k))
     parts = _gather_flat([tensors[k] for k in split], group)
     if parts is None:
         return {}
     out = {k: v for k, v in tensors.items() if k not in split}
     for i, k in enumerate(split):
-        out[k] = convert._tp_join([p[i] for p in parts], *convert._tp_rule(k), dims)
+        out[k] = layout.tp_join([p[i] for p in parts], *layout.tp_rule(k), dims)
     return out
 
 
@@ -162,7 +162,7 @@ def _join_ep(tensors: dict[str, torch.Tensor], group, dims) -> dict[str, torch.T
     per_rank, out = dims.num_experts // size, {}
     for r, ts in enumerate(parts):
         for k, t in zip(names, ts):
-            m = convert._EXPERT_RE.match(k)
+            m = layout.EXPERT_RE.match(k)
             out[f"{m.group(1)}{int(m.group(2)) + r * per_rank}{m.group(3)}"] = t
     return out
 
@@ -180,3 +180,14 @@ def _gather_flat(tensors: list[torch.Tensor], group) -> list[list[torch.Tensor]]
         return None
     sizes = [t.numel() * t.element_size() for t in tensors]
     return [[p.view(t.dtype).view(t.shape) for p, t in zip(b.split(sizes), tensors)] for b in bufs]
+
+
+def export_hf_state_dict(model) -> dict[str, torch.Tensor]:
+    """On-disk HF tensors of the current weights, ready for safetensors `save_file`.
+
+    Collective when tensor/expert parallel (call on every rank): gathered one
+    layer group at a time within the groups that hold the shards
+    (`collect` below). The whole dict on rank 0 (contiguous CPU
+    tensors in the model's dtype); other ranks get an empty dict.
+    """
+    return collect(MegatronSource(model))

@@ -22,9 +22,8 @@ g = 0..num_kv_heads-1 (Megatron's layout). Gated FC1 is cat([gate, up]).
 Tensor/expert parallelism: `shard_megatron` cuts a full Megatron dict into one
 rank's shard (column-parallel dims split per query group / per gate-up half;
 experts split across expert-parallel ranks and renumbered locally), and
-`unshard_megatron` is its inverse. `export_hf_state_dict(model)` gathers the
-shards to rank 0, one layer group at a time (consumer/train/export.py), and
-returns the on-disk HF dict for `save_file`.
+`unshard_megatron` is its inverse. consumer/train/export.py gathers the shards
+to rank 0 one layer group at a time with these rules (`export_hf_state_dict`).
 """
 from __future__ import annotations
 
@@ -221,14 +220,14 @@ def _check_keys(sd, expected: set[str], what: str) -> None:
 
 # ---------------------------------------------------------------- TP / EP shards
 
-_EXPERT_RE = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
+EXPERT_RE = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
 # (suffix, dim, kind): how each weight is split across tensor-parallel ranks
 _TP_RULES = [("linear_qkv.weight", 0, "qkv"), ("linear_proj.weight", 1, "plain"),
              ("linear_fc1.weight", 0, "gated"), ("linear_fc2.weight", 1, "plain"),
              ("word_embeddings.weight", 0, "plain"), ("output_layer.weight", 0, "plain")]
 
 
-def _tp_rule(name: str):
+def tp_rule(name: str):
     for suffix, dim, kind in _TP_RULES:
         if name.endswith(suffix):
             return dim, kind
@@ -246,7 +245,7 @@ def _tp_split(t: torch.Tensor, dim: int, kind: str, size: int, dims) -> list[tor
     return list(torch.chunk(t, size, dim))
 
 
-def _tp_join(parts: list[torch.Tensor], dim: int, kind: str, dims) -> torch.Tensor:
+def tp_join(parts: list[torch.Tensor], dim: int, kind: str, dims) -> torch.Tensor:
     if kind == "qkv":
         ng = dims.num_kv_heads // len(parts)
         return torch.cat([p.reshape(ng, -1, p.shape[-1]) for p in parts], 0).reshape(
@@ -274,13 +273,13 @@ def shard_megatron(full: dict, dims, tp_rank: int = 0, tp_size: int = 1,
     per_rank = dims.num_experts // ep_size
     out = {}
     for name, t in full.items():
-        m = _EXPERT_RE.match(name)
+        m = EXPERT_RE.match(name)
         if m:
             j = int(m.group(2)) - ep_rank * per_rank
             if not 0 <= j < per_rank:
                 continue
             name = f"{m.group(1)}{j}{m.group(3)}"
-        rule = _tp_rule(name)
+        rule = tp_rule(name)
         if rule and tp_size > 1:
             t = _tp_split(t, rule[0], rule[1], tp_size, dims)[tp_rank]
         out[name] = t
@@ -294,12 +293,12 @@ def unshard_megatron(shards: dict[tuple[int, int], dict], dims, tp_size: int = 1
     full: dict[str, torch.Tensor] = {}
     for ep_rank in range(ep_size):
         for name in shards[(0, ep_rank)]:
-            m = _EXPERT_RE.match(name)
+            m = EXPERT_RE.match(name)
             if not m and ep_rank > 0:
                 continue
             parts = [shards[(r, ep_rank)][name] for r in range(tp_size)]
-            rule = _tp_rule(name)
-            t = _tp_join(parts, *rule, dims) if rule and tp_size > 1 else parts[0]
+            rule = tp_rule(name)
+            t = tp_join(parts, *rule, dims) if rule and tp_size > 1 else parts[0]
             if m:
                 name = f"{m.group(1)}{int(m.group(2)) + ep_rank * per_rank}{m.group(3)}"
             full[name] = t
@@ -316,18 +315,3 @@ def local_megatron_state_dict(model) -> dict[str, torch.Tensor]:
 
     return sequential_names({k: v for k, v in model.state_dict().items()
                              if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}, model)
-
-
-
-
-def export_hf_state_dict(model) -> dict[str, torch.Tensor]:
-    """On-disk HF tensors of the current weights, ready for safetensors `save_file`.
-
-    Collective when tensor/expert parallel (call on every rank): gathered one
-    layer group at a time within the groups that hold the shards
-    (consumer/train/export.py). The whole dict on rank 0 (contiguous CPU
-    tensors in the model's dtype); other ranks get an empty dict.
-    """
-    from rlstream.consumer.train.export import MegatronSource, collect
-
-    return collect(MegatronSource(model))

@@ -9,8 +9,8 @@ its shard. Here a rank opens the safetensors files (`safe_open`: memory
 mapped) and reads, per tensor, only its slice (`get_slice`): its vocabulary
 rows, its query groups of q/k/v, its columns of the output projections, its
 half of each expert's gate/up rows and down columns, and only the experts of
-its expert-parallel rank. The result equals `convert.shard_megatron(
-convert.hf_to_megatron(all tensors))` bit for bit (tests/integration/
+its expert-parallel rank. The result equals `layout.shard_megatron(
+layout.hf_to_megatron(all tensors))` bit for bit (tests/integration/
 test_megatron_model.py); `ShardReader.bytes_read` counts what was read.
 
 Tensor-parallel cuts (Megatron's, consumer/train/layout.py `_TP_RULES`): rows of
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from rlstream.common.errors import ConfigError, ParallelLayoutError
-# the name maps and cuts are convert.py's (one place for the HF <-> Megatron layout)
+# the name maps and cuts are layout.py's (one place for the HF <-> Megatron layout)
 from rlstream.consumer.train.layout import (
     _EXPERT,
     _LAYER_RENAMES,
@@ -36,7 +36,7 @@ from rlstream.consumer.train.layout import (
     MG_LAYER,
     _check_keys,
     _fuse_qkv,
-    _tp_rule,
+    tp_rule,
     check_shardable,
     hf_keys,
     local_megatron_state_dict,
@@ -124,7 +124,7 @@ def _attention(reader: ShardReader, dims, i: int, tp_rank: int, tp: int) -> dict
     h, m = HF_LAYER.format(i=i), MG_LAYER.format(i=i)
     out = {}
     for hs, ms in _LAYER_RENAMES:  # o_proj is the one cut (by columns); the rest are whole
-        cut = _tp_rule(ms)
+        cut = tp_rule(ms)
         out[m + ms] = reader.cols(h + hs, *_cut(reader.shape(h + hs)[1], tp_rank, tp)) if cut else reader.rows(h + hs)
     groups = dims.num_kv_heads // tp
     g0, q_per = groups * tp_rank, dims.num_heads // dims.num_kv_heads * dims.head_dim

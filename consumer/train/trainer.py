@@ -38,7 +38,7 @@ import torch
 
 from rlstream.common.config import ConsumerSettings
 from rlstream.common.errors import CheckpointError, InvalidSampleError
-from rlstream.consumer.train import layout as convert
+from rlstream.consumer.train import export, layout
 from rlstream.consumer.train.batch import (
     BatchShare,
     GlobalBatch,
@@ -291,14 +291,12 @@ class Trainer:
 
     def export_hf_state_dict(self) -> dict[str, torch.Tensor]:
         """On-disk HF tensors for vLLM (collective when tp/ep > 1; the whole dict on rank 0)."""
-        return convert.export_hf_state_dict(self.model)
+        return export.export_hf_state_dict(self.model)
 
     def weight_source(self):
         """The current weights as a vLLM WeightSource, HF names per layer group, gathered to
         rank 0 (consumer/train/export.py; iterate on every rank when tp/ep > 1)."""
-        from rlstream.consumer.train.export import MegatronSource
-
-        return MegatronSource(self.model)
+        return export.MegatronSource(self.model)
 
     @property
     def optimizer_state_sharded(self) -> bool:
@@ -312,7 +310,7 @@ class Trainer:
         references, so copy or serialise it right away. The distributed optimizer's
         masters and moments are this rank's own shard; nothing is gathered
         (consumer/train/optimizer.py)."""
-        return {"model": convert.local_megatron_state_dict(self.model),
+        return {"model": layout.local_megatron_state_dict(self.model),
                 "optimizer": self.optimizer.state_dict(), "step": self.step,
                 "config": self.cfg.model_dump(include=TRAINING_KEYS), "experts": self.model.experts}
 
@@ -325,7 +323,7 @@ class Trainer:
                 f"trainer built {self.model.experts} ('auto' depends on the host: Transformer Engine, CUDA). "
                 f"Their weights and optimizer buckets are laid out differently; resume where the setting "
                 f"gives {saved} (sequential, or grouped where that is {saved})")
-        own = convert.local_megatron_state_dict(self.model)
+        own = layout.local_megatron_state_dict(self.model)
         if set(own) != set(state["model"]):
             raise CheckpointError("the checkpoint's tensors do not match this model and parallel "
                                   "layout (consumer.parallel): resume with the layout that wrote it")

@@ -44,17 +44,38 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
 from rlstream.common.errors import RlstreamError, WeightTransferError
 from rlstream.common.weights import link as wlink
 from rlstream.common.weights.chain import group_prefix
 from rlstream.consumer import telemetry
 
-if TYPE_CHECKING:
-    from rlstream.consumer.weights.sender import WeightSender, _Link
-
 log = logging.getLogger("rlstream.consumer")
+
+
+class Member(Protocol):
+    """What the group needs of one producer's link (consumer/weights/sender.py `_Link`)."""
+
+    n: int
+    name: str
+    producer: str
+    client: Any
+    engine: Any
+    workers: int
+
+    def release_own(self) -> None: ...
+
+
+class Rounds(Protocol):
+    """What the group's thread needs of the sender (consumer/weights/sender.py `WeightSender`)."""
+
+    def next_round(self) -> tuple[Any, list[Member]] | None:
+        """The newest version and the grouped members behind on it; None once closed."""
+
+    def delivered(self, members: list[Member], version: int) -> None: ...
+
+    def drop(self, member: Member, error: BaseException) -> None: ...
 
 
 class FanoutFailure(WeightTransferError):
@@ -73,7 +94,7 @@ class FanoutClient:
     the init payload gets each member's own rank offset (vLLM's trainer engines hand
     every worker `rank_offset=1`: right for one producer, not for a group)."""
 
-    def __init__(self, members: list["_Link"], layout: wlink.GroupLayout, commit_early: bool = False):
+    def __init__(self, members: list["Member"], layout: wlink.GroupLayout, commit_early: bool = False):
         self.members, self.layout = members, layout
         self.version: int | None = None
         self.fold = None
@@ -91,7 +112,7 @@ class FanoutClient:
         self.committed = {}
         self.settled.clear()
 
-    def _each(self, op: str, call: Callable[[int, "_Link"], Any]) -> dict[int, Any]:
+    def _each(self, op: str, call: Callable[[int, "Member"], Any]) -> dict[int, Any]:
         results, failed, silent = {}, {}, set()
         with ThreadPoolExecutor(max_workers=len(self.members), thread_name_prefix="rlstream-fanout") as exe:
             futures = {m.n: exe.submit(call, i, m) for i, m in enumerate(self.members)}
@@ -106,7 +127,7 @@ class FanoutClient:
             raise FanoutFailure(op, failed, silent)
         return results
 
-    def _versioned(self, m: "_Link"):
+    def _versioned(self, m: "Member"):
         m.client.version, m.client.fold = self.version, self.fold
         return m.client
 
@@ -121,7 +142,7 @@ class FanoutClient:
         parses the payload into its init-info dataclass, which refuses unknown keys."""
         offsets = self.layout.rank_offsets
 
-        def payload(i: int, m: "_Link") -> dict[str, Any]:
+        def payload(i: int, m: "Member") -> dict[str, Any]:
             own = {"rank_offset": offsets[i]}
             if "link" in init_info:
                 own["link"] = m.n
@@ -133,7 +154,7 @@ class FanoutClient:
         self._each("start", lambda i, m: self._versioned(m).start_weight_update())
 
     def update_weights(self, update_info) -> None:
-        def update(i: int, m: "_Link") -> None:
+        def update(i: int, m: "Member") -> None:
             self._versioned(m).update_weights(update_info)
             if self.commit_early:
                 self.committed[m.n] = self._versioned(m).finish_weight_update()
@@ -161,7 +182,7 @@ class FanoutClient:
 class Fanout(threading.Thread):
     """The group's thread: one round per version for every grouped member behind on it."""
 
-    def __init__(self, sender: "WeightSender"):
+    def __init__(self, sender: "Rounds"):
         super().__init__(name="rlstream-weights-fanout", daemon=True)
         self.sender = sender
         self.epoch = 0
@@ -172,7 +193,7 @@ class Fanout(threading.Thread):
 
     def run(self) -> None:
         try:
-            while (step := self.sender._next_round()) is not None:
+            while (step := self.sender.next_round()) is not None:
                 snap, members = step
                 try:
                     self._round(snap, members)
@@ -181,7 +202,7 @@ class Fanout(threading.Thread):
         finally:
             self._disband()
 
-    def _round(self, snap, members: list["_Link"]) -> None:
+    def _round(self, snap, members: list["Member"]) -> None:
         t0 = time.perf_counter()
         try:
             if self.engine is None or tuple(m.n for m in members) != self.formed:
@@ -207,18 +228,18 @@ class Fanout(threading.Thread):
                             snap.version, e, len(committed), len(members))
             self._settle(snap, members, {m.n for m in members} - committed, {}, e)
             return
-        self.sender._delivered(members, snap.version)
+        self.sender.delivered(members, snap.version)
         self.last = {"seconds": time.perf_counter() - t0, "members": len(members)}
         telemetry.WEIGHT_SEND_SECONDS.observe(self.last["seconds"])
 
-    def _settle(self, snap, members: list["_Link"], lost: set[int], why: dict[int, BaseException],
+    def _settle(self, snap, members: list["Member"], lost: set[int], why: dict[int, BaseException],
                 default: BaseException) -> None:
         """Members in `lost` are dropped (their links broken: the producers re-register), the others
         hold `snap`'s version."""
         for m in members:
             if m.n in lost:
-                self.sender._drop(m, why.get(m.n, default))
-        self.sender._delivered([m for m in members if m.n not in lost], snap.version)
+                self.sender.drop(m, why.get(m.n, default))
+        self.sender.delivered([m for m in members if m.n not in lost], snap.version)
 
     def _disband_after_failure(self) -> set[int]:
         """Disband after a failed round; the members that committed the version (nccl) once the
@@ -230,7 +251,7 @@ class Fanout(threading.Thread):
         client.settled.wait(self.sender.settings.timeout_s * 2)
         return set(client.committed)
 
-    def _reform(self, snap, members: list["_Link"]) -> None:
+    def _reform(self, snap, members: list["Member"]) -> None:
         """A new epoch of the group for `members` (ranks in their order, `group_layout`)."""
         self._disband()
         layout = wlink.group_layout([m.workers for m in members])

@@ -136,7 +136,7 @@ class WeightSender:
             self._cond.notify_all()
             return None
 
-    def _next_round(self) -> tuple[Snapshot, list["_Link"]] | None:
+    def next_round(self) -> tuple[Snapshot, list["_Link"]] | None:
         """The group's next round: the newest version and the grouped links behind on it
         (in link order: a producer keeps its place, and its rank, while nobody leaves)."""
         def behind() -> list["_Link"]:
@@ -146,15 +146,15 @@ class WeightSender:
             self._cond.wait_for(lambda: self._closed or behind())
             return None if self._closed else (self.current.acquire(), behind())
 
-    def _delivered(self, links: list["_Link"], version: int) -> None:
+    def delivered(self, links: list["_Link"], version: int) -> None:
         with self._cond:
             for lk in links:
                 lk.sent, lk.count = max(lk.sent, version), lk.count + 1
             self._cond.notify_all()
 
-    def _drop(self, lk: "_Link", error: BaseException) -> None:
+    def drop(self, lk: "_Link", error: BaseException) -> None:
         """A grouped producer failed: tell it to re-register (best effort) and drop it."""
-        lk._close_remote(str(error))
+        lk.close_remote(str(error))
         lk.release_own()
         self._dropped(lk, error)
 
@@ -164,7 +164,7 @@ class WeightSender:
         with self._cond:
             old = [o for o in self.links.values() if o is not lk and o.producer == lk.producer and o.n < lk.n]
         for o in old:
-            o._close_remote(f"superseded by link {lk.n}")
+            o.close_remote(f"superseded by link {lk.n}")
             o.release_own()
             self._dropped(o, None)
             log.info("weight link %d (%s) superseded by its producer's link %d", o.n, o.producer, lk.n)
@@ -240,7 +240,7 @@ class _Link(threading.Thread):
                     snap.release()
         except (RlstreamError, RuntimeError, OSError) as e:
             error = e
-            self._close_remote(str(e))
+            self.close_remote(str(e))
         finally:
             if error is not None or not self.grouped:
                 self.release_own()
@@ -270,7 +270,7 @@ class _Link(threading.Thread):
         layout = wlink.group_layout([self.workers])  # the same sizing for both transports
         return s.transport.open(self.client, s.host, s.store.port, snap, layout, s.settings.timeout_s, link=self.n)
 
-    def _close_remote(self, reason: str) -> None:
+    def close_remote(self, reason: str) -> None:
         if self.client is None:
             return
         try:

@@ -114,7 +114,8 @@ def score_dir(model_dir, heldout, metric: str, temperature: float, max_new_token
     with `episodes`, scored with the tool and without)."""
     import torch
 
-    from rlstream.harness.evaluate import heldout_scores, load_model
+    from rlstream.harness.evaluate import heldout_scores
+    from rlstream.harness.hf_decode import load_model
     from rlstream.common.tasks.arithmetic import read_problems
 
     threads = torch.get_num_threads()

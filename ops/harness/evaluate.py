@@ -26,13 +26,14 @@ import json
 import logging
 import os
 import time
-from collections import defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable
 
 from rlstream.common.errors import ConfigError
 from rlstream.common.tasks.arithmetic import Problem, is_correct, read_problems
+from rlstream.harness.hf_decode import by_length, decode_loop, load_model
+from rlstream.harness.tool_eval import tool_scores
 
 log = logging.getLogger("rlstream.evaluate")
 
@@ -56,58 +57,6 @@ class EvalResult:
 
 # ----------------------------------------------------------------- model
 
-def load_model(model_dir: str | os.PathLike):
-    """(model, tokenizer) in fp32 eval mode on CPU."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # one bar per evaluation would interleave with the demo's progress lines
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    model.eval()
-    return model, tok
-
-
-def _by_length(token_lists: list[list[int]]) -> dict[int, list[int]]:
-    groups: dict[int, list[int]] = defaultdict(list)
-    for i, ids in enumerate(token_lists):
-        groups[len(ids)].append(i)
-    return groups
-
-
-def _decode_loop(model, prompts: list[list[int]], max_new_tokens: int, eos_id: int,
-                 temperature: float, generator, stop_ids: frozenset[int] = frozenset()) -> list[list[int]]:
-    """Decode one equal-length batch with a KV cache; greedy when temperature == 0.
-    A sequence ends at `eos_id` (not returned) or at one of `stop_ids` (returned)."""
-    import torch
-
-    x = torch.tensor(prompts, dtype=torch.long)
-    done = torch.zeros(len(prompts), dtype=torch.bool)
-    out: list[list[int]] = [[] for _ in prompts]
-    past = None
-    for _ in range(max_new_tokens):
-        res = model(input_ids=x, past_key_values=past, use_cache=True)
-        past = res.past_key_values
-        logits = res.logits[:, -1, :].float()
-        if temperature > 0:
-            probs = torch.softmax(logits / temperature, dim=-1)
-            nxt = torch.multinomial(probs, 1, generator=generator).squeeze(1)
-        else:
-            nxt = logits.argmax(-1)
-        for i, t in enumerate(nxt.tolist()):
-            if not done[i]:
-                if t == eos_id:
-                    done[i] = True
-                else:
-                    out[i].append(t)
-                    done[i] = t in stop_ids
-        if bool(done.all()):
-            break
-        x = nxt[:, None]
-    return out
-
-
 def generate_text(model, tok, prompts: list[str], max_new_tokens: int = 8, batch_size: int = 256,
              temperature: float = 0.0, seed: int = 0) -> list[str]:
     """Responses (text, without `<eos>`) for `prompts`; greedy unless temperature > 0. A prompt is
@@ -121,10 +70,10 @@ def generate_text(model, tok, prompts: list[str], max_new_tokens: int = 8, batch
     responses: list[str] = [""] * len(prompts)
     gen = torch.Generator().manual_seed(seed)
     with torch.inference_mode():
-        for _, idx in sorted(_by_length(ids).items()):
+        for _, idx in sorted(by_length(ids).items()):
             for s in range(0, len(idx), batch_size):
                 chunk = idx[s:s + batch_size]
-                outs = _decode_loop(model, [ids[i] for i in chunk], max_new_tokens,
+                outs = decode_loop(model, [ids[i] for i in chunk], max_new_tokens,
                                     tok.eos_token_id, temperature, gen)
                 for i, o in zip(chunk, outs):
                     responses[i] = tok.decode(o, skip_special_tokens=True)
@@ -175,8 +124,6 @@ def heldout_scores(model, tok, problems: list[Problem], metric: str = DEFAULT_ME
     """
     t0 = time.perf_counter()
     if episodes is not None:
-        from rlstream.harness.tool_eval import tool_scores
-
         out = tool_scores(model, tok, problems, episodes, metric, temperature, seed)
         out["no_tool"] = evaluate_model(model, tok, problems, max_new_tokens).accuracy
         if metric.startswith("avg@"):

@@ -19,14 +19,20 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from rlstream.consumer.stream.ledger import OUTCOMES
 
-if TYPE_CHECKING:
-    from rlstream.harness.supervisor import Service
-
 Metrics = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+class Running(Protocol):
+    """What `quiesce` reads of a running service (a supervisor.Service)."""
+
+    url: str | None
+
+    @property
+    def alive(self) -> bool: ...
 
 
 # ---------------------------------------------------------------------------- http
@@ -97,7 +103,7 @@ def metric_value(text: str, metric_name: str, **labels) -> float:
     return total(parse(text), metric_name, **labels)
 
 
-def quiesce(consumer: "Service", timeout_s: float = 60.0, settle_s: float = 3.0) -> tuple[Metrics | None, float]:
+def quiesce(consumer: Running, timeout_s: float = 60.0, settle_s: float = 3.0) -> tuple[Metrics | None, float]:
     """Wait until the consumer read everything (lag 0, no open group) and its
     outcome counters did not move for `settle_s`; (last scrape, seconds waited)."""
     t0 = time.monotonic()

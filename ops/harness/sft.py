@@ -274,7 +274,7 @@ def warm_start(base_dir, out_dir, train_path, heldout_path, cfg: SftConfig | Non
     With `tool`: teach that environment's call format (module doc)."""
     import torch
 
-    from rlstream.harness.evaluate import load_model
+    from rlstream.harness.hf_decode import load_model
 
     cfg = cfg or SftConfig()
     if reuse and (res := load_warm(out_dir, cfg, base_dir, train_path, heldout_path, tool)) is not None:

@@ -8,7 +8,7 @@ plots (docs/stability.md).
     python -m rlstream.harness.stability --run-dirs runs/demo/runs --out DIR  (the same from the arms' run
                                                                              directories, for a cut-off run)
 
-Every arm trains 120 policy versions (`experiments.ARM_VERSIONS`, at most 300 s), so that arms
+Every arm trains 120 policy versions (`arms.ARM_VERSIONS`, at most 300 s), so that arms
 compare at equal optimizer steps however loaded the shared machine is; samples/s is measured
 over the same run. Every arm runs `COMMON`: B = 4 groups per step, so that the producer runs
 ahead of the trainer and records really age (with configs/tiny-cpu.yaml's B = 32 the
@@ -25,7 +25,7 @@ mini-batches per step, so that a trust region has updates to bound. Arms:
   largest mismatch, where the signals degrade however fresh the data (the controller's
   tightening, and the alert's case, on a real pipeline).
 
-Per arm (beyond experiments.arm_metrics): last-quarter means of ESS, mismatch KL (staleness 0),
+Per arm (beyond arms.arm_metrics): last-quarter means of ESS, mismatch KL (staleness 0),
 gradient norm, the bound in force and the trained records' mean staleness; per staleness
 bucket, ESS / KL / masked share over the run; `collapsed_by_accuracy` (final held-out accuracy
 `COLLAPSE_ACC_DROP` below the warm start or `COLLAPSE_FROM_BEST` below the run's best).
@@ -37,6 +37,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from rlstream.harness.arms import ARM_SECONDS, ARM_VERSIONS, COLLAPSE_ACC_DROP, arm_metrics
 from rlstream.harness.report import by_staleness
 
 LOSSES = ("minirl", "dppo_tv")
@@ -98,9 +99,7 @@ def _tail_mean(rows: list[dict], key: str, frac: float = 0.25) -> float | None:
 
 
 def stability_metrics(res, base: dict) -> dict:
-    """The stability experiment's additions to one arm's row (experiments.arm_metrics)."""
-    from rlstream.harness.experiments import COLLAPSE_ACC_DROP
-
+    """The stability experiment's additions to one arm's row (arms.arm_metrics)."""
     acc, best = res.final_accuracy, res.best_accuracy
     collapsed = acc is not None and (acc < res.warm_accuracy - COLLAPSE_ACC_DROP
                                      or (best is not None and acc < best - COLLAPSE_FROM_BEST))
@@ -313,7 +312,6 @@ def arms_from_run_dirs(root: Path) -> tuple[dict[str, dict], dict[str, str]]:
     no summary.json; not run)."""
     import json
 
-    from rlstream.harness.experiments import arm_metrics
     from rlstream.harness.runs import RunResult
 
     arms: dict[str, dict] = {}
@@ -377,8 +375,6 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         text += "\n\n" + missing_table(missing)
     (out_dir / "tables.md").write_text(text + "\n")
-    from rlstream.harness.experiments import ARM_SECONDS, ARM_VERSIONS
-
     # the shape of the experiment's JSON (tests/bench/stability.py --from-json reads it); arm_seconds and
     # arm_versions are the experiment's defaults, which the console output's first line confirms
     (out_dir / "arms.json").write_text(json.dumps(

@@ -11,7 +11,7 @@ stops (the environment's `stop_texts` and EOS): reset with the prompt, then
 model turn -> `env.step` -> observation appended -> next model turn, until the
 environment says done (its reward is the task's exact match of the final
 answer) or a limit ends it (reward 0). Decoding is HF fp32 on CPU with a KV
-cache (ops/harness/evaluate.py `_decode_loop`), all live episodes of a turn
+cache (ops/harness/hf_decode.py `decode_loop`), all live episodes of a turn
 batched by length; prompts and observations are tokenised as the producer does
 (producer/text_tokens.py, the episode runner's `ObservationEncoder`): a special
 token's text in them ("<eos>" from a tool) is ordinary text, never the token
@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from rlstream.common.config import EpisodeSettings
 from rlstream.common.errors import ConfigError
 from rlstream.common.tasks.arithmetic import Problem, is_correct
+from rlstream.harness.hf_decode import by_length, decode_loop
 
 
 @dataclass
@@ -114,8 +115,6 @@ def run_episodes(model, tok, problems: list[Problem], settings: EpisodeSettings,
     """One episode per problem (greedy when temperature == 0), in order."""
     import torch
 
-    from rlstream.harness.evaluate import _by_length, _decode_loop
-
     env_cls = _env_class(settings)
     stops = _stop_ids(tok, env_cls)
     live = [_start(env_cls, tok, p) for p in problems]
@@ -125,10 +124,10 @@ def run_episodes(model, tok, problems: list[Problem], settings: EpisodeSettings,
             active = [ep for ep in live if ep.outcome is None]
             if not active:
                 break
-            for _, idx in sorted(_by_length([ep.ids for ep in active]).items()):
+            for _, idx in sorted(by_length([ep.ids for ep in active]).items()):
                 for s in range(0, len(idx), batch_size):
                     chunk = [active[i] for i in idx[s:s + batch_size]]
-                    outs = _decode_loop(model, [ep.ids for ep in chunk], settings.max_turn_tokens,
+                    outs = decode_loop(model, [ep.ids for ep in chunk], settings.max_turn_tokens,
                                         tok.eos_token_id, temperature, gen, stops)
                     for ep, out in zip(chunk, outs):
                         _take_turn(ep, out, tok, settings, stops)

@@ -16,8 +16,9 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from rlstream.common.tasks.arithmetic import CHARS
+
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
-CHARS = list("0123456789+-*/=?: abcdefghijklmnopqrstuvwxyz.,()")
 SPECIALS = [PAD, EOS, UNK]
 
 

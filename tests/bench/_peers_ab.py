@@ -14,7 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from rlstream.common.config import load_config
 from rlstream.harness.demo import prepare_warm
-from rlstream.harness.experiments import arm_metrics
+from rlstream.harness.arms import arm_metrics
 from rlstream.harness.runs import StopRule, run_rl
 W = sys.argv[2] if len(sys.argv) > 2 else "runs/peers"
 cfg = load_config(str(Path(__file__).resolve().parents[2] / "configs" / "tiny-cpu.yaml"), [f"model.path={W}/tiny-model", f"producer.prompts.path={W}/data/train.jsonl",

@@ -207,7 +207,7 @@ def pick_trl_mode(modes: list[str], warm, a, work: Path) -> tuple[str | None, di
 # ------------------------------------------------------------------ rlstream's arm
 
 def run_rlstream(cfg, warm, a, label: str) -> dict:
-    from rlstream.harness.experiments import arm_metrics
+    from rlstream.harness.arms import arm_metrics
     from rlstream.harness.runs import StopRule, run_rl
 
     res = run_rl(cfg, warm, label, StopRule(target_accuracy=None, max_seconds=a.seconds),

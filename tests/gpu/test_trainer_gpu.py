@@ -53,7 +53,7 @@ def test_model_builds_on_cuda_from_hf_and_matches_hf_fp32(megatron_world, pertur
     and whose export is the checkpoint bit for bit."""
     import torch.distributed as dist
 
-    from rlstream.consumer.train import layout as convert, replay
+    from rlstream.consumer.train import export, layout, replay
     from rlstream.consumer.train.model import load_hf_checkpoint, per_token_logprobs, read_hf_dims
     from tests.integration.test_megatron_model import hf_logprobs
 
@@ -70,8 +70,8 @@ def test_model_builds_on_cuda_from_hf_and_matches_hf_fp32(megatron_world, pertur
     assert ours.shape == theirs.shape == (3, 39)
     assert (ours - theirs).abs().max().item() < 1e-4
     assert ours.std() > 0.1  # not a degenerate (uniform) distribution
-    on_disk = convert.read_hf_safetensors(perturbed_dirs[head])
-    exported = convert.export_hf_state_dict(model)
+    on_disk = layout.read_hf_safetensors(perturbed_dirs[head])
+    exported = export.export_hf_state_dict(model)
     assert set(exported) == set(on_disk)
     assert all(torch.equal(on_host(exported[k]), v) for k, v in on_disk.items())
 

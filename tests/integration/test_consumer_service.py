@@ -334,7 +334,7 @@ def test_sigkill_between_checkpoints_resumes_exactly_once(broker, tiny_model_dir
     published = publish_groups(pub, groups[:3 * B])  # three steps' worth, then it waits for data
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RLSTREAM__STALENESS__MAX_STALENESS": "100"}
-    cmd = [sys.executable, "-m", "consumer", "-c", str(cfg_path)]
+    cmd = [sys.executable, "-m", "rlstream", "consumer", "-c", str(cfg_path)]
     ckpt_dir = tmp_path / "ckpt"
     ckpts = CheckpointManager(ckpt_dir)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "c1.log", "w"))
@@ -381,7 +381,7 @@ def _torchrun_consumer(cfg_path: Path) -> str:
 
     torchrun = Path(sys.executable).with_name("torchrun")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    rc, out = run_to_exit([str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "consumer",
+    rc, out = run_to_exit([str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "rlstream", "consumer",
                            "-c", str(cfg_path)], env)
     assert rc == 0, out[-4000:]
     assert "rank 1 stopping with rank 0" in out

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rlstream.common.errors import ConfigError, RlstreamError
-from rlstream.consumer.train import layout as convert, megatron_shims
+from rlstream.consumer.train import export, layout, megatron_shims
 from rlstream.consumer.train.logprobs import logprobs_from_logits
 from rlstream.consumer.train.model import load_hf_checkpoint, per_token_logprobs, read_hf_dims
 
@@ -41,11 +41,11 @@ def test_logprobs_match_hf_fp32(models, perturbed_dirs, head):
 
 @pytest.mark.parametrize("head", HEADS)
 def test_round_trip_bit_exact(models, perturbed_dirs, head):
-    on_disk = convert.read_hf_safetensors(perturbed_dirs[head])
+    on_disk = layout.read_hf_safetensors(perturbed_dirs[head])
     dims = read_hf_dims(perturbed_dirs[head])
     assert ("lm_head.weight" in on_disk) == (head == "untied")
-    pure = convert.megatron_to_hf(convert.hf_to_megatron(on_disk, dims), dims)
-    exported = convert.export_hf_state_dict(models[head])
+    pure = layout.megatron_to_hf(layout.hf_to_megatron(on_disk, dims), dims)
+    exported = export.export_hf_state_dict(models[head])
     for got in (pure, exported):
         assert set(got) == set(on_disk)
         for k, v in on_disk.items():
@@ -56,7 +56,7 @@ def test_round_trip_bit_exact(models, perturbed_dirs, head):
 def test_export_is_safetensors_ready(models, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    sd = convert.export_hf_state_dict(models["untied"])
+    sd = export.export_hf_state_dict(models["untied"])
     save_file(sd, str(tmp_path / "model.safetensors"))
     back = load_file(str(tmp_path / "model.safetensors"))
     assert all(torch.equal(back[k], sd[k]) for k in sd)
@@ -65,23 +65,23 @@ def test_export_is_safetensors_ready(models, tmp_path):
 @pytest.mark.parametrize("tp,ep", [(2, 1), (1, 2), (2, 2), (1, 4)])
 def test_shard_unshard_is_identity(perturbed_dirs, tp, ep):
     dims = read_hf_dims(perturbed_dirs["untied"])
-    full = convert.hf_to_megatron(convert.read_hf_safetensors(perturbed_dirs["untied"]), dims)
-    shards = {(t, e): convert.shard_megatron(full, dims, t, tp, e, ep)
+    full = layout.hf_to_megatron(layout.read_hf_safetensors(perturbed_dirs["untied"]), dims)
+    shards = {(t, e): layout.shard_megatron(full, dims, t, tp, e, ep)
               for t in range(tp) for e in range(ep)}
     qkv = "decoder.layers.0.self_attention.linear_qkv.weight"
     assert shards[(0, 0)][qkv].shape[0] == full[qkv].shape[0] // tp
     n_local = sum(1 for k in shards[(0, 0)] if k.startswith("decoder.layers.0.")
                   and k.endswith("linear_fc2.weight"))
     assert n_local == dims.num_experts // ep
-    back = convert.unshard_megatron(shards, dims, tp, ep)
+    back = layout.unshard_megatron(shards, dims, tp, ep)
     assert set(back) == set(full) and all(torch.equal(back[k], full[k]) for k in full)
 
 
 def test_qkv_fusion_layout(perturbed_dirs):
     """Megatron's fused layout: per kv group, its q heads then k then v."""
     dims = read_hf_dims(perturbed_dirs["untied"])
-    hf = convert.read_hf_safetensors(perturbed_dirs["untied"])
-    qkv = convert.hf_to_megatron(hf, dims)["decoder.layers.1.self_attention.linear_qkv.weight"]
+    hf = layout.read_hf_safetensors(perturbed_dirs["untied"])
+    qkv = layout.hf_to_megatron(hf, dims)["decoder.layers.1.self_attention.linear_qkv.weight"]
     hd, per = dims.head_dim, dims.num_heads // dims.num_kv_heads
     a = "model.layers.1.self_attn."
     g1 = qkv[(per + 2) * hd:2 * (per + 2) * hd]
@@ -92,10 +92,10 @@ def test_qkv_fusion_layout(perturbed_dirs):
 
 def test_mismatched_checkpoint_is_reported(perturbed_dirs):
     dims = read_hf_dims(perturbed_dirs["untied"])
-    hf = convert.read_hf_safetensors(perturbed_dirs["untied"])
+    hf = layout.read_hf_safetensors(perturbed_dirs["untied"])
     del hf["model.layers.1.mlp.experts.3.up_proj.weight"]
     with pytest.raises(RlstreamError, match="up_proj"):
-        convert.hf_to_megatron(hf, dims)
+        layout.hf_to_megatron(hf, dims)
     with pytest.raises(ConfigError, match="config.json"):
         read_hf_dims(perturbed_dirs["untied"] / "nope")
 
@@ -177,18 +177,18 @@ def test_grouped_experts_export_and_checkpoint_names(expert_kinds, sharp_model_d
     the checkpoint names are SequentialMLP's: a sequential model's state loads into a
     grouped one through the views."""
     seq, grp = expert_kinds["sequential"], expert_kinds["grouped"]
-    on_disk = convert.read_hf_safetensors(sharp_model_dir)
-    exported = convert.export_hf_state_dict(grp)
+    on_disk = layout.read_hf_safetensors(sharp_model_dir)
+    exported = export.export_hf_state_dict(grp)
     assert set(exported) == set(on_disk)
     assert all(torch.equal(exported[k], v) for k, v in on_disk.items())
-    state_s, state_g = convert.local_megatron_state_dict(seq), convert.local_megatron_state_dict(grp)
+    state_s, state_g = layout.local_megatron_state_dict(seq), layout.local_megatron_state_dict(grp)
     assert set(state_s) == set(state_g)
     name = "decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight"
     before = grp.decoder.layers[0].mlp.experts.weight2.detach().clone()
     with torch.no_grad():
         state_g[name].copy_(state_s[name] * 2)  # writes into the grouped weight2
         assert not torch.equal(grp.decoder.layers[0].mlp.experts.weight2, before)
-        assert torch.equal(convert.export_hf_state_dict(grp)["model.layers.0.mlp.experts.3.down_proj.weight"],
+        assert torch.equal(export.export_hf_state_dict(grp)["model.layers.0.mlp.experts.3.down_proj.weight"],
                            on_disk["model.layers.0.mlp.experts.3.down_proj.weight"] * 2)
         state_g[name].copy_(state_s[name])
 

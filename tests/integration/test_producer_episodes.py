@@ -46,7 +46,7 @@ def test_producer_publishes_multi_turn_episodes_in_complete_groups(broker, tiny_
     path = tmp_path / "producer.yaml"
     path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "producer", "-c", str(path)], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "rlstream", "producer", "-c", str(path)], env=env,
                             stdout=subprocess.DEVNULL, stderr=open(tmp_path / "producer.log", "w"),
                             start_new_session=True)
     try:

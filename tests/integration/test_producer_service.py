@@ -97,7 +97,7 @@ def producer(broker, tiny_model_dir, tmp_path_factory):
     path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
     log = tmp / "producer.log"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "producer", "-c", str(path)], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "rlstream", "producer", "-c", str(path)], env=env,
                             stdout=subprocess.DEVNULL, stderr=open(log, "w"), start_new_session=True)
     yield {"proc": proc, "kafka": kafka, "port": port, "log": log, "tmp": tmp, "cfg": cfg}
     if proc.poll() is None:

@@ -185,7 +185,7 @@ def test_perturbed_routing_does_not_match(captured_samples, tiny_model_dir):
 def test_chunked_prefill_rows_are_placed_by_position(rollout_engine, tiny_model_dir):
     """Prompts that overflow one step's token budget are prefilled in chunks;
     their rows still replay to vLLM's log-probs."""
-    from rlstream.toy.tinymodel import CHARS
+    from rlstream.common.tasks.arithmetic import CHARS
     from rlstream.producer.sample import SamplingConfig
 
     eng = rollout_engine

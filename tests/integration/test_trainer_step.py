@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rlstream.common.config import ConsumerSettings
-from rlstream.consumer.train import layout as convert
+from rlstream.consumer.train import layout
 from rlstream.consumer.train.batch import build_global_batch
 from rlstream.consumer.train.losses import LOSSES, advantage_mode
 from rlstream.consumer.train.model import per_token_logprobs
@@ -235,7 +235,7 @@ def test_export_after_step_is_the_trained_model(sharp_model_dir, bf16_rollouts, 
     trainer = Trainer.from_hf(sharp_model_dir, settings(lr=1e-2))
     gb = trainer.build_batch(bf16_rollouts, 4)
     trainer.train_step(gb)
-    original = convert.read_hf_safetensors(sharp_model_dir)
+    original = layout.read_hf_safetensors(sharp_model_dir)
     exported = trainer.export_hf_state_dict()
     assert set(exported) == set(original)
     assert not torch.equal(exported["model.layers.0.mlp.gate.weight"],

@@ -1,101 +1,91 @@
-"""The package layering, checked by walking every import (lazy ones included).
+"""The floors of the house, checked by walking every import (lazy ones and TYPE_CHECKING ones
+included), with no exemption:
 
-    producer/  consumer/       roles: never import each other, never the toy
-                               world, the harness or the composition root
-    common/ (runtime)          shared by both roles: imports neither role, nor
-                               rlstream / rlstream.toy / rlstream.harness
-    common/toy/                the self-contained tiny model and task
-    ops/harness/            runs services as processes and measures them
-    common/app/                the composition root (the `rlstream` command):
-                               the one place in common/ that names the roles
+    tooling   rlstream (ops/): cli, doctor, blobs, harness/, cluster/, toy/    may import anything
+    role      rlstream.producer (producer/), rlstream.consumer (consumer/)     never each other
+    tasks     rlstream.common.tasks (common/tasks/)                            tasks, envs, verifiers
+    runtime   rlstream.common (common/, less tasks/)                           what both services run
 
-`producer/__main__.py` and `consumer/__main__.py` are entry shims that call the
-composition root (`python -m rlstream producer` == `rlstream producer`); they are the
-only exceptions.
+A module imports only its own floor and the floors below it (tests/support/house.py `upward`),
+and the import graph has no circle.
 """
 from __future__ import annotations
 
-import ast
+import tomllib
 from pathlib import Path
 
 import pytest
 
+from tests.support.house import Layout, graph_of, measure, upward
+
 ROOT = Path(__file__).resolve().parents[2]
-OFF_RUNTIME = ("rlstream", "rlstream.toy", "rlstream.harness")
-FORBIDDEN = {
-    # package -> imports it must never make
-    "producer": ("consumer",) + OFF_RUNTIME,
-    "consumer": ("producer",) + OFF_RUNTIME,
-    "common": ("producer", "consumer") + OFF_RUNTIME,
-    "rlstream.toy": ("rlstream", "rlstream.harness", "consumer"),
-}
-ENTRY_SHIMS = {"producer.__main__", "consumer.__main__"}
-
-
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    return ".".join(parts)
-
-
-def imports(path: Path) -> set[str]:
-    """Every module named by an import statement anywhere in the file."""
-    out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            out.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            out.add(node.module)
-            out.update(f"{node.module}.{a.name}" for a in node.names)
-    return out
-
-
-def layer_of(module: str) -> str:
-    """The most specific FORBIDDEN key the module belongs to."""
-    for key in sorted(FORBIDDEN, key=len, reverse=True):
-        if module == key or module.startswith(key + "."):
-            if key == "common" and module.startswith(OFF_RUNTIME):
-                return "off-runtime"
-            return key
-    return "other"
-
-
-def _within(name: str, prefix: str) -> bool:
-    return name == prefix or name.startswith(prefix + ".")
+LAYOUT = Layout.read(ROOT)
 
 
 def violations() -> list[str]:
-    bad = []
-    for pkg in ("producer", "consumer", "common"):
-        for path in sorted((ROOT / pkg).rglob("*.py")):
-            mod = module_name(path)
-            layer = layer_of(mod)
-            if mod in ENTRY_SHIMS or layer not in FORBIDDEN:
-                continue
-            for name in imports(path):
-                hit = [f for f in FORBIDDEN[layer] if _within(name, f)]
-                if hit:
-                    bad.append(f"{mod} imports {name} (layer {layer!r} must not import {hit[0]})")
-    return bad
+    graph, _ = graph_of(ROOT, LAYOUT)
+    return sorted(f"{a} ({LAYOUT.floor(a)}) imports {b} ({LAYOUT.floor(b)})"
+                  for a, bs in graph.items() for b in bs if upward(LAYOUT, a, b))
 
 
-def test_layers_hold():
+def test_every_import_goes_down_or_stays_on_its_floor():
     assert violations() == []
 
 
-@pytest.mark.parametrize("module, imported", [
-    ("producer.engine", "consumer.trainer"),
-    ("consumer.service", "rlstream.harness.demo"),
-    ("rlstream.common.kafka.reader", "rlstream.common.tasks.arithmetic"),
-    ("rlstream.common.config", "producer.service"),
+def test_the_import_graph_has_no_circle():
+    assert measure(ROOT)["circles"] == []
+
+
+@pytest.mark.parametrize("module, floor", [
+    ("rlstream.common.kafka.reader", "runtime"), ("rlstream.common.tasks.verifiers", "tasks"),
+    ("rlstream.producer.engine", "role"), ("rlstream.consumer.stream.ledger", "role"),
+    ("rlstream.harness.demo", "tooling"), ("rlstream.cli", "tooling"), ("rlstream", "tooling"),
 ])
-def test_checker_catches_a_violation(tmp_path, monkeypatch, module, imported):
-    """The walker would catch each forbidden edge (it can fail)."""
-    layer = layer_of(module)
-    assert layer in FORBIDDEN
-    assert any(_within(imported, f) for f in FORBIDDEN[layer])
-    src = tmp_path / "m.py"
-    src.write_text(f"def f():\n    from {imported} import x\n")
-    assert imported in imports(src)
+def test_each_package_has_its_floor(module, floor):
+    assert LAYOUT.floor(module) == floor
+
+
+@pytest.mark.parametrize("src, dst, back", [
+    ("rlstream.producer.engine", "rlstream.consumer.train.trainer", True),     # a role into the other role
+    ("rlstream.consumer.service", "rlstream.harness.demo", False),             # a role into the tooling
+    ("rlstream.common.kafka.reader", "rlstream.common.tasks.arithmetic", False),  # the runtime into the tasks
+    ("rlstream.common.config", "rlstream.producer.service", False),            # the runtime into a role
+    ("rlstream.common.tasks.envs", "rlstream.producer.rollout", False),        # the tasks into a role
+])
+def test_the_rule_catches_an_import_up(src, dst, back):
+    """Each import is refused; the same edge the other way round is allowed, except between roles."""
+    assert upward(LAYOUT, src, dst)
+    assert upward(LAYOUT, dst, src) is back
+
+
+def test_the_checker_sees_lazy_and_type_checking_imports(tmp_path):
+    """A made-up tree whose only upward imports sit in a function and under TYPE_CHECKING."""
+    (tmp_path / "pyproject.toml").write_text(
+        '[tool.setuptools.package-dir]\n"rlstream" = "ops"\n"rlstream.common" = "common"\n'
+        '"rlstream.producer" = "producer"\n"rlstream.consumer" = "consumer"\n')
+    for folder in ("ops", "common", "producer", "consumer"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "__init__.py").write_text("")
+    (tmp_path / "producer" / "a.py").write_text("def f():\n    from rlstream.consumer.b import x\n")
+    (tmp_path / "consumer" / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from rlstream.cli import main\nx = 1\n")
+    (tmp_path / "ops" / "cli.py").write_text("main = 1\n")
+    layout = Layout.read(tmp_path)
+    graph, lazy = graph_of(tmp_path, layout)
+    up = sorted(f"{a} -> {b}" for a, bs in graph.items() for b in bs if upward(layout, a, b))
+    assert up == ["rlstream.consumer.b -> rlstream.cli", "rlstream.producer.a -> rlstream.consumer.b"]
+    assert lazy["rlstream.producer.a"] == [True]
+
+
+def test_the_wheel_installs_one_namespace_with_every_package_folder():
+    """pyproject.toml lists the packages (setuptools cannot discover mapped folders): every
+    folder with an __init__.py is listed, under rlstream, and nothing else is."""
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {name: Path(folder) for name, folder in cfg["package-dir"].items()}
+    assert set(folders) == {"rlstream", "rlstream.common", "rlstream.producer", "rlstream.consumer"}
+    on_disk = {LAYOUT.module_name(init, ROOT) for top in LAYOUT.folders for init in (ROOT / top).rglob("__init__.py")}
+    assert sorted(cfg["packages"]) == sorted(on_disk)
+    assert all(p == "rlstream" or p.startswith("rlstream.") for p in cfg["packages"])
 
 
 def test_test_files_have_unique_names():

@@ -17,7 +17,11 @@ import pytest
 from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.support.house import Layout, source_files
+
 ROOT = Path(__file__).resolve().parents[2]
+SOURCES = source_files(ROOT, Layout.read(ROOT))
+"""{module: path} of every source file (tests/support/house.py)."""
 DOC = ROOT / "docs" / "metrics.md"
 
 # module -> service whose /metrics exposes what it declares
@@ -78,7 +82,7 @@ def declared_in_source() -> dict[str, str]:
     pat = re.compile(r"metrics\.(?:counter|gauge|histogram)\(\s*\"(rlstream_\w+)\"")
     out = {}
     for mod, service in DECLARING_MODULES.items():
-        src = (ROOT / (mod.replace(".", "/") + ".py")).read_text()
+        src = SOURCES[mod].read_text()
         for name in pat.findall(src):
             out[name] = service
     return out
@@ -93,9 +97,7 @@ def test_parser_reads_a_row():
 
 def test_every_module_that_declares_metrics_is_imported_here():
     pat = re.compile(r"metrics\.(?:counter|gauge|histogram)\(")
-    declaring = {p.relative_to(ROOT).with_suffix("").as_posix().replace("/", ".")
-                 for pkg in ("common", "producer", "consumer") for p in (ROOT / pkg).rglob("*.py")
-                 if pat.search(p.read_text())}
+    declaring = {mod for mod, p in SOURCES.items() if pat.search(p.read_text())}
     assert declaring <= set(DECLARING_MODULES), f"add to DECLARING_MODULES: {declaring - set(DECLARING_MODULES)}"
 
 

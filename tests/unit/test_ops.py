@@ -151,7 +151,8 @@ def _service_args(workload: dict) -> list[str]:
     c = _container(workload)
     if c.get("command") == ["torchrun"]:
         args = c["args"]
-        return args[args.index("-m") + 1:]
+        assert args[args.index("-m") + 1] == "rlstream"
+        return args[args.index("-m") + 2:]
     return c["args"]
 
 
@@ -386,7 +387,8 @@ def test_systemd_unit(unit, tmp_path):
     assert {"Unit", "Service", "Install"} <= set(cp.sections())
     exec_start = cp["Service"]["ExecStart"].split()
     if exec_start[0].endswith("/torchrun"):  # the consumer: `torchrun ... -m rlstream consumer -c` (test_ops_cluster.py)
-        exec_start = [exec_start[0], *exec_start[exec_start.index("-m") + 1:]]
+        assert exec_start[exec_start.index("-m") + 1] == "rlstream"
+        exec_start = [exec_start[0], *exec_start[exec_start.index("-m") + 2:]]
     else:
         assert exec_start[0].endswith("/rlstream")
     assert exec_start[1] in SERVICES and exec_start[2] == "-c"

@@ -271,7 +271,7 @@ def test_systemd_consumer_launches_the_ranks_the_recipe_needs():
         return layout[m.group(1)] if m else opts[opt]
 
     nodes, per_node = int(value("nnodes")), int(value("nproc_per_node"))
-    assert exec_start[exec_start.index("-m") + 1:] == ["consumer", "-c", "/etc/rlstream/rlstream.yaml"]
+    assert exec_start[exec_start.index("-m") + 1:] == ["rlstream", "consumer", "-c", "/etc/rlstream/rlstream.yaml"]
     assert {"node_rank", "master_addr", "master_port"} <= set(opts)
     assert len(layout["CUDA_VISIBLE_DEVICES"].split(",")) == per_node, "one GPU per process"
     recipe = re.search(r"sudo cp (configs/\S+\.yaml) /etc/rlstream/rlstream\.yaml",

@@ -14,7 +14,7 @@ import pytest
 from rlstream.common.config import ReasoningGymPrompts
 from rlstream.common.errors import ConfigError
 from rlstream.common.tasks.reasoning_gym import COMPACT_FORMATS, HASH_SEED_DEPENDENT, GymTask
-from rlstream.toy.tinymodel import CHARS
+from rlstream.common.tasks.arithmetic import CHARS
 
 # small params per dataset: the sizes the tiny model can learn
 TINY_PARAMS = {

@@ -122,7 +122,7 @@ def _error_keys(path: Path) -> list[tuple[int, str]]:
 
 
 def test_every_config_error_of_the_consumer_names_an_existing_key():
-    keys = [(f"{p.name}:{line}", k) for p in sorted((ROOT / "consumer").glob("*.py")) for line, k in _error_keys(p)]
+    keys = [(f"{p.name}:{line}", k) for p in sorted((ROOT / "consumer").rglob("*.py")) for line, k in _error_keys(p)]
     assert len(keys) > 10, keys
     missing = [(where, k) for where, k in keys if not _key_exists(k)]
     assert not missing, f"ConfigError keys that are no setting: {missing}"

@@ -36,7 +36,7 @@ def test_dynamic_sampling_arms_differ_only_in_the_setting():
 
 
 def test_samples_to_target_read_the_progress_rows():
-    from rlstream.harness.experiments import samples_to
+    from rlstream.harness.arms import samples_to
 
     rows = [{"kind": "eval", "time": 0.0}]
     rows += [{"kind": "tick", "time": 5.0 * i, "generated": 100, "outcomes": {"trained": 64 * i}} for i in range(1, 7)]

@@ -12,7 +12,8 @@ import pytest
 from rlstream.common.config import EpisodeSettings, load_config
 from rlstream.common.errors import ConfigError
 from rlstream.common.tasks.arithmetic import Problem
-from rlstream.toy.tinymodel import CHARS, EOS, SPECIALS
+from rlstream.common.tasks.arithmetic import CHARS
+from rlstream.toy.tinymodel import EOS, SPECIALS
 
 ROOT = Path(__file__).resolve().parents[4]
 VOCAB = SPECIALS + CHARS
@@ -222,7 +223,8 @@ def test_the_tool_use_experiment_needs_episodes_and_reports_both_sides(tmp_path)
 def test_tool_format_sft_on_the_real_tiny_model_saves_and_is_reused(tiny_model_dir, tmp_path):
     """Two steps of the tool stage on the random tiny model (HF, KV cache): it trains, is
     evaluated with the tool, saves a loadable model with its marker, and is reused."""
-    from rlstream.harness.evaluate import heldout_scores, load_model
+    from rlstream.harness.evaluate import heldout_scores
+    from rlstream.harness.hf_decode import load_model
     from rlstream.harness.sft import SftConfig, ToolSft, warm_start
     from rlstream.common.tasks.arithmetic import write_problems
 

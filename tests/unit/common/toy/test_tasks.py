@@ -5,7 +5,7 @@ import pytest
 
 from rlstream.common.errors import ConfigError
 from rlstream.common.tasks import arithmetic as tasks
-from rlstream.toy.tinymodel import CHARS
+from rlstream.common.tasks.arithmetic import CHARS
 from rlstream.common.tasks.verifiers import get_verifier
 
 
