@@ -538,7 +538,7 @@ class ProducerSettings(_Section):
     then not those of the distribution the trainer evaluates, and every IS weight and
     MiniRL mask is biased. Off: such a configuration is refused at load."""
     temperature: float = Field(1.0, ge=0.01, le=100.0)
-    """Sampling temperature in [0.01, 100], the range a record may carry (common/record.py
+    """Sampling temperature in [0.01, 100], the range a record may carry (common/record/schema.py
     MIN_TEMPERATURE: vLLM is greedy below 1e-5 and samples (0, 0.01) at 0.01). Each record
     carries it and the trainer divides its logits by it before log-probs and entropy."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)

@@ -25,7 +25,7 @@ lost, or a holder taken for dead that still runs) is ignored the same way.
 Epochs (fencing tokens). An episode's first entry has epoch 0; a claim that applies holds
 the entry at the epoch after the one it takes over, and its holder's later writes carry
 that epoch (any other epoch is ignored). Every record the episode publishes carries it
-(common/record.py `claim_epoch`): the consumer trains an episode only from its newest
+(common/record/ `claim_epoch`): the consumer trains an episode only from its newest
 claim, so a holder cut off past its lease (alive, still publishing) is fenced there too.
 
 Time. Every time these rules compare is the reader's judgement of a journal time

@@ -14,7 +14,7 @@ after those offsets. `published` reads each partition from the lowest such offse
 the rollout ids it is asked about to the partition's end: what every producer
 published since the dead one's last turn, a few seconds of records.
 
-Records are read as the consumer reads them (common/record.py `decode_any`: a
+Records are read as the consumer reads them (common/record/codec.py `decode_any`: a
 claim-check pointer names its rollout id, the blob is not fetched); one that cannot be
 decoded is skipped (the consumer sends it to the dead-letter topic). The read is bounded
 in time: what it could not read is reported unknown, and the caller resumes those

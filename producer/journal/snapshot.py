@@ -12,7 +12,7 @@ Anything else is refused with a `JournalError` naming what is wrong and a reason
 (`JournalError.reason`): a journal entry from another version, a torn value or a hostile
 one must not crash the producer that reads it. Two depths: `held` checks the header
 fields every reader folds (who holds the entry, when, at which epoch, under which key);
-`validate` checks a decoded entry against the record schema's limits (common/record.py)
+`validate` checks a decoded entry against the record schema's limits (common/record/validation.py)
 and the resuming engine's model before it is resumed, so what a resume publishes is
 never refused downstream.
 """
@@ -263,7 +263,7 @@ def _check(s: Snapshot) -> None:
 
 def validate(s: Snapshot, limits: RecordLimits) -> None:
     """Refuse (JournalError, reason "limits") an entry whose resumed record the record
-    schema would refuse (common/record.py `validate` under `limits`: the resuming engine's
+    schema would refuse (common/record/validation.py `validate` under `limits`: the resuming engine's
     vocabulary, context and routing shape), or whose fields a resume cannot take."""
     try:
         _scalars(s, limits)

@@ -271,7 +271,7 @@ class EpisodeRunner:
             self._end(ep, "env_error", f"step returned {type(r).__name__}, not a StepResult")
             return
         total = _reward_total(ep.reward, r.reward)
-        if total is None:  # the record would be refused at publication (common/record.py's bound)
+        if total is None:  # the record would be refused at publication (common/record/schema.py's bound)
             self._end(ep, "env_error", f"step reward {repr(r.reward)[:40]} is not a finite number, or the "
                                        f"episode's total leaves [-{DEFAULT_LIMITS.max_abs_reward:g}, "
                                        f"{DEFAULT_LIMITS.max_abs_reward:g}]")

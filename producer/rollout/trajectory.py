@@ -5,7 +5,7 @@ turns (tokens, log-probs and per-token versions exactly as the engine sampled
 them, loss mask 1) and, in multi-turn episodes, environment tokens between
 them (loss mask 0). A single-turn sample is a one-turn trajectory
 (`Trajectory.of_sample`). `to_rollout` builds every record the producer
-publishes (schema in common/record.py):
+publishes (schema in common/record/):
 
 - schema 1 when every response token is the model's (no `loss_mask`),
   schema 2 otherwise;

@@ -49,7 +49,8 @@ from rlstream.common.config import BrokerSettings  # noqa: E402
 from rlstream.common.kafka.client import FETCH_OVERHEAD_BYTES, client_kwargs  # noqa: E402
 from rlstream.common.kafka.publisher import RolloutPublisher  # noqa: E402
 from rlstream.common.kafka.reader import RolloutReader  # noqa: E402
-from rlstream.common.record import _unique_map, decode, encode, routing_dtype_for, validate  # noqa: E402
+from rlstream.common.record import decode, encode, routing_dtype_for, validate  # noqa: E402
+from rlstream.common.record.codec import _unique_map  # noqa: E402
 from tests.bench._smoke import parse_args  # noqa: E402
 from tests.fixtures.kafka import make_kafka_settings, realistic_rollout  # noqa: E402
 

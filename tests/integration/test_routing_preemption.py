@@ -6,7 +6,7 @@ cache (1 MiB, 32 blocks) cannot hold ten greedy 200-token requests at once: vLLM
 preempts some of them after they generated tokens, frees their KV and recomputes it
 (prompt and generated tokens) when they resume. Then it runs each prompt alone (no
 preemption). Every sample run together must carry routing rows for every input
-position (P + T - 1, the record contract: common/record.py), identical to its run
+position (P + T - 1, the record contract: common/record/), identical to its run
 alone, and those rows must replay, in an independent HF implementation, to the
 log-probs vLLM reported (test_routing_capture.py's proof).
 

@@ -58,7 +58,7 @@ ALLOWED: set[tuple[str, str]] = set()
 
 
 # The record decoder's object_pairs_hook builds a plain dict and refuses repeated keys; nothing else.
-ALLOWED_MSGPACK_HOOKS = {("common/record.py", "object_pairs_hook", "_unique_map")}
+ALLOWED_MSGPACK_HOOKS = {("common/record/codec.py", "object_pairs_hook", "_unique_map")}
 
 
 def _allowed_msgpack_hook(rel: str, kw: dict) -> bool:

@@ -576,7 +576,7 @@ def _reported_reward(body: dict) -> float:
     would be refused at publication, after the episode was already closed)."""
     reward, bound = _number(body, "reward"), DEFAULT_LIMITS.max_abs_reward
     if abs(reward) > bound:
-        raise BadParameter("reward", f"{reward:g} is outside [-{bound:g}, {bound:g}] (common/record.py)")
+        raise BadParameter("reward", f"{reward:g} is outside [-{bound:g}, {bound:g}] (common/record/schema.py)")
     return reward
 
 

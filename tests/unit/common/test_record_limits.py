@@ -1,4 +1,4 @@
-"""common/record.py's value limits: the bounds sit where the engine and the trainer
+"""common/record/schema.py's value limits: the bounds sit where the engine and the trainer
 need them (vLLM's temperature floor read from vLLM's own source), and values at the
 bounds are accepted."""
 from __future__ import annotations

@@ -5,7 +5,7 @@ from rlstream.common.weights.backends import GLOO, NCCL, resolve
 def test_auto_is_nccl_on_a_gpu_and_gloo_on_cpu_for_both_roles():
     from rlstream.consumer.service import _weight_backend
     from rlstream.common.config import EngineSettings
-    from rlstream.producer.engine import resolve_weight_transfer
+    from rlstream.producer.vllm_args import resolve_weight_transfer
 
     assert resolve("auto", on_gpu=True) == NCCL and resolve("auto", on_gpu=False) == GLOO
     assert resolve(NCCL, on_gpu=False) == NCCL  # explicit settings are kept (the stand-ins)

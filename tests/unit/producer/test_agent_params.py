@@ -78,7 +78,7 @@ def test_the_engine_thread_answers_400_with_the_param_and_the_episode_goes_on():
 BAD_REWARD = [
     ({"reward": "1"}, "reward"),
     ({"reward": [1]}, "reward"),
-    ({"reward": 1e300}, "reward"),  # a record beyond common/record.py's bound would be refused at publication
+    ({"reward": 1e300}, "reward"),  # a record beyond common/record/schema.py's bound would be refused at publication
     ({"reward": float("inf")}, "reward"),
     ({"reward": 1, "info": [1]}, "info"),
     ({"reward": 1, "info": {"k": {"deep": 1}}}, "info.k"),

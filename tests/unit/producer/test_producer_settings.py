@@ -1,5 +1,5 @@
 """The producer's settings (common/config.py ProducerSettings, EngineSettings, the
-prompt-source union) and how the engine maps them onto vLLM (producer/engine.py
+prompt-source union) and how the engine maps them onto vLLM (producer/vllm_args.py
 `resolve_routing`, `engine_args`): bad values are refused at load time, by
 `--dry-run` too, naming the dotted key."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 from rlstream.cli import main as cli
 from rlstream.common.config import EngineSettings, JsonlPrompts, KafkaTopicPrompts, load_config
 from rlstream.common.errors import ConfigError
-from rlstream.producer.engine import engine_args, prefix_caching, resolve_routing, resolve_weight_transfer
+from rlstream.producer.vllm_args import engine_args, prefix_caching, resolve_routing, resolve_weight_transfer
 
 
 def load(*overrides: str):
