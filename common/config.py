@@ -713,7 +713,7 @@ class ParallelSettings(_Section):
     """The number of trainer processes this file is written for (nodes x GPUs per node);
     None: not declared. When set, the layout must fit it (checked without a launcher, e.g.
     `--dry-run` on a laptop), torchrun's WORLD_SIZE must equal it, and the memory check
-    (consumer/train/memory_budget.py) uses it."""
+    (consumer/train/memory_check.py) uses it."""
 
     @field_validator("tensor")
     @classmethod

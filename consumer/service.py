@@ -348,7 +348,7 @@ def _weight_backend(backend: str) -> str:
 
 def main(cfg: RlstreamConfig) -> int:
     from rlstream.common.kafka.broker import run_with_broker
-    from rlstream.consumer.train.memory_budget import check_config
+    from rlstream.consumer.train.memory_check import check_config
 
     memory = check_config(cfg, os.environ)  # before any rank loads 60 GB of weights
     if memory is not None:

@@ -114,10 +114,10 @@ def _configure_logging(level: str) -> None:
 
 
 def _print_memory_check(cfg: RlstreamConfig) -> None:
-    """The per-GPU memory estimate of consumer/train/memory_budget.py, as a YAML comment
+    """The per-GPU memory estimate of consumer/train/memory_check.py, as a YAML comment
     (nothing when consumer.memory.device_memory_gb is unset); a layout that cannot fit
     is refused here as at start (ConfigError)."""
-    from rlstream.consumer.train.memory_budget import check_config
+    from rlstream.consumer.train.memory_check import check_config
 
     check = check_config(cfg, os.environ)
     if check is not None:

@@ -8,7 +8,7 @@
                 for k8s, the names cluster DNS gives Services and pods.
     cli.py      `rlstream twin up|down|exec`.
 
-ops/harness/rehearsal.py starts the compose, systemd and k8s deployments on a twin
+ops/harness/rehearsal/ starts the compose, systemd and k8s deployments on a twin
 (tests, benchmarks).
 
 docs/operations.md, "Rehearse a deployment on the cluster twin", says how.

@@ -6,7 +6,7 @@
     runs.py         one RL run from a warm start: start, watch, stop rule, stop, account
     demo.py         `rlstream demo`: warm start -> run -> report
     experiments.py  `rlstream experiment`: side-by-side runs
-    rehearsal.py    the compose deployment as shipped, each service on a host of a cluster twin
+    rehearsal/      compose, systemd and k8s deployments as shipped, each service on a host of a cluster twin
     sft.py, evaluate.py, report.py   warm start, held-out evaluation, report and plots
 
 The demo, the experiments, the integration tests and the benchmarks all use

@@ -13,7 +13,7 @@ environment says done (its reward is the task's exact match of the final
 answer) or a limit ends it (reward 0). Decoding is HF fp32 on CPU with a KV
 cache (ops/harness/hf_decode.py `decode_loop`), all live episodes of a turn
 batched by length; prompts and observations are tokenised as the producer does
-(producer/text_tokens.py, the episode runner's `ObservationEncoder`): a special
+(producer/text_tokens.py, producer/rollout/observation.py `ObservationEncoder`): a special
 token's text in them ("<eos>" from a tool) is ordinary text, never the token
 itself, so the harness scores the episodes the producer would generate.
 Environment steps run
@@ -87,7 +87,7 @@ def _take_turn(ep: _Live, out: list[int], tok, settings: EpisodeSettings, stops:
     """Append one model turn (`out` as decoded: an ending EOS was dropped and is put back), step the
     environment, append its observation or end the episode."""
     from rlstream.common.tasks.environment import ModelTurn
-    from rlstream.producer.rollout.episodes import ObservationEncoder
+    from rlstream.producer.rollout.observation import ObservationEncoder
 
     if len(out) < settings.max_turn_tokens and not (out and out[-1] in stops):
         out = out + [tok.eos_token_id]  # ended by EOS, which the producer's turn includes

@@ -6,6 +6,7 @@
     driver.py       RolloutDriver: start / on_finished / has_work / drain / abort
     single_turn.py  SingleTurn: one engine sample per rollout (the default)
     episodes.py     EpisodeRunner and the Episodes driver (producer.episodes)
+    observation.py  ObservationEncoder: environment text as token ids (episodes and agents)
     agents.py       AgentEpisodes, the Agents driver (producer.agent_endpoint)
 
 `build_driver` is the one place that chooses among them.

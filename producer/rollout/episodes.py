@@ -16,15 +16,14 @@ killed: an environment must not block forever.
 
 Token-in, token-out. The model's turn is appended exactly as sampled (ids,
 log-probs, per-token versions from the engine); the environment's text is
-tokenised once (`ObservationEncoder`: through the chat template where the
-tokenizer has one; a special token's text in it stays text, producer/text_tokens.py)
-and appended with loss mask 0, log-prob 0 and the engine's
+tokenised once (`ObservationEncoder`, producer/rollout/observation.py: through the
+chat template where the tokenizer has one; a special token's text in it stays text,
+producer/text_tokens.py) and appended with loss mask 0, log-prob 0 and the engine's
 version at that moment. The next model turn is submitted as soon as the step
 returns, with the whole token sequence as its prompt, so episodes at different
 turns share the engine's continuous batching; nothing is ever decoded and
-re-encoded. `EpisodeRunner._completed_turn` is the one place where an episode
-has just completed a turn (model turn, environment step, observation appended)
-and its next turn is about to be submitted.
+re-encoded. `EpisodeRunner._after_step` is where an episode completes a turn
+(model turn, environment step, observation appended) and submits its next one.
 
 Routing: rows are kept per trajectory (producer/rollout/trajectory.py).
 
@@ -54,55 +53,15 @@ from rlstream.producer import telemetry
 from rlstream.producer.eviction import StaleEviction
 from rlstream.producer.groups import InFlightGroups
 from rlstream.producer.rollout.driver import RolloutDriver
+from rlstream.producer.rollout.observation import ObservationEncoder
 from rlstream.common.tasks.environment import Environment, ModelTurn, StepResult
 from rlstream.common.tasks.task import Task
 from rlstream.producer.rollout.trajectory import Trajectory
 from rlstream.producer.sample import FinishedSample, SamplingConfig
-from rlstream.producer.text_tokens import RewrittenSpecialText, encode_rendered, encode_text
+from rlstream.producer.text_tokens import RewrittenSpecialText, encode_text
 
 END_REASONS = ("done", "max_turns", "max_tokens", "step_timeout", "env_error")
 log = logging.getLogger("rlstream.producer")
-
-
-class ObservationEncoder:
-    """Environment text -> token ids, once. Without a chat template: the plain
-    tokenizer. With one: the text as a message of `role`, rendered as the
-    template renders it after an assistant turn, minus the model's own closing
-    token (it is already in the response, as sampled). Either way a special
-    token's text in the messages is ordinary text unless `parse_special`
-    (producer.engine.parse_special_tokens)."""
-
-    def __init__(self, tokenizer, role: str = "tool", parse_special: bool = False):
-        self.tok, self.role, self.parse_special = tokenizer, role, parse_special
-        self.template = getattr(tokenizer, "chat_template", None) is not None
-
-    def __call__(self, text: str, last_model_token: int | None = None) -> list[int]:
-        return self.messages([{"role": self.role, "content": text}], last_model_token)
-
-    def messages(self, messages: list[dict], last_model_token: int | None = None) -> list[int]:
-        """Messages that follow a model turn (tool, user or system), as token ids; without
-        a chat template their contents concatenated (producer/rollout/agents/driver.py uses this too)."""
-        if not self.template:
-            return encode_text(self.tok, "".join(m["content"] for m in messages), self.parse_special)
-        def render(texts: list[str]) -> str:
-            return self._delta([{**m, "content": t} for m, t in zip(messages, texts)], last_model_token)
-
-        return encode_rendered(self.tok, render, [m["content"] for m in messages], self.parse_special)
-
-    def _delta(self, messages: list[dict], last_model_token: int | None) -> str:
-        marker = "\x00assistant\x00"
-        base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": marker}]
-        head = self.tok.apply_chat_template(base, tokenize=False)
-        full = self.tok.apply_chat_template(base + list(messages), tokenize=False, add_generation_prompt=True)
-        if not full.startswith(head) or marker not in head:
-            raise ConfigError("the chat template does not render a conversation as a prefix of its "
-                              "continuation; multi-turn needs one that does", key="producer.episodes")
-        closing = head[head.index(marker) + len(marker):]  # what follows an assistant turn
-        if last_model_token is not None:
-            stop = self.tok.decode([last_model_token], skip_special_tokens=False)
-            if stop and closing.startswith(stop):
-                closing = closing[len(stop):]  # sampled already
-        return closing + full[len(head):]
 
 
 class EpisodeRunner:
@@ -295,12 +254,7 @@ class EpisodeRunner:
                 self._end(ep, "max_tokens")
                 return
             ep.add_observation(ids, self.engine.version)
-            self._completed_turn(ep)
             self._submit(ep)
-
-    def _completed_turn(self, ep: Trajectory) -> None:
-        """After each completed turn (the model's turn, the environment's step and its
-        observation are in the trajectory; the next turn is not yet submitted)."""
 
     def _room(self, ep: Trajectory) -> int:
         """Response tokens the episode may hold in all (its limit and the engine's context)."""

@@ -6,7 +6,7 @@
 Hosts are network namespaces (ops/cluster/twin.py), every NIC shaped to
 --rate-mbit each way with tc tbf; the services are ops/compose/docker-compose.yml,
 the ops/systemd/ units (--trainers hosts) or the ops/k8s/ manifests (the JobSet's
-trainer nodes) as shipped, with the CPU swaps of ops/harness/rehearsal.py
+trainer nodes) as shipped, with the CPU swaps of ops/harness/rehearsal/
 (listed in the output's `swaps`). After the first version (engine warm-up, first
 links), it trains --versions more and reports:
 
@@ -59,15 +59,10 @@ def model_bytes(run) -> int:
 
 def measure(layout: str, trainers: int, producers: int, versions: int, rate_mbit: float, tp2: bool,
             root: Path) -> dict:
-    from rlstream.harness.rehearsal import (
-        K8S_CONFIG_SWAPS,
-        K8S_SWAPS,
-        SWAPS,
-        TP2_PRODUCER,
-        ComposeOnTwin,
-        K8sOnTwin,
-        SystemdOnTwin,
-    )
+    from rlstream.harness.rehearsal.base import SWAPS, TP2_PRODUCER
+    from rlstream.harness.rehearsal.compose import ComposeOnTwin
+    from rlstream.harness.rehearsal.k8s import K8S_CONFIG_SWAPS, K8S_SWAPS, K8sOnTwin
+    from rlstream.harness.rehearsal.systemd import SystemdOnTwin
     from rlstream.harness.supervisor import wait_until
 
     penv = {0: TP2_PRODUCER} if tp2 else {}

@@ -4,12 +4,12 @@ ops/compose/docker-compose.yml is read as Docker Compose reads it
 (ops/cluster/shipped.py): the same commands, the same environment, the same
 service names, which every host resolves through its hosts file as the compose
 network's DNS would. Each service runs in a network namespace of its own
-(ops/harness/rehearsal.py), so a setting that only works on one host (a
+(ops/harness/rehearsal/compose.py), so a setting that only works on one host (a
 weight endpoint bound to or announced as 127.0.0.1, the review's N3) fails here
 as it would on a cluster: on the compose file before the N3 fix the producers
 log `weight endpoint 127.0.0.1:<port> unreachable` and stay at version 0.
 
-What the harness swaps, and nothing else, is `rehearsal.SWAPS` (tansu for the
+What the harness swaps, and nothing else, is `rehearsal.base.SWAPS` (tansu for the
 Kafka image, CPU for the GPUs, the checkout for the image's paths, eager mode,
 a smaller batch without the zero-variance filter for the untrained tiny model);
 the assertion message repeats it.
@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import pytest
 
-from rlstream.harness.rehearsal import SWAPS, ComposeOnTwin
+from rlstream.harness.rehearsal.base import SWAPS
+from rlstream.harness.rehearsal.compose import ComposeOnTwin
 from tests.support.twin import TWIN_MARKS, every_version_crosses_hosts
 
 VERSIONS = 5

@@ -3,7 +3,7 @@
 ops/k8s/ is read as the cluster would run it (ops/cluster/shipped.py): the
 ConfigMap's rlstream.yaml, the consumer JobSet's torchrun command (`$(NODE_RANK)`
 from the completion index) and the producer Deployment's args and env. Every
-pod is a host of its own (ops/harness/rehearsal.py, K8sOnTwin) whose hosts
+pod is a host of its own (ops/harness/rehearsal/k8s.py, K8sOnTwin) whose hosts
 file resolves the names cluster DNS would: the Kafka bootstrap Service, each
 Service of services.yaml and each JobSet pod on its subdomain, which is what
 the ConfigMap announces to producers (consumer.weights.advertise_host) and
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlstream.harness.rehearsal import K8S_CONFIG_SWAPS, K8S_SWAPS, K8sOnTwin
+from rlstream.harness.rehearsal.k8s import K8S_CONFIG_SWAPS, K8S_SWAPS, K8sOnTwin
 from tests.support.twin import TWIN_MARKS, every_version_crosses_hosts
 
 VERSIONS = 5

@@ -161,7 +161,7 @@ def test_trainer_log_probs_match_vllm_on_model_tokens_of_every_turn(rollout_engi
 @pytest.mark.timeout(600)
 def test_the_real_engines_tokenizer_keeps_a_special_tokens_text_as_text(rollout_engine):
     """vLLM's tokenizer wrapper passes split_special_tokens through (producer/text_tokens.py)."""
-    from rlstream.producer.rollout.episodes import ObservationEncoder
+    from rlstream.producer.rollout.observation import ObservationEncoder
 
     eos = rollout_engine.tokenizer().eos_token_id
     assert eos in rollout_engine.tokenizer().encode("1+<eos>2=", add_special_tokens=False)  # parsed by default

@@ -2,7 +2,7 @@
 
 The units of ops/systemd/ are read as systemd reads them (ops/cluster/shipped.py:
 ExecStart, Environment=, EnvironmentFile=, ${VAR} expansion) and run on their own
-hosts (ops/harness/rehearsal.py, SystemdOnTwin): `rlstream-consumer.service` on
+hosts (ops/harness/rehearsal/systemd.py, SystemdOnTwin): `rlstream-consumer.service` on
 trainer-0 and trainer-1 (one torchrun job across two hosts, gloo, rendezvous at
 trainer-0 as torchrun.env says), `rlstream-producer.service` on producer-0 and the
 broker unit on `broker`. The operator's files, which are not shipped, are written
@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 
 from rlstream.cluster.twin import unavailable_reason
-from rlstream.harness.rehearsal import SystemdOnTwin
+from rlstream.harness.rehearsal.systemd import SystemdOnTwin
 from rlstream.harness.supervisor import wait_until
 
 VERSIONS = 5

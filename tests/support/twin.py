@@ -21,7 +21,7 @@ TWIN_MARKS = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.megatron, pytest.m
 
 
 def every_version_crosses_hosts(run, versions: int, swaps: str) -> None:
-    """Train `versions` versions on `run` (a rehearsal.Rehearsal); every producer took each one over
+    """Train `versions` versions on `run` (a rehearsal.base.Rehearsal); every producer took each one over
     the collective path, none from the durable copy. `swaps`: what the rehearsal swapped (the
     assertion message repeats it)."""
     wait_until(lambda: run.version() >= 1, 600, "the first version", run.services, interval_s=1)

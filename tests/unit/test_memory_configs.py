@@ -1,5 +1,5 @@
 """The configs for the clusters people have (issue 26 item 4): one node of 8 x 80 GB, two
-such nodes, two nodes of 8 x H200, each against the memory check of consumer/train/memory_budget.py
+such nodes, two nodes of 8 x H200, each against the memory check of consumer/train/memory_check.py
 (GPU and host); the optimizer CPU offload's arithmetic against a hand calculation; and the
 offload setting reaching megatron-core 0.16.1 (its HybridDeviceOptimizer needs CUDA, so no
 step runs here: the factory call is stopped where it builds the offloading optimizer).
@@ -17,11 +17,11 @@ from rlstream.common.errors import ConfigError
 from rlstream.consumer.train.memory_budget import (
     GB,
     MemoryPlan,
-    check_config,
     estimate,
     host_estimate,
     parameter_counts,
 )
+from rlstream.consumer.train.memory_check import check_config
 from rlstream.consumer.train.model import HFModelDims
 
 ROOT = Path(__file__).resolve().parents[2]

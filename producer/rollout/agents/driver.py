@@ -65,7 +65,7 @@ from rlstream.common.record import DEFAULT_LIMITS, Rollout
 from rlstream.producer import telemetry
 from rlstream.producer.groups import InFlightGroups
 from rlstream.producer.rollout.driver import RolloutDriver
-from rlstream.producer.rollout.episodes import ObservationEncoder
+from rlstream.producer.rollout.observation import ObservationEncoder
 from rlstream.common.tasks.task import Task
 from rlstream.producer.rollout.trajectory import Trajectory
 from rlstream.producer.sample import FinishedSample, SamplingConfig

@@ -1,5 +1,5 @@
 """The k8s manifests read as the cluster runs them (ops/cluster/shipped.py), and the
-rehearsal's swaps (ops/harness/rehearsal.py) kept off what decides reachability.
+rehearsal's swaps (ops/harness/rehearsal/k8s.py) kept off what decides reachability.
 Pure file logic: no twin, no root."""
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from rlstream.cluster.shipped import (
     k8s_jobset,
     k8s_service,
 )
-from rlstream.harness.rehearsal import DOCKERFILE, K8S, K8S_CONFIG_SWAPS, swap_config
+from rlstream.harness.rehearsal.k8s import DOCKERFILE, K8S, K8S_CONFIG_SWAPS, swap_config
 
 SECRETS = {("rlstream-secrets", "admin-token"): "t", ("rlstream-secrets", "kafka-password"): "p"}
 

@@ -1,6 +1,6 @@
-"""consumer/train/memory_budget.py: the arithmetic of docs/trainer-scale.md ("Static memory
-per GPU", "Activations per micro-batch") on Qwen3-30B-A3B's published architecture
-(tests/fixtures/models/qwen3-30b-a3b/config.json, written from the numbers in the doc:
+"""consumer/train/memory_budget.py and memory_check.py: the arithmetic of
+docs/trainer-scale.md ("Static memory per GPU", "Activations per micro-batch") on
+Qwen3-30B-A3B's published architecture (tests/fixtures/models/qwen3-30b-a3b/config.json, written from the numbers in the doc:
 nothing downloaded), the two settings that drive it, and every shipped GPU config
 against its declared device memory."""
 from __future__ import annotations
@@ -19,11 +19,11 @@ from rlstream.common.errors import ConfigError
 from rlstream.consumer.train.memory_budget import (
     GB,
     MemoryPlan,
-    check_config,
     estimate,
     layer_working_elements,
     parameter_counts,
 )
+from rlstream.consumer.train.memory_check import check_config
 from rlstream.consumer.train.model import HFModelDims
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -15,7 +15,8 @@ from rlstream.common.record import decode, encode
 from rlstream.toy.tinymodel import build_tokenizer
 from rlstream.common.tasks.envs.calculator import CalculatorEnv, calculate
 from rlstream.common.tasks.environment import ModelTurn, StepResult
-from rlstream.producer.rollout.episodes import EpisodeRunner, ObservationEncoder
+from rlstream.producer.rollout.episodes import EpisodeRunner
+from rlstream.producer.rollout.observation import ObservationEncoder
 from rlstream.common.tasks.task import Task
 from rlstream.producer.sample import FinishedSample, SamplingConfig
 

@@ -11,7 +11,8 @@ import pytest
 from rlstream.common.config import EngineSettings
 from rlstream.toy.tinymodel import build_tokenizer
 from rlstream.common.tasks.environment import StepResult
-from rlstream.producer.rollout.episodes import EpisodeRunner, ObservationEncoder
+from rlstream.producer.rollout.episodes import EpisodeRunner
+from rlstream.producer.rollout.observation import ObservationEncoder
 from rlstream.common.tasks.envs.calculator import CalculatorEnv
 from rlstream.producer.sample import SamplingConfig
 from tests.unit.producer import test_agents, test_episodes

@@ -151,7 +151,7 @@ def test_a_special_tokens_text_in_prompts_and_observations_stays_text_as_in_the_
     from rlstream.harness.evaluate import generate_text
     from rlstream.toy.tinymodel import build_tokenizer
     from rlstream.common.tasks.environment import StepResult
-    from rlstream.producer.rollout.episodes import ObservationEncoder
+    from rlstream.producer.rollout.observation import ObservationEncoder
 
     tok = build_tokenizer()
     eos = tok.eos_token_id
