@@ -43,13 +43,22 @@ import uuid
 from rlstream.common.config import ControlSettings, RlstreamConfig
 from rlstream.common.control.liveness import ProgressMonitor, Readiness
 from rlstream.common.control.messages import ControlChange
+from rlstream.common.control.plane import ControlFollower, ControlPlaneWriter
+from rlstream.common.control.signing import signing_key
+from rlstream.common.errors import ConfigError
+from rlstream.common.kafka.broker import run_with_broker
+from rlstream.common.kafka.claimcheck import BlobStore
+from rlstream.common.kafka.client import ensure_topics
+from rlstream.common.kafka.reader import RolloutReader
 from rlstream.common.lifecycle import close_attrs
+from rlstream.common.weights.backends import resolve
+from rlstream.common.weights.store import WeightStore
 from rlstream.consumer import telemetry
-from rlstream.consumer.stream.assembler import GroupAssembler
-from rlstream.consumer.stream.intake import IntakeWatch
-from rlstream.consumer.stream.ledger import OUTCOMES, Ledger  # noqa: F401 - OUTCOMES: for importers of its old home
-from rlstream.consumer.train.parallel import launch_rank, launch_world_size
+from rlstream.consumer.checkpoint.cadence import Cadence
+from rlstream.consumer.logreplay.record import step_inputs
+from rlstream.consumer.ranks.protocol import Leader, run_follower, start_rank
 from rlstream.consumer.stability.auto import AutoStaleness
+from rlstream.consumer.stream.assembler import GroupAssembler
 from rlstream.consumer.stream.gate import (
     FILTER_WINDOW_BATCHES,
     FilteredShare,
@@ -57,6 +66,11 @@ from rlstream.consumer.stream.gate import (
     ReadyGroup,
     gate_group,
 )
+from rlstream.consumer.stream.intake import IntakeWatch, VersionBound, record_limits
+from rlstream.consumer.stream.ledger import OUTCOMES, Ledger  # noqa: F401 - OUTCOMES: for importers of its old home
+from rlstream.consumer.train.memory_check import check_config
+from rlstream.consumer.train.parallel import launch_rank, launch_world_size
+from rlstream.consumer.weights.announce import PolicyAnnouncer
 
 log = logging.getLogger("rlstream.consumer")
 
@@ -87,14 +101,6 @@ class ConsumerService:
     # ------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        from rlstream.common.control.plane import ControlFollower, ControlPlaneWriter
-        from rlstream.common.control.signing import signing_key
-        from rlstream.common.kafka.client import ensure_topics
-        from rlstream.common.weights.store import WeightStore
-        from rlstream.consumer.weights.announce import PolicyAnnouncer
-        from rlstream.consumer.checkpoint.cadence import Cadence
-        from rlstream.consumer.ranks.protocol import Leader, start_rank
-
         trainer, ckpt, channel, latest = start_rank(self.cfg)  # collective under torchrun: every rank
         self.leader = Leader(trainer, ckpt, self.ccfg.group_size, channel)
         ensure_topics(self.kafka)
@@ -147,10 +153,6 @@ class ConsumerService:
             self.clock.anchor(self.version, self.step)
 
     def _open_reader(self, offsets: dict[int, int] | None):
-        from rlstream.common.kafka.claimcheck import BlobStore
-        from rlstream.common.kafka.reader import RolloutReader
-        from rlstream.consumer.stream.intake import VersionBound, record_limits
-
         # records this consumer cannot take go to the DLQ, not the trainer (consumer/stream/intake.py)
         limits = record_limits(self.leader.trainer.model.hf_dims, self.ccfg.group_size)
         # fetch_max_wait 20 ms at first: tansu 0.6 sees records that arrive during a fetch only
@@ -282,7 +284,6 @@ class ConsumerService:
 
     def train_step(self, batch: list[ReadyGroup]) -> dict:
         from rlstream.consumer.train.batch import TrainSample
-        from rlstream.consumer.logreplay.record import step_inputs
 
         scale = self.ccfg.stress.logprob_temperature_scale
         samples = [TrainSample.from_rollout(r, w, a, scale) for rg in batch
@@ -341,25 +342,18 @@ def _weight_backend(backend: str) -> str:
     """`consumer.weights.backend` made concrete (common/weights/backends.py)."""
     import torch
 
-    from rlstream.common.weights.backends import resolve
-
     return resolve(backend, on_gpu=torch.cuda.is_available())
 
 
 def main(cfg: RlstreamConfig) -> int:
-    from rlstream.common.kafka.broker import run_with_broker
-    from rlstream.consumer.train.memory_check import check_config
-
     memory = check_config(cfg, os.environ)  # before any rank loads 60 GB of weights
     if memory is not None:
         log.info("%s", memory.report().lstrip("# "))
         memory.refuse()
 
     if launch_rank() != 0:  # followers: the trainer, no Kafka (consumer/ranks/protocol.py)
-        from rlstream.consumer.ranks.protocol import run_follower
         return run_follower(cfg)
     if launch_world_size() > 1 and not cfg.kafka.bootstrap_servers:
-        from rlstream.common.errors import ConfigError
         raise ConfigError("set kafka.bootstrap_servers when running several ranks (torchrun)",
                           key="kafka.bootstrap_servers")
     return run_with_broker(cfg.kafka, cfg.broker, lambda bootstrap: ConsumerService(cfg, bootstrap).run())

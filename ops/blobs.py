@@ -12,6 +12,11 @@ from dataclasses import asdict
 from pathlib import Path
 
 from rlstream.common.config import RlstreamConfig
+from rlstream.common.errors import ConfigError
+from rlstream.common.kafka.blobgc import collect
+from rlstream.common.kafka.claimcheck import open_blob_store
+from rlstream.common.kafka.scan import require_broker
+from rlstream.consumer.logreplay.lineage import resume_floors
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -27,12 +32,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(cfg: RlstreamConfig, args: argparse.Namespace) -> int:
     """Prints the report (one JSON line)."""
-    from rlstream.common.errors import ConfigError
-    from rlstream.common.kafka.blobgc import collect
-    from rlstream.common.kafka.claimcheck import open_blob_store
-    from rlstream.common.kafka.scan import require_broker
-    from rlstream.consumer.logreplay.lineage import resume_floors
-
     require_broker(cfg.kafka, "blobs gc")
     if args.min_age_s < 0:
         raise ConfigError("must be >= 0", key="--min-age-s")

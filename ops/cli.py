@@ -25,9 +25,16 @@ import logging
 import os
 import sys
 
+from rlstream.cluster.cli import add_parser as add_twin_parser
+from rlstream.cluster.cli import run_twin
 from rlstream.common import gpu_standin
 from rlstream.common.config import RlstreamConfig, dump_config, load_config
+from rlstream.common.control.ctl import run_ctl
 from rlstream.common.errors import RlstreamError
+from rlstream.common.kafka.broker import run_broker_forever
+from rlstream.consumer.train.memory_check import check_config
+from rlstream.harness.experiments import run_experiment
+from rlstream.toy.build import ensure_data, ensure_model, wait_for_model
 
 SERVICES = {
     # subcommand -> (module with main(cfg) -> int, one-line help)
@@ -54,7 +61,6 @@ def prepare_toy_world(command: str, cfg: RlstreamConfig) -> None:
     ranks > 0 (torchrun) wait for rank 0's build."""
     if command not in ("producer", "consumer") or not cfg.model.build_tiny:
         return
-    from rlstream.toy.build import ensure_data, ensure_model, wait_for_model
 
     if command == "consumer" and int(os.environ.get("RANK", "0")) != 0:
         wait_for_model(cfg)
@@ -66,8 +72,6 @@ def prepare_toy_world(command: str, cfg: RlstreamConfig) -> None:
 
 def run_broker(cfg: RlstreamConfig) -> int:
     """`rlstream broker`: the bundled tansu broker until SIGTERM/SIGINT."""
-    from rlstream.common.kafka.broker import run_broker_forever
-
     return run_broker_forever(cfg.broker, cfg.kafka)
 
 
@@ -96,7 +100,6 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("name", choices=["async", "objectives", "replay", "dynamic_sampling", "tool_use", "stability"])
     exp.add_argument("-c", "--config", default="configs/tiny-cpu.yaml")
     exp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    from rlstream.cluster.cli import add_parser as add_twin_parser
     add_twin_parser(sub)
     return p
 
@@ -117,8 +120,6 @@ def _print_memory_check(cfg: RlstreamConfig) -> None:
     """The per-GPU memory estimate of consumer/train/memory_check.py, as a YAML comment
     (nothing when consumer.memory.device_memory_gb is unset); a layout that cannot fit
     is refused here as at start (ConfigError)."""
-    from rlstream.consumer.train.memory_check import check_config
-
     check = check_config(cfg, os.environ)
     if check is not None:
         print(check.report())
@@ -128,13 +129,11 @@ def _print_memory_check(cfg: RlstreamConfig) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "twin":  # no configuration: it builds hosts, not services
-        from rlstream.cluster.cli import run_twin
         return run_twin(args)
     try:
         cfg = load_config(args.config, getattr(args, "set", []), flags=_flags(args))
         _configure_logging(cfg.cli.log_level)
         if args.command == "ctl":
-            from rlstream.common.control.ctl import run_ctl
             return run_ctl(args.action, args.key, args.value, cfg.cli.admin_url, cfg.cli.admin_token)
         if getattr(args, "dry_run", False):
             print(dump_config(cfg), end="")
@@ -144,7 +143,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in TOOLS:
             return int(importlib.import_module(TOOLS[args.command][0]).main(cfg, args))
         if args.command == "experiment":
-            from rlstream.harness.experiments import run_experiment
             return run_experiment(args.name, cfg)
         prepare_toy_world(args.command, cfg)
         gpu_standin.install_if_requested()  # RLSTREAM_GPU_STANDIN: tests and the twin only

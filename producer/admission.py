@@ -48,7 +48,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from rlstream.common.control.messages import TrainerProgress
-from rlstream.common.kafka.client import end_offsets
+from rlstream.common.kafka.client import end_offsets, make_consumer
 
 log = logging.getLogger("rlstream.producer")
 
@@ -139,8 +139,6 @@ class TopicEnds:
 
     def _make_offsets_client(self):
         from kafka import TopicPartition
-
-        from rlstream.common.kafka.client import make_consumer
 
         c = make_consumer(self.kafka)
         topic = self.kafka.topics.rollouts

@@ -60,6 +60,7 @@ from rlstream.common.config import EngineSettings
 from rlstream.common.errors import ConfigError, EngineError
 from rlstream.common.record import routing_dtype_for
 from rlstream.common.weights.backends import GLOO
+from rlstream.producer.routing_capture import RoutingCapture
 from rlstream.producer.sample import FinishedSample, SamplingConfig
 from rlstream.producer.text_tokens import encode_text
 from rlstream.producer.vllm_args import engine_args, prefix_caching, resolve_routing, resolve_weight_transfer
@@ -166,8 +167,6 @@ class RolloutEngine(WeightPort):
         """Workers that receive each version over a weight link (TP x PP; reported when it registers)."""
         self._engine.set_weight_version(str(self.version))
         if self.routing_mode == "capture":
-            from rlstream.producer.routing_capture import RoutingCapture
-
             self._capture = RoutingCapture(self._model_runner(), self.num_experts).install()
 
     def _model_runner(self):

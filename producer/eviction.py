@@ -30,6 +30,7 @@ import logging
 from collections.abc import Callable, Hashable, Mapping
 
 from rlstream.common.staleness import is_stale, staleness_of
+from rlstream.producer import telemetry
 
 log = logging.getLogger("rlstream.producer")
 
@@ -54,8 +55,6 @@ class StaleEviction:
             abort: Callable[[str], int], groups) -> None:
         """When `due`: every group the gate will drop is aborted (`abort(group_id)` ends its
         running samples and says how many), its slot freed in `groups` (InFlightGroups), counted."""
-        from rlstream.producer import telemetry
-
         if not self.due(trainer_version, max_staleness):
             return
         for gid in stale_groups(oldest_versions(), trainer_version, max_staleness):

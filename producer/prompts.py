@@ -42,7 +42,11 @@ from typing import Protocol
 from rlstream.common import metrics
 from rlstream.common.config import JsonlPrompts, KafkaSettings, KafkaTopicPrompts, ReasoningGymPrompts
 from rlstream.common.errors import ConfigError
+from rlstream.common.kafka.client import make_consumer
+from rlstream.common.kafka.dlq import DeadLetterWriter
+from rlstream.common.tasks.reasoning_gym import GymTask
 from rlstream.common.tasks.task import Task
+from rlstream.common.tasks.verifiers import exact_match
 
 Verifier = Callable[[str, str], "tuple[float, dict]"]
 
@@ -82,8 +86,6 @@ def open_prompt_source(settings: JsonlPrompts | KafkaTopicPrompts | ReasoningGym
 
 
 def _default_verifier(verifier: Verifier | None) -> Verifier:
-    from rlstream.common.tasks.verifiers import exact_match  # the default producer.verifier
-
     return verifier or exact_match
 
 
@@ -139,8 +141,6 @@ class GymPromptSource:
 
     def __init__(self, settings: ReasoningGymPrompts, verifier: Verifier | None = None,
                  epochs: int | None = None):
-        from rlstream.common.tasks.reasoning_gym import GymTask
-
         if settings.reward == "verifier" and verifier is None:
             raise ConfigError("reward: verifier needs producer.verifier", key="producer.prompts.reward")
         self.settings, self.verifier, self.epochs = settings, verifier, epochs
@@ -211,9 +211,6 @@ class KafkaPromptSource:
     """
 
     def __init__(self, kafka, topic: str, group_id: str = "rlstream-producers", verifier: Verifier | None = None):
-        from rlstream.common.kafka.client import make_consumer
-        from rlstream.common.kafka.dlq import DeadLetterWriter
-
         self.kafka, self.topic, self.verify = kafka, topic, _default_verifier(verifier)
         # a group join waits for the rebalance timeout (max_poll_interval_ms): keep it short
         self._consumer = make_consumer(

@@ -27,13 +27,22 @@ import time
 from rlstream.common import metrics, runfile
 from rlstream.common.config import ControlSettings, RlstreamConfig
 from rlstream.common.control.liveness import ProgressMonitor, Readiness
+from rlstream.common.control.plane import ControlFollower, ControlPlaneWriter
 from rlstream.common.control.signing import signing_key
+from rlstream.common.kafka.broker import run_with_broker
+from rlstream.common.kafka.claimcheck import BlobStore
+from rlstream.common.kafka.client import ensure_topics
+from rlstream.common.kafka.publisher import RolloutPublisher
 from rlstream.common.lifecycle import close_attrs
+from rlstream.common.tasks.verifiers import get_verifier
 from rlstream.producer import telemetry
 from rlstream.producer.admission import AdmissionView, TopicEnds, admission_block
+from rlstream.producer.engine import RolloutEngine
 from rlstream.producer.following import Following
 from rlstream.producer.groups import InFlightGroups
 from rlstream.producer.outbox import Outbox
+from rlstream.producer.prompts import open_prompt_source
+from rlstream.producer.rollout import build_driver
 from rlstream.producer.sample import SamplingConfig
 
 log = logging.getLogger("rlstream.producer")
@@ -58,15 +67,6 @@ class ProducerService:
         """`engine`: an already started RolloutEngine to use (tests share one), else one is built."""
         import torch
 
-        from rlstream.common.control.plane import ControlFollower
-        from rlstream.common.kafka.claimcheck import BlobStore
-        from rlstream.common.kafka.client import ensure_topics
-        from rlstream.common.kafka.publisher import RolloutPublisher
-        from rlstream.producer.engine import RolloutEngine
-        from rlstream.producer.prompts import open_prompt_source
-        from rlstream.producer.rollout import build_driver
-        from rlstream.common.tasks.verifiers import get_verifier
-
         ensure_topics(self.kafka)
         verify = get_verifier(self.pcfg.verifier)
         self.prompts = open_prompt_source(self.pcfg.prompts, self.kafka, verify)
@@ -89,7 +89,6 @@ class ProducerService:
 
     def _start_http(self) -> None:
         from rlstream.common.control.http import start_service_http
-        from rlstream.common.control.plane import ControlPlaneWriter
 
         self._writer = ControlPlaneWriter(self.kafka, signing_key(self.pcfg.http.admin_token))
         # /healthz: live unless an engine step or weight update overruns its bound; /readyz: loaded, caught up, broker up
@@ -195,6 +194,4 @@ class ProducerService:
 
 
 def main(cfg: RlstreamConfig) -> int:
-    from rlstream.common.kafka.broker import run_with_broker
-
     return run_with_broker(cfg.kafka, cfg.broker, lambda bootstrap: ProducerService(cfg, bootstrap).run())

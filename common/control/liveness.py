@@ -46,6 +46,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from rlstream.common import metrics
+from rlstream.common.kafka.broker import probe_broker
 
 if TYPE_CHECKING:
     import ssl
@@ -243,8 +244,6 @@ def broker_unanswered(bootstrap_servers: str, timeout_s: float = 1.0,
     """None when any bootstrap server answers a Kafka ApiVersions request within `timeout_s`;
     else the reason, naming each server. A raw request on a socket of its own: the HTTP thread
     must not share the loop's (not thread-safe) Kafka clients."""
-    from rlstream.common.kafka.broker import probe_broker
-
     whys = []
     for server in bootstrap_servers.split(","):
         host, _, port = server.strip().split("://")[-1].rpartition(":")

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from rlstream.common.config import RlstreamConfig
 from rlstream.common.errors import ConfigError
+from rlstream.common.kafka.scan import require_broker
 
 
 def _offsets(text: str) -> dict[int, int]:
@@ -37,7 +38,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(cfg: RlstreamConfig, args: argparse.Namespace) -> int:
     """Prints the summary (one JSON line)."""
     from rlstream.common.export.run import ExportOptions, export
-    from rlstream.common.kafka.scan import require_broker
 
     require_broker(cfg.kafka, "export")
     if not 1 <= args.row_group_mb <= 1024:

@@ -30,6 +30,7 @@ from rlstream.common.errors import InvalidRecordError
 from rlstream.common.export import ExportError
 from rlstream.common.export.writer import Cursor, PartWriter
 from rlstream.common.kafka.claimcheck import open_blob_store, resolve
+from rlstream.common.kafka.client import make_consumer
 from rlstream.common.kafka.scan import TopicScan
 
 log = logging.getLogger("rlstream.export")
@@ -185,8 +186,6 @@ class _Group:
 
     def __init__(self, kafka: KafkaSettings, topic: str, group: str | None, partitions: list[int]):
         from kafka import TopicPartition
-
-        from rlstream.common.kafka.client import make_consumer
 
         self._consumer = None if group is None else make_consumer(kafka, group_id=group, enable_auto_commit=False)
         self._tps = {p: TopicPartition(topic, p) for p in partitions}

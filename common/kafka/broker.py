@@ -33,6 +33,7 @@ from pathlib import Path
 from rlstream.common import process
 from rlstream.common.config import BrokerSettings, KafkaSettings
 from rlstream.common.errors import BrokerError
+from rlstream.common.kafka.client import ensure_topics
 
 log = logging.getLogger("rlstream.broker")
 
@@ -285,7 +286,6 @@ def run_broker_forever(settings: BrokerSettings, kafka: KafkaSettings | None = N
     try:
         b.start()
         if kafka is not None:
-            from rlstream.common.kafka.client import ensure_topics
             ensure_topics(kafka.model_copy(update={"bootstrap_servers": b.bootstrap}))
         log.info("rlstream broker listening on %s; set kafka.bootstrap_servers=%s in other services; "
                  "SIGTERM or Ctrl-C stops it", b.bootstrap, b.bootstrap)

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from rlstream.common import metrics
 from rlstream.common.config import KafkaSettings
 from rlstream.common.errors import BrokerError, PublishError
+from rlstream.common.kafka.broker import broker_api_keys
 from rlstream.common.kafka.claimcheck import AbstractBlobStore, open_blob_store
 from rlstream.common.kafka.client import client_kwargs, make_producer
 from rlstream.common.record import ClaimPointer, Rollout, encode, encode_claim_pointer
@@ -351,7 +352,6 @@ class RolloutPublisher:
             return bool(self._overrides["enable_idempotence"])
         if self.kafka.security_protocol != "PLAINTEXT":
             return True  # real clusters (Kafka >= 0.11) support it
-        from rlstream.common.kafka.broker import broker_api_keys
 
         host, _, port = client_kwargs(self.kafka)["bootstrap_servers"][0].rpartition(":")
         keys = broker_api_keys(host, int(port or 9092), timeout_s=self.kafka.request_timeout_ms / 1000)

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 
 from rlstream.common.config import RlstreamConfig
+from rlstream.common.kafka.scan import require_broker
+from rlstream.consumer.logreplay.run import replay
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,9 +24,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(cfg: RlstreamConfig, args: argparse.Namespace) -> int:
     """Prints the summary (one JSON line); exit 0 when the replay equals the original, 1 when not."""
-    from rlstream.common.kafka.scan import require_broker
-    from rlstream.consumer.logreplay.run import replay
-
     require_broker(cfg.kafka, "replay")
     summary = replay(cfg, args.out, args.run_dir, args.start, args.to_step, args.allow_settings_change,
                      not args.no_compare)

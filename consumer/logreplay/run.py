@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from rlstream.common.config import ControlSettings, RlstreamConfig
+from rlstream.common.kafka.claimcheck import open_blob_store
 from rlstream.consumer.checkpoint.files import (
     STATE,
     TRAINER,
@@ -40,8 +41,13 @@ from rlstream.consumer.checkpoint.files import (
     rank_shard_name,
 )
 from rlstream.consumer.logreplay import ReplayError
+from rlstream.consumer.logreplay.fetch import StepRecords
 from rlstream.consumer.logreplay.lineage import lineage_lines, newest_checkpoint
 from rlstream.consumer.logreplay.record import SETTINGS_KEYS, StepInputs, compared_metrics, settings_digest
+from rlstream.consumer.ranks.protocol import Leader
+from rlstream.consumer.stream.gate import gate_group
+from rlstream.consumer.stream.intake import record_limits
+from rlstream.consumer.train.parallel import launch_world_size
 
 log = logging.getLogger("rlstream.replay")
 
@@ -103,10 +109,6 @@ def _start_in_lineage(start: CheckpointState, st: CheckpointState, path: Path) -
 
 def replay(cfg: RlstreamConfig, out_dir: Path, run_dir: Path | None = None, start: Path | None = None,
            to_step: int | None = None, allow_settings: bool = False, compare: bool = True) -> ReplaySummary:
-    from rlstream.common.kafka.claimcheck import open_blob_store
-    from rlstream.consumer.stream.intake import record_limits
-    from rlstream.consumer.ranks.protocol import Leader
-
     run_dir = Path(run_dir or cfg.consumer.checkpoint_dir)
     out_dir = Path(out_dir)
     if out_dir.resolve() == run_dir.resolve():
@@ -144,7 +146,6 @@ def samples(s: StepInputs, rollouts: list, temperature_scale: float = 1.0) -> li
     (consumer/stream/gate.py `gate_group`) under the control settings recorded for the step (its age
     feeds the signals by staleness); `temperature_scale`: `consumer.stress`, as the run trained."""
     from rlstream.consumer.train.batch import TrainSample
-    from rlstream.consumer.stream.gate import gate_group
 
     try:
         control = ControlSettings(**s.control)
@@ -176,7 +177,6 @@ def _trainer(cfg: RlstreamConfig, start: Path | None):
     """The consumer's trainer in a world of one, at `model.path` or the start checkpoint."""
     import torch
 
-    from rlstream.consumer.train.parallel import launch_world_size
     from rlstream.consumer.train.trainer import Trainer
 
     if launch_world_size() != 1:
@@ -192,8 +192,6 @@ def _trainer(cfg: RlstreamConfig, start: Path | None):
 
 
 def _records(cfg: RlstreamConfig, steps: list[StepInputs], blobs, limits):
-    from rlstream.consumer.logreplay.fetch import StepRecords
-
     return StepRecords(cfg.kafka, steps, blobs, limits)
 
 

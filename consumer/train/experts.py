@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from rlstream.common.errors import ConfigError
+from rlstream.consumer.telemetry import EXPERTS_KERNEL
 
 log = logging.getLogger(__name__)
 
@@ -105,8 +106,6 @@ def resolve(setting: str, hidden: int, ffn: int, dtype: torch.dtype) -> str:
 
 def _report(kind: str) -> None:
     """The choice as a metric (docs/metrics.md): 1 for `kind`, 0 for the others."""
-    from rlstream.consumer.telemetry import EXPERTS_KERNEL
-
     for k in KINDS:
         EXPERTS_KERNEL.labels(kind=k).set(1.0 if k == kind else 0.0)
 

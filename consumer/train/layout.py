@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from rlstream.common.errors import ConfigError, ModelError, ParallelLayoutError
-from rlstream.consumer.train.parallel import ranks
+from rlstream.consumer.train.experts import sequential_names
 
 MG_LAYER = "decoder.layers.{i}."
 HF_LAYER = "model.layers.{i}."
@@ -311,7 +311,5 @@ def unshard_megatron(shards: dict[tuple[int, int], dict], dims, tp_size: int = 1
 def local_megatron_state_dict(model) -> dict[str, torch.Tensor]:
     """The model's own tensors (no `_extra_state` placeholders), grouped experts under
     SequentialMLP's per-expert names (views: consumer/train/experts.py)."""
-    from rlstream.consumer.train.experts import sequential_names
-
     return sequential_names({k: v for k, v in model.state_dict().items()
                              if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}, model)

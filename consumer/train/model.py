@@ -60,7 +60,10 @@ import torch
 import torch.nn.functional as F
 
 from rlstream.common.errors import ConfigError, ModelError
+from rlstream.consumer.train import experts as moe_experts
 from rlstream.consumer.train import megatron_shims
+from rlstream.consumer.train.experts import experts_spec
+from rlstream.consumer.train.loader import load_rank_shard
 from rlstream.consumer.train.logprobs import chunked_logprobs
 from rlstream.consumer.train.parallel import ParallelLayout, init_parallel, padded_length, sequence_shard
 
@@ -193,7 +196,6 @@ def layer_specs(dims: HFModelDims, attention: str = "sdpa", experts: str = "sequ
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     from rlstream.consumer.train.attention import core_attention
-    from rlstream.consumer.train.experts import experts_spec
 
     layer = get_gpt_layer_local_spec(num_experts=dims.num_experts, moe_grouped_gemm=False,
                                      qk_layernorm=True, normalization="RMSNorm")
@@ -217,7 +219,6 @@ def build_model(dims: HFModelDims, dtype: torch.dtype = torch.float32,
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
-    from rlstream.consumer.train import experts as moe_experts
     from rlstream.consumer.train.attention import resolve
 
     megatron_shims.apply()
@@ -254,8 +255,6 @@ def load_hf_checkpoint(hf_dir: str | os.PathLike, par: ParallelLayout | None = N
     Initialises the parallel state (`par`, default world of one) if needed.
     Each rank reads only its own tensor/expert-parallel shard (consumer/train/loader.py).
     """
-    from rlstream.consumer.train.loader import load_rank_shard
-
     init_parallel(par or ParallelLayout())
     dims = read_hf_dims(hf_dir)
     model = build_model(dims, dtype, attention, recompute, experts)

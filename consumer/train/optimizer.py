@@ -52,6 +52,7 @@ from functools import partial
 
 import torch
 
+from rlstream.common import gpu_standin
 from rlstream.common.config import OptimizerSettings
 from rlstream.common.errors import CheckpointError, ConfigError
 from rlstream.consumer.train import megatron_shims
@@ -271,8 +272,6 @@ def _check_offload_device(cfg: OptimizerSettings) -> None:
     """megatron-core's HybridDeviceOptimizer needs CUDA (it takes CUDA streams when built,
     and offloads only CUDA tensors): refuse the offload without a GPU, before the model
     is wrapped, instead of its AssertionError."""
-    from rlstream.common import gpu_standin
-
     if cfg.cpu_offload_fraction > 0 and not (torch.cuda.is_available() or gpu_standin.active()):
         raise ConfigError(f"consumer.optimizer.cpu_offload_fraction is {cfg.cpu_offload_fraction:g} but no "
                           "CUDA device is visible: the optimizer offload moves GPU state to the host; "

@@ -34,6 +34,7 @@ import time
 from rlstream.common.config import WeightSyncSettings
 from rlstream.common.control.messages import TrainerProgress, WeightsReady
 from rlstream.consumer import telemetry
+from rlstream.consumer.weights.durable import DurableWriter
 
 
 class PolicyAnnouncer:
@@ -47,7 +48,6 @@ class PolicyAnnouncer:
         weights = weights or WeightSyncSettings()
         self.sender = self.durable = self.snapshot = None
         if weights.transport == "collective":
-            from rlstream.consumer.weights.durable import DurableWriter
             from rlstream.consumer.weights.sender import WeightSender
 
             self.sender = WeightSender(weights, backend)

@@ -17,6 +17,8 @@ from vllm.distributed.weight_transfer.base import WeightSource
 from rlstream.common.weights.backends import GLOO, NCCL
 from rlstream.common.weights.link import GroupLayout
 from rlstream.consumer.train.export import MegatronSource
+from rlstream.consumer.weights.gloo import GlooTrainer
+from rlstream.consumer.weights.nccl import NcclTrainer
 from rlstream.consumer.weights.snapshot import Snapshot
 
 WeightSource.register(MegatronSource)  # implements the interface without importing vLLM
@@ -35,9 +37,7 @@ class TrainerBackend(Protocol):
 
 def trainer_backend(name: str) -> TrainerBackend:
     if name == GLOO:
-        from rlstream.consumer.weights.gloo import GlooTrainer
         return GlooTrainer()
     if name == NCCL:
-        from rlstream.consumer.weights.nccl import NcclTrainer
         return NcclTrainer()
     raise ValueError(f"weight-transfer backend {name!r}: use one of {GLOO}, {NCCL}")

@@ -19,9 +19,14 @@ import json
 import logging
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from rlstream.common.control.messages import DurableCopy
+from rlstream.common.weights.store import MANIFEST
 from rlstream.consumer import telemetry
+
+if TYPE_CHECKING:
+    from rlstream.consumer.weights.snapshot import Snapshot
 
 log = logging.getLogger("rlstream.consumer")
 
@@ -93,8 +98,6 @@ class DurableWriter:
 
 def _newest_in(store) -> DurableCopy | None:
     """The newest complete version already in the store (a restarted consumer's)."""
-    from rlstream.common.weights.store import MANIFEST
-
     for v in reversed(store.versions()):
         try:
             m = json.loads((store.path(v) / MANIFEST).read_text())

@@ -22,14 +22,15 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from rlstream.common.config import KafkaSettings
+from rlstream.common.kafka.client import make_consumer
+from rlstream.common.kafka.reader import H_FIELD, H_REASON, H_SOURCE
+from rlstream.common.record import Rollout, decode_any
 from rlstream.consumer.stream.ledger import OUTCOMES, RETIRED_OUTCOMES
 
 
 def _open(kafka: KafkaSettings, topic: str):
     """A group-less consumer assigned to every partition of `topic`, at offset 0."""
     from kafka import TopicPartition
-
-    from rlstream.common.kafka.client import make_consumer
 
     fetch = kafka.max_message_bytes + (1 << 20)
     c = make_consumer(kafka, auto_offset_reset="earliest", max_partition_fetch_bytes=fetch,
@@ -84,8 +85,6 @@ class DeadLetter:
 
 def read_dlq(kafka: KafkaSettings, **kw) -> list[DeadLetter]:
     """Every message on the dead-letter topic, with its reason headers."""
-    from rlstream.common.kafka.reader import H_FIELD, H_REASON, H_SOURCE
-
     out = []
     for m in read_topic(kafka, kafka.topics.dlq, **kw):
         h = {k: v.decode("utf-8", "replace") for k, v in (m.headers or [])}
@@ -95,8 +94,6 @@ def read_dlq(kafka: KafkaSettings, **kw) -> list[DeadLetter]:
 
 def read_rollouts(kafka: KafkaSettings, **kw) -> dict[str, object]:
     """rollout_id -> Rollout of every decodable record on the rollouts topic."""
-    from rlstream.common.record import Rollout, decode_any
-
     out = {}
     for m in read_topic(kafka, kafka.topics.rollouts, **kw):
         try:

@@ -30,15 +30,19 @@ import time
 from pathlib import Path
 
 from rlstream.common.config import RlstreamConfig
+from rlstream.common.tasks.arithmetic import read_problems
+from rlstream.harness.evaluate import heldout_scores
+from rlstream.harness.hf_decode import load_model
+from rlstream.harness.report import write_report
 from rlstream.harness.runs import StopRule, Warm, run_rl, say
+from rlstream.harness.sft import SftConfig, ToolSft, warm_start
+from rlstream.toy.build import ensure_model, task_files
 
 # leave time for engine start (~40 s), shutdown and the report within the budget
 _RESERVE_S = 120.0
 
 
 def main(cfg: RlstreamConfig) -> int:
-    from rlstream.harness.report import write_report
-
     t0 = time.monotonic()
     d = cfg.demo
     say(f"rlstream demo: budget {d.max_minutes:g} min, target +{d.target_gain:.2f} "
@@ -65,9 +69,6 @@ def prepare_warm(cfg: RlstreamConfig, reuse: bool | None = None) -> Warm:
     """Base model + task data (ops/toy/build.py `task_files`: the toy task or a
     reasoning-gym task's split), the SFT warm start under
     demo.work_dir (reused when its inputs are unchanged), and its held-out score."""
-    from rlstream.harness.sft import SftConfig, warm_start
-    from rlstream.toy.build import ensure_model, task_files
-
     d = cfg.demo
     base, (train, heldout) = ensure_model(cfg), task_files(cfg)
     sft_cfg = SftConfig(band_low=d.sft_band_low, band_high=d.sft_band_high, max_steps=d.sft_max_steps,
@@ -94,8 +95,6 @@ def prepare_warm(cfg: RlstreamConfig, reuse: bool | None = None) -> Warm:
 def _tool_warm_start(cfg: RlstreamConfig, plain: Path, train: Path, heldout: Path, reuse: bool):
     """(directory, SftResult) of the second SFT stage: the plain warm start taught the
     call format of `producer.episodes`' environment (ops/harness/sft.py `ToolSft`)."""
-    from rlstream.harness.sft import SftConfig, ToolSft, warm_start
-
     d = cfg.demo
     sft_cfg = SftConfig(band_low=d.sft_tool_band_low, band_high=d.sft_tool_band_high,
                         max_steps=d.sft_tool_max_steps, eval_every=20, eval_limit=128,
@@ -113,10 +112,6 @@ def score_dir(model_dir, heldout, metric: str, temperature: float, max_new_token
     """`rlstream.harness.evaluate.heldout_scores` of a model directory (seeded sampling;
     with `episodes`, scored with the tool and without)."""
     import torch
-
-    from rlstream.harness.evaluate import heldout_scores
-    from rlstream.harness.hf_decode import load_model
-    from rlstream.common.tasks.arithmetic import read_problems
 
     threads = torch.get_num_threads()
     model, tok = load_model(model_dir)

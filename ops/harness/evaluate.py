@@ -32,8 +32,10 @@ from typing import Iterable
 
 from rlstream.common.errors import ConfigError
 from rlstream.common.tasks.arithmetic import Problem, is_correct, read_problems
+from rlstream.common.weights.store import WeightStore
 from rlstream.harness.hf_decode import by_length, decode_loop, load_model
 from rlstream.harness.tool_eval import tool_scores
+from rlstream.producer.text_tokens import encode_text
 
 log = logging.getLogger("rlstream.evaluate")
 
@@ -63,8 +65,6 @@ def generate_text(model, tok, prompts: list[str], max_new_tokens: int = 8, batch
     tokenised as the producer's engine does: a special token's text in it stays text
     (producer/text_tokens.py)."""
     import torch
-
-    from rlstream.producer.text_tokens import encode_text
 
     ids = [encode_text(tok, p) for p in prompts]
     responses: list[str] = [""] * len(prompts)
@@ -168,8 +168,6 @@ class VersionEvaluator:
 
     def evaluate_newest(self) -> tuple[int, dict] | None:
         """(version, scores) of the newest version not evaluated yet, else None."""
-        from rlstream.common.weights.store import WeightStore
-
         store = WeightStore(self.store_dir, keep=1 << 30)  # keep: never prunes, only reads
         versions = store.versions()
         if not versions or versions[-1] == self.last_version:

@@ -69,7 +69,10 @@ from typing import Any
 from rlstream.common.config import RlstreamConfig
 from rlstream.common.errors import ConfigError
 from rlstream.harness.arms import ARM_SECONDS, ARM_VERSIONS, arm_metrics
+from rlstream.harness.demo import prepare_warm
+from rlstream.harness.runs import StopRule, run_rl, say
 from rlstream.harness.stability import arm_specs, stability_metrics, stability_summary
+from rlstream.harness.tool_use import require_episodes, tool_use_summary
 
 log = logging.getLogger("rlstream.experiments")
 
@@ -108,8 +111,6 @@ def arms(name: str, cfg: RlstreamConfig) -> list[Arm]:
     if name == "dynamic_sampling":
         return [Arm("with", {"consumer.dynamic_sampling": "on"}), Arm("without", {"consumer.dynamic_sampling": "off"})]
     if name == "tool_use":
-        from rlstream.harness.tool_use import require_episodes
-
         require_episodes(cfg)
         return [Arm("rl", {})]
     if name == "stability":
@@ -194,9 +195,6 @@ def experiment_result(name: str, cfg: RlstreamConfig, seconds: float | None = No
     linear drift of the shared machine's load) and each arm's numbers combine
     its repetitions.
     """
-    from rlstream.harness.demo import prepare_warm
-    from rlstream.harness.runs import StopRule, run_rl, say
-
     arm_list = selected_arms(name, cfg)
     warm = prepare_warm(cfg)
     target = min(1.0, warm.accuracy + cfg.demo.target_gain)
@@ -230,8 +228,6 @@ def experiment_result(name: str, cfg: RlstreamConfig, seconds: float | None = No
     if name in SUMMARIES and len(results) == 2:
         out.update(SUMMARIES[name](results, runs, reps))
     if name == "tool_use":
-        from rlstream.harness.tool_use import tool_use_summary
-
         out.update(tool_use_summary(cfg, warm, results))
     if name == "stability":
         from pathlib import Path

@@ -49,6 +49,11 @@ from pathlib import Path
 from rlstream.common.config import EpisodeSettings
 from rlstream.common.errors import ConfigError
 from rlstream.common.tasks.arithmetic import Problem, read_problems
+from rlstream.common.tasks.envs import env_factory
+from rlstream.harness.evaluate import evaluate_model
+from rlstream.harness.hf_decode import load_model
+from rlstream.harness.tool_eval import run_episodes
+from rlstream.producer.text_tokens import encode_text
 
 log = logging.getLogger("rlstream.sft")
 
@@ -107,8 +112,6 @@ def _encode_examples(tok, problems: list[Problem], tool: ToolSft | None = None,
     (loss on the model turns and eos only). Text is tokenised as the producer does
     (producer/text_tokens.py): a special token's text in a prompt, an answer or an
     observation stays text, so the warm start learns the sequences RL will train on."""
-    from rlstream.producer.text_tokens import encode_text
-
     rng = random.Random(seed)
     turns_of = _reference_turns(tool)
     out = []
@@ -134,7 +137,6 @@ def _encode_examples(tok, problems: list[Problem], tool: ToolSft | None = None,
 def _reference_turns(tool: ToolSft | None):
     if tool is None:
         return None
-    from rlstream.common.tasks.envs import env_factory
 
     env_cls = env_factory(tool.episodes)
     if not hasattr(env_cls, "reference_turns"):
@@ -179,10 +181,7 @@ def _distance_to_band(acc: float, cfg: SftConfig) -> float:
 def _band_accuracy(model, tok, heldout: list[Problem], cfg: SftConfig, tool: ToolSft | None) -> float:
     """Greedy held-out accuracy: single-turn, or with the tool when teaching its format."""
     if tool is None:
-        from rlstream.harness.evaluate import evaluate_model
-
         return evaluate_model(model, tok, heldout, cfg.max_new_tokens).accuracy
-    from rlstream.harness.tool_eval import run_episodes
 
     outs = run_episodes(model, tok, heldout, tool.episodes)
     return sum(o.reward > 0 for o in outs) / max(len(outs), 1)
@@ -273,8 +272,6 @@ def warm_start(base_dir, out_dir, train_path, heldout_path, cfg: SftConfig | Non
     """SFT the model in `base_dir` into `out_dir` (HF format); reuse a matching one if allowed.
     With `tool`: teach that environment's call format (module doc)."""
     import torch
-
-    from rlstream.harness.hf_decode import load_model
 
     cfg = cfg or SftConfig()
     if reuse and (res := load_warm(out_dir, cfg, base_dir, train_path, heldout_path, tool)) is not None:

@@ -39,6 +39,7 @@ from typing import Any
 
 from rlstream.harness.arms import ARM_SECONDS, ARM_VERSIONS, COLLAPSE_ACC_DROP, arm_metrics
 from rlstream.harness.report import by_staleness
+from rlstream.harness.runs import RunResult
 
 LOSSES = ("minirl", "dppo_tv")
 REPLAYS = ("none", "R3")
@@ -311,8 +312,6 @@ def arms_from_run_dirs(root: Path) -> tuple[dict[str, dict], dict[str, str]]:
     every arm of `arm_specs()` without such a run to why (failed: its error's first line; cut off:
     no summary.json; not run)."""
     import json
-
-    from rlstream.harness.runs import RunResult
 
     arms: dict[str, dict] = {}
     missing: dict[str, str] = {}

@@ -37,8 +37,9 @@ from typing import Callable, Iterable
 from rlstream.common import process
 from rlstream.common.config import RlstreamConfig
 from rlstream.common.errors import PipelineError
-from rlstream.harness import observe
+from rlstream.common.kafka.broker import free_port, kafka_ping
 from rlstream.common.runfile import read_run_file
+from rlstream.harness import observe
 
 log = logging.getLogger("rlstream.supervisor")
 
@@ -282,8 +283,6 @@ class Pipeline:
 
     def start(self) -> None:
         """Broker first (until it answers Kafka requests), then the consumer and the producers."""
-        from rlstream.common.kafka.broker import free_port, kafka_ping
-
         host, port = self.cfg.broker.host, free_port(self.cfg.broker.host)
         self.bootstrap = f"{host}:{port}"
         broker = self._start("broker", [f"broker.port={port}"], threads=1)

@@ -32,7 +32,12 @@ from dataclasses import dataclass
 from rlstream.common.config import EpisodeSettings
 from rlstream.common.errors import ConfigError
 from rlstream.common.tasks.arithmetic import Problem, is_correct
+from rlstream.common.tasks.environment import ModelTurn
+from rlstream.common.tasks.envs import env_factory
+from rlstream.common.tasks.task import Task
 from rlstream.harness.hf_decode import by_length, decode_loop
+from rlstream.producer.rollout.observation import ObservationEncoder
+from rlstream.producer.text_tokens import encode_text
 
 
 @dataclass
@@ -56,8 +61,6 @@ class _Live:
 
 
 def _env_class(settings: EpisodeSettings):
-    from rlstream.common.tasks.envs import env_factory
-
     return env_factory(settings)
 
 
@@ -70,9 +73,6 @@ def _stop_ids(tok, env_cls) -> frozenset[int]:
 
 
 def _start(env_cls, tok, problem: Problem) -> _Live:
-    from rlstream.common.tasks.task import Task
-    from rlstream.producer.text_tokens import encode_text
-
     env = env_cls()
     task = Task(problem.prompt, problem.answer, lambda text, a=problem.answer: (float(is_correct(text, a)), {}))
     prompt = env.reset(task)
@@ -86,9 +86,6 @@ def _end(ep: _Live, reward: float, end: str) -> None:
 def _take_turn(ep: _Live, out: list[int], tok, settings: EpisodeSettings, stops: frozenset[int]) -> None:
     """Append one model turn (`out` as decoded: an ending EOS was dropped and is put back), step the
     environment, append its observation or end the episode."""
-    from rlstream.common.tasks.environment import ModelTurn
-    from rlstream.producer.rollout.observation import ObservationEncoder
-
     if len(out) < settings.max_turn_tokens and not (out and out[-1] in stops):
         out = out + [tok.eos_token_id]  # ended by EOS, which the producer's turn includes
     stopped = out[-1] in stops or out[-1] == tok.eos_token_id

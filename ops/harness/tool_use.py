@@ -20,6 +20,8 @@ from typing import Any
 
 from rlstream.common.config import RlstreamConfig
 from rlstream.common.errors import ConfigError
+from rlstream.common.weights.store import WeightStore
+from rlstream.harness.demo import score_dir
 from rlstream.harness.runs import Warm, say
 
 COLUMNS = (("accuracy", "with tool ({metric})"), ("greedy", "with tool (greedy)"),
@@ -35,8 +37,6 @@ def require_episodes(cfg: RlstreamConfig) -> None:
 
 def final_version(run_dir: str) -> tuple[int, Path] | None:
     """(version, directory) of the newest weight version the run published (None if none)."""
-    from rlstream.common.weights.store import WeightStore
-
     store = WeightStore(Path(run_dir) / "weights", keep=1 << 30)  # reads only
     versions = store.versions()
     return (versions[-1], Path(store.path(versions[-1]))) if versions else None
@@ -49,8 +49,6 @@ def _pick(scores: dict) -> dict:
 
 def tool_use_summary(cfg: RlstreamConfig, warm: Warm, results: dict[str, dict]) -> dict[str, Any]:
     """Scores before and after RL, the tool's gain at each, RL's gain on each; writes tool_use.md."""
-    from rlstream.harness.demo import score_dir
-
     arm = next(iter(results.values()))
     run_dir = arm.get("run_dir") or (arm.get("run_dirs") or [None])[-1]
     before = _pick(warm.scores)

@@ -21,6 +21,9 @@ from pathlib import Path
 
 from rlstream.common.config import RlstreamConfig
 from rlstream.common.errors import ConfigError
+from rlstream.common.tasks.arithmetic import Problem, write_problems, write_splits
+from rlstream.common.tasks.reasoning_gym import GymTask
+from rlstream.toy.tinymodel import build_tiny_model
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +34,6 @@ def ensure_model(cfg: RlstreamConfig) -> Path:
         return path
     if not cfg.model.build_tiny:
         raise ConfigError(f"no HF model at {path} (config.json missing) and build_tiny is false", key="model.path")
-    from rlstream.toy.tinymodel import build_tiny_model
 
     log.info("building the tiny MoE model at %s", path)
     return build_tiny_model(path)
@@ -68,7 +70,6 @@ def ensure_data(cfg: RlstreamConfig, n_train: int = 4096, n_heldout: int = 256) 
     train = Path(_prompt_file(cfg).path)
     if train.is_file():
         return train
-    from rlstream.common.tasks.arithmetic import write_splits
 
     log.info("writing the arithmetic task to %s", train.parent)
     write_splits(train, heldout_path(cfg), n_train=n_train, n_heldout=n_heldout, seed=_prompt_file(cfg).seed)
@@ -80,8 +81,6 @@ def task_files(cfg: RlstreamConfig) -> tuple[Path, Path]:
     p = cfg.producer.prompts
     if p.type != "reasoning_gym":
         return ensure_data(cfg), heldout_path(cfg)
-    from rlstream.common.tasks.reasoning_gym import GymTask
-    from rlstream.common.tasks.arithmetic import Problem, write_problems
 
     # the files depend on what fixes the items, not on the shuffle seed or the reward
     digest = hashlib.sha256(json.dumps(p.model_dump(exclude={"seed", "reward"}), sort_keys=True).encode())

@@ -12,7 +12,9 @@ topic (`published.py`) and resumes the others from their last durable turn
 (`resume.py`). A producer whose episodes a peer took over stops them (fenced).
 `journal.py` is the one object the runner and the service call.
 """
+from rlstream.common.tasks.envs import env_factory
 from rlstream.producer.journal.journal import EpisodeJournal
+from rlstream.producer.journal.published import published
 from rlstream.producer.journal.resume import Resumer, StalenessView
 from rlstream.producer.journal.topic import JournalTopic
 
@@ -23,9 +25,6 @@ def open_journal(kafka, pcfg, runner, groups, verify, producer_id: str, rollout_
     """The journal of `runner`'s episodes, started (lease, journal read to its end), and the
     Resumer that claims orphans into `runner` and `groups` (producer/rollout/__init__.py).
     `rollout_ends`: the rollouts topic's end offsets as the service knows them (a lower bound)."""
-    from rlstream.common.tasks.envs import env_factory
-    from rlstream.producer.journal.published import published
-
     prompts = pcfg.prompts
     own_score = getattr(prompts, "type", "") == "reasoning_gym" and getattr(prompts, "reward", "") == "dataset"
     journal = EpisodeJournal(JournalTopic(kafka, pcfg.journal.lease_s), producer_id, pcfg.journal, own_score=own_score,

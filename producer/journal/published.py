@@ -27,6 +27,7 @@ import time
 
 from rlstream.common.config import KafkaSettings
 from rlstream.common.kafka.client import at_high_watermark, make_consumer
+from rlstream.common.record import decode_any
 
 log = logging.getLogger("rlstream.producer.journal")
 
@@ -34,8 +35,6 @@ log = logging.getLogger("rlstream.producer.journal")
 def published(kafka: KafkaSettings, wanted: dict[str, dict[int, int]], deadline_s: float = 30.0) -> set[str]:
     """The rollout ids of `wanted` (id -> {partition: lower bound}) found in the rollouts topic."""
     from kafka import TopicPartition
-
-    from rlstream.common.record import decode_any
 
     if not wanted:
         return set()

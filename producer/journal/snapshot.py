@@ -31,9 +31,12 @@ from rlstream.common.record import (
     RecordLimits,
     Rollout,
     routing_dtype_for,
+)
+from rlstream.common.record import (
     validate as validate_record,
 )
 from rlstream.producer.journal.claims import Held
+from rlstream.producer.rollout.trajectory import oldest_model_version
 
 MAGIC = b"RJ1"
 _ARRAYS = ("prompt_ids", "response", "mask", "logprobs", "versions", "routing")
@@ -117,8 +120,6 @@ class Snapshot:
     @property
     def oldest_version(self) -> int | None:
         """The oldest policy version of a model token, None before the first turn."""
-        from rlstream.producer.rollout.trajectory import oldest_model_version
-
         return oldest_model_version(self.versions, self.mask)
 
 

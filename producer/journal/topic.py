@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from rlstream.common.config import KafkaSettings
 from rlstream.common.kafka.client import make_admin, make_consumer, make_producer
+from rlstream.common.kafka.dlq import DeadLetterWriter
 from rlstream.producer import telemetry
 from rlstream.producer.journal import checkpoint
 from rlstream.producer.journal.claims import Lease, applies, skew_bound, trusted
@@ -344,8 +345,6 @@ class JournalTopic:
     def send_letters(self, letters: list[Letter]) -> None:
         """Store refused entries in the DLQ (original key and bytes, reason headers); a failure
         is logged, not raised: the record stays in the journal, and its refusal is counted."""
-        from rlstream.common.kafka.dlq import DeadLetterWriter
-
         if not letters:
             return
         try:

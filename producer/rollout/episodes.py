@@ -49,13 +49,14 @@ import numpy as np
 from rlstream.common.config import EpisodeSettings
 from rlstream.common.errors import ConfigError
 from rlstream.common.record import DEFAULT_LIMITS, Rollout
+from rlstream.common.tasks.environment import Environment, ModelTurn, StepResult
+from rlstream.common.tasks.task import Task
 from rlstream.producer import telemetry
 from rlstream.producer.eviction import StaleEviction
 from rlstream.producer.groups import InFlightGroups
+from rlstream.producer.journal.snapshot import episode_key
 from rlstream.producer.rollout.driver import RolloutDriver
 from rlstream.producer.rollout.observation import ObservationEncoder
-from rlstream.common.tasks.environment import Environment, ModelTurn, StepResult
-from rlstream.common.tasks.task import Task
 from rlstream.producer.rollout.trajectory import Trajectory
 from rlstream.producer.sample import FinishedSample, SamplingConfig
 from rlstream.producer.text_tokens import RewrittenSpecialText, encode_text
@@ -159,8 +160,6 @@ class EpisodeRunner:
     def abandon(self, key: str) -> str | None:
         """Stop the running episode of journal key `key` (a peer took it over: producer/journal/),
         its journal entry left alone; returns its group id, None if it does not run here."""
-        from rlstream.producer.journal.snapshot import episode_key
-
         for ep in self._running():
             if episode_key(ep.group_id, ep.sample_idx) == key:
                 self._stop(ep)

@@ -59,6 +59,7 @@ from typing import Any, Protocol
 
 from rlstream.common.control.messages import DurableCopy, WeightsReady
 from rlstream.common.errors import DigestMismatchError, WeightReloadError
+from rlstream.common.weights.store import stage_version, verify, vouched
 from rlstream.producer import telemetry
 from rlstream.producer.weights.trainer_link import TrainerLink
 
@@ -324,8 +325,6 @@ class Reloader:
 
     def _stage_and_verify(self, copy: DurableCopy) -> Path | None:
         """The staged, verified copy of `copy`'s version, or None (refused, logged, counted)."""
-        from rlstream.common.weights.store import stage_version, verify, vouched
-
         slot = self.stage_root / ("a" if self.loaded != self.stage_root / "a" else "b")  # not what is loaded
         try:
             if self.store_dir is not None:

@@ -14,8 +14,10 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from rlstream.cluster.shipped import ShippedService
-from rlstream.common import process
 from rlstream.cluster.twin import ClusterTwin, Host
+from rlstream.common import process
+from rlstream.common.config import load_config
+from rlstream.common.kafka.broker import kafka_ping
 from rlstream.harness.supervisor import Service, child_env, wait_until
 
 log = logging.getLogger(__name__)
@@ -135,8 +137,6 @@ class Rehearsal(ABC):
         """Start the broker, the trainer's ranks and the producers (not waiting for them)."""
 
     def _start_broker(self, argv: list[str], env: dict[str, str], port: int = 9092) -> None:
-        from rlstream.common.kafka.broker import kafka_ping
-
         log = open(self.logs / f"{self.broker_host}.log", "wb")
         self._stack.callback(log.close)
         self.twin.popen(self.broker_host, ["sh", "-c", 'cd "$0" && exec "$@"', str(self.work), *argv], env=env,
@@ -165,8 +165,6 @@ class Rehearsal(ABC):
 
     def model_dir(self) -> Path:
         """The policy's directory (model.path of the services' configuration)."""
-        from rlstream.common.config import load_config
-
         return self.work / load_config(str(self.config_file), environ={}).model.path
 
     def version(self) -> float:

@@ -23,6 +23,7 @@ from rlstream.cluster.shipped import (
     k8s_jobset,
     k8s_service,
 )
+from rlstream.common.config import load_config
 from rlstream.harness.rehearsal.base import (
     CONSUMER_SWAPS,
     PRODUCER_SWAPS,
@@ -32,6 +33,7 @@ from rlstream.harness.rehearsal.base import (
     ShippedOnTwin,
     service_env,
 )
+from rlstream.toy.build import ensure_data, ensure_model
 
 K8S = ROOT / "ops" / "k8s"
 CONFIGMAP = "rlstream-config"
@@ -157,9 +159,6 @@ class K8sOnTwin(Rehearsal):
         """storage.yaml's models volume is filled out of band before any pod starts: here
         with the tiny model (copied from `model_from`, else built) and its task data.
         In this process: `rlstream build-model` as a process of its own took 44 s at load 22."""
-        from rlstream.common.config import load_config
-        from rlstream.toy.build import ensure_data, ensure_model
-
         cfg = load_config(str(self.config_file), environ={})
         if self.model_from is not None:
             shutil.copytree(self.model_from, cfg.model.path)

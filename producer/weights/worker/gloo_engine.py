@@ -42,8 +42,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
-                                                   WeightTransferUpdateInfo)
+from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
 from rlstream.common.errors import DigestMismatchError, WeightTransferError
 from rlstream.common.weights.backends import GLOO
@@ -55,6 +54,9 @@ from rlstream.common.weights.link import (
     receive_version,
     worker_group_rank,
 )
+from rlstream.producer.weights.worker.cpu_moe import repack_cpu_moe
+from rlstream.producer.weights.worker.staging import ExpertStaging
+from rlstream.producer.weights.worker.verified_update import update_weights_folded
 
 log = logging.getLogger("rlstream.producer")
 
@@ -231,8 +233,6 @@ class RlstreamGlooEngine(WeightTransferEngine[RlstreamGlooInitInfo, RlstreamGloo
         self._discard()
 
     def _expert_staging(self):
-        from rlstream.producer.weights.worker.staging import ExpertStaging
-
         if self._experts is None:
             self._experts = ExpertStaging(self.model)
         return self._experts
@@ -242,8 +242,7 @@ class RlstreamGlooEngine(WeightTransferEngine[RlstreamGlooInitInfo, RlstreamGloo
         re-materialized, loaded with its own loaders, post-processed, and copied into
         the original kernel tensors (storage, and CUDA-graph references, kept)."""
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
-        from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
-                                                              initialize_layerwise_reload)
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
         names: set[str] = set()
 
@@ -265,7 +264,6 @@ class RlstreamGlooEngine(WeightTransferEngine[RlstreamGlooInitInfo, RlstreamGloo
 
         if not current_platform.is_cpu():
             return 0
-        from rlstream.producer.weights.worker.cpu_moe import repack_cpu_moe
 
         return repack_cpu_moe(self.model, names)
 
@@ -317,14 +315,10 @@ class RlstreamWorkerExtension:
 
     # restore branch hook (issue 23, N5): the nccl update, folded into a digest as it loads
     def rlstream_update_weights_folded(self, update_info: dict[str, Any], timeout_s: float) -> str:
-        from rlstream.producer.weights.worker.verified_update import update_weights_folded
-
         return update_weights_folded(self, update_info, timeout_s)
 
     def rlstream_repack_cpu_moe(self) -> int:
         """After vLLM's `reload_weights` of a whole checkpoint (the file path)."""
-        from rlstream.producer.weights.worker.cpu_moe import repack_cpu_moe
-
         return repack_cpu_moe(self.model_runner.model)
 
 

