@@ -11,7 +11,7 @@
 
 Every subcommand validates its configuration (defaults < file < declared
 RLSTREAM_* aliases < RLSTREAM__SECTION__KEY < --set < dedicated flags; see
-common/config.py) before it imports vLLM or Megatron, so a typo fails in a
+common/config/) before it imports vLLM or Megatron, so a typo fails in a
 second; `--dry-run` prints the resolved configuration (secrets masked) and
 exits. `--log-level` (env RLSTREAM_LOG_LEVEL) is `cli.log_level`; `ctl --url`
 and `--token` (env RLSTREAM_ADMIN_URL, RLSTREAM_ADMIN_TOKEN) are

@@ -1,7 +1,7 @@
 """Prompt sources for the producer: an endless, seeded stream of `Prompt`s.
 
 `open_prompt_source(settings, kafka)` builds the source `producer.prompts`
-names (a tagged union in common/config.py: `type: jsonl | kafka_topic |
+names (a tagged union in common/config/producer.py: `type: jsonl | kafka_topic |
 reasoning_gym`).
 
 `JsonlPromptSource(path, seed)` reads a JSONL file of `{"prompt": ..., "answer": ...}`

@@ -11,7 +11,7 @@
   400 for an invalid key or value; neither changes anything.
 
 The admin API is off (404) when no token is configured (`*.http.admin_token`,
-or env RLSTREAM_ADMIN_TOKEN: common/config.py ENV_ALIASES).
+or env RLSTREAM_ADMIN_TOKEN: common/config/load.py ENV_ALIASES).
 
 Served by uvicorn + Starlette on a thread (common/http_server.py: the bounds on
 header and body time, head and body size, connections, handlers at once and

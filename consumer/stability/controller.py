@@ -4,7 +4,7 @@
     change = ctl.observe(StepSignals(ess=..., kl=..., grad_norm=..., wait_share=...), bound=3)
     if change: publish(change.bound, change.reason)
 
-Rules (thresholds: common/config.py `AutoStalenessSettings`):
+Rules (thresholds: common/config/shared.py `AutoStalenessSettings`):
 
 - The controller judges the mean of the steps observed since its last change
   (or start, or a bound it did not set), once there are `window` of them; a

@@ -18,7 +18,7 @@
                  stored flat as [hidden, E * 2 * ffn] and [E * ffn, hidden].
   sequential     megatron-core's `SequentialMLP`: one GEMM per local expert; the fallback.
 
-`consumer.memory.experts` (common/config.py): auto takes te_grouped where Transformer
+`consumer.memory.experts` (common/config/consumer.py): auto takes te_grouped where Transformer
 Engine imports with CUDA, else torch_grouped where a probe of `torch._grouped_mm` on
 this device, in this dtype and at these shapes succeeds (forward and backward), else
 sequential; grouped refuses to start without a grouped kernel; sequential forces it.

@@ -3,7 +3,7 @@
 Pure functions over one mini-batch, each registered once under its name
 (`@register_loss`) with the advantage it expects, selected with
 `get_loss_fn(name)`. Every function takes `(inp: LossInputs, cfg: LossSettings)`
-(`consumer.loss` of the config, common/config.py) and returns `(loss,
+(`consumer.loss` of the config, common/config/consumer.py) and returns `(loss,
 metrics)`; `loss` is a scalar to *minimise* (minus the objective).
 `rlstream.common.config.LossName` lists the registered names for the config loader
 (which imports no torch); a unit test keeps the two equal.

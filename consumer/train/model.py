@@ -214,7 +214,7 @@ def layer_specs(dims: HFModelDims, attention: str = "sdpa", experts: str = "sequ
 def build_model(dims: HFModelDims, dtype: torch.dtype = torch.float32,
                 attention: str = "auto", recompute: bool = False, experts: str = "auto"):
     """An uninitialised-weights GPTModel (parallel state must be initialised).
-    `attention`, `recompute` and `experts`: `consumer.memory` (common/config.py)."""
+    `attention`, `recompute` and `experts`: `consumer.memory` (common/config/consumer.py)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.moe.router_replay import RouterReplay

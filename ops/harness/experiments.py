@@ -12,7 +12,7 @@ producer(s), consumer, run directory) from the same SFT warm start (shared and
 cached, `rlstream.harness.demo.prepare_warm`), the same task and seeds; arms differ only
 in the overrides listed below. Arms run one after another (2 cores).
 
-Settings (`experiment` section, common/config.py; environment
+Settings (`experiment` section, common/config/harness.py; environment
 `RLSTREAM__EXPERIMENT__ARMS` etc.): `arms` runs a subset of the arms,
 `arm_seconds` and `reps` replace the experiment's defaults (`ARM_SECONDS`,
 `REPS`); the `seconds`/`reps` arguments of `run_experiment` win over both.

@@ -27,7 +27,7 @@ import torch
 
 from tests.support.state import tensors_of
 
-# the `consumer` settings of every run (common/config.py). Adam with a large eps:
+# the `consumer` settings of every run (common/config/consumer.py). Adam with a large eps:
 # the first step is lr * g / (|g| + eps) ~ 0.05 g, linear in the gradient, so
 # summation-order noise shows 1:1 (a small eps makes the step ~lr * sign(g) and
 # turns noise in near-zero gradients into ~1e-4 differences). adamw runs the

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.megatron
 
 def settings(loss: str = "minirl", optimizer: str = "adamw", grad_clip: float = 1.0,
              lr: float = 1e-4, **consumer) -> ConsumerSettings:
-    """`consumer` settings as the config file gives them (common/config.py)."""
+    """`consumer` settings as the config file gives them (common/config/consumer.py)."""
     return ConsumerSettings(loss={"name": loss}, optimizer={"name": optimizer, "lr": lr, "grad_clip": grad_clip},
                             **consumer)
 

@@ -160,9 +160,6 @@ def test_the_control_settings_are_one_model_for_the_file_and_the_control_plane()
         with pytest.raises(ConfigError) as ctl_err:
             parse_control_value(key, value)
         assert file_err.value.key == f"staleness.{key}" and ctl_err.value.key == key
-    with pytest.raises(ConfigError, match="audit_stale was removed") as removed:
-        load_config(None, ["staleness.audit_stale=false"], environ={})
-    assert removed.value.key == "staleness"
     cfg = load_config(None, ["staleness.max_staleness=5", "staleness.paused=true"], environ={})
     start = ControlSettings.from_settings(cfg.staleness)
     assert type(start) is ControlSettings and start.model_dump() == {"max_staleness": 5, "mode": "drop",

@@ -1,4 +1,4 @@
-"""The `consumer` section of common/config.py: bounds and cross-field checks
+"""The `consumer` section of common/config/consumer.py: bounds and cross-field checks
 refused at load time (by `--dry-run` too), and every error key the consumer
 names exists."""
 from __future__ import annotations

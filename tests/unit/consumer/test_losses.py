@@ -252,7 +252,7 @@ def test_unknown_loss_name_is_a_config_error():
 
 
 def test_config_names_exactly_the_registered_losses():
-    """common/config.py cannot import torch, so it keeps the names as a Literal."""
+    """common/config/ cannot import torch, so it keeps the names as a Literal."""
     assert sorted(get_args(LossName)) == sorted(LOSSES)
 
 
