@@ -283,7 +283,7 @@ class ConsumerService:
         telemetry.observe_read(lag, self.ledger.assembler.num_open, self.ledger.held_records())
 
     def train_step(self, batch: list[ReadyGroup]) -> dict:
-        from rlstream.consumer.train.batch import TrainSample
+        from rlstream.consumer.train.batch import TrainSample  # defers torch
 
         scale = self.ccfg.stress.logprob_temperature_scale
         samples = [TrainSample.from_rollout(r, w, a, scale) for rg in batch

@@ -56,7 +56,7 @@ def serve_http(settings, health: Callable, control: Callable, writer, ready: Cal
                status: Callable[[], dict] | None = None):
     """/metrics, /healthz, /readyz and the admin API (changes go to the control topic through `writer`;
     `status`: more for GET /admin/control)."""
-    from rlstream.common.control.http import start_service_http
+    from rlstream.common.control.http import start_service_http  # defers uvicorn
 
     http = start_service_http(settings, health, control, writer, by=f"admin@consumer-{socket.gethostname()}",
                               ready=ready, status=status)
@@ -109,7 +109,7 @@ SIGNALS_BY_STALENESS = ("ess", "kl", "clip_frac", "is_truncated_frac", "token_sh
 
 def observe_signals(step_metrics: dict) -> None:
     """The stability signals of a step (consumer/stability/signals.py) as gauges."""
-    from rlstream.consumer.stability.signals import LABELS
+    from rlstream.consumer.stability.signals import LABELS  # defers torch
 
     nan = float("nan")
     for label, key in SIGNALS_ALL.items():

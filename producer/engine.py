@@ -157,7 +157,7 @@ class RolloutEngine(WeightPort):
         self.prefix_caching = prefix_caching(self.settings, self.routing_mode)
         self.weight_transfer = resolve_weight_transfer(self.settings, self._on_cpu)
         if self.weight_transfer == GLOO:
-            from rlstream.producer.weights.worker.gloo_engine import register
+            from rlstream.producer.weights.worker.gloo_engine import register  # defers vLLM
 
             register()  # before the engine builds its worker (in-process); see producer/weights/worker/gloo_engine.py
         args = engine_args(self.settings, self.model_dir, self.routing_mode, self._on_cpu, self.weight_transfer)

@@ -37,7 +37,7 @@ class Following:
     def start_weights(self, engine, cfg: RlstreamConfig, producer_id: str) -> None:
         """Attach the engine's weight reloader and catch up to the newest announced version
         before generating."""
-        from rlstream.producer.weights.reload import Reloader
+        from rlstream.producer.weights.reload import Reloader  # defers torch
 
         self.reloader = Reloader(engine, cfg.model.path, producer_id, cfg.producer.engine.weight_transfer_timeout_s,
                                  store_dir=cfg.consumer.weight_store_dir)

@@ -88,7 +88,7 @@ class ProducerService:
         self.readiness.initialised()
 
     def _start_http(self) -> None:
-        from rlstream.common.control.http import start_service_http
+        from rlstream.common.control.http import start_service_http  # defers uvicorn
 
         self._writer = ControlPlaneWriter(self.kafka, signing_key(self.pcfg.http.admin_token))
         # /healthz: live unless an engine step or weight update overruns its bound; /readyz: loaded, caught up, broker up

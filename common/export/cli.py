@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(cfg: RlstreamConfig, args: argparse.Namespace) -> int:
     """Prints the summary (one JSON line)."""
-    from rlstream.common.export.run import ExportOptions, export
+    from rlstream.common.export.run import ExportOptions, export  # defers pyarrow
 
     require_broker(cfg.kafka, "export")
     if not 1 <= args.row_group_mb <= 1024:

@@ -53,7 +53,7 @@ def install() -> None:
         return
     import torch
 
-    from rlstream.common.gpu_standin import cuda
+    from rlstream.common.gpu_standin import cuda  # defers torch
 
     _patch(torch.cuda, "Stream", cuda.Stream)
     _patch(torch.cuda, "Event", cuda.Event)
@@ -77,8 +77,8 @@ def _install_vllm() -> None:
         from vllm.utils import torch_utils
     except ImportError:  # a trainer without vLLM never reaches NCCL through it
         return
-    from rlstream.common.gpu_standin import cuda
-    from rlstream.common.gpu_standin.nccl import StandinNccl
+    from rlstream.common.gpu_standin import cuda  # defers torch
+    from rlstream.common.gpu_standin.nccl import StandinNccl  # defers torch
 
     _patch(pynccl, "NCCLLibrary", StandinNccl)
     _patch(pynccl, "current_stream", cuda.current_stream)
@@ -110,7 +110,7 @@ def _patch(owner, name: str, value) -> None:
 
 def _empty_pinnable(empty):
     """torch.empty accepting `pin_memory=True` (Megatron's offload pins its gradient copies)."""
-    from rlstream.common.gpu_standin import cuda
+    from rlstream.common.gpu_standin import cuda  # defers torch
 
     def pinnable(*args, pin_memory: bool = False, **kwargs):
         out = empty(*args, **kwargs)

@@ -69,7 +69,7 @@ def host_copy(obj: Any) -> Any:
     and keeps its high-water mark pinned (a checkpoint's copy of a 30B model's state)."""
     import torch
 
-    from rlstream.consumer.weights.snapshot import HostSlab
+    from rlstream.consumer.weights.snapshot import HostSlab  # defers torch
 
     device: list[torch.Tensor] = []
     _walk(obj, lambda x: device.append(x) if x.is_cuda else None)

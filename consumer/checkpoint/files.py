@@ -206,7 +206,7 @@ class CheckpointManager:
         optimizer shard `own` (`rank_shard_name`) when the checkpoint has per-rank files.
         A checkpoint from before them (the optimizer state gathered inside `name`) has
         none and loads as it is. `own` None: the pair's shard alone (to inspect it)."""
-        from rlstream.consumer.train.optimizer import join_rank_state
+        from rlstream.consumer.train.optimizer import join_rank_state  # defers torch
 
         state = _load(path, name)
         if own is None:

@@ -145,7 +145,7 @@ def samples(s: StepInputs, rollouts: list, temperature_scale: float = 1.0) -> li
     """The step's TrainSamples: its groups in batch order, each sample weighted and aged by the gate
     (consumer/stream/gate.py `gate_group`) under the control settings recorded for the step (its age
     feeds the signals by staleness); `temperature_scale`: `consumer.stress`, as the run trained."""
-    from rlstream.consumer.train.batch import TrainSample
+    from rlstream.consumer.train.batch import TrainSample  # defers torch
 
     try:
         control = ControlSettings(**s.control)
@@ -177,7 +177,7 @@ def _trainer(cfg: RlstreamConfig, start: Path | None):
     """The consumer's trainer in a world of one, at `model.path` or the start checkpoint."""
     import torch
 
-    from rlstream.consumer.train.trainer import Trainer
+    from rlstream.consumer.train.trainer import Trainer  # defers torch
 
     if launch_world_size() != 1:
         raise ReplayError("rlstream replay runs in one process: start it without torchrun")

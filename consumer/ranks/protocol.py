@@ -82,8 +82,8 @@ def start_rank(cfg: RlstreamConfig):
     import torch
     from megatron.core import parallel_state as ps
 
-    from rlstream.consumer.ranks.channel import RankChannel
-    from rlstream.consumer.train.trainer import Trainer
+    from rlstream.consumer.ranks.channel import RankChannel  # defers torch
+    from rlstream.consumer.train.trainer import Trainer  # defers torch
 
     torch.set_num_threads(cfg.consumer.num_threads)
     trainer = Trainer.from_hf(cfg.model.path, cfg.consumer)
@@ -137,7 +137,7 @@ def snapshot_shard(trainer, ckpt: CheckpointManager, writes: BackgroundWrite, tm
     """Wait for this rank's previous write, copy what this rank writes to host
     memory (the only part that blocks; no collective), and write the copies into
     `tmp` in the background; then `commit()` in the same thread (rank 0)."""
-    from rlstream.consumer.train.optimizer import split_rank_state
+    from rlstream.consumer.train.optimizer import split_rank_state  # defers torch
 
     writes.wait()
     plan = checkpoint_shard()

@@ -120,7 +120,7 @@ def check_config(cfg: "RlstreamConfig", environ: Mapping[str, str] | None = None
     if not config_json.is_file():
         return MemoryCheck(device, skipped=f"{config_json} is not readable here (the model's dims "
                                            "come from it; run --dry-run where the model is mounted)")
-    from rlstream.consumer.train.model import read_hf_dims  # torch: only where the model is
+    from rlstream.consumer.train.model import read_hf_dims  # defers torch: only where the model is
 
     plan, dims = plan_of(cfg, world), read_hf_dims(cfg.model.path)
     return MemoryCheck(device, plan, estimate(dims, plan), host=host_estimate(dims, plan),

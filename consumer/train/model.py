@@ -195,7 +195,7 @@ def layer_specs(dims: HFModelDims, attention: str = "sdpa", experts: str = "sequ
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    from rlstream.consumer.train.attention import core_attention
+    from rlstream.consumer.train.attention import core_attention  # defers Megatron
 
     layer = get_gpt_layer_local_spec(num_experts=dims.num_experts, moe_grouped_gemm=False,
                                      qk_layernorm=True, normalization="RMSNorm")
@@ -219,7 +219,7 @@ def build_model(dims: HFModelDims, dtype: torch.dtype = torch.float32,
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
-    from rlstream.consumer.train.attention import resolve
+    from rlstream.consumer.train.attention import resolve  # defers Megatron
 
     megatron_shims.apply()
     attention = resolve(attention)
@@ -268,7 +268,7 @@ def load_hf_checkpoint(hf_dir: str | os.PathLike, par: ParallelLayout | None = N
 def _forward(model, tokens: torch.Tensor) -> torch.Tensor:
     """GPTModel's output [B, S_pad(, V)] for input ids [B, S], right-padded to
     `padded_length` (right padding never influences real positions: causal)."""
-    from rlstream.consumer.train.attention import needs_mask
+    from rlstream.consumer.train.attention import needs_mask  # defers Megatron
 
     device = next(model.parameters()).device
     tokens = tokens.to(device)

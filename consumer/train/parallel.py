@@ -88,7 +88,7 @@ def init_parallel(par: ParallelLayout = ParallelLayout()) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from rlstream.consumer.train import megatron_shims
+    from rlstream.consumer.train import megatron_shims  # defers torch
 
     megatron_shims.apply()
     if not dist.is_initialized():

@@ -48,7 +48,7 @@ class PolicyAnnouncer:
         weights = weights or WeightSyncSettings()
         self.sender = self.durable = self.snapshot = None
         if weights.transport == "collective":
-            from rlstream.consumer.weights.sender import WeightSender
+            from rlstream.consumer.weights.sender import WeightSender  # defers vLLM
 
             self.sender = WeightSender(weights, backend)
             self.durable = DurableWriter(store, model_path, weights.durable_every)
@@ -57,12 +57,12 @@ class PolicyAnnouncer:
         """Publish `source` (the trainer's WeightSource, iterated once: a collective on
         every rank) as weight `version`, then announce it."""
         if self.sender is None:
-            from rlstream.consumer.train.export import collect
+            from rlstream.consumer.train.export import collect  # defers torch
 
             m = self.store.write(version, collect(source), self.model_path)
             self.writer.announce(WeightsReady(version=version, uri=m["uri"], sha256=m["sha256"], bytes=m["bytes"]))
             return
-        from rlstream.consumer.weights.snapshot import Snapshot
+        from rlstream.consumer.weights.snapshot import Snapshot  # defers torch
 
         snap = Snapshot(version, source, reuse=self.snapshot)
         self.sender.publish(snap)  # the links stream each group as it is packed

@@ -95,7 +95,7 @@ class WeightPort:
 
     def weight_status(self) -> dict[str, Any]:
         """The background receive: {state: idle|receiving|ready|failed, version, digest, error, ...}."""
-        from rlstream.producer.weights.worker.gloo_engine import combine_worker_status
+        from rlstream.producer.weights.worker.gloo_engine import combine_worker_status  # defers vLLM
 
         self._check_thread()
         return combine_worker_status(self._engine.collective_rpc(RPC.STATUS))

@@ -11,12 +11,13 @@ and the import graph has no circle.
 """
 from __future__ import annotations
 
+import ast
 import tomllib
 from pathlib import Path
 
 import pytest
 
-from tests.support.house import Layout, graph_of, measure, upward
+from tests.support.house import Layout, graph_of, measure, source_files, upward
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYOUT = Layout.read(ROOT)
@@ -86,6 +87,31 @@ def test_the_wheel_installs_one_namespace_with_every_package_folder():
     on_disk = {LAYOUT.module_name(init, ROOT) for top in LAYOUT.folders for init in (ROOT / top).rglob("__init__.py")}
     assert sorted(cfg["packages"]) == sorted(on_disk)
     assert all(p == "rlstream" or p.startswith("rlstream.") for p in cfg["packages"])
+
+
+def lazy_imports_of_ours() -> list[tuple[str, int, str]]:
+    """(file, line, source line) of every import of our modules inside a function body."""
+    out = []
+    for module, path in source_files(ROOT, LAYOUT).items():
+        lines = path.read_text().splitlines()
+        for fn in ast.walk(ast.parse("\n".join(lines))):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                         [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+                if any(LAYOUT.is_ours(n) for n in names):
+                    out.append((str(path.relative_to(ROOT)), node.lineno, lines[node.end_lineno - 1]))
+    return sorted(set(out))
+
+
+def test_an_import_of_ours_inside_a_function_says_what_heavy_dependency_it_defers():
+    """Imports of our own modules sit at module level (the floors and the absence of circles make
+    that safe), except where one defers a heavy dependency (torch, vLLM, Megatron, uvicorn,
+    pyarrow) from a module that does not need it yet; each of those says so (`# defers ...`)."""
+    lazy = lazy_imports_of_ours()
+    assert [f"{f}:{n}: {line.strip()}" for f, n, line in lazy if "# defers " not in line] == []
+    assert len(lazy) <= 30, len(lazy)
 
 
 def test_test_files_have_unique_names():
