@@ -64,7 +64,7 @@ class ProducerService:
         from rlstream.common.kafka.publisher import RolloutPublisher
         from rlstream.producer.engine import RolloutEngine
         from rlstream.producer.prompts import open_prompt_source
-        from rlstream.producer.rollout import build_driver
+        from rlstream.producer.rollout.build import build_driver
         from rlstream.common.tasks.verifiers import get_verifier
 
         ensure_topics(self.kafka)

@@ -21,7 +21,7 @@ __all__ = ["EpisodeJournal", "JournalTopic", "Resumer", "StalenessView", "open_j
 
 def open_journal(kafka, pcfg, runner, groups, verify, producer_id: str, rollout_ends=dict) -> Resumer:
     """The journal of `runner`'s episodes, started (lease, journal read to its end), and the
-    Resumer that claims orphans into `runner` and `groups` (producer/rollout/__init__.py).
+    Resumer that claims orphans into `runner` and `groups` (producer/rollout/build.py).
     `rollout_ends`: the rollouts topic's end offsets as the service knows them (a lower bound)."""
     from rlstream.common.tasks.envs import env_factory
     from rlstream.producer.journal.published import published
