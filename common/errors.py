@@ -126,7 +126,7 @@ class VerifierError(RlstreamError):
 
 
 class AgentRequestError(RlstreamError):
-    """A black-box agent's request was refused (producer/rollout/agents/driver.py): `status` is the
+    """A black-box agent's request was refused (producer/rollout/agents/: openai.py, driver.py): `status` is the
     HTTP code (400 bad request, 404 unknown episode, 409 conflicts with the episode's
     state or history, 429 admission holds) and `kind` a short machine-readable type."""
 

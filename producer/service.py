@@ -42,7 +42,7 @@ from rlstream.producer.following import Following
 from rlstream.producer.groups import InFlightGroups
 from rlstream.producer.outbox import Outbox
 from rlstream.producer.prompts import open_prompt_source
-from rlstream.producer.rollout import build_driver
+from rlstream.producer.rollout.build import build_driver
 from rlstream.producer.sample import SamplingConfig
 
 log = logging.getLogger("rlstream.producer")

@@ -23,7 +23,7 @@ __all__ = ["EpisodeJournal", "JournalTopic", "Resumer", "StalenessView", "open_j
 
 def open_journal(kafka, pcfg, runner, groups, verify, producer_id: str, rollout_ends=dict) -> Resumer:
     """The journal of `runner`'s episodes, started (lease, journal read to its end), and the
-    Resumer that claims orphans into `runner` and `groups` (producer/rollout/__init__.py).
+    Resumer that claims orphans into `runner` and `groups` (producer/rollout/build.py).
     `rollout_ends`: the rollouts topic's end offsets as the service knows them (a lower bound)."""
     prompts = pcfg.prompts
     own_score = getattr(prompts, "type", "") == "reasoning_gym" and getattr(prompts, "reward", "") == "dataset"

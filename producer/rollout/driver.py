@@ -5,13 +5,13 @@ The service's loop (producer/service.py) knows one driver and no modes:
     follow_control -> evict_stale -> admit (driver.start) -> engine step
         -> driver.on_finished -> outbox
 
-Three drivers implement it (chosen once, by `build_driver` in producer/rollout/__init__.py):
+Three drivers implement it (chosen once, by `build_driver` in producer/rollout/build.py):
 
 - `SingleTurn` (single_turn.py): one engine sample per rollout, G submitted
   together (n=G: the engine shares the prompt's prefix), scored by the task;
 - `Episodes` (episodes.py): multi-turn episodes against an environment
   (common/tasks/envs/), one `EpisodeRunner` interleaving them in the engine;
-- `Agents` (agents.py): black-box agents over the OpenAI-compatible endpoint;
+- `Agents` (agents/driver.py): black-box agents over the OpenAI-compatible endpoint;
   they open their groups themselves (`admits_prompts` False) through the same
   admission gate, so the service's admit step leaves them alone.
 

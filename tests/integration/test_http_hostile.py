@@ -329,7 +329,7 @@ def test_ordinary_clients_keep_their_connection_alive(http):
 
 
 def test_agent_fields_refused_with_value_error_get_a_400_naming_the_field():
-    """producer/rollout/agents/driver.py refuses a bad field with ValueError (or its AgentRequestError answer):
+    """producer/rollout/agents/openai.py refuses a bad field with ValueError (or its AgentRequestError answer):
     the endpoint answers 400 with the message, never 500; a non-object body is a 400 too."""
     from types import SimpleNamespace
 
@@ -416,7 +416,6 @@ def test_agent_calls_wait_without_threads_and_beyond_max_calls_get_503():
     from rlstream.common import metrics
     from rlstream.common.config import AgentEndpointSettings
     from rlstream.producer.rollout.agents.http import AgentHttp
-    from rlstream.producer.rollout.agents.driver import AgentEpisodes
 
     queued: list[cf.Future] = []
 
@@ -425,8 +424,7 @@ def test_agent_calls_wait_without_threads_and_beyond_max_calls_get_503():
         return queued[-1]
 
     agents = SimpleNamespace(engine=SimpleNamespace(model_dir=Path("tiny")), base_url="", closed=False,
-                             submit=submit)
-    agents.answer = AgentEpisodes.answer.__get__(agents)  # the real wait, on a stand-in engine side
+                             submit=submit)  # the server's real wait, on a stand-in engine side
     http = AgentHttp(AgentEndpointSettings(token=TOKEN, max_calls=3), agents).start()
     auth = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
     body = json.dumps({"messages": [{"role": "user", "content": "1+1="}]})

@@ -5,7 +5,8 @@ before a byte of the body is read, a declared Content-Length of at most
 `max_body_bytes`, JSON at most `max_json_depth` deep, head and body timeouts, a
 per-request deadline (the call timeout plus 30 s), at most `max_connections`
 connections. Requests run on producer/rollout/agents/driver.py's `AgentEpisodes` (engine
-thread); this module only routes, reads and answers.
+thread; producer/rollout/build.py gives it this server to stop and close); bodies are
+producer/rollout/agents/openai.py's. This module only routes, reads and answers.
 
 Calls hold no thread. A command is queued for the engine's thread and its
 answer awaited on the event loop (a chat call waits for its turn to be
@@ -26,6 +27,8 @@ reached the engine, so the agent retries it as it was.
 """
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures as cf
 import logging
 import re
 
@@ -37,7 +40,8 @@ from rlstream.common.config import AgentEndpointSettings
 from rlstream.common.control.http import ServiceHttp
 from rlstream.common.http_server import REFUSED, Refused, json_response, parse_json_object, read_body
 from rlstream.producer import telemetry
-from rlstream.producer.rollout.agents.driver import AgentEpisodes, error_body
+from rlstream.producer.rollout.agents.driver import AgentEpisodes
+from rlstream.producer.rollout.agents.openai import error_body
 
 log = logging.getLogger("rlstream.producer.agents")
 
@@ -78,7 +82,7 @@ class AgentHttp(ServiceHttp):
             kind = _ERROR_TYPE.get(e.status, "invalid_request_error")
             telemetry.AGENT_REFUSED.labels(kind=kind).inc()
             return json_response(e.status, error_body(str(e), kind), close=request.method != "GET")
-        except ValueError as e:  # a request field producer/rollout/agents/driver.py refused
+        except ValueError as e:  # a request field producer/rollout/agents/openai.py refused
             telemetry.AGENT_REFUSED.labels(kind="invalid_request_error").inc()
             return json_response(400, error_body(str(e)[:300], "invalid_request_error"))
         return json_response(status, body)
@@ -113,9 +117,23 @@ class AgentHttp(ServiceHttp):
         self.waiting += 1
         try:
             fut = self.agents.submit(kind, eid, body)
-            return await self.agents.answer(fut, timeout_s)
+            return await self._answer(fut, timeout_s)
         finally:
             self.waiting -= 1
+
+    async def _answer(self, fut: cf.Future, timeout_s: float) -> tuple[int, dict]:
+        """`fut`'s answer, awaited on the event loop (no thread held); 504 after `timeout_s`,
+        503 when the producer shuts down before answering it."""
+        waiting, loop = asyncio.wrap_future(fut), asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while (left := deadline - loop.time()) > 0:
+            done, _ = await asyncio.wait({waiting}, timeout=min(1.0, left))  # in slices: see `closed`
+            if done:
+                return waiting.result()
+            if self.agents.closed and not fut.done():  # queued as the producer shut down: never run
+                return 503, error_body("the producer is shutting down", "unavailable")
+        return 504, error_body(f"no answer within {timeout_s:.0f} s (a generating turn is still recorded: the "
+                               "episode's history holds it; GET the episode for its messages)", "timeout")
 
     def _command(self, path: str) -> tuple[str, str | None, float]:
         """(kind, episode id, seconds to wait) of a POST path; Refused (404) for any other."""

@@ -1,4 +1,4 @@
-"""producer/rollout/agents/driver.py: every field of an agent's request is type- and range-checked,
+"""producer/rollout/agents/ (openai.py, driver.py): every field of an agent's request is type- and range-checked,
 so a wrong one is a 400 naming it (the error body's `param`), never a 500, and the
 episode stays as it was."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 from rlstream.common.errors import AgentRequestError
-from rlstream.producer.rollout.agents.driver import BadParameter, parse_chat
+from rlstream.producer.rollout.agents.openai import BadParameter, parse_chat
 from rlstream.producer.sample import SamplingConfig
 from tests.unit.producer.test_agents import chat, command, endpoint, make, serve  # noqa: F401 (fixture)
 
@@ -103,7 +103,7 @@ def test_a_wrong_reward_or_info_is_a_400_and_the_episode_stays_open():
                                         ({"prompt": "1+2=", "answer": [3]}, "answer"),
                                         ({"prompt": "1+2=", "answer": True}, "answer")])
 def test_a_wrong_task_is_a_400_naming_it(body, param):
-    from rlstream.producer.rollout.agents.driver import task_for
+    from rlstream.producer.rollout.build import task_for
     from rlstream.common.tasks.verifiers import get_verifier
 
     with pytest.raises(AgentRequestError) as e:

@@ -1,4 +1,4 @@
-"""producer/rollout/agents/driver.py and producer/rollout/agents/http.py: the black-box agent endpoint's logic
+"""producer/rollout/agents/ (driver.py, openai.py, http.py): the black-box agent endpoint's logic
 (request validation, token-in/token-out history, limits, ends, the record) over a
 scripted stand-in engine, and its HTTP hardening over a real socket;
 tests/integration/test_agent_endpoint.py runs a real agent against the real engine."""
@@ -18,7 +18,8 @@ from rlstream.common.config import AgentEndpointSettings, EpisodeSettings, Produ
 from rlstream.common.errors import AgentRequestError
 from rlstream.common.record import decode, encode
 from rlstream.toy.tinymodel import build_tokenizer
-from rlstream.producer.rollout.agents.driver import AgentEpisodes, AgentTag, new_messages, parse_chat
+from rlstream.producer.rollout.agents.driver import AgentEpisodes, AgentTag
+from rlstream.producer.rollout.agents.openai import new_messages, parse_chat
 from rlstream.common.tasks.task import Task
 from rlstream.producer.groups import InFlightGroups
 from rlstream.producer.sample import FinishedSample, SamplingConfig
@@ -300,7 +301,7 @@ def test_http_routes_auth_first_and_bounded_bodies(endpoint):
 
 
 def test_a_group_task_is_the_agents_own_prompt_or_the_next_of_the_prompt_source():
-    from rlstream.producer.rollout.agents.driver import task_for
+    from rlstream.producer.rollout.build import task_for
     from rlstream.common.tasks.verifiers import get_verifier
 
     verify, dry = get_verifier("exact_match"), type("Dry", (), {"take": lambda self: None})()

@@ -1,7 +1,7 @@
 """The rollout drivers (producer/rollout/): each turns a group's task into records and
 marks its samples done in InFlightGroups (the slots admission counts), over scripted
 stand-in engines; and the service's loop is one short sequence of steps with no mode
-branches (the drivers are chosen once, by producer/rollout/__init__.py)."""
+branches (the drivers are chosen once, by producer/rollout/build.py)."""
 from __future__ import annotations
 
 import ast
