@@ -26,6 +26,7 @@ import time
 
 from rlstream.common import metrics, runfile
 from rlstream.common.config import ControlSettings, RlstreamConfig
+from rlstream.common.control.http import start_service_http
 from rlstream.common.control.liveness import ProgressMonitor, Readiness
 from rlstream.common.control.plane import ControlFollower, ControlPlaneWriter
 from rlstream.common.control.signing import signing_key
@@ -88,8 +89,6 @@ class ProducerService:
         self.readiness.initialised()
 
     def _start_http(self) -> None:
-        from rlstream.common.control.http import start_service_http  # defers uvicorn
-
         self._writer = ControlPlaneWriter(self.kafka, signing_key(self.pcfg.http.admin_token))
         # /healthz: live unless an engine step or weight update overruns its bound; /readyz: loaded, caught up, broker up
         self.http = start_service_http(self.pcfg.http, self._health, lambda: self.following.control, self._writer,
