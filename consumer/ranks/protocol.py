@@ -29,8 +29,8 @@ so that every rank copies its state at the same step boundary. Each rank
 copies only what it writes to host memory (the loop's only wait: its own
 optimizer shard, plus the model shard of its (tp, ep) pair on the one rank per
 pair that writes it; nothing is gathered) and writes it in a background
-thread; rank 0's thread waits for every file, then commits
-(consumer/checkpoint/files.py). At
+thread (consumer/checkpoint/writer.py); rank 0's thread waits for every file, then
+commits (consumer/checkpoint/files.py). At
 STOP every rank waits for its write. Before the first command every rank calls
 `start_rank`: rank 0 picks the newest checkpoint and sends its path, and each
 rank loads its own shard of it. In a world of one the leader sends nothing.
@@ -39,22 +39,18 @@ from __future__ import annotations
 
 import logging
 import signal
-from dataclasses import dataclass
 from enum import Enum
 from functools import partial
 from pathlib import Path
 
 from rlstream.common.config import RlstreamConfig
 from rlstream.common.errors import RankProtocolError
-from rlstream.consumer.checkpoint.cadence import BackgroundWrite, host_copy
 from rlstream.consumer.checkpoint.files import (
     CheckpointManager,
     CheckpointState,
-    all_shard_names,
-    rank_shard_name,
-    shard_name,
 )
-from rlstream.consumer.train.parallel import launch_rank, launch_world_size, ranks, world
+from rlstream.consumer.checkpoint.writer import BackgroundWrite, checkpoint_shard, snapshot_shard
+from rlstream.consumer.train.parallel import launch_rank, launch_world_size
 
 log = logging.getLogger("rlstream.consumer")
 
@@ -109,49 +105,6 @@ def expect(channel, cmd: RankCommand) -> str:
     if code != WIRE_CODES[cmd]:
         raise RankProtocolError(f"rank {launch_rank()}: command {code} from rank 0, expected {cmd.value}")
     return text
-
-
-@dataclass(frozen=True)
-class ShardPlan:
-    """The files of this rank's trainer state in a checkpoint (consumer/checkpoint/files.py)."""
-    pair: str            # its (tp, ep) pair's shard: model + the optimizer state ranks share
-    writes_pair: bool    # this rank writes `pair` (one rank per pair)
-    own: str             # its own file: its shard of the distributed optimizer's state
-    every: list[str]     # every file of a complete checkpoint (rank 0 commits on them)
-
-
-def checkpoint_shard() -> ShardPlan:
-    """This rank's files. One rank per (tp rank, ep rank) pair writes the pair's
-    shard: the first of its expert-data-parallel group (data-parallel copies of
-    the model are identical); every rank writes its own file."""
-    from megatron.core import parallel_state as ps
-
-    tp_rank, tp, ep_rank, ep = ranks()
-    writes = world() == 1 or ps.get_expert_data_parallel_rank() == 0
-    return ShardPlan(shard_name(tp_rank, tp, ep_rank, ep), writes, rank_shard_name(launch_rank(), world()),
-                     all_shard_names(tp, ep, world()))
-
-
-def snapshot_shard(trainer, ckpt: CheckpointManager, writes: BackgroundWrite, tmp: Path,
-                   commit=None) -> None:
-    """Wait for this rank's previous write, copy what this rank writes to host
-    memory (the only part that blocks; no collective), and write the copies into
-    `tmp` in the background; then `commit()` in the same thread (rank 0)."""
-    from rlstream.consumer.train.optimizer import split_rank_state  # defers torch
-
-    writes.wait()
-    plan = checkpoint_shard()
-    state = trainer.state_dict()  # live references: copied below, before the next step
-    state["optimizer"], own = split_rank_state(state["optimizer"])
-    files = {plan.own: own, **({plan.pair: state} if plan.writes_pair else {})}
-    snap = host_copy(files)  # this rank's own shards only: never another rank's
-
-    def write() -> None:
-        for name, part in snap.items():
-            ckpt.write_shard(tmp, name, part)
-        if commit is not None:
-            commit()
-    writes.start(write)
 
 
 # ---------------------------------------------------------------- rank 0

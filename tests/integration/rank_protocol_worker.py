@@ -42,16 +42,16 @@ def tensor_bytes(obj) -> int:
 
 
 def count_snapshot_bytes(held: list[int]) -> None:
-    """Every host copy consumer/ranks/protocol.py takes for a checkpoint adds its bytes to `held`."""
-    from rlstream.consumer.ranks import protocol as ranks
+    """Every host copy consumer/checkpoint/writer.py takes for a checkpoint adds its bytes to `held`."""
+    from rlstream.consumer.checkpoint import writer
 
-    copy = ranks.host_copy
+    copy = writer.host_copy
 
     def counted(obj):
         out = copy(obj)
         held.append(tensor_bytes(out))
         return out
-    ranks.host_copy = counted
+    writer.host_copy = counted
 
 
 def own_bytes(trainer) -> int:

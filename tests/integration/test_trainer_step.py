@@ -177,7 +177,8 @@ def test_a_checkpoint_is_each_ranks_own_files_taken_without_a_collective(sharp_m
     rank 0: no collective at all) and the model into the pair's file and the rank's own;
     a fresh trainer resumed from those files holds the same state."""
     from rlstream.consumer.checkpoint.files import CheckpointManager, CheckpointState
-    from rlstream.consumer.ranks.protocol import Leader, checkpoint_shard
+    from rlstream.consumer.checkpoint.writer import checkpoint_shard
+    from rlstream.consumer.ranks.protocol import Leader
     from tests.support.collectives import recorded
 
     a, cfg = trained_distributed(sharp_model_dir, bf16_rollouts)

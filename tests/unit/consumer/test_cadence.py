@@ -8,7 +8,8 @@ import torch
 
 from rlstream.common.config import CheckpointSettings, ConsumerSettings, load_config
 from rlstream.common.errors import CheckpointError, ConfigError
-from rlstream.consumer.checkpoint.cadence import BackgroundWrite, Cadence, host_copy
+from rlstream.consumer.checkpoint.cadence import Cadence
+from rlstream.consumer.checkpoint.writer import BackgroundWrite, host_copy
 
 
 class Clock:
@@ -87,7 +88,7 @@ def test_host_copy_of_device_tensors_pins_one_slab_of_exactly_their_bytes():
     from rlstream.common import gpu_standin
     from rlstream.common.gpu_standin import cuda
     from rlstream.common.gpu_standin.device import device_memory, on_device, place
-    from rlstream.consumer.checkpoint.cadence import host_copy
+    from rlstream.consumer.checkpoint.writer import host_copy
     from rlstream.consumer.weights.snapshot import slab_plan
 
     with gpu_standin.installed(), device_memory():

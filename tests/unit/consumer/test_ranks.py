@@ -9,6 +9,7 @@ import pytest
 
 from rlstream.common.config import ConsumerSettings
 from rlstream.common.errors import CheckpointError, RankProtocolError
+from rlstream.consumer.checkpoint import writer
 from rlstream.consumer.ranks import protocol as ranks
 from rlstream.consumer.checkpoint.files import CheckpointState
 from rlstream.consumer.ranks.protocol import WIRE_CODES, Follower, Leader, RankCommand
@@ -119,7 +120,8 @@ class FakeChannel:
 @pytest.fixture
 def layout(monkeypatch):
     """checkpoint_shard without Megatron: rank 0 writes tp0's shard of a tp2 layout, and its own."""
-    plan = ranks.ShardPlan(SHARDS[0], True, OWN[0], SHARDS + OWN)
+    plan = writer.ShardPlan(SHARDS[0], True, OWN[0], SHARDS + OWN)
+    monkeypatch.setattr(writer, "checkpoint_shard", lambda: plan)
     monkeypatch.setattr(ranks, "checkpoint_shard", lambda: plan)
 
 
@@ -231,9 +233,9 @@ def test_a_rank_that_does_not_write_its_pairs_shard_copies_and_writes_only_its_o
     pair's writer, and no rank copies another's optimizer state."""
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
-    monkeypatch.setattr(ranks, "checkpoint_shard", lambda: ranks.ShardPlan(SHARDS[0], False, OWN[1], SHARDS + OWN))
+    monkeypatch.setattr(writer, "checkpoint_shard", lambda: writer.ShardPlan(SHARDS[0], False, OWN[1], SHARDS + OWN))
     copied = []
-    monkeypatch.setattr(ranks, "host_copy", lambda obj: copied.append(obj) or obj)
+    monkeypatch.setattr(writer, "host_copy", lambda obj: copied.append(obj) or obj)
     ch = FakeChannel([("checkpoint", "/tmp/stage-1"), ("stop", "")])
     trainer, ckpt = FakeTrainer(), FakeCheckpoints()
     assert Follower(trainer, ckpt, ch).run() == 0
