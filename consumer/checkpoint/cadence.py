@@ -22,8 +22,8 @@ of the distributed optimizer's masters and moments, and its (tp, ep) pair's
 model shard on the one rank per pair that writes it (consumer/ranks/protocol.py). No
 rank gathers another's state any more, so the copy is the whole of the
 blocking part, and a rank's host memory at a checkpoint is its own shards
-(before, the expert-rank-0 ranks, all on node 0, each held the gathered state
-of their expert-data-parallel group: ../shared/reviews/gpu-path-2.md, N7b).
+(no expert-rank-0 rank holds the gathered state of its expert-data-parallel
+group, so no node carries every expert shard's state).
 On GPU the copies are device-to-host into pinned memory, issued non-blocking,
 with one synchronise at the end. The writer thread issues no collective
 (consumer/ranks/protocol.py commits once every rank's shard file is in place), and its
