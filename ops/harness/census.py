@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from rlstream.common.config import KafkaSettings
 from rlstream.common.kafka.client import make_consumer
-from rlstream.common.kafka.reader import H_FIELD, H_REASON, H_SOURCE
+from rlstream.common.kafka.dlq import H_FIELD, H_REASON, H_SOURCE
 from rlstream.common.record import Rollout, decode_any
 from rlstream.consumer.stream.ledger import OUTCOMES
 
