@@ -67,7 +67,7 @@ from rlstream.consumer.stream.gate import (
     gate_group,
 )
 from rlstream.consumer.stream.intake import IntakeWatch, VersionBound, record_limits
-from rlstream.consumer.stream.ledger import OUTCOMES, Ledger  # noqa: F401 - OUTCOMES: for importers of its old home
+from rlstream.consumer.stream.ledger import Ledger
 from rlstream.consumer.train.memory_check import check_config
 from rlstream.consumer.train.parallel import launch_rank, launch_world_size
 from rlstream.consumer.weights.announce import PolicyAnnouncer

@@ -69,34 +69,36 @@ class WeightsReady(BaseModel):
 
     - `file`: the version is in the durable store at `uri` (`sha256`, `bytes`
       of its model.safetensors); producers stage, verify and reload it.
-    - `collective`: the trainer streams it to every producer linked at
-      `endpoint`; the link is the version's one control channel (its finish
-      carries the digest the producer checks). `durable_*` name the newest durable copy (an
-      older version, written every `consumer.weights.durable_every` versions),
-      from which producers that start late, restart or miss a transfer catch up.
+    - `collective`: the trainer streams it with `backend` to every producer
+      linked at `endpoint`; the link is the version's one control channel (its
+      finish carries the digest the producer checks). `durable_*` name the newest
+      durable copy (an older version, written every `consumer.weights.durable_every`
+      versions), from which producers that start late, restart or miss a transfer
+      catch up.
 
     Producers take it between engine steps once it verifies; the newest
-    version wins. Messages without `transport` (older writers) are `file`.
+    version wins.
     """
 
     model_config = ConfigDict(extra="forbid")
     kind: Literal["weights_ready"] = "weights_ready"
     version: int = Field(ge=0)
-    transport: Literal["file", "collective"] = "file"
+    transport: Literal["file", "collective"]
     uri: str | None = Field(None, min_length=1)
     """file: where the version lives (file:// URI of a weight-store directory)."""
     sha256: str | None = Field(None, min_length=64, max_length=64)
     bytes: int | None = Field(None, ge=1)
     digest: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
-    """collective: the version digest (blake3, hex). Not read by producers of this release (the
-    trainer's finish on the link carries it); still written, so that producers of earlier
-    releases, which wait for it, keep taking versions over the link during a rolling upgrade."""
+    """collective: the version digest (blake3, hex) of the weights the trainer streams. Producers
+    check the one the trainer's finish on the link carries, not this one; here it names the
+    version's weights on the policy topic, so that a version number re-announced (with its durable
+    copy, at shutdown) can be told to hold the same weights."""
     endpoint: str | None = Field(None, pattern=r"^[^\s:]+:\d{1,5}$")
     """collective: host:port of the trainer's weight endpoint (common/weights/link.py)."""
     backend: Literal["rlstream_gloo", "nccl"] | None = None
     """collective: the weight-transfer backend the trainer sends with (named once, by the trainer's
     `consumer.weights.backend`). A producer whose engine uses another one does not link: it says
-    why in its weight state and takes the durable copies. None (older writers): not checked."""
+    why in its weight state and takes the durable copies."""
     durable_version: int | None = Field(None, ge=0)
     durable_uri: str | None = Field(None, min_length=1)
     durable_sha256: str | None = Field(None, min_length=64, max_length=64)
@@ -107,8 +109,8 @@ class WeightsReady(BaseModel):
     def _complete(self):
         if self.transport == "file" and None in (self.uri, self.sha256, self.bytes):
             raise ValueError("transport file needs uri, sha256 and bytes")
-        if self.transport == "collective" and self.endpoint is None:
-            raise ValueError("transport collective needs an endpoint")
+        if self.transport == "collective" and None in (self.endpoint, self.backend):
+            raise ValueError("transport collective needs an endpoint and a backend")
         durable = (self.durable_version, self.durable_uri, self.durable_sha256, self.durable_bytes)
         if any(v is not None for v in durable) and None in durable:
             raise ValueError("durable_version, durable_uri, durable_sha256 and durable_bytes go together")

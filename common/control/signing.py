@@ -16,7 +16,7 @@ that does not verify is not applied, is counted in
 `rlstream_control_rejected_total{topic="control"}`) and logged, at most one
 line per reason every 10 s with the count since the last one:
 
-- `unsigned`: no signature header (a plain Kafka client, an older writer);
+- `unsigned`: no signature header (a plain Kafka client);
 - `bad_signature`: a signature that is not this deployment's (another token,
   a changed key or value, a malformed header);
 - `no_key`: this service has no admin token, so it can verify nothing and

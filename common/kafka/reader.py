@@ -18,7 +18,7 @@ from rlstream.common.config import KafkaSettings
 from rlstream.common.errors import BrokerError, InvalidRecordError, OffsetError
 from rlstream.common.kafka.claimcheck import AbstractBlobStore, open_blob_store, resolve
 from rlstream.common.kafka.client import FETCH_OVERHEAD_BYTES, end_offsets, make_consumer
-from rlstream.common.kafka.dlq import H_FIELD, H_REASON, H_SOURCE, DeadLetterWriter  # noqa: F401 - H_*: re-exported
+from rlstream.common.kafka.dlq import DeadLetterWriter
 from rlstream.common.kafka.fetch_wait import FETCH_WAIT_CAP_MS, FetchWait
 from rlstream.common.record import DEFAULT_LIMITS, RecordLimits, Rollout
 

@@ -187,8 +187,8 @@ class Channel:
     def abandon(self, store, reason: str) -> None:
         """Trainer side, from another thread: end `call`'s wait now, and every later one, with
         `reason`. A producer that stopped while a version streamed to it never acks, and a
-        closing trainer used to sit out the whole timeout (consumer.weights.timeout_s, 30 s)
-        before it could exit. `store`: another connection to the endpoint (the waiting one is
+        closing trainer would otherwise sit out the whole timeout (consumer.weights.timeout_s,
+        30 s) before it could exit. `store`: another connection to the endpoint (the waiting one is
         blocked in its wait)."""
         self._abandoned = reason
         key = self._waiting

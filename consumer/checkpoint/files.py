@@ -21,11 +21,11 @@ weights, so the model (and the optimizer state that is not per rank) is one
 shard per pair, `trainer-tp{t}-ep{e}.pt` (`shard_name`), written by one rank of
 each pair. The distributed optimizer spreads its fp32 masters and moments over
 the data-parallel ranks too: each rank writes its own part to its own file
-(`rank_shard_name`), so no rank gathers, holds or writes another's (the gather
-to data-parallel rank 0 it replaced blocked the step and put every expert
-shard's state on node 0: ../shared/reviews/gpu-path-2.md, N7b). Every rank
-writes into the staging directory rank 0 created; rank 0 commits once every
-file is there (`begin` / `write_shard` / `wait_for_shards` / `commit`). A shard
+(`rank_shard_name`), so no rank gathers, holds or writes another's (a gather
+to data-parallel rank 0 would block the step and put every expert shard's
+state on node 0). Every rank writes into the staging directory rank 0
+created; rank 0 commits once every file is there (`begin` / `write_shard` /
+`wait_for_shards` / `commit`). A shard
 file appears under its name only once it is complete and fsynced, so
 `state.json` (and with it the offsets) commits only when every rank's shards
 are durable. Checkpoints written before the per-rank files (the gathered
@@ -108,7 +108,7 @@ class CheckpointState:
     # [run id, step it resumed at] of each incarnation in this model's lineage, oldest first
     runs: list[list] = field(default_factory=list)
     # [group_id, owner, outcome] of the consumer's recently closed group ids: a reuse is
-    # refused after a restart too (consumer/stream/assembler.py); absent in older checkpoints
+    # refused after a restart too (consumer/stream/assembler.py)
     closed_groups: list[list] = field(default_factory=list)
     # rollout_id -> the step it was first gated at, for held records that a step lost at an
     # earlier crash had trained: the gate judges them there (consumer/stream/gate.py, GateClock)

@@ -55,9 +55,6 @@ from rlstream.consumer.stream.assembler import Group, GroupAssembler
 from rlstream.consumer.checkpoint.files import CheckpointState
 
 OUTCOMES = ("trained", "dropped_stale", "timed_out", "duplicate", "dlq", "filtered")
-RETIRED_OUTCOMES = ("mismatch",)
-"""Outcomes older versions counted (wrong group size, now a dead letter). A checkpoint
-that has one keeps its count, so the records it covers still balance."""
 
 
 class ReadRecord(Protocol):

@@ -41,9 +41,9 @@ into this rank's shard. `split_rank_state` separates that per-rank part from the
 file (consumer/ranks/protocol.py). The earlier form gathered every data-parallel rank's
 masters and moments to data-parallel rank 0 ("dp_zero_gather_scatter", a collective
 over gloo): that gather blocked the step (4.55 s of a 4.79 s checkpoint,
-docs/trainer-scale.md) and landed every expert shard's state on node 0
-(../shared/reviews/gpu-path-2.md, N7b). Checkpoints written in it still load
-(collective then: every rank loads its pair's file and rank 0's state is scattered).
+docs/trainer-scale.md) and landed every expert shard's state on node 0.
+Checkpoints written in it still load (collective then: every rank loads its
+pair's file and rank 0's state is scattered).
 """
 from __future__ import annotations
 

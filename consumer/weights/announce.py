@@ -5,10 +5,9 @@ trainer is (`TrainerProgress`).
 New weights, per `consumer.weights.transport` (docs/weights.md):
 - collective: the version is packed into a snapshot that every producer link
   streams while it fills (consumer/weights/sender.py, consumer/weights/fanout.py), then
-  announced with the endpoint and the newest durable copy (and its digest, which only
-  producers of earlier releases read: the link's finish carries it); the
-  durable store is written in the background every `durable_every` versions
-  and at shutdown;
+  announced with its digest, the endpoint, the backend and the newest durable
+  copy; the durable store is written in the background every `durable_every`
+  versions and at shutdown;
 - file: the version is written to the durable store and announced (uri,
   sha256, bytes), every version.
 
@@ -60,7 +59,8 @@ class PolicyAnnouncer:
             from rlstream.consumer.train.export import collect  # defers torch
 
             m = self.store.write(version, collect(source), self.model_path)
-            self.writer.announce(WeightsReady(version=version, uri=m["uri"], sha256=m["sha256"], bytes=m["bytes"]))
+            self.writer.announce(WeightsReady(version=version, transport="file", uri=m["uri"], sha256=m["sha256"],
+                                              bytes=m["bytes"]))
             return
         from rlstream.consumer.weights.snapshot import Snapshot  # defers torch
 

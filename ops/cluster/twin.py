@@ -1,9 +1,8 @@
 """The cluster twin: hosts as network namespaces, one switch, shaped NICs.
 
-Every bug of the cluster review (../shared/reviews/gpu-path-2.md) passed a suite
-that runs on one host: a loopback weight endpoint, a group sized for one worker,
-names that only resolve locally. The twin makes "another host" real on one
-machine, without containers:
+A suite that runs on one host misses the bugs of a real cluster: a loopback
+weight endpoint, a group sized for one worker, names that only resolve locally.
+The twin makes "another host" real on one machine, without containers:
 
     switch namespace  <prefix>-switch: bridge br0, one port (v<i>) per host
     host namespace    <prefix>-<name>: eth0 = 10.<a>.<b>.<i+1>/24, lo up

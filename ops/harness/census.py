@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 
 from rlstream.common.config import KafkaSettings
 from rlstream.common.kafka.client import make_consumer
-from rlstream.common.kafka.reader import H_FIELD, H_REASON, H_SOURCE
+from rlstream.common.kafka.dlq import H_FIELD, H_REASON, H_SOURCE
 from rlstream.common.record import Rollout, decode_any
-from rlstream.consumer.stream.ledger import OUTCOMES, RETIRED_OUTCOMES
+from rlstream.consumer.stream.ledger import OUTCOMES
 
 
 def _open(kafka: KafkaSettings, topic: str):
@@ -171,10 +171,6 @@ def account(census: TopicCensus | None, outcomes: dict[str, float] | None, held:
         out["topic_end_offsets"], out["distinct_ids"] = census.end_offsets, census.distinct_ids
         out["scored_by"], out["partial_rewards"] = census.scored_by, census.partial_rewards
     counted = sum(out[o] for o in OUTCOMES)
-    for o in RETIRED_OUTCOMES:  # counted by an older consumer whose checkpoint this run resumed
-        if (outcomes or {}).get(o):
-            out[o] = int(outcomes[o])
-            counted += out[o]
     if published is None or outcomes is None:
         out.update(held=None, ok=False, why="published count or consumer counters unavailable")
         return out

@@ -137,7 +137,7 @@ class WeightPort:
     def close_weight_link(self) -> None:
         """Destroy the workers' link group or communicator (vLLM's `shutdown_weight_transfer_engine`):
         vLLM's nccl `init_transfer_engine` replaces its communicator without destroying it, so
-        every re-registration leaked one (review gpu-path-2, N6)."""
+        every re-registration without this would leak one."""
         self._check_thread()
         self._require_transfer()
         self._engine.collective_rpc(RPC.SHUTDOWN)

@@ -203,7 +203,8 @@ class Reloader:
 
     def _backend_differs(self, msg: WeightsReady) -> bool:
         """The announcement names a backend this engine does not receive with (checked here, once:
-        a link across two backends would fail at its first init, every _REJOIN_EVERY_S)."""
+        a link across two backends would fail at its first init, every _REJOIN_EVERY_S). A file
+        announcement names none."""
         mine = self.engine.weight_transfer
         if msg.backend is None or mine is None or msg.backend == mine:
             self._backend_refused = None  # what /healthz reports is the newest announcement's

@@ -249,12 +249,13 @@ class Attacker:
             s.bind(("127.0.0.1", 0))
             dead = s.getsockname()[1]
         forged = {
-            "durable copy outside the store": WeightsReady(version=trainer_version + 1, uri=evil.as_uri(),
-                                                           sha256=sha256_file(f), bytes=f.stat().st_size),
-            "version a million ahead": WeightsReady(version=trainer_version + 1_000_000,
+            "durable copy outside the store": WeightsReady(version=trainer_version + 1, transport="file",
+                                                           uri=evil.as_uri(), sha256=sha256_file(f),
+                                                           bytes=f.stat().st_size),
+            "version a million ahead": WeightsReady(version=trainer_version + 1_000_000, transport="file",
                                                     uri=(self.work / "nowhere").as_uri(), sha256="0" * 64, bytes=1),
             "foreign endpoint": WeightsReady(version=trainer_version + 1, transport="collective", digest="f" * 64,
-                                             endpoint=f"127.0.0.1:{dead}"),
+                                             endpoint=f"127.0.0.1:{dead}", backend="rlstream_gloo"),
             "trainer progress a million ahead": TrainerProgress(trainer_version=trainer_version + 1_000_000,
                                                                 groups_per_batch=2, group_size=self.G),
         }

@@ -195,7 +195,7 @@ def announcement_producer(kafka):
 def announce(producer, topic: str, m: dict) -> None:
     from rlstream.common.control.messages import WeightsReady
 
-    ann = WeightsReady(version=m["version"], uri=m["uri"], sha256=m["sha256"], bytes=m["bytes"])
+    ann = WeightsReady(version=m["version"], transport="file", uri=m["uri"], sha256=m["sha256"], bytes=m["bytes"])
     producer.send(topic, key=ann.kind.encode(), value=ann.model_dump_json().encode()).get(timeout=30)
 
 

@@ -319,8 +319,9 @@ class SizeRun:
         t0, self._cpu0 = time.time(), time.process_time()
         m = self.store.write(self.version, self.tensors(), self.model_dir)
         write_s = time.time() - t0
-        self.producers.tell({"op": "apply", "msg": WeightsReady(version=self.version, uri=m["uri"], sha256=m["sha256"],
-                                                                  bytes=m["bytes"]).model_dump(mode="json")})
+        self.producers.tell({"op": "apply", "msg": WeightsReady(version=self.version, transport="file", uri=m["uri"],
+                                                                  sha256=m["sha256"], bytes=m["bytes"]
+                                                                  ).model_dump(mode="json")})
         return self._result(t0, {"write_s": write_s})
 
     def collective_idle(self) -> dict:
@@ -340,7 +341,7 @@ class SizeRun:
             snap.fill()
             self.snapshot = snap
             msg = WeightsReady(version=self.version, transport="collective", digest=snap.digest,
-                               endpoint=self.sender.endpoint)
+                               endpoint=self.sender.endpoint, backend=self.sender.backend)
             self.producers.tell({"op": "apply", "msg": msg.model_dump(mode="json")})
             return self._result(t0, {"fill_s": snap.fill_seconds})
 

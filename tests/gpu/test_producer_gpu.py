@@ -132,7 +132,7 @@ def test_in_place_weight_update_switches_greedy_outputs(gpu_engine, tiny_model_d
 
     def announce(version: int, src) -> None:
         m = store.write(version, load_file(str(src / "model.safetensors")), src)
-        assert reloader.apply(WeightsReady(version=version, uri=m["uri"], sha256=m["sha256"],
+        assert reloader.apply(WeightsReady(version=version, transport="file", uri=m["uri"], sha256=m["sha256"],
                                            bytes=m["bytes"]))
         assert eng.version == version
 

@@ -81,7 +81,7 @@ def test_the_control_follower_gets_an_announcement_behind_a_long_policy_log(brok
         append_batches(broker.bootstrap, kafka.topics.policy, 0, 3_000, value=progress.model_dump_json().encode())
         writer = ControlPlaneWriter(kafka)
         try:
-            writer.announce(WeightsReady(version=7, uri="file:///w/v7", sha256="a" * 64, bytes=1))
+            writer.announce(WeightsReady(version=7, transport="file", uri="file:///w/v7", sha256="a" * 64, bytes=1))
         finally:
             writer.close()
         empty = 0

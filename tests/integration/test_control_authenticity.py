@@ -112,15 +112,16 @@ def test_only_signed_weight_announcements_apply(kafka_settings):
 
     kafka = kafka_settings
     forged = WeightsReady(version=1_000_000, transport="collective", digest="f" * 64, endpoint="10.9.9.9:1",
-                          durable_version=1_000_000, durable_uri="file:///tmp/evil", durable_sha256="0" * 64,
-                          durable_bytes=1)
+                          backend="rlstream_gloo", durable_version=1_000_000, durable_uri="file:///tmp/evil",
+                          durable_sha256="0" * 64, durable_bytes=1)
     before = _unverified("unsigned")
     follower, writer = ControlFollower(kafka, ControlSettings(), KEY), ControlPlaneWriter(kafka, KEY)
     try:
         _write_policy(kafka, forged)
         follower.catch_up()
         assert follower.view.weights is None and _unverified("unsigned") == before + 1
-        real = WeightsReady(version=3, transport="collective", digest="a" * 64, endpoint="trainer:29600")
+        real = WeightsReady(version=3, transport="collective", digest="a" * 64, endpoint="trainer:29600",
+                            backend="rlstream_gloo")
         writer.announce(real)
         follower.catch_up()
         assert follower.view.weights == real

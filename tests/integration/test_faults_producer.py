@@ -82,8 +82,8 @@ class Stack:
         from rlstream.common.control.messages import TrainerProgress, WeightsReady
         w = trainer_writer(self.kafka_w)
         try:  # "the trainer" read everything up to `offsets` and published `version`
-            w.announce(WeightsReady(version=version, uri=manifest["uri"], sha256=manifest["sha256"],
-                                    bytes=manifest["bytes"]))
+            w.announce(WeightsReady(version=version, transport="file", uri=manifest["uri"],
+                                    sha256=manifest["sha256"], bytes=manifest["bytes"]))
             w.announce(TrainerProgress(trainer_version=version, read_offsets=offsets,
                                        groups_per_batch=self.cfg.consumer.groups_per_batch,
                                        group_size=self.cfg.consumer.group_size))

@@ -386,7 +386,7 @@ def test_out_of_range_and_hostile_control_messages_on_the_topic_are_ignored(live
     for key, value in hostile_control:
         send_raw(k, k.topics.control, key, value)
     ok_sha = "0" * 64
-    ready = {"kind": "weights_ready", "uri": "file:///x"}
+    ready = {"kind": "weights_ready", "transport": "file", "uri": "file:///x"}
     progress = {"kind": "trainer_progress", "groups_per_batch": 2, "group_size": 4}
     hostile_policy = [
         json.dumps({**ready, "version": -1, "sha256": ok_sha, "bytes": 1}),

@@ -166,7 +166,7 @@ def test_weight_announcement_switches_version_and_outputs(producer, tiny_model_d
     m = WeightStore(tmp / "weights").write(1, load_file(str(new_dir / "model.safetensors")), new_dir)
     with RolloutReader(kafka) as r:
         ends = r.end_offsets()
-    ready = WeightsReady(version=1, uri=m["uri"], sha256=m["sha256"], bytes=m["bytes"])
+    ready = WeightsReady(version=1, transport="file", uri=m["uri"], sha256=m["sha256"], bytes=m["bytes"])
     progress = TrainerProgress(trainer_version=1, read_offsets=ends,  # the trainer read everything
                                groups_per_batch=B, group_size=G)
     p = KafkaProducer(**client_kwargs(kafka), acks="all")

@@ -262,7 +262,8 @@ def test_an_nccl_update_failing_halfway_is_restored_before_the_next_step(rollout
     before, refused = greedy(rollout_engine), metrics.value("rlstream_producer_weight_reload_failures_total")
     engine = NcclStandIn(rollout_engine)
     reloader = Reloader(engine, tiny_model_dir, "p-test", timeout_s=5.0)
-    reloader.newest = WeightsReady(version=1, transport="collective", digest="b" * 64, endpoint="trainer:1")
+    reloader.newest = WeightsReady(version=1, transport="collective", digest="b" * 64, endpoint="trainer:1",
+                                   backend="nccl")
     link, channel = NcclLink(engine, "trainer:1", "p-test", 5.0), FakeChannel()
     link.channel, reloader.link = channel, link
     channel.post("update", version=1, update_info={"names": ["model.layers.0.mlp.no_such.weight"]})

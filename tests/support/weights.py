@@ -209,7 +209,7 @@ class TrainerSide:
         extra = {} if d is None else dict(durable_version=d.version, durable_uri=d.uri, durable_sha256=d.sha256,
                                           durable_bytes=d.bytes)
         msg = WeightsReady(version=version, transport="collective", digest=snap.digest,
-                           endpoint=self.sender.endpoint, **extra)
+                           endpoint=self.sender.endpoint, backend=self.sender.backend, **extra)
         if self.writer is not None:
             self.writer.announce(msg)
         return msg

@@ -313,7 +313,7 @@ class RlstreamWorkerExtension:
                     "digest_mismatch": False, "last": {}}
         return engine.status()
 
-    # restore branch hook (issue 23, N5): the nccl update, folded into a digest as it loads
+    # the nccl update, folded into a digest as it loads (producer/weights/port.py compares the workers')
     def rlstream_update_weights_folded(self, update_info: dict[str, Any], timeout_s: float) -> str:
         return update_weights_folded(self, update_info, timeout_s)
 

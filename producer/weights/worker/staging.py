@@ -1,8 +1,8 @@
 """The next version's MoE experts, loaded and CPU-prepacked while the engine serves.
 
 On the collective path (producer/weights/worker/gloo_engine.py) the swap between two engine steps
-used to run vLLM's layerwise reload on every tensor of the version, then the
-CPU MoE repack (producer/weights/worker/cpu_moe.py): at the m200 benchmark size that stall was
+would otherwise run vLLM's layerwise reload on every tensor of the version, then the
+CPU MoE repack (producer/weights/worker/cpu_moe.py): at the m200 benchmark size that stall is
 0.85 s per update, almost all of it the experts (93 % of the bytes there, and
 of Qwen3-30B-A3B's). `ExpertStaging` moves that work off the engine's steps:
 

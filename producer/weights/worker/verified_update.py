@@ -1,7 +1,7 @@
 """A synchronous weight update (vLLM's `nccl` engine) that folds what it receives.
 
 vLLM's NCCL engine receives each tensor into device memory and hands it to the
-model's `load_weights`; nothing checks the bytes (review gpu-path-2, N5). Here
+model's `load_weights`; nothing checks the bytes. Here
 the worker runs the same update (start, update, finish: vLLM's own calls) with
 `load_weights` wrapped so every (name, tensor) is folded into a device digest
 (common/weights/digest.py) just before the model loads it. The producer's

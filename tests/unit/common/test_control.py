@@ -173,7 +173,7 @@ def test_policy_messages_are_tagged_by_kind():
 
     from rlstream.common.control.messages import TrainerProgress, WeightsReady, parse_policy_message
 
-    ready = WeightsReady(version=3, uri="file:///w/v3", sha256="0" * 64, bytes=10)
+    ready = WeightsReady(version=3, transport="file", uri="file:///w/v3", sha256="0" * 64, bytes=10)
     progress = TrainerProgress(trainer_version=3, read_offsets={0: 30}, held_records=4,
                                groups_per_batch=2, group_size=4)
     assert parse_policy_message(ready.model_dump_json().encode()) == ready
@@ -187,7 +187,7 @@ def test_policy_messages_are_tagged_by_kind():
                              b'"group_size": 4, "filtered_share": 1.5}')
     for bad in (b'{"version": 3, "uri": "file:///x", "sha256": "' + b"0" * 64 + b'", "bytes": 1}',  # no kind
                 b'{"kind": "trainer_progress", "trainer_version": 1, "groups_per_batch": 0, "group_size": 4}',
-                b'{"kind": "weights_ready", "version": 1, "uri": "", "sha256": "x", "bytes": 1}'):
+                b'{"kind": "weights_ready", "version": 1, "transport": "file", "uri": "", "sha256": "x", "bytes": 1}'):
         with pytest.raises(pydantic.ValidationError):
             parse_policy_message(bad)
 
@@ -199,8 +199,8 @@ def test_follower_keeps_the_newest_version_and_the_latest_progress():
 
     f = ControlFollower.__new__(ControlFollower)  # no Kafka: exercise the apply rule alone
     f.view = ControlView(state=ControlSettings())
-    v2 = WeightsReady(version=2, uri="file:///w/v2", sha256="0" * 64, bytes=1)
-    v1 = WeightsReady(version=1, uri="file:///w/v1", sha256="0" * 64, bytes=1)
+    v2 = WeightsReady(version=2, transport="file", uri="file:///w/v2", sha256="0" * 64, bytes=1)
+    v1 = WeightsReady(version=1, transport="file", uri="file:///w/v1", sha256="0" * 64, bytes=1)
     p5 = TrainerProgress(trainer_version=5, groups_per_batch=2, group_size=4)
     p4 = TrainerProgress(trainer_version=4, groups_per_batch=2, group_size=4)
     assert f._apply_policy(v2) is v2 and f._apply_policy(v1) is None and f.view.weights is v2

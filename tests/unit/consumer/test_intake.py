@@ -92,6 +92,7 @@ def test_the_version_bound_is_the_trainers_own_not_the_policy_topics():
     from rlstream.common.control.messages import WeightsReady
     from rlstream.consumer.service import ConsumerService
 
-    forged = WeightsReady(version=1_000_000, transport="collective", digest="f" * 64, endpoint="10.9.9.9:1")
+    forged = WeightsReady(version=1_000_000, transport="collective", digest="f" * 64, endpoint="10.9.9.9:1",
+                          backend="rlstream_gloo")
     service = SimpleNamespace(version=7, follower=SimpleNamespace(view=SimpleNamespace(weights=forged)))
     assert ConsumerService.newest_version(service) == 7

@@ -342,9 +342,3 @@ def test_after_a_restart_a_held_original_wins_over_its_counted_retry():
     again.read([Item(0, 0, rollout("g", 0, 2)), Item(0, 1, rollout("g", 0, 2)), Item(0, 2, rollout("g", 1, 2))])
     assert [g.group_id for g in again.complete] == ["g"], "the original was taken for a duplicate"
     assert again.counters["duplicate"] == 1 and sum(again.counters.values()) + again.held_records() == 3
-
-
-def test_a_retired_outcome_in_an_older_checkpoint_keeps_its_count():
-    st = CheckpointState(3, 3, {0: 10}, [], {"trained": 6.0, "dlq": 1.0, "mismatch": 2.0})
-    ledger = Ledger.from_checkpoint(st, GroupAssembler(G, TIMEOUT_S))
-    assert ledger.counters["mismatch"] == 2.0 and set(OUTCOMES) <= set(ledger.counters)

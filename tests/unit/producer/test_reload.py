@@ -37,7 +37,8 @@ def publish(root: Path, version: int, payload: bytes) -> WeightsReady:
     d = root / f"v{version}"
     d.mkdir(parents=True)
     (d / WEIGHTS_FILE).write_bytes(payload)
-    return WeightsReady(version=version, uri=d.as_uri(), sha256=sha256_file(d / WEIGHTS_FILE), bytes=len(payload))
+    return WeightsReady(version=version, transport="file", uri=d.as_uri(), sha256=sha256_file(d / WEIGHTS_FILE),
+                        bytes=len(payload))
 
 
 def failures() -> float:
@@ -76,7 +77,8 @@ def test_old_and_equal_versions_are_ignored_without_counting(setup):
     reloader.apply(publish(store, 2, b"two"))
     before, loads = failures(), len(engine.loads)
     assert not reloader.apply(publish(store, 1, b"one"))
-    assert not reloader.apply(WeightsReady(version=2, uri="file:///nowhere", sha256="0" * 64, bytes=1))
+    assert not reloader.apply(WeightsReady(version=2, transport="file", uri="file:///nowhere", sha256="0" * 64,
+                                           bytes=1))
     assert failures() == before and len(engine.loads) == loads and engine.version == 2
 
 
@@ -178,10 +180,12 @@ class FakeTransferEngine(FakeEngine):
         self.status = {"state": "idle"}
 
 
-def collective(version, digest=DIGEST_A, endpoint="trainer:1", durable: WeightsReady | None = None) -> WeightsReady:
+def collective(version, digest=DIGEST_A, endpoint="trainer:1", durable: WeightsReady | None = None,
+               backend="rlstream_gloo") -> WeightsReady:
     extra = {} if durable is None else dict(durable_version=durable.version, durable_uri=durable.uri,
                                             durable_sha256=durable.sha256, durable_bytes=durable.bytes)
-    return WeightsReady(version=version, transport="collective", digest=digest, endpoint=endpoint, **extra)
+    return WeightsReady(version=version, transport="collective", digest=digest, endpoint=endpoint, backend=backend,
+                        **extra)
 
 
 def send(engine, version: int, received: str, sent: str | None = None, link: FakeLink | None = None) -> FakeLink:
@@ -338,16 +342,17 @@ def test_a_file_announcement_keeps_the_link(linked):
 
 
 def test_the_engine_status_is_asked_only_while_a_background_receive_is_pending(linked):
-    """N10: `weight_status` is a collective_rpc to every worker: not once per loop on nccl
+    """`weight_status` is a collective_rpc to every worker: not once per loop on nccl
     (it loads inside the trainer's update command), and on rlstream_gloo only from the
     receive's start until its version is all here."""
     engine, reloader, _ = linked
     engine.weight_transfer = "nccl"
-    reloader.apply(collective(1))
+    reloader.apply(collective(1, backend="nccl"))
     for _ in range(5):
         reloader.tick()
-    assert engine.status_calls == 0
+    assert engine.status_calls == 0 and len(FakeLink.made) == 1
     engine.weight_transfer = "rlstream_gloo"
+    reloader.apply(collective(1))
     for _ in range(5):
         reloader.tick()
     assert engine.status_calls == 0  # idle: nothing started
@@ -400,7 +405,7 @@ def written(store, version: int, payload: bytes) -> WeightsReady:
     src = store.root.parent / f"src{version}"  # the base model dir (config files: none here)
     src.mkdir(parents=True, exist_ok=True)
     m = store.write(version, {"w": torch.frombuffer(bytearray(payload), dtype=torch.uint8)}, src)
-    return WeightsReady(version=version, uri=m["uri"], sha256=m["sha256"], bytes=m["bytes"])
+    return WeightsReady(version=version, transport="file", uri=m["uri"], sha256=m["sha256"], bytes=m["bytes"])
 
 
 def test_a_durable_copy_named_outside_the_weight_store_is_refused(confined):

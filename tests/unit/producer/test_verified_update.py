@@ -73,7 +73,8 @@ def refused() -> float:
 def run_update(engine, tmp_path) -> tuple[Reloader, FakeChannel]:
     """The trainer's update and finish (with the digest it folded while sending), then one tick."""
     reloader = Reloader(engine, tmp_path, "p0", timeout_s=5.0)
-    reloader.newest = WeightsReady(version=1, transport="collective", digest="b" * 64, endpoint="trainer:1")
+    reloader.newest = WeightsReady(version=1, transport="collective", digest="b" * 64, endpoint="trainer:1",
+                                   backend="nccl")
     link, channel = NcclLink(engine, "trainer:1", "p0", 5.0), FakeChannel()
     link.channel, reloader.link = channel, link
     channel.post("update", version=1, update_info={"names": list(SENT)})
@@ -112,7 +113,8 @@ def test_an_nccl_update_failing_while_loading_restores_the_served_weights(tmp_pa
 def test_an_nccl_update_whose_finish_never_comes_is_restored_within_the_timeout(tmp_path):
     engine = FakeNcclEngine()
     reloader = Reloader(engine, tmp_path, "p0", timeout_s=0.2)
-    reloader.newest = WeightsReady(version=1, transport="collective", digest="b" * 64, endpoint="trainer:1")
+    reloader.newest = WeightsReady(version=1, transport="collective", digest="b" * 64, endpoint="trainer:1",
+                                   backend="nccl")
     link, channel = NcclLink(engine, "trainer:1", "p0", 0.2), FakeChannel()
     link.channel, reloader.link = channel, link
     channel.post("update", version=1, update_info={"names": list(SENT)})  # the trainer died after it

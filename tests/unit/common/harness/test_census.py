@@ -25,15 +25,6 @@ def test_account_exact_with_the_consumers_held_count():
     assert not account(TopicCensus(656, 656, 656), outcomes, 8, 8, 4)["ok"]
 
 
-def test_account_keeps_a_retired_outcome_an_older_checkpoint_counted():
-    """`mismatch` (wrong group size) is a dead letter now; a consumer that resumed an older checkpoint
-    still carries its count, and the records it covers still balance."""
-    outcomes = {"trained": 600, "dropped_stale": 24, "dlq": 8, "mismatch": 8}
-    a = account(TopicCensus(648, 648, 648), outcomes, 8, 8, 4)
-    assert a["ok"] and a["mismatch"] == 8
-    assert "mismatch" not in account(TopicCensus(640, 640, 640), {"trained": 632}, 8, 8, 4)
-
-
 def test_filtered_groups_are_an_outcome_of_their_own():
     outcomes = dict(trained=640, filtered=96, dropped_stale=8)
     a = account(TopicCensus(752, 752, 752), outcomes, 8, 8, 4)
