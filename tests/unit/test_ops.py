@@ -440,6 +440,18 @@ def test_dockerfile_builds_the_gpu_image():
     assert "python3.11" in text  # pyproject: requires-python >=3.11,<3.12
 
 
+def test_the_image_copies_every_folder_the_package_is_built_from_before_it_installs():
+    """pyproject maps rlstream onto ops/, common/, producer/ and consumer/: `pip install .`
+    without one of them builds a package that fails at import."""
+    import tomllib
+
+    text = (OPS / "Dockerfile").read_text()
+    before_install = text[:text.index('RUN pip install ".[gpu,tasks]"')]
+    folders = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values()
+    copied = set(re.findall(r"^COPY (\w+)/ \1/$", before_install, re.M))
+    assert set(folders) <= copied, sorted(set(folders) - copied)
+
+
 def test_the_image_has_verbs_wherever_a_manifest_asks_for_rdma():
     """NCCL's IB transport dlopens libibverbs and silently falls back to sockets without it: a
     manifest that requests an rdma/ device or enables NCCL's IB needs it (and the mlx5 provider)
