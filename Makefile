@@ -43,7 +43,8 @@ peers-install: $(PEERS_STAMP)
 
 $(PEERS_STAMP): $(PEERS_REQS) $(PEERS_BASE)
 	@test -x $(PEERS_VENV)/bin/python || $(PYTHON) -m venv $(PEERS_VENV)
-	$(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" \
+	@# site.addsitedir: .venv's own .pth files run too (rlstream's editable install is one of them)
+	$(PY) -c "import sysconfig; print(f\"import site; site.addsitedir({sysconfig.get_paths()['purelib']!r})\")" \
 	  > "$$($(PEERS_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/rlstream-main-venv.pth"
 	@# .venv's versions as constraints, less the packages the requirements pin themselves
 	$(PY) -m pip freeze --exclude-editable 2>/dev/null | grep -v '^-e ' | grep -viE "^($$(sed -n 's/^\([A-Za-z0-9_.-]*\)==.*/\1/p' $(PEERS_REQS) | paste -sd'|'))==" \

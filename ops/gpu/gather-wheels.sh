@@ -9,7 +9,10 @@
 # transformers or tokenizers: the GPU image's own are used (docs/gpu.md lists the
 # versions the tests need). PYTHON_VERSION is the GPU machine's (default 3.12,
 # what the validation machines run). The versions are the ones this checkout's
-# .venv resolved, so CPU and GPU runs test the same libraries.
+# .venv resolved, so CPU and GPU runs test the same libraries. It also builds
+# rlstream's own wheel from this checkout (pure Python): the package is installed as
+# `rlstream` (ops/, common/, producer/, consumer/ mapped into one namespace), so a
+# checkout on PYTHONPATH alone no longer imports it. Gather again after a change.
 #
 # On the GPU machine (docs/gpu.md):
 #   python3 -m pip install --no-index --no-deps --target /tmp/site DEST/*.whl
@@ -28,5 +31,6 @@ mkdir -p "$dest"
 python3 -m pip download --no-deps --only-binary=:all: --python-version "$pyver" --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 --platform any -d "$dest" "${specs[@]}"
+"$venv_py" -m pip wheel --quiet --no-deps --no-build-isolation -w "$dest" .
 du -sh "$dest"
 ls -1 "$dest"
