@@ -1,7 +1,7 @@
 """`rlstream blobs gc`: the claim-check blob store's garbage collector as a command.
 
-The collection is common/kafka/blobgc.py; this module adds what only the
-composition root may name: the consumer's checkpoints, for
+The collection is common/kafka/blobgc.py (the runtime); this module adds what only
+the tooling above the roles may name: the consumer's checkpoints, for
 `--keep-from-checkpoints` (consumer/logreplay/lineage.py `resume_floors`).
 """
 from __future__ import annotations
