@@ -15,16 +15,11 @@ import time
 import pytest
 import torch
 
-from tests.support.weights import LinkedProducer, TrainerSide, WorkerProcesses, wait_for
+from tests.support.weights import LinkedProducer, TrainerSide, WorkerProcesses, random_version, wait_for
 
 TIMEOUT_S = 6.0
 GROUPS, GROUP_BYTES = 6, 1 << 20  # a 6 MiB version: big next to the store's and the pipes' bytes
 GROUP_DELAY_S = 0.25  # version 3 streams slowly enough to kill a producer in the middle of it
-
-
-def version_tensors(v: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(v)
-    return {f"model.layers.{i}.w": torch.randn(GROUP_BYTES // 4, generator=g) for i in range(GROUPS)}
 
 
 def written_bytes() -> int:
@@ -61,12 +56,12 @@ def test_every_producer_gets_each_version_once_from_the_trainer_and_a_dead_relay
     model_bytes = GROUPS * GROUP_BYTES
     try:
         # version 1: each producer joins over a link of its own and gets the current version
-        msg = trainer.publish(1, version_tensors(1))
+        msg = trainer.publish(1, random_version(1, GROUPS, GROUP_BYTES))
         wait_for("version 1 everywhere", lambda: all(p.holds(1, msg.digest) for p in producers.values()), 90)
 
         # (a, b) version 2: the fan-out group; every producer verified it, the trainer sent it once
         sent0 = written_bytes()
-        ts = version_tensors(2)
+        ts = random_version(2, GROUPS, GROUP_BYTES)
         msg = trainer.publish(2, ts)
         wait_for("version 2 everywhere", lambda: all(p.holds(2, msg.digest) for p in producers.values()), 30)
         assert trainer.sender.wait_delivered(2, 10)
@@ -80,7 +75,7 @@ def test_every_producer_gets_each_version_once_from_the_trainer_and_a_dead_relay
         first, middle, last = (trainer.sender.links[n].producer for n in trainer.sender.fanout.formed)
         regs = {n: p.registrations for n, p in producers.items()}
         failures0, sent = trainer.sender.failures, []
-        msg = trainer.publish(3, version_tensors(3), snapshot_cls=slow_snapshot(sent))
+        msg = trainer.publish(3, random_version(3, GROUPS, GROUP_BYTES), snapshot_cls=slow_snapshot(sent))
         wait_for("the group mid-version", lambda: ("rlstream-weights-fanout", 1) in sent, 20)
         killed = producers.pop(middle)
         killed.gone = True
@@ -104,7 +99,7 @@ def test_every_producer_gets_each_version_once_from_the_trainer_and_a_dead_relay
         # the next version re-forms the group (p1, p3 again, p4): still sent once
         wait_for("the group settled", lambda: trainer.sender.wait_delivered(3, 0.01), TIMEOUT_S * 2)
         sent0 = written_bytes()
-        msg = trainer.publish(4, version_tensors(4))
+        msg = trainer.publish(4, random_version(4, GROUPS, GROUP_BYTES))
         wait_for("version 4 everywhere", lambda: all(p.holds(4, msg.digest) for p in producers.values()), 30)
         assert trainer.sender.wait_delivered(4, 10)
         egress = (written_bytes() - sent0) / model_bytes
