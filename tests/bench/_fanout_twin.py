@@ -49,14 +49,6 @@ BACKENDS = {"gloo": "rlstream_gloo", "nccl-standin": "nccl"}
 GROUPS = 8
 
 
-def _tensors(version: int, model_mb: int) -> dict:
-    import torch
-
-    g = torch.Generator().manual_seed(version)
-    n = model_mb * (1 << 20) // 4 // GROUPS
-    return {f"model.layers.{i}.w": torch.randn(n, generator=g) for i in range(GROUPS)}
-
-
 def _say(obj: dict) -> None:
     sys.__stdout__.write(json.dumps(obj) + "\n")
     sys.__stdout__.flush()
@@ -69,10 +61,10 @@ def trainer_main(host: str, model_mb: int, transport: str, timeout_s: float) -> 
     from rlstream.common.config import WeightSyncSettings
     from rlstream.consumer.weights.snapshot import Snapshot
     from rlstream.consumer.weights.sender import WeightSender
-    from tests.support.weights import corrupting, dict_source
+    from tests.support.weights import corrupting, dict_source, random_version
 
     sender, version, snap, pending = None, 0, None, None
-    versions = [_tensors(1, model_mb), _tensors(2, model_mb)]
+    versions = [random_version(v, GROUPS, model_mb * (1 << 20) // GROUPS) for v in (1, 2)]
 
     def publish(corrupt: bool = False) -> float:
         nonlocal version, snap
@@ -298,28 +290,10 @@ def measure_fanout(producers: list[int], rate_mbit: float, model_mb: int, reps: 
                 endpoint = trainer.ask(op="sender", topology=topology)["endpoint"]
                 for p in prods[:n]:
                     p.tell(op="connect", endpoint=endpoint)
-                warm = trainer.ask(op="warm", producers=n)
-                before = [p.ask(op="report") for p in prods[:n]]
-                tx0 = twin.nic_bytes("trainer")[1]
-                r = trainer.ask(op="round", reps=reps)
-                tx = twin.nic_bytes("trainer")[1] - tx0
-                after = [p.ask(op="report") for p in prods[:n]]
-                stall = [(a["poll_s"] - b["poll_s"]) / reps for a, b in zip(after, before)]
-                rows[f"p{n}"] = {"delivery_seconds": round(statistics.median(r["seconds"]), 3),
-                                 "all_seconds": [round(s, 3) for s in r["seconds"]],
-                                 "egress_over_model": round(tx / reps / model_bytes, 3),
-                                 "stall_seconds": round(statistics.median(stall), 4),
-                                 "stall_max_seconds": round(max(a["poll_max_s"] for a in after), 4),
-                                 "failures": r["failures"], "warm": warm}
+                rows[f"p{n}"] = _round(twin, trainer, prods[:n], reps, model_bytes)
                 log.info("fan-out %s P=%d: %s", topology, n, rows[f"p{n}"])
                 if topology == topologies[0] and n == max(producers):
-                    before = [p.ask(op="report") for p in prods[:n]]
-                    v = trainer.ask(op="tamper", producers=n)["version"]
-                    after = [p.ask(op="report") for p in prods[:n]]
-                    # every producer refused the flipped copy (it kept its version meanwhile) and
-                    # then took the version, intact, over its own link
-                    out["tamper_refused"] = all(len(a["refused"]) > len(b["refused"]) and a["served"] == v
-                                                for a, b in zip(after, before))
+                    out["tamper_refused"] = _tamper_refused(trainer, prods[:n])
                 if dead_member and topology == topologies[0] and n == max(producers) and n > 1:
                     out["dead_member"] = _dead_member(twin, trainer, prods[:n], rows[f"p{n}"]["delivery_seconds"],
                                                       timeout_s)
@@ -330,6 +304,38 @@ def measure_fanout(producers: list[int], rate_mbit: float, model_mb: int, reps: 
         trainer.tell(op="exit")
         for p in prods:
             p.tell(op="exit")
+    _summarize(out, producers, topologies)
+    return out
+
+
+def _round(twin, trainer: Child, prods: list[Child], reps: int, model_bytes: int) -> dict:
+    """`reps` versions to `prods` (connected): delivery time, the trainer's egress, the producers' stalls."""
+    warm = trainer.ask(op="warm", producers=len(prods))
+    before = [p.ask(op="report") for p in prods]
+    tx0 = twin.nic_bytes("trainer")[1]
+    r = trainer.ask(op="round", reps=reps)
+    tx = twin.nic_bytes("trainer")[1] - tx0
+    after = [p.ask(op="report") for p in prods]
+    stall = [(a["poll_s"] - b["poll_s"]) / reps for a, b in zip(after, before)]
+    return {"delivery_seconds": round(statistics.median(r["seconds"]), 3),
+            "all_seconds": [round(s, 3) for s in r["seconds"]],
+            "egress_over_model": round(tx / reps / model_bytes, 3),
+            "stall_seconds": round(statistics.median(stall), 4),
+            "stall_max_seconds": round(max(a["poll_max_s"] for a in after), 4),
+            "failures": r["failures"], "warm": warm}
+
+
+def _tamper_refused(trainer: Child, prods: list[Child]) -> bool:
+    """A version with one byte flipped on the way: every producer refused the flipped copy (it kept
+    its version meanwhile) and then took the version, intact, over its own link."""
+    before = [p.ask(op="report") for p in prods]
+    v = trainer.ask(op="tamper", producers=len(prods))["version"]
+    after = [p.ask(op="report") for p in prods]
+    return all(len(a["refused"]) > len(b["refused"]) and a["served"] == v for a, b in zip(after, before))
+
+
+def _summarize(out: dict, producers: list[int], topologies) -> None:
+    """The headline figures, from the first topology's rows (and the star's, if measured)."""
     lo, hi = min(producers), max(producers)
     chain = out[topologies[0]]
     out["delivery_p4_over_p1"] = round(chain[f"p{hi}"]["delivery_seconds"] / chain[f"p{lo}"]["delivery_seconds"], 3)
@@ -342,7 +348,6 @@ def measure_fanout(producers: list[int], rate_mbit: float, model_mb: int, reps: 
         out["star_trainer_egress_over_model_bytes"] = star[f"p{hi}"]["egress_over_model"]
     out["producers"] = producers
     out["dead_member_cost_s"] = out.get("dead_member", {}).get("cost_s")
-    return out
 
 
 def _dead_member(twin, trainer: Child, prods: list[Child], normal_s: float, timeout_s: float) -> dict:

@@ -9,8 +9,6 @@ an abandoned episode is ended (counted) and publishes nothing."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -22,6 +20,7 @@ from rlstream.common import metrics
 from rlstream.common.config import RlstreamConfig
 from tests.fixtures.kafka import make_kafka_settings
 from tests.integration.test_producer_service import announce_trainer_start, read_all
+from tests.support.program import Program
 
 pytestmark = [pytest.mark.broker, pytest.mark.vllm, pytest.mark.slow]
 
@@ -52,18 +51,17 @@ def test_agent_drives_episodes_over_http_and_they_are_published(broker, rollout_
     svc, kafka = _service(broker, tiny_model_dir, tmp_path, rollout_engine)
     ends0 = {e: metrics.value("rlstream_producer_episodes_total", end=e) or 0 for e in ("abandoned", "verified")}
     out = tmp_path / "calls.jsonl"
-    agent = subprocess.Popen(
-        [sys.executable, "-m", "tests.support.calc_agent", "--url", svc.driver.url, "--token", TOKEN,
-         "--groups", "3", "--abandon", "1", "--check-refusals", "--out", str(out)],
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, stderr=open(tmp_path / "agent.log", "w"))
+    agent = Program([sys.executable, "-m", "tests.support.calc_agent", "--url", svc.driver.url, "--token", TOKEN,
+                     "--groups", "3", "--abandon", "1", "--check-refusals", "--out", str(out)],
+                    tmp_path, name="agent").start()
     try:
         deadline = time.monotonic() + 180
-        while agent.poll() is None or svc.driver.episodes:  # the abandoned one ends after idle_timeout_s
+        while agent.alive or svc.driver.episodes:  # the abandoned one ends after idle_timeout_s
             assert time.monotonic() < deadline, "the agent or its episodes did not finish"
             svc.iterate()
-        assert agent.returncode == 0, (tmp_path / "agent.log").read_text()[-3000:]
+        assert agent.returncode == 0, agent.log_tail(3000)
     finally:
-        if agent.poll() is None:
+        if agent.alive:
             agent.kill()
         svc.drain()  # what SIGTERM runs: the endpoint closes, every acknowledgement is awaited
         svc.engine = None  # the session's: not ours to close

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from rlstream.cluster.twin import ClusterTwin, Host, remove_stale_test_namespaces, unavailable_reason
+from rlstream.harness.supervisor import Service
 
 ROOT = Path(__file__).resolve().parents[2]
 _WHY = unavailable_reason()
@@ -105,11 +106,13 @@ def test_a_shaped_nic_bounds_the_transfer_rate():
 
 
 @pytest.mark.broker
-def test_the_broker_on_one_host_serves_a_client_on_another_by_name():
-    with ClusterTwin([Host("kafka-0", aliases=("kafka",)), Host("trainer-0")], observer=True) as twin:
-        broker = twin.popen("kafka-0", [sys.executable, "-m", "rlstream.cli", "broker",
-                                        "--set", "broker.host=kafka", "--set", "broker.port=9092"],
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+@pytest.mark.timeout(300)
+def test_the_broker_on_one_host_serves_a_client_on_another_by_name(tmp_path):
+    config = tmp_path / "broker.yaml"
+    config.write_text("{}\n")
+    with ClusterTwin([Host("kafka-0", aliases=("kafka",)), Host("trainer-0")], observer=True) as twin, \
+            Service("broker", config, tmp_path, sets=["broker.host=kafka", "broker.port=9092"],
+                    launch=lambda argv: twin.command("kafka-0", argv)).start() as broker:
         client = _py("""
             import sys, time
             from rlstream.common.kafka.broker import kafka_ping
@@ -131,7 +134,7 @@ def test_the_broker_on_one_host_serves_a_client_on_another_by_name():
         # the machine itself reaches the broker through the observer port, by address only
         from rlstream.common.kafka.broker import kafka_ping
         assert kafka_ping(twin.address("kafka-0"), 9092, 2.0)
-        assert broker.poll() is None
+        assert broker.alive, broker.log_tail()
 
 
 def test_namespaces_of_a_dead_test_process_are_removed():

@@ -17,8 +17,6 @@ A synthetic producer publishes valid records with known policy versions:
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -303,15 +301,6 @@ def _committed_steps(ckpt_dir: Path) -> dict[int, list[str]]:
     return lineage_steps(ckpt_dir)
 
 
-def _wait(pred, timeout, proc=None, what=""):
-    deadline = time.time() + timeout
-    while not pred():
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"consumer exited early ({proc.returncode}) while waiting for {what}")
-        assert time.time() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_sigkill_between_checkpoints_resumes_exactly_once(broker, tiny_model_dir, tmp_path):
@@ -321,6 +310,7 @@ def test_sigkill_between_checkpoints_resumes_exactly_once(broker, tiny_model_dir
     the dead step 3 announced is never reused."""
     from rlstream.common.kafka.publisher import RolloutPublisher
     from rlstream.consumer.checkpoint.files import CheckpointManager
+    from rlstream.harness.supervisor import Service, wait_until
     from tests.support.audit import audit_steps
     from tests.support.topics import announced_versions, weights_announcements
 
@@ -333,32 +323,22 @@ def test_sigkill_between_checkpoints_resumes_exactly_once(broker, tiny_model_dir
     groups = [synthetic_group(f"k{i}", G, 0, rng) for i in range(B * total_steps)]
     published = publish_groups(pub, groups[:3 * B])  # three steps' worth, then it waits for data
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "RLSTREAM__STALENESS__MAX_STALENESS": "100"}
-    cmd = [sys.executable, "-m", "rlstream", "consumer", "-c", str(cfg_path)]
     ckpt_dir = tmp_path / "ckpt"
     ckpts = CheckpointManager(ckpt_dir)
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "c1.log", "w"))
-    try:
-        _wait(lambda: max(audit_steps(ckpt_dir), default=0) >= 3 and ckpts.latest() is not None, 240, proc,
-              "three steps and a checkpoint")
+    consumer = Service("consumer", cfg_path, tmp_path / "logs", sets=["staleness.max_staleness=100"])
+    with consumer.start():
+        wait_until(lambda: max(audit_steps(ckpt_dir), default=0) >= 3 and ckpts.latest() is not None, 240,
+                   "three steps and a checkpoint", [consumer])
         time.sleep(1.0)  # waiting for data now: nothing else to train
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+        consumer.kill(timeout_s=30)
     killed = ckpts.latest()[0]
     assert (killed.step, max(audit_steps(ckpt_dir))) == (2, 3), "the kill must land between checkpoints"
     assert max(a.version for a in weights_announcements(kafka)) == 3
     published += publish_groups(pub, groups[3 * B:])
     pub.close()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "c2.log", "w"))
-    try:
-        assert proc.wait(timeout=400) == 0, (tmp_path / "c2.log").read_text()[-3000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert "resumed from step-00000002" in (tmp_path / "c2.log").read_text()
+    with consumer.start():
+        assert consumer.wait(timeout_s=400) == 0, consumer.log_tail(3000)
+    assert "resumed from step-00000002" in consumer.log_text()
     steps = _committed_steps(ckpt_dir)
     assert sorted(steps) == list(range(1, total_steps + 1))
     trained = [rid for ids in steps.values() for rid in ids]

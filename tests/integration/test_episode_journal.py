@@ -99,10 +99,9 @@ def test_a_crashed_producers_episodes_are_resumed_and_published_exactly_once(bro
 
 
 def run_crash(broker, engine, model_dir, tmp_path, monkeypatch, journal: bool) -> None:
+    """a crashes with episodes between turns, b resumes them; every episode is published once."""
     from rlstream.common.tasks import envs
     from rlstream.toy.build import ensure_data
-    from rlstream.consumer.stream.assembler import GroupAssembler
-    from rlstream.producer.service import ProducerService
     from tests.integration.test_producer_service import announce_trainer_start, read_all
 
     monkeypatch.setitem(envs.ENVIRONMENTS, "calculator", Turns)
@@ -110,6 +109,20 @@ def run_crash(broker, engine, model_dir, tmp_path, monkeypatch, journal: bool) -
     data = tmp_path / "data" / "train.jsonl"
     ensure_data(config(kafka, model_dir, data, "a", journal), n_train=64, n_heldout=8)
     announce_trainer_start(kafka)
+    durable = crash_a_between_turns(broker, engine, kafka, model_dir, data, journal)
+    published0 = resume_on_b(broker, engine, config(kafka, model_dir, data, "b", journal), journal, len(durable))
+    records = read_all(kafka)
+    if journal:  # a published some records whose entries stayed: b found them in the topic
+        from rlstream.common import metrics
+        assert (metrics.value("rlstream_producer_resumed_episodes_total", outcome="published") or 0) > published0
+    check_each_episode_once_in_complete_groups(records)
+    check_resumed_from_the_journal(records, durable)
+
+
+def crash_a_between_turns(broker, engine, kafka, model_dir, data, journal: bool) -> dict:
+    """Producer a runs until two episodes are past their first turn, then crashes; the journal's
+    entries (key -> Snapshot), each holding what a generated up to its last completed turn."""
+    from rlstream.producer.service import ProducerService
 
     a = ProducerService(config(kafka, model_dir, data, "a", journal), broker.bootstrap)
     a.start(engine=engine)
@@ -128,24 +141,34 @@ def run_crash(broker, engine, model_dir, tmp_path, monkeypatch, journal: bool) -
     assert not journal or {k for k, s in durable.items() if s.turns >= 1} >= between_turns
     for key, s in durable.items():  # the journal holds what a generated, up to its last completed turn
         assert s.holder == "a" and (key not in generated or generated[key][:s.response.size] == s.response.tolist())
+    return durable
 
-    b = ProducerService(config(kafka, model_dir, data, "b", journal), broker.bootstrap)
-    b.start(engine=engine)
+
+def resume_on_b(broker, engine, cfg: RlstreamConfig, journal: bool, entries: int) -> float:
+    """Producer b (`cfg`) takes a's `entries` journal entries (resumed, or found published in the
+    rollouts topic) and finishes a's groups; the count of entries found published before it started."""
     from rlstream.common import metrics
+    from rlstream.producer.service import ProducerService
+
+    b = ProducerService(cfg, broker.bootstrap)
+    b.start(engine=engine)
     try:
         taken = lambda: sum(metrics.value("rlstream_producer_resumed_episodes_total", outcome=o) or 0  # noqa: E731
                             for o in ("resumed", "published"))
         taken0, published0 = taken(), metrics.value("rlstream_producer_resumed_episodes_total", outcome="published") or 0
-        done = lambda: taken() - taken0 >= len(durable) and not any(  # noqa: E731
+        done = lambda: taken() - taken0 >= entries and not any(  # noqa: E731
             g.startswith("a-") for g in b.groups._groups)
         t_off = time.monotonic() + 5  # without the journal: nothing to wait for
         run_until(b, lambda: done() if journal else time.monotonic() > t_off, 60, "a's episodes resumed")
         b.outbox.drain(timeout_s=30)
     finally:
         crash(b, engine)
-    records = read_all(kafka)
-    if journal:  # a published some records whose entries stayed: b found them in the topic
-        assert (metrics.value("rlstream_producer_resumed_episodes_total", outcome="published") or 0) > published0
+    return published0
+
+
+def check_each_episode_once_in_complete_groups(records) -> None:
+    """Each episode once; a's groups complete, in a's copy, and they assemble."""
+    from rlstream.consumer.stream.assembler import GroupAssembler
 
     assert Counter((r.group_id, r.sample_idx) for r in records).most_common(1)[0][1] == 1  # each once
     assert len({r.rollout_id for r in records}) == len(records)
@@ -155,6 +178,10 @@ def run_crash(broker, engine, model_dir, tmp_path, monkeypatch, journal: bool) -
     assert set(sizes.values()) == {G}, f"a's groups incomplete: {sizes}"
     assembler = GroupAssembler(G, timeout_s=600)
     assert {assembler.add(r, 0, i).outcome for i, r in enumerate(of_a)} <= {"held", "completed"}
+
+
+def check_resumed_from_the_journal(records, durable: dict) -> None:
+    """Each resumed record starts with the tokens, log-probs, mask and versions of its entry."""
     by_key = {f"ep:{r.group_id}#{r.sample_idx}": r for r in records}
     resumed = [k for k, s in durable.items() if s.turns >= 1]
     assert len(resumed) >= 2

@@ -126,62 +126,77 @@ class Scenario:
         return _last_step(self.ckpt) > (committed.step if committed else 0) and not self.tmp_dirs()[0]
 
     def aim_and_kill(self, phase: str, rng: random.Random) -> dict:
-        c, pid = self.consumer, self.consumer.pid
-        deadline = time.monotonic() + 60
-        observed = "timeout"
-        if phase == "fetch":
-            self.feeder.hold()
-            # the consumer reads everything there is, then waits in next_batch
-            wait_until(lambda: c.try_metric("rlstream_consumer_lag_records") == 0, STALL_S, "lag 0", [c],
-                       progress=working(c))
-            stable = {"n": -1, "since": time.monotonic()}
+        """Wait for the moment `phase` names (as seen from outside), SIGKILL the consumer; the kill's record."""
+        return self._kill(phase, self._aim(phase, rng))
 
-            def no_step_for_2s():
-                n_now = audit_lines(self.ckpt)
-                if n_now != stable["n"]:
-                    stable.update(n=n_now, since=time.monotonic())
-                return time.monotonic() - stable["since"] > 2.0
-            wait_until(no_step_for_2s, STALL_S, "the consumer to wait for data", [c], interval_s=0.1,
-                       progress=working(c))
-            n = audit_lines(self.ckpt)
-            states = []
-            for _ in range(60):  # 3 s: mostly asleep in the Kafka fetch (state S), no step taken
-                states.append(_main_thread_state(pid))
-                time.sleep(0.05)
-            idle = states.count("S") >= 0.8 * len(states)
-            observed = "fetch" if audit_lines(self.ckpt) == n and idle else f"fetch? {''.join(states)}"
-        elif phase == "train":  # give it a backlog, so it trains step after step
+    def _aim(self, phase: str, rng: random.Random) -> str:
+        """What was seen when the moment came ("timeout": the moment did not come within 60 s)."""
+        deadline = time.monotonic() + 60
+        if phase == "fetch":
+            return self._aim_at_fetch()
+        if phase == "random":
+            time.sleep(rng.uniform(0.0, 4.0))
+            return "random"
+        if phase == "between":
+            wait_until(self.between_checkpoints, STALL_S, "a step after the last checkpoint", [self.consumer],
+                       interval_s=0.01, progress=working(self.consumer))
+            return "between"
+        if phase == "train":  # give it a backlog, so it trains step after step
             self.feeder.hold()
             time.sleep(1.0 / self.feeder.rate + 0.5)
             for _ in range(8 * B):
                 self.feeder.publish_one("fresh")
-        if phase == "random":
-            time.sleep(rng.uniform(0.0, 4.0))
-            observed = "random"
-        elif phase == "between":
-            wait_until(self.between_checkpoints, STALL_S, "a step after the last checkpoint", [c], interval_s=0.01,
-                       progress=working(c))
-            observed = "between"
-        elif phase != "fetch":
-            while time.monotonic() < deadline:
-                ck, wt = self.tmp_dirs()
-                if phase == "checkpoint" and ck:
-                    observed = "checkpoint"
-                    break
-                if phase == "publish" and wt:
-                    observed = "publish"
-                    break
-                if phase == "train" and not ck and not wt:
-                    # on-CPU in the main thread for 5 consecutive samples (~10 ms; a tiny-model step
-                    # takes ~30-100 ms, the fetch wait sleeps) with no checkpoint/weights write
-                    runs = 0
-                    while runs < 5 and _main_thread_state(pid) == "R":
-                        runs += 1
-                        time.sleep(0.002)
-                    if runs >= 5 and not any(self.tmp_dirs()):
-                        observed = "train"
-                        break
-                time.sleep(0.0005)
+        return self._aim_at_write_or_step(phase, deadline)
+
+    def _aim_at_fetch(self) -> str:
+        """Hold the feed until the consumer has read everything and waits in next_batch."""
+        c, pid = self.consumer, self.consumer.pid
+        self.feeder.hold()
+        # the consumer reads everything there is, then waits in next_batch
+        wait_until(lambda: c.try_metric("rlstream_consumer_lag_records") == 0, STALL_S, "lag 0", [c],
+                   progress=working(c))
+        stable = {"n": -1, "since": time.monotonic()}
+
+        def no_step_for_2s():
+            n_now = audit_lines(self.ckpt)
+            if n_now != stable["n"]:
+                stable.update(n=n_now, since=time.monotonic())
+            return time.monotonic() - stable["since"] > 2.0
+        wait_until(no_step_for_2s, STALL_S, "the consumer to wait for data", [c], interval_s=0.1,
+                   progress=working(c))
+        n = audit_lines(self.ckpt)
+        states = []
+        for _ in range(60):  # 3 s: mostly asleep in the Kafka fetch (state S), no step taken
+            states.append(_main_thread_state(pid))
+            time.sleep(0.05)
+        idle = states.count("S") >= 0.8 * len(states)
+        return "fetch" if audit_lines(self.ckpt) == n and idle else f"fetch? {''.join(states)}"
+
+    def _aim_at_write_or_step(self, phase: str, deadline: float) -> str:
+        """Poll until a checkpoint write ("checkpoint"), a weight-store write ("publish") or a
+        training step ("train") is under way, until `deadline`."""
+        pid = self.consumer.pid
+        while time.monotonic() < deadline:
+            ck, wt = self.tmp_dirs()
+            if phase == "checkpoint" and ck:
+                return "checkpoint"
+            if phase == "publish" and wt:
+                return "publish"
+            if phase == "train" and not ck and not wt:
+                # on-CPU in the main thread for 5 consecutive samples (~10 ms; a tiny-model step
+                # takes ~30-100 ms, the fetch wait sleeps) with no checkpoint/weights write
+                runs = 0
+                while runs < 5 and _main_thread_state(pid) == "R":
+                    runs += 1
+                    time.sleep(0.002)
+                if runs >= 5 and not any(self.tmp_dirs()):
+                    return "train"
+            time.sleep(0.0005)
+        return "timeout"
+
+    def _kill(self, phase: str, observed: str) -> dict:
+        """SIGKILL the consumer; what was aimed at and seen, and the state around the kill."""
+        c = self.consumer
         ck, wt = self.tmp_dirs()
         lines_before, committed_before = audit_lines(self.ckpt), committed_checkpoint(self.ckpt)
         trained_before = _last_step(self.ckpt)  # this incarnation's newest step

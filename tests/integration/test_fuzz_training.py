@@ -44,6 +44,7 @@ from rlstream.common.record import Rollout, encode
 from tests.fixtures.kafka import make_kafka_settings
 from tests.support.audit import audit_steps
 from tests.support.configs import ADMIN_TOKEN, service_config, write_config
+from tests.support.fakes import PickleBomb
 from tests.support.synthetic import synthetic_group
 from tests.support.topics import send_raw
 
@@ -52,15 +53,7 @@ pytestmark = [pytest.mark.broker, pytest.mark.megatron, pytest.mark.slow]
 G, B = 4, 2
 MARKER = Path(f"/tmp/rlstream-pwned-{os.getpid()}")
 
-
-class _Pwn:
-    """Unpickling this creates MARKER: proof that something unpickled it."""
-
-    def __reduce__(self):
-        return (os.system, (f"touch {MARKER}",))
-
-
-PICKLE_BOMB = pickle.dumps(_Pwn())
+PICKLE_BOMB = pickle.dumps(PickleBomb(MARKER))  # unpickled, it creates MARKER
 
 # ---------------------------------------------------------------- bad records
 

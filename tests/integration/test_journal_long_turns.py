@@ -4,7 +4,7 @@ while it generates, and continued as the same turn by the producer that resumes 
 One-turn episodes (how a long single-turn sample is journaled) of up to 40 tokens,
 journaled every 8 tokens. Producer `a` runs until an episode is >= 12 tokens into its
 turn (so an entry holds a partial turn, and the tokens after it are lost), then crashes as
-in tests/integration/test_episode_journal.py (same engine, broker and crash). Producer `b`
+in tests/integration/test_episode_journal.py (same engine, broker, crash and resume). Producer `b`
 resumes a's episodes: each record starts with exactly the journaled tokens, log-probs,
 versions and routing rows, partial turn included, and its environment saw the turn once,
 whole. Without every_tokens the journal holds no partial turn and the test fails.
@@ -18,7 +18,7 @@ import pytest
 
 from rlstream.common.config import RlstreamConfig
 from tests.fixtures.kafka import make_kafka_settings
-from tests.integration.test_episode_journal import crash, journaled, run_until
+from tests.integration.test_episode_journal import crash, journaled, resume_on_b, run_until
 
 pytestmark = [pytest.mark.broker, pytest.mark.vllm, pytest.mark.slow]
 
@@ -56,9 +56,7 @@ def config(kafka, model_dir, data, pid: str) -> RlstreamConfig:
 def test_a_long_turn_cut_by_a_crash_resumes_from_its_last_n_tokens(broker, rollout_engine, tiny_model_dir,
                                                                     tmp_path, monkeypatch):
     from rlstream.common.tasks import envs
-    from rlstream.common import metrics
     from rlstream.toy.build import ensure_data
-    from rlstream.producer.service import ProducerService
     from tests.integration.test_producer_service import announce_trainer_start, read_all
 
     engine = rollout_engine
@@ -67,8 +65,21 @@ def test_a_long_turn_cut_by_a_crash_resumes_from_its_last_n_tokens(broker, rollo
     data = tmp_path / "data" / "train.jsonl"
     ensure_data(config(kafka, tiny_model_dir, data, "a"), n_train=64, n_heldout=8)
     announce_trainer_start(kafka)
+    made = crash_a_mid_turn(broker, engine, config(kafka, tiny_model_dir, data, "a"))
+    durable = journaled(kafka)
+    cut = {k: s for k, s in durable.items() if s.partial}
+    assert cut, f"no entry holds a partial turn: {[(k, s.partial) for k, s in durable.items()]}"
+    check_journaled_so_far(cut, made, engine.routing_mode == "capture")
+    resume_on_b(broker, engine, config(kafka, tiny_model_dir, data, "b"), True, len(durable))
+    check_resumed_from_the_partial_turn(read_all(kafka), cut)
 
-    a = ProducerService(config(kafka, tiny_model_dir, data, "a"), broker.bootstrap)
+
+def crash_a_mid_turn(broker, engine, cfg: RlstreamConfig) -> dict:
+    """Producer a (`cfg`) runs until a turn is 12 tokens in, then crashes; what a made by then,
+    by journal key: (response ids, log-probs, routing rows)."""
+    from rlstream.producer.service import ProducerService
+
+    a = ProducerService(cfg, broker.bootstrap)
     a.start(engine=engine)
     runner = a.driver.runner
     long = lambda: [t for t in runner._turns if engine.generated(t) >= EVERY + 4]  # noqa: E731
@@ -80,34 +91,27 @@ def test_a_long_turn_cut_by_a_crash_resumes_from_its_last_n_tokens(broker, rollo
     made |= {f"ep:{ep.group_id}#{ep.sample_idx}": (ep.response_ids, ep.logprobs, ep.routing)
              for ep, _, _ in runner._pending.values()}
     crash(a, engine)
-    durable = journaled(kafka)
-    cut = {k: s for k, s in durable.items() if s.partial}
-    assert cut, f"no entry holds a partial turn: {[(k, s.partial) for k, s in durable.items()]}"
-    for key, s in cut.items():  # the journal holds a's turn so far, up to its last N-token write
+    return made
+
+
+def check_journaled_so_far(cut: dict, made: dict, captured_routing: bool) -> None:
+    """The journal holds a's turn so far, up to its last N-token write (routing rows as of the
+    write's step, when the engine captures them)."""
+    for key, s in cut.items():
         ids, logprobs, routing = made[key]
         n = s.response.size
         assert s.partial == n and n % EVERY == 0 and n <= ids.size
         assert s.turns == 0 and s.model_turns == [] and s.holder == "a"
         assert s.response.tolist() == ids[:n].tolist()
         assert np.array_equal(s.logprobs, np.minimum(logprobs[:n], 0))
-        if engine.routing_mode == "capture":  # the session's engine: rows as of the write's step
+        if captured_routing:  # the session's engine: rows as of the write's step
             assert s.routing.shape[0] == s.prompt_ids.size + n - 1
             assert np.array_equal(s.routing, routing[:s.routing.shape[0]])
 
-    b = ProducerService(config(kafka, tiny_model_dir, data, "b"), broker.bootstrap)
-    b.start(engine=engine)
-    try:
-        taken = lambda: sum(metrics.value("rlstream_producer_resumed_episodes_total", outcome=o) or 0  # noqa: E731
-                            for o in ("resumed", "published"))  # published: found in the rollouts topic
-        taken0 = taken()
-        done = lambda: taken() - taken0 >= len(durable) and not any(  # noqa: E731
-            g.startswith("a-") for g in b.groups._groups)
-        run_until(b, done, 60, "a's episodes resumed")
-        b.outbox.drain(timeout_s=30)
-    finally:
-        crash(b, engine)
-    records = read_all(kafka)
 
+def check_resumed_from_the_partial_turn(records, cut: dict) -> None:
+    """Each episode once; each resumed record starts with its entry's tokens, log-probs,
+    versions and routing, and its environment saw the one turn once, whole."""
     assert Counter((r.group_id, r.sample_idx) for r in records).most_common(1)[0][1] == 1  # each once
     by_key = {f"ep:{r.group_id}#{r.sample_idx}": r for r in records}
     for key, s in cut.items():
@@ -122,4 +126,3 @@ def test_a_long_turn_cut_by_a_crash_resumes_from_its_last_n_tokens(broker, rollo
         # one model turn, given to the environment once and whole (journaled part and the rest)
         assert r.reward_info["turns"] == 1 and r.reward_info["seen_tokens"] == r.num_tokens > n
         assert r.num_tokens <= TURN_TOKENS
-

@@ -4,12 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import os
-import signal
 import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import msgpack
 import numpy as np
@@ -25,9 +21,8 @@ from rlstream.common.kafka.dlq import H_FIELD, H_REASON, H_SOURCE, DeadLetterWri
 from rlstream.common.kafka.publisher import RolloutPublisher
 from rlstream.common.kafka.reader import RolloutReader
 from rlstream.common.record import encode
+from rlstream.harness.supervisor import Service, wait_until
 from tests.fixtures.kafka import make_kafka_settings, realistic_rollout
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 # ---------------------------------------------------------------- helpers
@@ -433,27 +428,21 @@ def test_embedded_broker_lifecycle():
 @pytest.mark.broker
 @pytest.mark.timeout(60)
 def test_run_broker_forever_stops_cleanly_on_sigterm(tmp_path):
+    """`rlstream broker` (run_broker_forever): it creates the topics, says where it listens,
+    and exits 0 on SIGTERM with the broker stopped."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    code = ("import logging, sys; logging.basicConfig(level=logging.INFO);"
-            "from rlstream.common.kafka.broker import run_broker_forever; from rlstream.common.config import BrokerSettings, KafkaSettings;"
-            f"sys.exit(run_broker_forever(BrokerSettings(port={port}), KafkaSettings()))")
-    p = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        line = p.stdout.readline().decode()
-        deadline = time.monotonic() + 20
-        while "listening on" not in line and time.monotonic() < deadline and line:
-            line = p.stdout.readline().decode()
+    config = tmp_path / "broker.yaml"
+    config.write_text("{}\n")
+    with Service("broker", config, tmp_path, sets=[f"broker.port={port}"]).start() as broker:
+        line = wait_until(lambda: next((x for x in broker.log_text().splitlines() if "listening on" in x), None),
+                          20, "the broker to listen", [broker])
         assert f"127.0.0.1:{port}" in line
         kafka = KafkaSettings(bootstrap_servers=f"127.0.0.1:{port}")
         assert set(ensure_topics(kafka).values()) == {"exists"}  # `rlstream broker` created them
-        p.send_signal(signal.SIGTERM)
-        assert p.wait(15) == 0
+        assert broker.stop(timeout_s=15) == 0, broker.log_tail()
         assert not kafka_ping("127.0.0.1", port, timeout_s=0.3)
-    finally:
-        if p.poll() is None:
-            p.kill()
 
 
 @pytest.mark.broker

@@ -4,10 +4,6 @@ groups, as valid records (schema 2 where a tool was called, else schema 1), coun
 each episode's end in `rlstream_producer_episodes_total`, and exits 0 on SIGTERM."""
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from collections import Counter
 
 import numpy as np
@@ -16,9 +12,9 @@ import yaml
 
 from rlstream.common.config import RlstreamConfig
 from rlstream.harness.observe import metric_value as metric
-from rlstream.common.kafka.broker import free_port
+from rlstream.harness.supervisor import Service, wait_until
 from tests.fixtures.kafka import make_kafka_settings
-from tests.integration.test_producer_service import announce_trainer_start, read_all, scrape_or_empty, wait_for
+from tests.integration.test_producer_service import announce_trainer_start, read_all
 
 pytestmark = [pytest.mark.broker, pytest.mark.vllm, pytest.mark.slow]
 
@@ -30,13 +26,12 @@ def test_producer_publishes_multi_turn_episodes_in_complete_groups(broker, tiny_
     from rlstream.toy.build import ensure_data
 
     kafka = make_kafka_settings(broker.bootstrap, tmp_path / "blobs", rollouts_partitions=2)
-    port = free_port()
     cfg = RlstreamConfig.model_validate({
         "kafka": kafka.model_dump(), "model": {"path": str(tiny_model_dir), "build_tiny": False},
         "staleness": {"max_staleness": 1},
         "producer": {"group_size": G, "max_tokens": 6,
                      "prompts": {"type": "jsonl", "path": str(tmp_path / "data" / "train.jsonl")},
-                     "http": {"port": port}, "max_groups_in_flight": 4,
+                     "http": {"port": 0}, "max_groups_in_flight": 4,
                      "episodes": {"env": "calculator", "max_turns": 3, "max_turn_tokens": 6,
                                   "max_episode_tokens": 40},
                      "engine": {"kv_cache_memory_bytes": 64 << 20, "max_model_len": 64}},
@@ -45,23 +40,14 @@ def test_producer_publishes_multi_turn_episodes_in_complete_groups(broker, tiny_
     announce_trainer_start(kafka)
     path = tmp_path / "producer.yaml"
     path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "rlstream", "producer", "-c", str(path)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "producer.log", "w"),
-                            start_new_session=True)
-    try:
+    with Service("producer", path, tmp_path / "logs").start() as svc:
         cap = 2 * B * G  # (max_staleness + 1) batches before the absent trainer must advance
-        wait_for(lambda: metric(scrape_or_empty(port), "rlstream_producer_samples_total") >= cap,
-                 300, proc, f"{cap} finished episodes")
-        text = scrape_or_empty(port)
+        wait_until(lambda: svc.try_metric("rlstream_producer_samples_total", 0.0) >= cap,
+                   300, f"{cap} finished episodes", [svc], 0.5)
+        text = svc.scrape()
         ends = {e: metric(text, "rlstream_producer_episodes_total", end=e) or 0
                 for e in ("done", "max_turns", "max_tokens", "step_timeout", "env_error")}
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=120) == 0
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
+        assert svc.stop(timeout_s=120) == 0, svc.log_tail(3000)
     records = read_all(kafka)
     assert len(records) >= cap and set(Counter(r.group_id for r in records).values()) == {G}
     assert sum(ends.values()) >= cap and ends["step_timeout"] == ends["env_error"] == 0

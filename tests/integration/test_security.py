@@ -27,14 +27,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.fakes import PickleBomb
+
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("producer", "consumer", "common")
 MARKER = Path(f"/tmp/rlstream-pwned-ckpt-{os.getpid()}")
-
-
-class _Pwn:
-    def __reduce__(self):
-        return (os.system, (f"touch {MARKER}",))
 
 
 def _sources():
@@ -139,7 +136,7 @@ def test_a_pickled_checkpoint_is_refused_without_running_it(tmp_path):
     MARKER.unlink(missing_ok=True)
     d = tmp_path / "step-00000001"
     d.mkdir()
-    torch.save({"model": _Pwn()}, d / TRAINER)
+    torch.save({"model": PickleBomb(MARKER)}, d / TRAINER)
     (d / STATE).write_text(json.dumps({"step": 1, "version": 1, "offsets": {"0": 0}, "processed": [],
                                        "counters": {}}))
     mgr = CheckpointManager(tmp_path)

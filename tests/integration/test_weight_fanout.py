@@ -15,16 +15,11 @@ import time
 import pytest
 import torch
 
-from tests.support.weights import LinkedProducer, TrainerSide, WorkerProcesses, wait_for
+from tests.support.weights import LinkedProducer, TrainerSide, WorkerProcesses, random_version, wait_for
 
 TIMEOUT_S = 6.0
 GROUPS, GROUP_BYTES = 6, 1 << 20  # a 6 MiB version: big next to the store's and the pipes' bytes
 GROUP_DELAY_S = 0.25  # version 3 streams slowly enough to kill a producer in the middle of it
-
-
-def version_tensors(v: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(v)
-    return {f"model.layers.{i}.w": torch.randn(GROUP_BYTES // 4, generator=g) for i in range(GROUPS)}
 
 
 def written_bytes() -> int:
@@ -58,43 +53,18 @@ def test_every_producer_gets_each_version_once_from_the_trainer_and_a_dead_relay
         pollers.append(p.poll_in_thread(stop))
     for p in producers.values():
         run(p)
-    model_bytes = GROUPS * GROUP_BYTES
     try:
         # version 1: each producer joins over a link of its own and gets the current version
-        msg = trainer.publish(1, version_tensors(1))
+        msg = trainer.publish(1, random_version(1, GROUPS, GROUP_BYTES))
         wait_for("version 1 everywhere", lambda: all(p.holds(1, msg.digest) for p in producers.values()), 90)
 
         # (a, b) version 2: the fan-out group; every producer verified it, the trainer sent it once
-        sent0 = written_bytes()
-        ts = version_tensors(2)
-        msg = trainer.publish(2, ts)
-        wait_for("version 2 everywhere", lambda: all(p.holds(2, msg.digest) for p in producers.values()), 30)
-        assert trainer.sender.wait_delivered(2, 10)
-        egress = (written_bytes() - sent0) / model_bytes
-        assert egress < 1.25, f"the trainer wrote {egress:.2f}x the version's bytes for 3 producers"
+        ts = sent_once(trainer, producers, 2, "for 3 producers")
         for p in producers.values():
             got = p.received()
             assert got.keys() == ts.keys() and all(torch.equal(got[k], v) for k, v in ts.items())
 
-        # (c) version 3 streams slowly; the middle of the chain (the last one receives through it) dies
-        first, middle, last = (trainer.sender.links[n].producer for n in trainer.sender.fanout.formed)
-        regs = {n: p.registrations for n, p in producers.items()}
-        failures0, sent = trainer.sender.failures, []
-        msg = trainer.publish(3, version_tensors(3), snapshot_cls=slow_snapshot(sent))
-        wait_for("the group mid-version", lambda: ("rlstream-weights-fanout", 1) in sent, 20)
-        killed = producers.pop(middle)
-        killed.gone = True
-        with killed.lock:
-            killed.engine.kill()
-        t_kill = time.monotonic()
-        wait_for("version 3 at the other two", lambda: all(p.holds(3, msg.digest) for p in producers.values()),
-                 TIMEOUT_S)
-        assert producers[first].registrations == regs[first]  # before the dead one in the chain: undisturbed
-        assert producers[last].registrations == regs[last] + 1  # after it: re-registered, took it over its link
-        wait_for("the dead one dropped", lambda: trainer.sender.failures >= failures0 + 1, TIMEOUT_S * 2)
-        dropped_after = time.monotonic() - t_kill
-        assert middle not in {lk.producer for lk in trainer.sender.links.values()}
-        assert dropped_after < TIMEOUT_S + GROUPS * GROUP_DELAY_S + 3, dropped_after
+        msg = a_dead_relay_costs_the_others_one_timeout(trainer, producers)
 
         # (d) a producer joins: it gets the current version at once over its own link
         producers["p4"] = LinkedProducer("p4", engines["p4"], trainer.sender.endpoint, TIMEOUT_S)
@@ -103,12 +73,7 @@ def test_every_producer_gets_each_version_once_from_the_trainer_and_a_dead_relay
 
         # the next version re-forms the group (p1, p3 again, p4): still sent once
         wait_for("the group settled", lambda: trainer.sender.wait_delivered(3, 0.01), TIMEOUT_S * 2)
-        sent0 = written_bytes()
-        msg = trainer.publish(4, version_tensors(4))
-        wait_for("version 4 everywhere", lambda: all(p.holds(4, msg.digest) for p in producers.values()), 30)
-        assert trainer.sender.wait_delivered(4, 10)
-        egress = (written_bytes() - sent0) / model_bytes
-        assert egress < 1.25, f"the trainer wrote {egress:.2f}x the version's bytes after the re-form"
+        sent_once(trainer, producers, 4, "after the re-form")
         assert len(trainer.sender.fanout.formed) == 3
     finally:
         stop.set()
@@ -117,3 +82,42 @@ def test_every_producer_gets_each_version_once_from_the_trainer_and_a_dead_relay
         trainer.close()
         for e in engines.values():
             e.close()
+
+
+def sent_once(trainer, producers: dict, version: int, when: str) -> dict:
+    """Publish `version` (random tensors): every producer holds it, and the trainer wrote its bytes
+    about once (the fan-out group); the tensors."""
+    sent0 = written_bytes()
+    ts = random_version(version, GROUPS, GROUP_BYTES)
+    msg = trainer.publish(version, ts)
+    wait_for(f"version {version} everywhere", lambda: all(p.holds(version, msg.digest) for p in producers.values()),
+             30)
+    assert trainer.sender.wait_delivered(version, 10)
+    egress = (written_bytes() - sent0) / (GROUPS * GROUP_BYTES)
+    assert egress < 1.25, f"the trainer wrote {egress:.2f}x the version's bytes {when}"
+    return ts
+
+
+def a_dead_relay_costs_the_others_one_timeout(trainer, producers: dict):
+    """(c) version 3 streams slowly; the middle of the chain (the last one receives through it)
+    dies: the others hold it within a timeout, the one before it undisturbed, the one after it
+    re-registered; the dead one is dropped. Version 3's announcement."""
+    first, middle, last = (trainer.sender.links[n].producer for n in trainer.sender.fanout.formed)
+    regs = {n: p.registrations for n, p in producers.items()}
+    failures0, sent = trainer.sender.failures, []
+    msg = trainer.publish(3, random_version(3, GROUPS, GROUP_BYTES), snapshot_cls=slow_snapshot(sent))
+    wait_for("the group mid-version", lambda: ("rlstream-weights-fanout", 1) in sent, 20)
+    killed = producers.pop(middle)
+    killed.gone = True
+    with killed.lock:
+        killed.engine.kill()
+    t_kill = time.monotonic()
+    wait_for("version 3 at the other two", lambda: all(p.holds(3, msg.digest) for p in producers.values()),
+             TIMEOUT_S)
+    assert producers[first].registrations == regs[first]  # before the dead one in the chain: undisturbed
+    assert producers[last].registrations == regs[last] + 1  # after it: re-registered, took it over its link
+    wait_for("the dead one dropped", lambda: trainer.sender.failures >= failures0 + 1, TIMEOUT_S * 2)
+    dropped_after = time.monotonic() - t_kill
+    assert middle not in {lk.producer for lk in trainer.sender.links.values()}
+    assert dropped_after < TIMEOUT_S + GROUPS * GROUP_DELAY_S + 3, dropped_after
+    return msg

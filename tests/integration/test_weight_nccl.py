@@ -27,17 +27,12 @@ import threading
 import pytest
 import torch
 
-from tests.support.weights import LinkedProducer, TrainerSide, WorkerProcesses, wait_for
+from tests.support.weights import LinkedProducer, TrainerSide, WorkerProcesses, random_version, wait_for
 
 pytestmark = pytest.mark.timeout(900)  # 272 s at load 22: four spawned workers import vLLM
 
 TIMEOUT_S = 20.0  # the watchdogs' bound: spawned vLLM importers at load 15-20 take seconds per step
 GROUPS, GROUP_BYTES = 4, 1 << 20
-
-
-def version_tensors(v: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(v)
-    return {f"model.layers.{i}.w": torch.randn(GROUP_BYTES // 4, generator=g) for i in range(GROUPS)}
 
 
 @pytest.fixture
@@ -82,7 +77,7 @@ def test_the_fanout_forms_over_vllms_nccl_engine_and_a_producer_killed_mid_versi
         # version 1 over each producer's own link, version 2 over the fan-out group: every
         # worker of every producer (ranks 1..3: p1 is TP=2, p2 at rank offset 3) has exactly the trainer's tensors
         for v in (1, 2):
-            ts = version_tensors(v)
+            ts = random_version(v, GROUPS, GROUP_BYTES)
             trainer.publish(v, ts)
             wait_for(f"version {v} everywhere", lambda: all(p.holds(v) for p in producers.values()), 120)
             for p in producers.values():
@@ -92,7 +87,7 @@ def test_the_fanout_forms_over_vllms_nccl_engine_and_a_producer_killed_mid_versi
 
         # version 3: every producer is in the group's broadcast when p2 dies
         gate, failures0 = threading.Event(), trainer.sender.failures
-        trainer.publish(3, version_tensors(3), snapshot_cls=held_back(gate))
+        trainer.publish(3, random_version(3, GROUPS, GROUP_BYTES), snapshot_cls=held_back(gate))
         killed = producers.pop("p2")
         killed.gone = True
         with killed.lock:
@@ -105,7 +100,7 @@ def test_the_fanout_forms_over_vllms_nccl_engine_and_a_producer_killed_mid_versi
         assert waited < 2 * TIMEOUT_S + 3, waited  # the trainer's bound, then each over its own link
 
         # the group re-forms with the one that lives; version 4 goes through it
-        ts = version_tensors(4)
+        ts = random_version(4, GROUPS, GROUP_BYTES)
         trainer.publish(4, ts)
         wait_for("version 4 at the other", lambda: all(p.holds(4) for p in producers.values()), 4 * TIMEOUT_S)
         assert all(torch.equal(p.received()[k], t) for p in producers.values() for k, t in ts.items())

@@ -282,32 +282,31 @@ def test_a_trainer_killed_mid_version_ends_the_producers_receive_within_the_boun
     """N6 on gloo: a trainer process SIGKILLed after the first group of a version. The producer's
     receive ends within the link's timeout, the engine keeps serving (and computing) version 0,
     and the weight state /healthz reports says why."""
-    import signal
-
     from rlstream.common.control.messages import WeightsReady
+    from rlstream.harness.supervisor import wait_until
     from rlstream.producer.weights.reload import Reloader
+    from tests.support.program import Program
 
     timeout_s = 5.0
     rollout_engine.reload_weights(tiny_model_dir, 0)
     before = greedy(rollout_engine)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    cmd = [sys.executable, "-m", "tests.integration.dying_trainer_worker", str(tiny_model_dir),
-           str(tmp_path / "store"), str(timeout_s)]
-    trainer = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, text=True)
+    trainer = Program([sys.executable, "-m", "tests.integration.dying_trainer_worker", str(tiny_model_dir),
+                       str(tmp_path / "store"), str(timeout_s)], tmp_path, name="trainer").start()
     reloader = Reloader(rollout_engine, tiny_model_dir, "p-test", timeout_s=60.0)
     try:
-        msg = WeightsReady.model_validate_json(trainer.stdout.readline())
-        reloader.apply(msg)
+        # its announcement: the one JSON line of its output (warnings may come before it)
+        line = wait_until(lambda: next((x for x in trainer.lines() if x.startswith("{")), None), 120,
+                          "the trainer's announcement", [trainer])
+        reloader.apply(WeightsReady.model_validate_json(line))
         until(lambda: reloader.state()["state"] == "receiving", reloader, rollout_engine)
-        assert trainer.stdout.readline().strip() == "hanging"  # the header and group 0 are out
-        trainer.send_signal(signal.SIGKILL)
+        wait_until(lambda: "hanging" in trainer.lines(), 60, "the header and group 0 to be out", [trainer])
+        trainer.kill()
         killed = time.monotonic()
         until(lambda: reloader.state()["state"] != "receiving", reloader, rollout_engine, timeout_s=timeout_s + 5)
         waited = time.monotonic() - killed
         state = reloader.state()
     finally:
-        trainer.kill()
-        trainer.wait(10)
+        trainer.kill(10)
         reloader.close()
     assert waited < timeout_s + 1.0, waited
     assert state["state"] == "failed" and state["serving_version"] == 0 and state["failure"]["version"] == 1, state

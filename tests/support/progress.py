@@ -49,15 +49,14 @@ def run_to_exit(argv: list[str], env: dict[str, str], stall_s: float = 180.0,
     """Run `argv` in a process group of its own until it exits: (exit code, its stderr and stdout).
     Killed (with everything it started) once it has made no progress (`working`) for `stall_s`,
     then AssertionError with the tail of its output."""
-    import subprocess
     import tempfile
     import time
 
     from rlstream.common import process
 
-    with tempfile.TemporaryFile() as out:
-        proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True, preexec_fn=process.die_with_parent_hook())
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "out.log"
+        proc = process.spawn(argv, out, env)
         progress = working(proc.pid, cpu_s=cpu_s)
         mark, deadline = progress(), time.monotonic() + stall_s
         while proc.poll() is None:
@@ -65,9 +64,7 @@ def run_to_exit(argv: list[str], env: dict[str, str], stall_s: float = 180.0,
                 mark, deadline = now, time.monotonic() + stall_s
             if time.monotonic() > deadline:
                 process.kill_group(proc, timeout_s=10)
-                out.seek(0)
                 raise AssertionError(f"{argv[:3]} made no progress for {stall_s:.0f} s; output tail:\n"
-                                     f"{out.read().decode(errors='replace')[-4000:]}")
+                                     f"{out.read_text(errors='replace')[-4000:]}")
             time.sleep(0.5)
-        out.seek(0)
-        return proc.returncode, out.read().decode(errors="replace")
+        return proc.returncode, out.read_text(errors="replace")

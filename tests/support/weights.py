@@ -2,6 +2,7 @@
 
     base = read_weights(model_dir)
     w1 = perturbed(base, seed=1)                     # another version of the same model
+    big = random_version(1, 6, 1 << 20)              # a version of no model: 6 tensors of 1 MiB
     source = DictSource(w1)                          # what a trainer would stream
     d = write_version(tmp / "w1", w1, model_dir)     # the same version as an HF directory (file path)
     with corrupting(on=True): sender.publish(snap)   # the benches' tamper round: one byte flipped on the wire
@@ -25,6 +26,12 @@ def read_weights(model_dir) -> dict[str, torch.Tensor]:
 def perturbed(base: dict[str, torch.Tensor], seed: int, scale: float = 0.05) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {k: (v + scale * torch.randn(v.shape, generator=g, dtype=v.dtype)).contiguous() for k, v in base.items()}
+
+
+def random_version(seed: int, groups: int, group_bytes: int) -> dict[str, torch.Tensor]:
+    """A version of no model: `groups` float32 tensors of `group_bytes` each, random from `seed`."""
+    g = torch.Generator().manual_seed(seed)
+    return {f"model.layers.{i}.w": torch.randn(group_bytes // 4, generator=g) for i in range(groups)}
 
 
 def write_version(dst: Path, tensors: dict[str, torch.Tensor], model_dir) -> Path:

@@ -24,19 +24,12 @@ from rlstream.common.config import ControlSettings, RlstreamConfig
 from rlstream.common.control.http import ServiceHttp
 from rlstream.common.control.liveness import ProgressMonitor, Readiness, broker_reachable
 from rlstream.common.record import Rollout
-
-
-class Clock:
-    def __init__(self):
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
+from tests.support.fakes import Clock
 
 
 @pytest.fixture
 def clock():
-    return Clock()
+    return Clock(1000.0)
 
 
 def monitor(clock, stall_after_s=10.0) -> ProgressMonitor:

@@ -12,6 +12,7 @@ from rlstream.consumer.stream.gate import (
     sample_staleness,
     zero_variance,
 )
+from tests.support.fakes import Clock
 
 
 def roll(group="g", idx=0, G=2, version=0, rid=None, tv=None, reward=1.0):
@@ -19,13 +20,6 @@ def roll(group="g", idx=0, G=2, version=0, rid=None, tv=None, reward=1.0):
                    prompt_ids=np.array([1, 2], np.int32), response_ids=np.array([3], np.int32),
                    logprobs=np.array([-0.5], np.float32), policy_version=version, reward=reward,
                    token_versions=tv)
-
-
-class Clock:
-    t = 0.0
-
-    def __call__(self):
-        return self.t
 
 
 def test_group_completes_and_dedups():

@@ -10,18 +10,11 @@ from rlstream.common.config import CheckpointSettings, ConsumerSettings, load_co
 from rlstream.common.errors import CheckpointError, ConfigError
 from rlstream.consumer.checkpoint.cadence import Cadence
 from rlstream.consumer.checkpoint.writer import BackgroundWrite, host_copy
-
-
-class Clock:
-    def __init__(self):
-        self.t = 100.0
-
-    def __call__(self):
-        return self.t
+from tests.support.fakes import Clock
 
 
 def test_due_every_n_steps_or_after_t_seconds_whichever_first():
-    clock = Clock()
+    clock = Clock(100.0)
     c = Cadence(CheckpointSettings(every_steps=3, every_seconds=60), step=0, clock=clock)
     assert [c.due(s) for s in (0, 1, 2)] == [False, False, False]
     assert c.due(3)
@@ -35,7 +28,7 @@ def test_due_every_n_steps_or_after_t_seconds_whichever_first():
 
 
 def test_a_trigger_at_zero_is_off_and_both_off_is_refused():
-    clock = Clock()
+    clock = Clock(100.0)
     steps_only = Cadence(CheckpointSettings(every_steps=2, every_seconds=0), clock=clock)
     clock.t += 1e6
     assert not steps_only.due(1) and steps_only.due(2)

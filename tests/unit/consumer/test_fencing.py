@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 
 from rlstream.common.errors import InvalidRecordError
+from rlstream.common.kafka.reader import ReadItem as Item
 from rlstream.common.record import Rollout, decode, encode
 from rlstream.consumer.stream.assembler import GroupAssembler
 from rlstream.consumer.stream.ledger import Ledger
-from tests.unit.consumer.test_group_reuse import G, Item, copy, read_all
+from tests.unit.consumer.test_group_reuse import G, copy, read_all
 
 
 def epoch(r: Rollout, e: int) -> Rollout:

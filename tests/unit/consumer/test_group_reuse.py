@@ -20,6 +20,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from rlstream.common.kafka.reader import ReadItem as Item
 from rlstream.common.record import Rollout
 from rlstream.consumer.stream.assembler import GroupAssembler
 from rlstream.consumer.train.batch import TrainSample, group_advantages
@@ -34,15 +35,6 @@ def rollout(group: str, idx: int, producer: str = "p", rid: str | None = None) -
                    prompt_ids=np.array([1, 2], np.int32), response_ids=np.array([3], np.int32),
                    logprobs=np.array([-0.5], np.float32), policy_version=0, reward=float(idx % 2),
                    producer_id=producer)
-
-
-@dataclass(frozen=True)
-class Item:
-    """What rlstream.common.kafka.reader.RolloutReader.poll returns."""
-
-    partition: int
-    offset: int
-    rollout: Rollout
 
 
 def copy(group: str, producer: str, slots=range(G)) -> list[Rollout]:

@@ -8,6 +8,7 @@ from rlstream.common.errors import InvalidRecordError
 from rlstream.common.record import Rollout, decode, encode
 from rlstream.consumer.stream.intake import FUTURE_VERSION_SLACK, VersionBound, record_limits
 from rlstream.consumer.train.model import HFModelDims
+from tests.support.fakes import Clock
 
 
 def roll(version: int = 0, tv=None, P: int = 2, T: int = 1, G: int = 4) -> Rollout:
@@ -51,17 +52,10 @@ def test_record_limits_carry_the_models_positions_and_the_group_size():
         assert e.value.field == field
 
 
-class Clock:
-    t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def test_intake_starved_only_when_polls_return_nothing_while_records_wait_and_no_step():
     from rlstream.consumer.stream.intake import IntakeWatch
 
-    clock = Clock()
+    clock = Clock(100.0)
     w = IntakeWatch(60.0, "rlstream.rollouts", clock=clock, export=False)
     w.fetch_wait_ms = 5000
     w.read(0, 0)  # nothing waits: idle, never starved

@@ -20,10 +20,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
+from rlstream.common.kafka.reader import ReadItem as Item
 from rlstream.common.record import Rollout
 from rlstream.consumer.stream.assembler import GroupAssembler
 from rlstream.consumer.checkpoint.files import CheckpointState
 from rlstream.consumer.stream.ledger import OUTCOMES, Ledger
+from tests.support.fakes import Clock
 
 G, B, TIMEOUT_S = 3, 2, 10.0
 Pos = tuple[int, int]  # (partition, offset)
@@ -33,15 +35,6 @@ def rollout(group: str, idx: int, group_size: int = G, rid: str | None = None) -
     return Rollout(rollout_id=rid or f"{group}-{idx}", group_id=group, sample_idx=idx, group_size=group_size,
                    prompt_ids=np.array([1, 2], np.int32), response_ids=np.array([3], np.int32),
                    logprobs=np.array([-0.5], np.float32), policy_version=0, reward=1.0)
-
-
-@dataclass(frozen=True)
-class Item:
-    """What rlstream.common.kafka.reader.RolloutReader.poll returns."""
-
-    partition: int
-    offset: int
-    rollout: Rollout
 
 
 @dataclass
@@ -108,13 +101,6 @@ class FakeReader:
 
     def positions(self) -> dict[int, int]:
         return dict(self.pos)
-
-
-class Clock:
-    t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def held_positions(ledger: Ledger) -> list[Pos]:

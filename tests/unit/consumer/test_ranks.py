@@ -61,20 +61,6 @@ class FakeSource:
         return isinstance(other, FakeSource)
 
 
-class FakeSource:
-    """The trainer's weight source: rank 0 iterates it later; a follower at once."""
-
-    def __init__(self, calls):
-        self.calls = calls
-
-    def iter_groups(self):
-        self.calls.append(("gather",))
-        yield ["w"], [None]
-
-    def __eq__(self, other):
-        return isinstance(other, FakeSource)
-
-
 class FakeCheckpoints:
     def __init__(self):
         self.calls: list = []

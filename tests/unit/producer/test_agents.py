@@ -1,6 +1,6 @@
 """producer/rollout/agents/ (driver.py, openai.py, http.py): the black-box agent endpoint's logic
 (request validation, token-in/token-out history, limits, ends, the record) over a
-scripted stand-in engine, and its HTTP hardening over a real socket;
+scripted stand-in engine (tests/support/scripted.py), and its HTTP hardening over a real socket;
 tests/integration/test_agent_endpoint.py runs a real agent against the real engine."""
 from __future__ import annotations
 
@@ -18,55 +18,15 @@ from rlstream.common.config import AgentEndpointSettings, EpisodeSettings, Produ
 from rlstream.common.errors import AgentRequestError
 from rlstream.common.record import decode, encode
 from rlstream.toy.tinymodel import build_tokenizer
-from rlstream.producer.rollout.agents.driver import AgentEpisodes, AgentTag
+from rlstream.producer.rollout.agents.driver import AgentEpisodes
 from rlstream.producer.rollout.agents.openai import new_messages, parse_chat
-from rlstream.common.tasks.task import Task
 from rlstream.producer.groups import InFlightGroups
-from rlstream.producer.sample import FinishedSample, SamplingConfig
-from tests.unit.producer.test_episodes import TextCodec
-
-TOK = build_tokenizer()
-L, E = 2, 8
-
-
-class ScriptedEngine(TextCodec):
-    """Stand-in RolloutEngine: each submitted turn finishes at the next step() with the
-    next scripted text; routing row i = (turn, position i)."""
-
-    def __init__(self, replies: list[str], max_model_len: int = 256):
-        self.replies, self.version, self.requests = list(replies), 0, {}
-        self.settings = type("S", (), {"max_model_len": max_model_len, "parse_special_tokens": False})()
-        self.model_dir = type("P", (), {"name": "tiny"})()
-
-    def submit_group(self, ids, n, sampling, tag):
-        assert n == 1 and isinstance(tag, AgentTag) and ids.size + sampling.max_tokens <= self.settings.max_model_len
-        self.requests[tag] = (np.asarray(ids), sampling, self.version)
-
-    def has_work(self):
-        return bool(self.requests)
-
-    def step(self):
-        out = []
-        for tag, (ids, sampling, version) in list(self.requests.items()):
-            resp = self.encode(self.replies.pop(0))[:sampling.max_tokens]
-            rows = np.stack([np.full(ids.size + resp.size - 1, tag.turn), np.arange(ids.size + resp.size - 1) % 8],
-                            -1)[:, None, :].repeat(L, 1).astype(np.uint8)
-            out.append(FinishedSample(
-                tag=tag, sample_idx=0, group_size=1, request_id=f"{tag}/0", prompt_ids=ids, response_ids=resp,
-                logprobs=np.linspace(-0.1, -1.0, resp.size).astype(np.float32), finish_reason="stop",
-                stop_reason=None, dispatch_version=version, token_versions=[(version, resp.size)],
-                routed_experts=rows, num_experts=E, logprobs_mode="processed_logprobs", submitted_at=0.0,
-                finished_at=0.0))
-            del self.requests[tag]
-        return out
-
-
-def task(prompt="37+48-19=", answer="66"):
-    return Task(prompt, answer, lambda text: (float(text.strip() == answer), {"correct": text.strip() == answer}))
+from rlstream.producer.sample import SamplingConfig
+from tests.support.scripted import TOK, ScriptedAgentEngine, task
 
 
 def make(replies, group_size=2, take=None, **limits):
-    eng = ScriptedEngine(replies)
+    eng = ScriptedAgentEngine(replies)
     groups = InFlightGroups("p")
     agents = AgentEpisodes(eng, AgentEndpointSettings(idle_timeout_s=60), EpisodeSettings(
         **{"max_turns": 3, "max_turn_tokens": 8, "max_episode_tokens": 40, **limits}),

@@ -17,23 +17,17 @@ from rlstream.producer.rollout.episodes import EpisodeRunner, Episodes
 from rlstream.producer.rollout.single_turn import SingleTurn
 from rlstream.common.tasks.task import Task
 from rlstream.producer.sample import FinishedSample, SamplingConfig
-from tests.unit.producer.test_episodes import TOK, ScriptedEngine, settings, task
+from tests.support.scripted import ScriptedEngine, TextCodec, settings, task
 
 ROOT = Path(__file__).resolve().parents[3]
 
 
-class GroupEngine:
+class GroupEngine(TextCodec):
     """Stand-in RolloutEngine for single-turn groups: a group of n finishes at the next step,
     sample i answering `replies[i]`."""
 
     def __init__(self, replies: list[str]):
         self.replies, self.version, self.submitted = replies, 2, []
-
-    def encode(self, text):
-        return np.asarray(TOK.encode(text, add_special_tokens=False), dtype=np.int32)
-
-    def decode(self, ids):
-        return TOK.decode([int(i) for i in ids], skip_special_tokens=True)
 
     def submit_group(self, ids, n, tag, sampling):
         self.submitted.append((tag, n, ids))

@@ -1,5 +1,6 @@
 """producer/rollout/episodes.py and common/tasks/envs/calculator.py: the episode protocol's logic
-(limits, failures, versions, routing, the record) over a scripted stand-in engine;
+(limits, failures, versions, routing, the record) over a scripted stand-in engine
+(tests/support/scripted.py);
 tests/integration/test_episodes.py runs the same with the real vLLM engine."""
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import time
 import numpy as np
 import pytest
 
-from rlstream.common.config import EpisodeSettings
 from rlstream.common.errors import ConfigError
 from rlstream.common.record import decode, encode
 from rlstream.toy.tinymodel import build_tokenizer
@@ -17,82 +17,8 @@ from rlstream.common.tasks.envs.calculator import CalculatorEnv, calculate
 from rlstream.common.tasks.environment import ModelTurn, StepResult
 from rlstream.producer.rollout.episodes import EpisodeRunner
 from rlstream.producer.rollout.observation import ObservationEncoder
-from rlstream.common.tasks.task import Task
-from rlstream.producer.sample import FinishedSample, SamplingConfig
-
-TOK = build_tokenizer()
-L, K, E = 2, 2, 8
-
-
-class TextCodec:
-    """A stand-in engine's text side: the tiny model's tokenizer (tests/unit/producer/)."""
-
-    def encode(self, text):
-        return np.asarray(TOK.encode(text, add_special_tokens=False), dtype=np.int32)
-
-    def decode(self, ids):
-        return TOK.decode([int(i) for i in ids], skip_special_tokens=True)
-
-    def tokenizer(self):
-        return TOK
-
-
-class ScriptedEngine(TextCodec):
-    """Pure-logic stand-in for RolloutEngine: each submitted turn finishes at the next
-    step() with the scripted text of its episode's turn; routing row i = position i."""
-
-    def __init__(self, script: dict[int, list[str]], max_model_len: int = 256):
-        self.script, self.version, self.requests = script, 0, {}
-        self.settings = type("S", (), {"max_model_len": max_model_len, "parse_special_tokens": False})()
-        self.prompts: list[np.ndarray] = []
-
-    def submit_group(self, ids, n, sampling, tag):
-        assert n == 1 and sampling.max_tokens >= 1
-        self.requests[tag] = (np.asarray(ids), sampling, self.version)
-        self.prompts.append(np.asarray(ids))
-
-    def has_work(self):
-        return bool(self.requests)
-
-    def step(self):
-        out = []
-        for tag, (ids, sampling, dispatch) in list(self.requests.items()):
-            idx, turn = int(tag.split("#")[1]), int(tag.split("#t")[1])
-            text = self.script[idx][turn]
-            resp = self.encode(text.replace("$", ""))
-            if text.endswith("$"):
-                resp = np.r_[resp, 1].astype(np.int32)  # <eos>
-            resp = resp[:sampling.max_tokens]
-            pos = np.arange(ids.size + resp.size - 1)  # expert 0: the turn that computed the row (< 3)
-            routing = np.stack([np.full(pos.size, turn), 3 + pos % 5], -1)[:, None, :].repeat(L, 1).astype(np.uint8)
-            half = resp.size // 2  # a reload "mid-turn" when the engine's version moved
-            versions = [(dispatch, resp.size)] if self.version == dispatch else\
-                [(dispatch, half), (self.version, resp.size - half)]
-            out.append(FinishedSample(
-                tag=tag, sample_idx=0, group_size=1, request_id=f"{tag}/0", prompt_ids=ids, response_ids=resp,
-                logprobs=np.full(resp.size, -0.25, np.float32), finish_reason="stop", stop_reason=None,
-                dispatch_version=dispatch, token_versions=[v for v in versions if v[1]], routed_experts=routing,
-                num_experts=E, logprobs_mode="processed_logprobs", submitted_at=0.0, finished_at=0.0))
-            del self.requests[tag]
-        return out
-
-
-def task(prompt="37+48-19=", answer="66"):
-    return Task(prompt, answer, lambda text: (float(text.strip() == answer), {"correct": text.strip() == answer}))
-
-
-def run(engine, runner, n_steps=50):
-    ended = []
-    for _ in range(n_steps):
-        ended += runner.advance(engine.step() if engine.has_work() else [], wait_s=0.05)
-        if not runner.has_work():
-            break
-    return ended
-
-
-def settings(**kw):
-    return EpisodeSettings(**{"max_turns": 4, "max_turn_tokens": 16, "max_episode_tokens": 64,
-                              "step_timeout_s": 2.0, **kw})
+from rlstream.producer.sample import SamplingConfig
+from tests.support.scripted import TOK, AbortingEngine, K, L, ScriptedEngine, run, settings, task
 
 
 def test_calculator_tool():
@@ -282,12 +208,9 @@ def test_a_group_beyond_the_staleness_bound_is_evicted_unpublished_and_its_slot_
     from rlstream.producer.groups import InFlightGroups
     from rlstream.producer.rollout.episodes import Episodes
 
-    class Engine(ScriptedEngine):
+    class Engine(AbortingEngine):
         def oldest_versions(self):
             return {tag: dispatch for tag, (_, _, dispatch) in self.requests.items()}
-
-        def abort_tag(self, tag):
-            return int(self.requests.pop(tag, None) is not None)
 
     eng = Engine({0: ["c(37+48)", "c(85-19)", "66$"], 1: ["c(1+1)", "c(2+2)", "7$"]})
     runner = EpisodeRunner(eng, settings(), SamplingConfig(max_tokens=16), CalculatorEnv)

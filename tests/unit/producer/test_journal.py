@@ -18,7 +18,7 @@ from rlstream.producer.journal.claims import Held, Lease, claimant, claims_for, 
 from rlstream.producer.journal.snapshot import JournalError, ModelTurnLog, Snapshot, decode, encode
 from rlstream.producer.journal.topic import JournalTopic
 from rlstream.producer.sample import SamplingConfig
-from tests.unit.producer.test_episodes import ScriptedEngine, run, settings, task
+from tests.support.scripted import ScriptedEngine, run, settings, task
 
 
 def snapshot(**kw) -> Snapshot:

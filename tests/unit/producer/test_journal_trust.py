@@ -15,7 +15,7 @@ from rlstream.producer.journal import EpisodeJournal
 from rlstream.producer.journal.claims import Held
 from rlstream.producer.journal.snapshot import encode
 from rlstream.producer.rollout.trajectory import Trajectory
-from tests.unit.producer.test_episodes import ScriptedEngine, run
+from tests.support.scripted import AbortingEngine, run
 from tests.unit.producer.test_journal import Ack, LaggingTopic, MemoryTopic, lease, producer, snapshot, task
 
 LEASE, SKEW = 10.0, JournalSettings().max_clock_skew_s
@@ -100,11 +100,6 @@ def test_an_entry_under_the_wrong_key_is_refused_once_not_claimed_forever():
     assert topic.writes == [] and topic.entries == {}
     assert count("rlstream_producer_journal_refused_total", reason="key_mismatch") - refused0 == 1
     assert [letter.reason for letter in topic.sent] == ["key_mismatch"]  # b would claim it: b copies it to the DLQ
-
-
-class AbortingEngine(ScriptedEngine):
-    def abort_tag(self, tag):
-        return int(self.requests.pop(tag, None) is not None)
 
 
 def test_a_producer_whose_lease_lapsed_stops_the_episodes_a_peer_took_over_and_publishes_none():

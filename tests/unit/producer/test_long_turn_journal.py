@@ -16,7 +16,7 @@ from rlstream.producer.journal.snapshot import JournalError, decode, encode
 from rlstream.common.tasks.environment import StepResult
 from rlstream.producer.rollout.episodes import EpisodeRunner
 from rlstream.producer.sample import FinishedSample, SamplingConfig
-from tests.unit.producer.test_episodes import TextCodec, task
+from tests.support.scripted import TextCodec, task
 from tests.unit.producer.test_journal import MemoryTopic, lease, snapshot
 
 L, K, E = 2, 2, 8

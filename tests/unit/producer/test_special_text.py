@@ -15,7 +15,8 @@ from rlstream.producer.rollout.episodes import EpisodeRunner
 from rlstream.producer.rollout.observation import ObservationEncoder
 from rlstream.common.tasks.envs.calculator import CalculatorEnv
 from rlstream.producer.sample import SamplingConfig
-from tests.unit.producer import test_agents, test_episodes
+from tests.support import scripted
+from tests.unit.producer import test_agents
 
 TOK = build_tokenizer()
 EOS = TOK.eos_token_id
@@ -96,10 +97,10 @@ class EosEchoEnv(CalculatorEnv):
 
 @pytest.mark.timeout(30)
 def test_an_environments_observation_in_the_record_holds_no_special_token():
-    eng = test_episodes.ScriptedEngine({0: ["c(1+1)", "66$"]})
-    runner = EpisodeRunner(eng, test_episodes.settings(), SamplingConfig(), EosEchoEnv)
-    runner.start("g", 0, 1, test_episodes.task())
-    (ep,) = test_episodes.run(eng, runner)
+    eng = scripted.ScriptedEngine({0: ["c(1+1)", "66$"]})
+    runner = EpisodeRunner(eng, scripted.settings(), SamplingConfig(), EosEchoEnv)
+    runner.start("g", 0, 1, scripted.task())
+    (ep,) = scripted.run(eng, runner)
     r = ep.to_rollout("p", runner.sampling, None)
     env_tokens = np.asarray(r.response_ids)[~r.model_mask]
     assert env_tokens.size == 7 and EOS not in env_tokens  # "=<eos>," as 7 characters
