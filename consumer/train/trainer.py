@@ -148,8 +148,8 @@ class Trainer:
         """The model at `hf_dir` in the layout `cfg.parallel` gives a world of
         `world_size` processes (default: the launcher's, 1 alone)."""
         cfg = cfg or ConsumerSettings()
-        layout = ParallelLayout.of(cfg.parallel, world_size or launch_world_size())
-        model = load_hf_checkpoint(hf_dir, layout, DTYPES[cfg.dtype], cfg.memory.attention,
+        parallel = ParallelLayout.of(cfg.parallel, world_size or launch_world_size())
+        model = load_hf_checkpoint(hf_dir, parallel, DTYPES[cfg.dtype], cfg.memory.attention,
                                    cfg.memory.recompute, cfg.memory.experts)
         return cls(model, cfg)
 

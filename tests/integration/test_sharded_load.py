@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlstream.consumer.train import layout
+from rlstream.consumer.train import layout as names
 from rlstream.consumer.train.loader import ShardReader, read_rank_shard
 from rlstream.consumer.train.model import read_hf_dims
 
@@ -53,12 +53,12 @@ def model_dirs(perturbed_dirs, split_dir):
 def test_each_rank_reads_exactly_the_shard_the_old_loader_kept(perturbed_dirs, split_dir, which, layout):
     d = model_dirs(perturbed_dirs, split_dir)[which]
     dims = read_hf_dims(d)
-    full = layout.hf_to_megatron(layout.read_hf_safetensors(d), dims)
+    full = names.hf_to_megatron(names.read_hf_safetensors(d), dims)
     tp, ep = LAYOUTS[layout]
     read_by_rank = {}
     for tp_rank in range(tp):
         for ep_rank in range(ep):
-            want = layout.shard_megatron(full, dims, tp_rank, tp, ep_rank, ep)
+            want = names.shard_megatron(full, dims, tp_rank, tp, ep_rank, ep)
             reader = ShardReader(d)
             got = read_rank_shard(reader, dims, tp_rank, tp, ep_rank, ep)
             reader.close()
@@ -79,7 +79,7 @@ def test_a_rank_reads_a_fraction_of_the_checkpoint(perturbed_dirs):
     """ep4: dense weights + a quarter of the experts; tp2: about half of everything."""
     d = perturbed_dirs["untied"]
     dims = read_hf_dims(d)
-    total = sum(t.numel() * t.element_size() for t in layout.read_hf_safetensors(d).values())
+    total = sum(t.numel() * t.element_size() for t in names.read_hf_safetensors(d).values())
     shares = {}
     for name, (tp, ep) in (("ep4", (1, 4)), ("tp2", (2, 1))):
         reader = ShardReader(d)
