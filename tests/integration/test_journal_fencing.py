@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import os
 import subprocess
 import time
@@ -58,21 +59,29 @@ def inside(ns: str):
 
 
 class EngineShare:
-    """One RolloutEngine, two producers: each `view` submits, steps and aborts its own requests."""
+    """One RolloutEngine, two producers: each `view` submits, steps and aborts its own requests.
+
+    Each producer's tags go to the engine under its name ("a|<tag>"): a taken-over episode's
+    turn has the same tag on both producers (b resumes a's episode, and a, cut off, still
+    runs it), which two engines never see but one shared engine would refuse as a reused tag."""
 
     def __init__(self, engine):
         self.engine, self.owner, self.done = engine, {}, {"a": [], "b": []}
 
     def view(self, name: str):
-        share = self
+        share, prefix = self, f"{name}|"
+
+        def ours(sample):
+            return dataclasses.replace(sample, tag=sample.tag.removeprefix(prefix),
+                                       request_id=sample.request_id.removeprefix(prefix))
 
         class View:
             def __getattr__(self, attr):
                 return getattr(share.engine, attr)
 
             def submit_group(self, ids, n, sampling, tag):
-                share.owner[tag] = name
-                return share.engine.submit_group(ids, n, sampling, tag)
+                share.owner[prefix + tag] = name
+                return [r.removeprefix(prefix) for r in share.engine.submit_group(ids, n, sampling, prefix + tag)]
 
             def mine(self):
                 return [t for t, o in share.owner.items() if o == name]
@@ -82,20 +91,28 @@ class EngineShare:
 
             def step(self):
                 for s in share.engine.step() if share.engine.has_work() else []:
-                    share.done[share.owner.pop(s.tag)].append(s)
-                out, share.done[name] = share.done[name], []
+                    owner = share.owner.pop(s.tag)
+                    share.done[owner].append(s)
+                out, share.done[name] = [ours(s) for s in share.done[name]], []
                 return out
 
+            def generated(self, tag):
+                return share.engine.generated(prefix + tag)
+
+            def partial(self, tag):
+                sample = share.engine.partial(prefix + tag)
+                return None if sample is None else ours(sample)
+
             def abort_tag(self, tag):
-                share.owner.pop(tag, None)
-                return share.engine.abort_tag(tag)
+                share.owner.pop(prefix + tag, None)
+                return share.engine.abort_tag(prefix + tag)
 
             def abort_all(self):
-                return sum(self.abort_tag(t) for t in self.mine())
+                return sum(self.abort_tag(t.removeprefix(prefix)) for t in self.mine())
 
             def oldest_versions(self):
                 mine = set(self.mine())
-                return {t: v for t, v in share.engine.oldest_versions().items() if t in mine}
+                return {t.removeprefix(prefix): v for t, v in share.engine.oldest_versions().items() if t in mine}
 
         return View()
 
