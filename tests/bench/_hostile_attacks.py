@@ -273,12 +273,12 @@ class Attacker:
         """One bad record of each kind and `extra` drawn from the fuzz generator; each kind of
         reused group id; valid synthetic groups between them. A version from the future is
         the trainer's + 10**6 (the generator's >= 1000 is the past once the trainer is there)."""
-        from tests.integration.test_fuzz_training import KINDS, REUSES, _pack
+        from tests.support.fuzz_records import KINDS, REUSES, pack
 
         c = self.injected["rollouts_fuzz"]
         for kind, field, value in [*(draw_bad((k,), n)[0] for k in KINDS), *draw_bad(None, n, extra)]:
             if kind == "future_version":
-                value = _pack(policy_version=trainer_version + 1_000_000)
+                value = pack(policy_version=trainer_version + 1_000_000)
             self.live.publish_bad(kind, field, value)
             c[kind] += 1
         for how in REUSES:
@@ -292,7 +292,7 @@ class Attacker:
     def http_slow(self, urls: dict[str, str], clients: int, seconds: float) -> None:
         """`clients` slow-header and clients // 7 slow-body connections per service, trickling
         one byte a second for `seconds` (past the 10 s head timeout), in the background."""
-        from tests.integration.test_http_hostile import Trickler
+        from tests.support.http_clients import Trickler
         from tests.support.configs import ADMIN_TOKEN
 
         body_head = (b"POST /admin/control HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + ADMIN_TOKEN.encode()
@@ -309,15 +309,15 @@ class Attacker:
 
     def http_over_cap(self, url: str) -> None:
         """OVER_CAP connections at once to one service; held until the last got its answer."""
-        from tests.integration.test_http_hostile import _flood
+        from tests.support.http_clients import flood_connections
 
         c = self.injected["http_over_cap"]
-        answers = _flood(_port(url), OVER_CAP, b"", timeout=3.0)  # nothing sent: held until the timeout
+        answers = flood_connections(_port(url), OVER_CAP, b"", timeout=3.0)  # nothing sent: held until the timeout
         c["connections"] += OVER_CAP
         c["answered 503 at accept"] += sum(a.startswith(b"HTTP/1.1 503") for a in answers)
 
     def http_malformed(self, url: str) -> None:
-        from tests.integration.test_http_hostile import _exchange
+        from tests.support.http_clients import exchange
         from tests.support.configs import ADMIN_TOKEN
 
         port, c = _port(url), self.injected["http_malformed"]
@@ -331,17 +331,17 @@ class Attacker:
                  + b"Content-Length: %d\r\n\r\n" % (100 << 20) + b"x" * 4096),
                 ("wrong token", b"POST /admin/control HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer wrong\r\n"
                  b"Connection: close\r\nContent-Length: 2\r\n\r\n{}")):
-            out, _ = _exchange(port, data, timeout=10)
+            out, _ = exchange(port, data, timeout=10)
             c[kind] += 1
             c[f"{kind}: answered {out[9:12].decode(errors='replace') or 'nothing'}"] += 1
 
 
 def draw_bad(kinds: tuple[str, ...] | None, seed: int, n: int = 1) -> list[tuple[str, str, bytes]]:
-    """`n` bad records (kind, DLQ field, bytes) from test_fuzz_training's generator, seeded."""
+    """`n` bad records (kind, DLQ field, bytes) from the fuzz generator (tests/support/fuzz_records.py), seeded."""
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import seed as with_seed
 
-    from tests.integration.test_fuzz_training import bad_record
+    from tests.support.fuzz_records import bad_record
 
     out: list = []
 

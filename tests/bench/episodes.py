@@ -202,7 +202,7 @@ def lost_seconds(c: dict, published: set[str]) -> tuple[float, int]:
 
 
 def run(args) -> dict:
-    from tests.integration.test_producer_service import read_all
+    from tests.support.topics import read_valid_rollouts
 
     tmp = Path(args.work_dir or tempfile.mkdtemp(prefix="rlstream-episodes-"))
     tmp.mkdir(parents=True, exist_ok=True)
@@ -234,7 +234,7 @@ def run(args) -> dict:
             os.killpg(proc.pid, signal.SIGTERM)
         for proc in procs.values():
             proc.wait(timeout=120)
-        records = read_all(kafka)
+        records = read_valid_rollouts(kafka)
     finally:
         for proc in procs.values():
             if proc.poll() is None:

@@ -192,7 +192,7 @@ def warm(run: Run) -> None:
     """Every service up, the first global step trained; the attacker and the poller ready."""
     from tests.bench._hostile_attacks import Attacker
     from tests.bench.soak import start_all
-    from tests.integration.test_fuzz_training import MARKER, Live
+    from tests.support.fuzz_records import MARKER, Live
 
     start_all(run.services, run.ckpt)
     MARKER.unlink(missing_ok=True)
@@ -365,7 +365,7 @@ def _scrape(service, parse) -> dict:
 # ---------------------------------------------------------------------------- report
 
 def report(run: Run) -> dict:
-    from tests.integration.test_fuzz_training import MARKER
+    from tests.support.fuzz_records import MARKER
     from tests.support.audit import audit_steps
 
     args, a = run.args, run.attacker

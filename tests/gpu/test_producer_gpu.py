@@ -119,7 +119,7 @@ def test_in_place_weight_update_switches_greedy_outputs(gpu_engine, tiny_model_d
     from rlstream.common.weights.store import WeightStore
     from rlstream.producer.weights.reload import Reloader
     from rlstream.producer.sample import SamplingConfig
-    from tests.integration.test_producer_service import hf_logprobs
+    from tests.support.hf_reference import hf_record_logprobs
 
     eng = gpu_engine
     greedy = SamplingConfig(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
@@ -148,8 +148,8 @@ def test_in_place_weight_update_switches_greedy_outputs(gpu_engine, tiny_model_d
     assert new.dispatch_version == 1 and new.token_versions == [(1, TOKENS)]
     assert not np.array_equal(base.response_ids, new.response_ids)
     assert hf_greedy_gap(sharp_model_dir, new) < 1e-3, "greedy tokens are not the new weights' argmax"
-    assert np.abs(hf_logprobs(sharp_model_dir, new) - new.logprobs).max() < 1e-3
-    assert np.abs(hf_logprobs(tiny_model_dir, new) - new.logprobs).max() > 1e-2  # not the old weights
+    assert np.abs(hf_record_logprobs(sharp_model_dir, new) - new.logprobs).max() < 1e-3
+    assert np.abs(hf_record_logprobs(tiny_model_dir, new) - new.logprobs).max() > 1e-2  # not the old weights
     assert hf_greedy_gap(tiny_model_dir, base) < 1e-3
     np.testing.assert_array_equal(again.response_ids, base.response_ids)
     np.testing.assert_allclose(again.logprobs, base.logprobs, atol=1e-5)
@@ -167,7 +167,7 @@ def test_native_routing_rows_survive_preemption(tiny_model_dir, tmp_path):
 
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vllm is not installed: the producer's GPU tests need upstream vLLM 0.32.0")
-    from tests.integration.test_routing_preemption import check_preempted_routing, run_worker
+    from tests.support.preemption import check_preempted_routing, run_preemption_worker
 
-    runs = run_worker(tiny_model_dir, tmp_path, "native")
+    runs = run_preemption_worker(tiny_model_dir, tmp_path, "native")
     print("\npreemption (native):", check_preempted_routing(runs, tiny_model_dir, 1e-3, same_as_alone=False))

@@ -55,7 +55,7 @@ def test_model_builds_on_cuda_from_hf_and_matches_hf_fp32(megatron_world, pertur
 
     from rlstream.consumer.train import export, layout, replay
     from rlstream.consumer.train.model import load_hf_checkpoint, per_token_logprobs, read_hf_dims
-    from tests.integration.test_megatron_model import hf_logprobs
+    from tests.support.hf_reference import hf_token_logprobs
 
     model = load_hf_checkpoint(perturbed_dirs[head])
     assert dist.get_backend() == "nccl"
@@ -66,7 +66,7 @@ def test_model_builds_on_cuda_from_hf_and_matches_hf_fp32(megatron_world, pertur
     tokens = torch.randint(0, 64, (3, 40), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         ours = on_host(per_token_logprobs(model, tokens))
-    theirs = hf_logprobs(perturbed_dirs[head], tokens)
+    theirs = hf_token_logprobs(perturbed_dirs[head], tokens)
     assert ours.shape == theirs.shape == (3, 39)
     assert (ours - theirs).abs().max().item() < 1e-4
     assert ours.std() > 0.1  # not a degenerate (uniform) distribution
@@ -92,7 +92,7 @@ def test_r3_replays_the_records_routing_on_cuda(fp32_model, bf16_rollouts):
     from rlstream.consumer.train import replay
     from rlstream.consumer.train.batch import build_global_batch
     from rlstream.consumer.train.model import forward_logits
-    from tests.integration.test_routing_replay import routing_used, sorted_routing
+    from tests.support.router_hooks import routing_used, sorted_routing
 
     mb = build_global_batch(bf16_rollouts, 4).minibatches[0]
     b, real = mb.tokens.shape[0], mb.input_mask
@@ -136,7 +136,7 @@ def test_r2_replays_old_policy_routing_in_later_minibatches_on_cuda(sharp_model_
     from rlstream.common.config import ConsumerSettings
     from rlstream.consumer.train import replay
     from rlstream.consumer.train.trainer import Trainer
-    from tests.integration.test_routing_replay import routing_used
+    from tests.support.router_hooks import routing_used
 
     n = 4
     trainer = Trainer.from_hf(sharp_model_dir, ConsumerSettings(
@@ -183,9 +183,10 @@ def test_checkpoint_round_trip_on_cuda(sharp_model_dir, bf16_rollouts, tmp_path,
     atomics, so the two continued steps agree to 1 % of the update they make
     (a lost or stale moment changes Adam's second update by O(1))."""
     from rlstream.consumer.train.trainer import Trainer
-    from tests.integration.test_trainer_step import params, settings, tensors_of
+    from tests.support.configs import trainer_settings
+    from tests.support.state import params_of, tensors_of
 
-    cfg = settings(lr=1e-3, num_minibatches=2, replay="R2", dtype=dtype)
+    cfg = trainer_settings(lr=1e-3, num_minibatches=2, replay="R2", dtype=dtype)
     cfg.optimizer.distributed = distributed
     cfg.optimizer.cpu_offload_fraction = offload  # 0.5: Megatron's HybridDeviceOptimizer, half the state on the host
     a = Trainer.from_hf(sharp_model_dir, cfg)
@@ -200,7 +201,7 @@ def test_checkpoint_round_trip_on_cuda(sharp_model_dir, bf16_rollouts, tmp_path,
     want, got = tensors_of(saved["optimizer"]), tensors_of(b.state_dict()["optimizer"])
     assert any(t.dtype == torch.float32 and t.numel() > 1000 for t in want.values())
     assert set(got) == set(want) and all(torch.equal(on_host(got[k]), on_host(want[k])) for k in want)
-    pa, pb = params(a), params(b)
+    pa, pb = params_of(a), params_of(b)
     assert all(torch.equal(pa[n], pb[n]) for n in pa)  # the restored weights themselves: exact
     start = {p: m.clone() for p, m in a.optimizer.fp32_masters().items()}
     ma, mb = a.train_step(gb), b.train_step(gb)

@@ -19,7 +19,7 @@ import pytest
 from rlstream.common import metrics
 from rlstream.common.config import RlstreamConfig
 from tests.fixtures.kafka import make_kafka_settings
-from tests.integration.test_producer_service import announce_trainer_start, read_all
+from tests.support.topics import announce_trainer_start, read_valid_rollouts
 from tests.support.program import Program
 
 pytestmark = [pytest.mark.broker, pytest.mark.vllm, pytest.mark.slow]
@@ -40,7 +40,7 @@ def _service(broker, tiny_model_dir, tmp_path, engine):
                      "agent_endpoint": {"token": TOKEN, "idle_timeout_s": 2.0, "call_timeout_s": 60}},
         "consumer": {"group_size": G, "groups_per_batch": 2}})
     ensure_data(cfg, n_train=16, n_heldout=4)
-    announce_trainer_start(kafka)
+    announce_trainer_start(kafka, groups_per_batch=2, group_size=G)
     svc = ProducerService(cfg, broker.bootstrap)
     svc.start(engine=engine)
     return svc, kafka
@@ -66,7 +66,7 @@ def test_agent_drives_episodes_over_http_and_they_are_published(broker, rollout_
         svc.drain()  # what SIGTERM runs: the endpoint closes, every acknowledgement is awaited
         svc.engine = None  # the session's: not ours to close
         svc.close()
-    records = read_all(kafka)
+    records = read_valid_rollouts(kafka)
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     _check_refusals(lines)
     _check_records(records, lines)

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from tests.integration.test_bench_smoke import BENCH_DIR, BENCHES, last_json_object, run_bench
+from tests.support.benches import BENCH_DIR, BENCHES, last_json_object, run_bench
 
 pytestmark = [pytest.mark.broker, pytest.mark.vllm, pytest.mark.slow]
 

@@ -15,82 +15,16 @@ tests/bench/episodes.py does the same with SIGKILLed producer processes.
 """
 from __future__ import annotations
 
-import time
 from collections import Counter
 
 import numpy as np
 import pytest
 
-from rlstream.common.config import RlstreamConfig
-from rlstream.common.lifecycle import close_attrs
 from tests.fixtures.kafka import make_kafka_settings
+from tests.support.journaled_episodes import G, Turns, config, crash, journaled, resume_on_b, run_until
+from tests.support.topics import announce_trainer_start, read_valid_rollouts
 
 pytestmark = [pytest.mark.broker, pytest.mark.vllm, pytest.mark.slow]
-
-G, TURNS = 4, 3
-CLIENTS = ("driver", "publisher", "following", "prompts", "topic_ends", "_writer", "http")
-"""ProducerService.close's, but the engine: the session's."""
-
-
-class Turns:
-    """Every model turn gets an observation until the third; reward 1. Replays (resumable)."""
-
-    stop_texts = ()
-    resumable = True
-
-    def reset(self, task):
-        self.n = 0
-        return task.prompt
-
-    def step(self, turn):
-        from rlstream.common.tasks.environment import StepResult
-
-        self.n += 1
-        return StepResult(None, 1.0, True) if self.n >= TURNS else StepResult(f"={self.n},")
-
-
-def config(kafka, model_dir, data, pid: str, journal: bool) -> RlstreamConfig:
-    return RlstreamConfig.model_validate({
-        "kafka": kafka.model_dump(), "model": {"path": str(model_dir), "build_tiny": False},
-        "staleness": {"max_staleness": 8},
-        "producer": {"producer_id": pid, "group_size": G, "max_tokens": 6, "max_groups_in_flight": 2,
-                     "prompts": {"type": "jsonl", "path": str(data)},
-                     "episodes": {"env": "calculator", "max_turns": TURNS, "max_turn_tokens": 6,
-                                  "max_episode_tokens": 40},
-                     "journal": {"enabled": journal, "lease_s": 1.0}},
-        "consumer": {"group_size": G, "groups_per_batch": 2}})
-
-
-def run_until(svc, pred, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        svc.iterate()
-
-
-def crash(svc, engine) -> None:
-    """What a SIGKILL leaves: the engine's requests gone, no drain, no more writes."""
-    engine.abort_all()
-    for _ in range(100):
-        if not engine.has_work():
-            break
-        engine.step()
-    if svc.driver.runner.journal is not None:
-        svc.driver.runner.journal._stop.set()  # the lease stops being renewed
-    close_attrs(svc, CLIENTS, __import__("logging").getLogger("test"))
-
-
-def journaled(kafka) -> dict:
-    """The journal's live entries now: key -> Snapshot."""
-    from rlstream.producer.journal.snapshot import decode
-    from rlstream.producer.journal.topic import JournalTopic
-
-    t = JournalTopic(kafka, lease_s=1.0)
-    t.sync()
-    out = {k: decode(v) for k, v in t.snapshots.items()}
-    t.close()
-    return out
-
 
 @pytest.mark.timeout(300)  # with the session engine's start when run alone (8-10 s of its own)
 def test_a_crashed_producers_episodes_are_resumed_and_published_exactly_once(broker, rollout_engine, tiny_model_dir,
@@ -102,16 +36,15 @@ def run_crash(broker, engine, model_dir, tmp_path, monkeypatch, journal: bool) -
     """a crashes with episodes between turns, b resumes them; every episode is published once."""
     from rlstream.common.tasks import envs
     from rlstream.toy.build import ensure_data
-    from tests.integration.test_producer_service import announce_trainer_start, read_all
 
     monkeypatch.setitem(envs.ENVIRONMENTS, "calculator", Turns)
     kafka = make_kafka_settings(broker.bootstrap, tmp_path / "blobs", rollouts_partitions=2)
     data = tmp_path / "data" / "train.jsonl"
     ensure_data(config(kafka, model_dir, data, "a", journal), n_train=64, n_heldout=8)
-    announce_trainer_start(kafka)
+    announce_trainer_start(kafka, groups_per_batch=2, group_size=G)
     durable = crash_a_between_turns(broker, engine, kafka, model_dir, data, journal)
     published0 = resume_on_b(broker, engine, config(kafka, model_dir, data, "b", journal), journal, len(durable))
-    records = read_all(kafka)
+    records = read_valid_rollouts(kafka)
     if journal:  # a published some records whose entries stayed: b found them in the topic
         from rlstream.common import metrics
         assert (metrics.value("rlstream_producer_resumed_episodes_total", outcome="published") or 0) > published0
@@ -142,28 +75,6 @@ def crash_a_between_turns(broker, engine, kafka, model_dir, data, journal: bool)
     for key, s in durable.items():  # the journal holds what a generated, up to its last completed turn
         assert s.holder == "a" and (key not in generated or generated[key][:s.response.size] == s.response.tolist())
     return durable
-
-
-def resume_on_b(broker, engine, cfg: RlstreamConfig, journal: bool, entries: int) -> float:
-    """Producer b (`cfg`) takes a's `entries` journal entries (resumed, or found published in the
-    rollouts topic) and finishes a's groups; the count of entries found published before it started."""
-    from rlstream.common import metrics
-    from rlstream.producer.service import ProducerService
-
-    b = ProducerService(cfg, broker.bootstrap)
-    b.start(engine=engine)
-    try:
-        taken = lambda: sum(metrics.value("rlstream_producer_resumed_episodes_total", outcome=o) or 0  # noqa: E731
-                            for o in ("resumed", "published"))
-        taken0, published0 = taken(), metrics.value("rlstream_producer_resumed_episodes_total", outcome="published") or 0
-        done = lambda: taken() - taken0 >= entries and not any(  # noqa: E731
-            g.startswith("a-") for g in b.groups._groups)
-        t_off = time.monotonic() + 5  # without the journal: nothing to wait for
-        run_until(b, lambda: done() if journal else time.monotonic() > t_off, 60, "a's episodes resumed")
-        b.outbox.drain(timeout_s=30)
-    finally:
-        crash(b, engine)
-    return published0
 
 
 def check_each_episode_once_in_complete_groups(records) -> None:

@@ -1,4 +1,4 @@
-"""Issue #8.4 (bad input) and #8.6 (security, live part) against one running consumer.
+"""Bad input and security (its live part) against one running consumer.
 
 The real consumer (subprocess; real broker; Megatron-core on the tiny model)
 trains on valid synthetic groups while hypothesis fuzzes the rollouts topic
@@ -8,7 +8,7 @@ lengths, NaN/inf or positive log-probs, expert ids >= num_experts, oversize
 a marker file; and with records that decode but must not be trained: a key
 given twice, another group size, a version from the future (trainer + 1000),
 a sequence longer than the model's positions (P = 600 > 512); and with
-group ids reused by a second copy (issue 24: another producer's copy
+group ids reused by a second copy (another producer's copy
 interleaved with a valid group, or a copy under the id of a group already
 trained or waiting for its batch, or a second record for a held slot).
 Afterwards: training went on, each bad record is in the DLQ under the field
@@ -25,13 +25,10 @@ test_security.py.
 from __future__ import annotations
 
 import json
-import os
-import pickle
 import time
 from collections import Counter
 from pathlib import Path
 
-import msgpack
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -40,162 +37,15 @@ from hypothesis import strategies as st
 from rlstream.harness.census import read_dlq, read_topic
 from rlstream.harness.observe import http_request, metric_value
 from rlstream.harness.supervisor import Service, wait_until
-from rlstream.common.record import Rollout, encode
 from tests.fixtures.kafka import make_kafka_settings
-from tests.support.audit import audit_steps
 from tests.support.configs import ADMIN_TOKEN, service_config, write_config
-from tests.support.fakes import PickleBomb
 from tests.support.synthetic import synthetic_group
+from tests.support.fuzz_records import KINDS, MARKER, PICKLE_BOMB, REUSES, G, Live, bad_record, reuse
 from tests.support.topics import send_raw
 
 pytestmark = [pytest.mark.broker, pytest.mark.megatron, pytest.mark.slow]
 
-G, B = 4, 2
-MARKER = Path(f"/tmp/rlstream-pwned-{os.getpid()}")
-
-PICKLE_BOMB = pickle.dumps(PickleBomb(MARKER))  # unpickled, it creates MARKER
-
-# ---------------------------------------------------------------- bad records
-
-_TEMPLATE = synthetic_group("tmpl", G, 0, np.random.default_rng(0))[0]
-_VALID_MAP = msgpack.unpackb(encode(_TEMPLATE), raw=False)
-_T = len(_TEMPLATE.response_ids)
-
-
-def _pack(**changes) -> bytes:
-    m = dict(_VALID_MAP)
-    m.update(changes)
-    return msgpack.packb(m, use_bin_type=True)
-
-
-def _pack_repeating(key: str, second) -> bytes:
-    """The template's map with `key` given a second time (msgpack alone would keep the last value)."""
-    pairs = list(_VALID_MAP.items()) + [(key, second)]
-    pk = msgpack.Packer(use_bin_type=True)
-    return pk.pack_map_header(len(pairs)) + b"".join(pk.pack(k) + pk.pack(v) for k, v in pairs)
-
-
-def _f32(values) -> bytes:
-    return np.asarray(values, dtype="<f4").tobytes()
-
-
-@st.composite
-def bad_record(draw, kinds: tuple[str, ...] | None = None) -> tuple[str, str, bytes]:
-    """(kind, DLQ field it must be refused for, bytes); the kind drawn from `kinds` (default: all)."""
-    kind = draw(st.sampled_from(kinds or KINDS))
-    valid = encode(_TEMPLATE)
-    if kind == "truncated":
-        return kind, "<bytes>", valid[:draw(st.integers(0, len(valid) - 1))]
-    if kind == "schema":
-        v = draw(st.integers(-(2**63), 2**64 - 1).filter(lambda x: x not in (1, 2)) | st.text(max_size=8) | st.none())
-        return kind, "schema", _pack(schema=v)
-    if kind == "lengths":
-        n = draw(st.integers(0, 3 * _T).filter(lambda x: x != _T))
-        return kind, "logprobs", _pack(logprobs=_f32(-np.ones(n)))
-    if kind in ("nan_logprob", "positive_logprob"):
-        lp = np.array(_TEMPLATE.logprobs, dtype=np.float32)
-        i = draw(st.integers(0, _T - 1))
-        lp[i] = draw(st.sampled_from([np.nan, np.inf, -np.inf])) if kind == "nan_logprob" else\
-            draw(st.floats(1e-3, 1e6, allow_nan=False))
-        return kind, "logprobs", _pack(logprobs=_f32(lp))
-    if kind == "expert_id":
-        re_ = np.array(_TEMPLATE.routed_experts, dtype=np.uint8)
-        flat = re_.reshape(-1)
-        flat[draw(st.integers(0, flat.size - 1))] = draw(st.integers(_TEMPLATE.num_experts, 255))
-        return kind, "routed_experts", _pack(routed_experts=re_.tobytes())
-    if kind == "oversize":
-        P = draw(st.integers(65_537, 70_000))  # RecordLimits.max_prompt_tokens = 65,536
-        return kind, "prompt_ids", _pack(prompt_ids=np.full(P, 5, dtype="<i4").tobytes())
-    if kind == "repeated_key":
-        key = draw(st.sampled_from(["reward", "policy_version", "logprobs"]))
-        return kind, key, _pack_repeating(key, _VALID_MAP[key])
-    if kind == "group_size":
-        return kind, "group_size", _pack(group_size=draw(st.sampled_from([G - 1, G + 1, 2 * G])))
-    if kind == "future_version":
-        return kind, "policy_version", _pack(policy_version=draw(st.integers(1000, 10**9)))
-    if kind == "long_sequence":  # the tiny model has 512 positions; routing rows follow P
-        P = draw(st.integers(512, 700))
-        rows = P + _T - 1
-        routing = np.resize(np.asarray(_TEMPLATE.routed_experts), (rows,) + _TEMPLATE.routed_experts.shape[1:])
-        return kind, "prompt_ids", _pack(prompt_ids=np.full(P, 5, dtype="<i4").tobytes(),
-                                         routed_experts=routing.tobytes(), routing_shape=list(routing.shape))
-    return kind, "<bytes>", PICKLE_BOMB
-
-
-REUSES = ["interleaved", "late", "same_slot"]
-"""How a group id is reused (`Live.publish_valid_group`); every record of the second copy is refused."""
-
-
-@st.composite
-def reuse(draw) -> tuple[str, list[int]] | None:
-    """None (most examples), or (how, the slots of the second copy)."""
-    if draw(st.integers(0, 3)):
-        return None
-    return draw(st.sampled_from(REUSES)), draw(st.lists(st.integers(0, G - 1), min_size=1, max_size=G, unique=True))
-
-
-DECODABLE = {"repeated_key", "group_size", "future_version", "long_sequence"}
-"""Kinds whose record decodes up to the rule it breaks (its key must match its group_id)."""
-KINDS = ["truncated", "schema", "lengths", "nan_logprob", "positive_logprob", "expert_id", "oversize", "pickle",
-         "repeated_key", "group_size", "future_version", "long_sequence"]
-
-
-# ---------------------------------------------------------------- the live consumer
-
-class Live:
-    def __init__(self, kafka, consumer: Service, ckpt: Path):
-        from rlstream.common.kafka.publisher import RolloutPublisher
-
-        self.kafka, self.consumer, self.ckpt = kafka, consumer, ckpt
-        self.pub = RolloutPublisher(kafka)
-        self.rng = np.random.default_rng(11)
-        self.expected: dict[str, tuple[str, str]] = {}  # DLQ source -> (kind, field)
-        self.valid_groups = 0
-        self._seq = 0
-        self.last_valid = ""  # the id of the last valid group published
-
-    def version(self) -> int:
-        return max(audit_steps(self.ckpt), default=0)
-
-    def publish_valid_group(self, reused: tuple[str, list[int]] | None = None) -> None:
-        """A valid group; with `reused` = (how, slots), also a second copy under a used id whose
-        records must all be refused: interleaved with this group after its first record
-        (another producer), under the id of an earlier valid group, or second records for
-        slots this group holds (same producer) before its last sample."""
-        self._seq += 1
-        group = synthetic_group(f"ok-{self._seq}", G, self.version(), self.rng)
-        if reused is None:
-            self._publish_in_order([(r, False) for r in group])
-        else:
-            how, slots = reused
-            gid = self.last_valid if how == "late" and self.last_valid else group[0].group_id
-            second = synthetic_group(gid, G, self.version(), self.rng)
-            if how != "same_slot":  # a third party's copy
-                for r in second:
-                    r.producer_id = "reuser"
-            if how == "same_slot":  # slots this group holds when the copy comes: all but its last
-                held = sorted({min(i, G - 2) for i in slots})
-                self._publish_in_order([(r, False) for r in group[:-1]] + [(second[i], True) for i in held]
-                                       + [(group[-1], False)])
-            else:
-                copy = [(second[i], True) for i in slots]
-                self._publish_in_order([(group[0], False)] + copy + [(r, False) for r in group[1:]])
-        self.valid_groups += 1
-        self.last_valid = group[0].group_id
-
-    def _publish_in_order(self, records: list[tuple[Rollout, bool]]) -> None:
-        """One at a time, so the partition holds them in this order; (record, refused)."""
-        for r, refused in records:
-            d = self.pub.publish(r, timeout=60).result(timeout=60)
-            if refused:
-                self.expected[f"{d.topic}/{d.partition}/{d.offset}"] = ("reused", "group_id")
-
-    def publish_bad(self, kind: str, field: str, value: bytes) -> None:
-        self._seq += 1
-        # keyed like the template's group: records that decode get past the key check to their own
-        key = _TEMPLATE.group_id.encode() if kind in DECODABLE else f"bad-{self._seq}".encode()
-        d = self.pub.publish_bytes(key, value, timeout=60).result(timeout=60)
-        self.expected[f"{d.topic}/{d.partition}/{d.offset}"] = (kind, field)
+B = 2
 
 
 @pytest.fixture(scope="module")

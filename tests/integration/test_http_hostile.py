@@ -1,6 +1,6 @@
 """Hostile clients against a real service endpoint (common/control/http.py on uvicorn), loopback only.
 
-Each attack of issue 24 runs while /healthz is probed every ~0.2 s over a fresh
+Each attack runs while /healthz is probed every ~0.2 s over a fresh
 connection: every probe must answer 200 within 1 s. The server is built with its
 default limits only (the constructor arguments the thread-per-connection server of
 a0ae2f8 took too), so this file runs unchanged against it: there the slow-header,
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import selectors
 import socket
 import sys
 import threading
@@ -21,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from rlstream.common.control.http import ServiceHttp
+from tests.support.http_clients import Trickler, exchange, flood_connections
 from tests.support.program import Program
 
 TOKEN = "tok"
@@ -38,23 +38,9 @@ def http():
 
 # ---------------------------------------------------------------- clients
 
-def _exchange(port: int, data: bytes, timeout: float) -> tuple[bytes, float]:
-    """Send `data` on a fresh connection, read until the server closes: (answer, seconds)."""
-    t0 = time.monotonic()
-    out = b""
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=timeout) as c:
-            c.sendall(data)
-            while chunk := c.recv(65536):
-                out += chunk
-    except OSError:
-        pass  # a refused, reset or timed-out connection: whatever came is the answer
-    return out, time.monotonic() - t0
-
-
 def probe(port: int, path: bytes = b"/healthz", token: str | None = None) -> tuple[bytes, float]:
     auth = b"Authorization: Bearer %s\r\n" % token.encode() if token else b""
-    return _exchange(port, b"GET %s HTTP/1.1\r\nHost: x\r\n%sConnection: close\r\n\r\n" % (path, auth),
+    return exchange(port, b"GET %s HTTP/1.1\r\nHost: x\r\n%sConnection: close\r\n\r\n" % (path, auth),
                      PROBE_S + 1)
 
 
@@ -72,44 +58,6 @@ def assert_healthy_throughout(probes):
     bad = [(out[:40], round(secs, 2)) for out, secs in probes
            if not (out.startswith(b"HTTP/1.1 200") and secs < PROBE_S)]
     assert not bad, f"{len(bad)} of {len(probes)} /healthz probes failed or took >= {PROBE_S} s: {bad[:5]}"
-
-
-class Trickler:
-    """`n` connections opened at once, each sent `head` and then one byte of `tail` a second."""
-
-    def __init__(self, port: int, n: int, head: bytes, tail: bytes, seconds: float):
-        self.port, self.n, self.head, self.tail, self.seconds = port, n, head, tail, seconds
-        self.socks: list[socket.socket] = []
-        self.opened, self.done = threading.Event(), threading.Event()
-
-    def _open(self) -> None:
-        try:  # connects in parallel: a connect stalled by a full backlog delays no other
-            s = socket.create_connection(("127.0.0.1", self.port), timeout=10)
-            self.socks.append(s)
-            s.sendall(self.head)
-        except OSError:
-            pass  # refused at accept: the probes will tell
-
-    def run(self) -> None:
-        openers = [threading.Thread(target=self._open, daemon=True) for _ in range(self.n)]
-        for t in openers:
-            t.start()
-        for t in openers:
-            t.join(10)
-        self.opened.set()
-        t0 = time.monotonic()
-        for i in range(int(self.seconds)):
-            time.sleep(max(0.0, t0 + i + 1 - time.monotonic()))
-            for s in list(self.socks):
-                try:
-                    s.sendall(self.tail[i % len(self.tail):][:1])
-                except OSError:
-                    pass
-        self.done.set()
-
-    def close(self) -> None:
-        for s in self.socks:
-            s.close()
 
 
 def trickle_and_probe(port: int, n: int, head: bytes, tail: bytes, seconds: float = 4.0, **probing):
@@ -149,8 +97,8 @@ def test_three_hundred_concurrent_clients_are_all_answered(http, tmp_path):
     """300 requests at once (issue 24: with a backlog of 5 some went unanswered for 40-90 s). The
     clients are another process, as in life: they do not share the server's interpreter lock."""
     s, _ = http
-    code = "\n".join(["import collections, json, selectors, socket, sys, time", inspect.getsource(_flood),
-                      "a = _flood(int(sys.argv[1]), 300, sys.argv[2].encode(), timeout=10.0)",
+    code = "\n".join(["import collections, json, selectors, socket, sys, time", inspect.getsource(flood_connections),
+                      "a = flood_connections(int(sys.argv[1]), 300, sys.argv[2].encode(), timeout=10.0)",
                       "print(json.dumps(collections.Counter(x[:12].decode() for x in a)))"])
     request = "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
     with Program([sys.executable, "-c", code, str(s.port), request], tmp_path, name="flood").start() as flood:
@@ -163,38 +111,6 @@ def test_three_hundred_concurrent_clients_are_all_answered(http, tmp_path):
     assert statuses == {"HTTP/1.1 200": 300}, statuses
 
 
-def _flood(port: int, n: int, request: bytes, timeout: float) -> list[bytes]:
-    """`n` connections opened at once (non-blocking), each sends `request` and reads to the close."""
-    sel = selectors.DefaultSelector()
-    out: dict[socket.socket, bytearray] = {}
-    for _ in range(n):
-        c = socket.socket()
-        c.setblocking(False)
-        c.connect_ex(("127.0.0.1", port))
-        out[c] = bytearray()
-        sel.register(c, selectors.EVENT_WRITE)
-    deadline, open_ = time.monotonic() + timeout, n
-    while open_ and time.monotonic() < deadline:
-        for key, ev in sel.select(0.1):
-            c = key.fileobj
-            try:
-                if ev & selectors.EVENT_WRITE:
-                    c.sendall(request)
-                    sel.modify(c, selectors.EVENT_READ)
-                    continue
-                chunk = c.recv(65536)
-            except OSError:
-                chunk = b""
-            if chunk:
-                out[c] += chunk
-            else:
-                sel.unregister(c)
-                open_ -= 1
-    for c in out:
-        c.close()
-    return [bytes(v) for v in out.values()]
-
-
 def test_json_nested_sixty_thousand_deep_gets_a_400(http):
     """issue 24: no answer, RecursionError in the log. Refused from a bracket pre-scan, before
     json.loads could recurse."""
@@ -202,7 +118,7 @@ def test_json_nested_sixty_thousand_deep_gets_a_400(http):
     body = b"[" * 60_000  # 60 KB: under the admin API's 64 KiB body limit
     head = (b"POST /admin/control HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + TOKEN.encode()
             + b"\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(body))
-    out, secs = _exchange(s.port, head + body, timeout=5)
+    out, secs = exchange(s.port, head + body, timeout=5)
     assert out.startswith(b"HTTP/1.1 400") and secs < 2, (out[:200], secs)
     assert b"nests 60000 levels deep; at most 64" in out
     assert_healthy_throughout([probe(s.port)])
@@ -295,7 +211,7 @@ def test_slow_heads_and_bodies_are_cut_at_their_timeouts():
 
 def test_a_head_over_the_limit_gets_a_400_naming_the_limit(http):
     s, _ = http
-    out, _ = _exchange(s.port, b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (20 << 10) + b"\r\n\r\n", 5)
+    out, _ = exchange(s.port, b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (20 << 10) + b"\r\n\r\n", 5)
     assert out.startswith(b"HTTP/1.1 400") and b"headers over 16384 bytes" in out
 
 

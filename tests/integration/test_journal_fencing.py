@@ -35,7 +35,8 @@ import pytest
 
 from rlstream.common import metrics
 from rlstream.cluster.twin import ClusterTwin, Host, unavailable_reason
-from tests.integration.test_episode_journal import CLIENTS, G, Turns, config
+from tests.support.journaled_episodes import CLIENTS, G, Turns, config
+from tests.support.topics import announce_trainer_start
 
 _WHY = unavailable_reason()
 pytestmark = [pytest.mark.broker, pytest.mark.vllm, pytest.mark.slow,
@@ -215,7 +216,6 @@ def test_a_producer_cut_off_past_its_lease_gets_no_episode_trained_twice(rollout
     from rlstream.common.kafka.broker import EmbeddedBroker
     from rlstream.toy.build import ensure_data
     from tests.fixtures.kafka import make_kafka_settings
-    from tests.integration.test_producer_service import announce_trainer_start
 
     monkeypatch.setitem(envs.ENVIRONMENTS, "calculator", Turns)
     fenced0 = {at: metrics.value("rlstream_producer_episodes_fenced_total", at=at) for at in ("running", "ended")}
@@ -227,7 +227,7 @@ def test_a_producer_cut_off_past_its_lease_gets_no_episode_trained_twice(rollout
                                     request_timeout_ms=5000)
         data = tmp_path / "data" / "train.jsonl"
         ensure_data(config(kafka, tiny_model_dir, data, "a", True), n_train=64, n_heldout=8)
-        announce_trainer_start(kafka)
+        announce_trainer_start(kafka, groups_per_batch=2, group_size=G)
         pair = Pair(twin, kafka, broker.bootstrap, rollout_engine, tiny_model_dir, data)
         try:
             held = pair.to_the_cut()

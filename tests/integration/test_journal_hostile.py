@@ -24,7 +24,8 @@ import pytest
 
 from rlstream.common import metrics
 from tests.fixtures.kafka import make_kafka_settings
-from tests.integration.test_episode_journal import CLIENTS, Turns, config
+from tests.support.journaled_episodes import CLIENTS, G, Turns, config
+from tests.support.topics import announce_trainer_start, read_valid_rollouts
 
 pytestmark = [pytest.mark.broker, pytest.mark.vllm, pytest.mark.slow]
 REASONS = ("key", "lease", "entry", "key_mismatch", "limits")
@@ -98,13 +99,12 @@ def test_hostile_journal_records_are_refused_counted_and_the_producer_keeps_runn
     from rlstream.toy.build import ensure_data
     from rlstream.producer.journal.snapshot import encode
     from rlstream.producer.service import ProducerService
-    from tests.integration.test_producer_service import announce_trainer_start, read_all
 
     monkeypatch.setitem(envs.ENVIRONMENTS, "calculator", Turns)
     kafka = make_kafka_settings(broker.bootstrap, tmp_path / "blobs", rollouts_partitions=2)
     data = tmp_path / "data" / "train.jsonl"
     ensure_data(config(kafka, tiny_model_dir, data, "b", True), n_train=16, n_heldout=4)
-    announce_trainer_start(kafka)
+    announce_trainer_start(kafka, groups_per_batch=2, group_size=G)
     vocab = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
     valid, hostile = orphans(rollout_engine.encode("1+2="), vocab)
     journal, write, raw = writer(kafka)
@@ -133,7 +133,7 @@ def test_hostile_journal_records_are_refused_counted_and_the_producer_keeps_runn
     assert refused == {"key": 1, "lease": 3, "entry": 2, "key_mismatch": 1, "limits": len(hostile)}, refused
     assert count("rlstream_producer_resumed_episodes_total", outcome="invalid") - invalid0 == len(hostile)
     assert count("rlstream_producer_resumed_episodes_total", outcome="resumed") - resumed0 == 1
-    (record,) = read_all(kafka)  # the valid orphan, finished by b under its owner's copy and the claim's epoch
+    (record,) = read_valid_rollouts(kafka)  # the valid orphan, finished by b under its owner's copy and claim epoch
     assert (record.rollout_id, record.producer_id, record.claim_epoch) == (valid.rollout_id, "dead", 1)
     letters = {d.source.rsplit("/", 1)[1]: d for d in read_dlq(kafka, quiet_s=1.0) if d.source.startswith(journal)}
     assert {d.field for d in letters.values()} == {"journal.limits", "journal.key", "journal.entry",

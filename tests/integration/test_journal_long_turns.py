@@ -18,7 +18,8 @@ import pytest
 
 from rlstream.common.config import RlstreamConfig
 from tests.fixtures.kafka import make_kafka_settings
-from tests.integration.test_episode_journal import crash, journaled, resume_on_b, run_until
+from tests.support.journaled_episodes import crash, journaled, resume_on_b, run_until
+from tests.support.topics import announce_trainer_start, read_valid_rollouts
 
 pytestmark = [pytest.mark.broker, pytest.mark.vllm, pytest.mark.slow]
 
@@ -57,21 +58,20 @@ def test_a_long_turn_cut_by_a_crash_resumes_from_its_last_n_tokens(broker, rollo
                                                                     tmp_path, monkeypatch):
     from rlstream.common.tasks import envs
     from rlstream.toy.build import ensure_data
-    from tests.integration.test_producer_service import announce_trainer_start, read_all
 
     engine = rollout_engine
     monkeypatch.setitem(envs.ENVIRONMENTS, "calculator", OneTurn)
     kafka = make_kafka_settings(broker.bootstrap, tmp_path / "blobs", rollouts_partitions=2)
     data = tmp_path / "data" / "train.jsonl"
     ensure_data(config(kafka, tiny_model_dir, data, "a"), n_train=64, n_heldout=8)
-    announce_trainer_start(kafka)
+    announce_trainer_start(kafka, groups_per_batch=2, group_size=G)
     made = crash_a_mid_turn(broker, engine, config(kafka, tiny_model_dir, data, "a"))
     durable = journaled(kafka)
     cut = {k: s for k, s in durable.items() if s.partial}
     assert cut, f"no entry holds a partial turn: {[(k, s.partial) for k, s in durable.items()]}"
     check_journaled_so_far(cut, made, engine.routing_mode == "capture")
     resume_on_b(broker, engine, config(kafka, tiny_model_dir, data, "b"), True, len(durable))
-    check_resumed_from_the_partial_turn(read_all(kafka), cut)
+    check_resumed_from_the_partial_turn(read_valid_rollouts(kafka), cut)
 
 
 def crash_a_mid_turn(broker, engine, cfg: RlstreamConfig) -> dict:

@@ -7,8 +7,8 @@ import torch
 
 from rlstream.common.errors import ConfigError, RlstreamError
 from rlstream.consumer.train import export, layout, megatron_shims
-from rlstream.consumer.train.logprobs import logprobs_from_logits
 from rlstream.consumer.train.model import load_hf_checkpoint, per_token_logprobs, read_hf_dims
+from tests.support.hf_reference import hf_token_logprobs
 
 pytestmark = pytest.mark.megatron
 HEADS = ["untied", "tied"]
@@ -19,21 +19,12 @@ def models(megatron_world, perturbed_dirs):
     return {h: load_hf_checkpoint(perturbed_dirs[h]) for h in HEADS}
 
 
-def hf_logprobs(hf_dir, tokens):
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        logits = hf(input_ids=tokens).logits[:, :-1]
-    return logprobs_from_logits(logits, tokens[:, 1:])
-
-
 @pytest.mark.parametrize("head", HEADS)
 def test_logprobs_match_hf_fp32(models, perturbed_dirs, head):
     tokens = torch.randint(0, 64, (3, 40), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         ours = per_token_logprobs(models[head], tokens)
-    theirs = hf_logprobs(perturbed_dirs[head], tokens)
+    theirs = hf_token_logprobs(perturbed_dirs[head], tokens)
     assert ours.shape == theirs.shape == (3, 39)
     assert (ours - theirs).abs().max().item() < 1e-4
     assert ours.std() > 0.1  # not a degenerate (uniform) distribution

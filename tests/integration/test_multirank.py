@@ -6,42 +6,12 @@ give the same updated weights and metrics as one process on the whole,
 unsplit batch."""
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
+from tests.support.multirank import load_worker, run_worker
+
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
-WORKER = Path(__file__).with_name("multirank_worker.py")
-REPO = Path(__file__).resolve().parents[2]
-
-
-def load_worker():
-    spec = importlib.util.spec_from_file_location("multirank_worker", WORKER)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def run_worker_layouts(model_dir, out, nproc: int, layouts: list[str] = ()) -> None:
-    """torchrun the worker on `nproc` ranks (layouts: its default ones for nproc)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    torchrun = Path(sys.executable).with_name("torchrun")
-    cmd = [str(torchrun), "--standalone", "--nproc_per_node", str(nproc), str(WORKER),
-           str(model_dir), str(out), *layouts]
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-
-
-def run_worker(model_dir, out, nproc: int) -> dict:
-    run_worker_layouts(model_dir, out, nproc)
-    worker = load_worker()
-    return {name: torch.load(out / f"{name}.pt", weights_only=False)
-            for name in worker.LAYOUTS if worker.world_size(name) == nproc}
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from rlstream.common.config import RlstreamConfig
 from rlstream.harness.observe import metric_value as metric
 from rlstream.harness.supervisor import Service, wait_until
 from tests.fixtures.kafka import make_kafka_settings
-from tests.integration.test_producer_service import announce_trainer_start, read_all
+from tests.support.topics import announce_trainer_start, read_valid_rollouts
 
 pytestmark = [pytest.mark.broker, pytest.mark.vllm, pytest.mark.slow]
 
@@ -37,7 +37,7 @@ def test_producer_publishes_multi_turn_episodes_in_complete_groups(broker, tiny_
                      "engine": {"kv_cache_memory_bytes": 64 << 20, "max_model_len": 64}},
         "consumer": {"group_size": G, "groups_per_batch": B}})
     ensure_data(cfg, n_train=64, n_heldout=8)
-    announce_trainer_start(kafka)
+    announce_trainer_start(kafka, groups_per_batch=B, group_size=G)
     path = tmp_path / "producer.yaml"
     path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
     with Service("producer", path, tmp_path / "logs").start() as svc:
@@ -48,7 +48,7 @@ def test_producer_publishes_multi_turn_episodes_in_complete_groups(broker, tiny_
         ends = {e: metric(text, "rlstream_producer_episodes_total", end=e) or 0
                 for e in ("done", "max_turns", "max_tokens", "step_timeout", "env_error")}
         assert svc.stop(timeout_s=120) == 0, svc.log_tail(3000)
-    records = read_all(kafka)
+    records = read_valid_rollouts(kafka)
     assert len(records) >= cap and set(Counter(r.group_id for r in records).values()) == {G}
     assert sum(ends.values()) >= cap and ends["step_timeout"] == ends["env_error"] == 0
     for r in records:

@@ -23,36 +23,12 @@ from rlstream.common.config import RlstreamConfig
 from rlstream.common.kafka.broker import free_port
 from rlstream.harness.supervisor import Service, wait_until
 from tests.fixtures.kafka import make_kafka_settings
+from tests.support.hf_reference import hf_record_logprobs
+from tests.support.topics import announce_trainer_start, read_valid_rollouts
 
 pytestmark = [pytest.mark.broker, pytest.mark.vllm, pytest.mark.slow]
 
 G, B, MAX_STALENESS = 4, 2, 1
-
-
-def read_all(kafka, timeout_s=2.0):
-    from rlstream.common.kafka.reader import RolloutReader
-
-    with RolloutReader(kafka) as r:
-        out, idle = [], 0
-        while idle < 2:
-            items = r.poll(max_records=1000, timeout_s=timeout_s / 2)
-            idle = 0 if items else idle + 1
-            out.extend(items)
-    return [it.rollout for it in out]
-
-
-def announce_trainer_start(kafka) -> None:
-    """What a consumer says when it starts: version 0, nothing read yet, its batch
-    shape (B, G). The producers' backpressure needs B; this test has no trainer."""
-    from kafka import KafkaProducer
-
-    from rlstream.common.control.messages import TrainerProgress
-    from rlstream.common.kafka.client import client_kwargs
-
-    msg = TrainerProgress(trainer_version=0, groups_per_batch=B, group_size=G)
-    p = KafkaProducer(**client_kwargs(kafka), acks="all")
-    p.send(kafka.topics.policy, key=msg.kind.encode(), value=msg.model_dump_json().encode()).get(timeout=10)
-    p.close()
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +48,7 @@ def producer(broker, tiny_model_dir, tmp_path_factory):
         # the store the test writes versions into as the trainer: producers take weights only from it
         "consumer": {"group_size": G, "groups_per_batch": B, "weight_store_dir": str(tmp / "weights")}})
     ensure_data(cfg, n_train=64, n_heldout=8)
-    announce_trainer_start(kafka)
+    announce_trainer_start(kafka, groups_per_batch=B, group_size=G)
     path = tmp / "producer.yaml"
     path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
     with Service("producer", path, tmp / "logs").start() as svc:
@@ -91,7 +67,7 @@ def test_publishes_valid_records_then_backpressure_holds_at_max_staleness(produc
     wait_until(lambda: svc.try_metric("rlstream_producer_samples_total", 0.0) >= cap,
                120, f"{cap} finished samples", [svc], 0.5)
     time.sleep(3)
-    records = read_all(kafka)
+    records = read_valid_rollouts(kafka)
     assert len(records) == cap, f"{len(records)} records, backpressure should cap at {cap}"
     assert svc.metric("rlstream_producer_samples_total") == cap
     for r in records:
@@ -102,18 +78,6 @@ def test_publishes_valid_records_then_backpressure_holds_at_max_staleness(produc
         assert np.all(r.logprobs <= 0) and np.isfinite(r.logprobs).all()
         assert r.reward in (0.0, 1.0)
     assert set(Counter(r.group_id for r in records).values()) == {G}
-
-
-def hf_logprobs(model_dir, r) -> np.ndarray:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = torch.tensor(np.concatenate([r.prompt_ids, r.response_ids])[None].astype(np.int64))
-    with torch.no_grad():
-        lp = torch.log_softmax(m(ids).logits[0, :-1].float(), -1)
-    P = len(r.prompt_ids)
-    return lp[P - 1:, :].gather(-1, ids[0, P:, None])[:, 0].numpy()
 
 
 @pytest.mark.timeout(300)
@@ -141,11 +105,11 @@ def test_weight_announcement_switches_version_and_outputs(producer, tiny_model_d
     p.close()
 
     def new_records():
-        return [r for r in read_all(kafka) if r.policy_version == 1]
+        return [r for r in read_valid_rollouts(kafka) if r.policy_version == 1]
     fresh = wait_until(new_records, 120, "records of version 1", [svc], 0.5)
     assert svc.metric("rlstream_producer_policy_version") == 1
     r = fresh[0]
-    new_lp, old_lp = hf_logprobs(new_dir, r), hf_logprobs(tiny_model_dir, r)
+    new_lp, old_lp = hf_record_logprobs(new_dir, r), hf_record_logprobs(tiny_model_dir, r)
     assert np.abs(new_lp - r.logprobs).max() < 1e-3, "records were not sampled from the new weights"
     assert np.abs(old_lp - r.logprobs).max() > 1e-2, "old and new weights give the same log-probs"
 
@@ -159,7 +123,7 @@ def test_sigterm_exits_zero_and_loses_no_acknowledged_sample(producer):
     line = [ln for ln in log.splitlines() if "producer drained: published=" in ln]
     assert line, log[-3000:]
     acked = int(line[-1].split("published=")[1].split()[0])
-    records = read_all(kafka)
+    records = read_valid_rollouts(kafka)
     assert len({r.rollout_id for r in records}) == acked == len(records)
     status = svc.status()
     assert status["state"] == "stopped" and status["published"] == acked and status["pid"] == svc.pid

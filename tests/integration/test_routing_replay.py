@@ -3,7 +3,6 @@ old-policy routing on later mini-batches, and R3 lowers the bf16-vs-fp32
 training-inference KL."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import pytest
@@ -14,6 +13,7 @@ from rlstream.consumer.train import replay
 from rlstream.consumer.train.batch import build_global_batch
 from rlstream.consumer.train.model import forward_logits, load_hf_checkpoint, per_token_logprobs
 from rlstream.consumer.train.trainer import Trainer
+from tests.support.router_hooks import routing_used, sorted_routing
 
 pytestmark = pytest.mark.megatron
 
@@ -21,29 +21,6 @@ pytestmark = pytest.mark.megatron
 @pytest.fixture(scope="module")
 def fp32_model(megatron_world, sharp_model_dir):
     return load_hf_checkpoint(sharp_model_dir)
-
-
-@contextlib.contextmanager
-def routing_used(model):
-    """Collect the routing each router actually dispatched with: one [N, K]
-    sorted index tensor per router call, in call order."""
-    calls, handles = [], []
-
-    def hook(module, args, output):
-        routing_map = output[1]
-        calls.append(torch.topk(routing_map.float(), module.topk, -1).indices.sort(-1).values)
-
-    for r in replay.routers(model):
-        handles.append(r.register_forward_hook(hook))
-    try:
-        yield calls
-    finally:
-        for h in handles:
-            h.remove()
-
-
-def sorted_routing(r: torch.Tensor) -> torch.Tensor:
-    return r.long().sort(-1).values
 
 
 def test_r3_reproduces_the_records_routing(fp32_model, bf16_rollouts):

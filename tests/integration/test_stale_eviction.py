@@ -19,7 +19,7 @@ from rlstream.common.config import RlstreamConfig
 from rlstream.common.control.messages import TrainerProgress
 from tests.fixtures.kafka import make_kafka_settings
 from tests.support.configs import ADMIN_TOKEN
-from tests.integration.test_producer_service import read_all
+from tests.support.topics import read_valid_rollouts
 
 pytestmark = [pytest.mark.broker, pytest.mark.vllm, pytest.mark.slow]
 
@@ -121,4 +121,4 @@ def test_in_flight_groups_beyond_the_bound_are_aborted_and_counted(broker, rollo
         svc.engine = None  # the session's: not ours to close
         svc.close()
         writer.close()
-    assert read_all(kafka) == []  # nothing of the evicted groups was generated to the end and published
+    assert read_valid_rollouts(kafka) == []  # nothing of the evicted groups was generated to the end and published

@@ -10,7 +10,7 @@ import traceback
 import pytest
 import torch
 
-from tests.integration.test_multirank import run_worker_layouts
+from tests.support.multirank import run_worker_layouts
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 AUDITS = ["audit-dp2_ep2", "audit-tp2"]

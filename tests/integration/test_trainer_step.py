@@ -8,30 +8,19 @@ import numpy as np
 import pytest
 import torch
 
-from rlstream.common.config import ConsumerSettings
 from rlstream.consumer.train import layout
 from rlstream.consumer.train.batch import build_global_batch
 from rlstream.consumer.train.losses import LOSSES, advantage_mode
 from rlstream.consumer.train.model import per_token_logprobs
 from rlstream.consumer.train.trainer import Trainer
-from tests.support.state import tensors_of
+from tests.support.configs import trainer_settings
+from tests.support.state import params_of, tensors_of
 
 pytestmark = pytest.mark.megatron
 
 
-def settings(loss: str = "minirl", optimizer: str = "adamw", grad_clip: float = 1.0,
-             lr: float = 1e-4, **consumer) -> ConsumerSettings:
-    """`consumer` settings as the config file gives them (common/config/consumer.py)."""
-    return ConsumerSettings(loss={"name": loss}, optimizer={"name": optimizer, "lr": lr, "grad_clip": grad_clip},
-                            **consumer)
-
-
-def params(trainer):
-    return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-
-
 def test_metrics_match_direct_computation(sharp_model_dir, bf16_rollouts):
-    trainer = Trainer.from_hf(sharp_model_dir, settings(lr=1e-4))
+    trainer = Trainer.from_hf(sharp_model_dir, trainer_settings(lr=1e-4))
     gb = trainer.build_batch(bf16_rollouts, 4)
     mb = gb.minibatches[0]
     with torch.no_grad():
@@ -77,7 +66,7 @@ def test_every_rank_reduces_the_same_metric_sums_with_or_without_routing(sharp_m
         sizes.append(t.numel())
         return t
     monkeypatch.setattr(trainer_mod, "reduce_over_data_parallel", reduce)
-    trainer = Trainer.from_hf(sharp_model_dir, settings(lr=1e-4))
+    trainer = Trainer.from_hf(sharp_model_dir, trainer_settings(lr=1e-4))
     trainer.train_step(trainer.build_batch(bf16_rollouts, 4))
     routed = list(sizes)
     sizes.clear()
@@ -87,10 +76,10 @@ def test_every_rank_reduces_the_same_metric_sums_with_or_without_routing(sharp_m
 
 
 def test_step_updates_weights_and_later_minibatches_see_staleness(sharp_model_dir, bf16_rollouts):
-    trainer = Trainer.from_hf(sharp_model_dir, settings(lr=3e-3, num_minibatches=4))
-    before = params(trainer)
+    trainer = Trainer.from_hf(sharp_model_dir, trainer_settings(lr=3e-3, num_minibatches=4))
+    before = params_of(trainer)
     metrics = trainer.train_step(trainer.build_batch(bf16_rollouts, 4))
-    after = params(trainer)
+    after = params_of(trainer)
     changed = [n for n in before if not torch.equal(before[n], after[n])]
     assert "decoder.layers.1.mlp.router.weight" in changed
     assert "embedding.word_embeddings.weight" in changed
@@ -107,11 +96,11 @@ def all_finite(metrics: dict) -> bool:
 
 
 def test_grad_clipping_bounds_the_update(sharp_model_dir, bf16_rollouts):
-    cfg = settings(optimizer="sgd", lr=1.0, grad_clip=1e-3)
+    cfg = trainer_settings(optimizer="sgd", lr=1.0, grad_clip=1e-3)
     trainer = Trainer.from_hf(sharp_model_dir, cfg)
-    before = params(trainer)
+    before = params_of(trainer)
     metrics = trainer.train_step(trainer.build_batch(bf16_rollouts, 4))
-    after = params(trainer)
+    after = params_of(trainer)
     step = math.sqrt(sum(float((after[n] - before[n]).pow(2).sum()) for n in before))
     assert metrics["grad_norm"] > 1e-2  # the raw gradient was much larger than the cap
     assert step == pytest.approx(1e-3, rel=1e-3)
@@ -119,7 +108,7 @@ def test_grad_clipping_bounds_the_update(sharp_model_dir, bf16_rollouts):
 
 @pytest.mark.parametrize("loss", sorted(LOSSES))
 def test_every_loss_trains(sharp_model_dir, bf16_rollouts, loss):
-    trainer = Trainer.from_hf(sharp_model_dir, settings(loss=loss, num_minibatches=2, lr=1e-3))
+    trainer = Trainer.from_hf(sharp_model_dir, trainer_settings(loss=loss, num_minibatches=2, lr=1e-3))
     first = trainer.train_step(trainer.build_batch(bf16_rollouts, 4))
     assert all_finite(first), first
     assert first["grad_norm"] > 0
@@ -134,15 +123,15 @@ def test_grpo_uses_std_normalised_advantages(bf16_rollouts):
     np.testing.assert_allclose(std.advantages.numpy(), want.ravel(), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(mean.numpy(), (rewards - rewards.mean(1, keepdims=True)).ravel(),
                                atol=1e-6)
-    assert advantage_mode(settings(loss="grpo").loss) == "mean_std"
-    assert advantage_mode(settings(loss="minirl").loss) == "mean"
+    assert advantage_mode(trainer_settings(loss="grpo").loss) == "mean_std"
+    assert advantage_mode(trainer_settings(loss="minirl").loss) == "mean"
 
 
 @pytest.mark.parametrize("dtype,distributed", [("float32", True), ("bfloat16", True),
                                                ("bfloat16", False)])
 def test_checkpoint_round_trip_continues_identically(sharp_model_dir, bf16_rollouts, tmp_path,
                                                      dtype, distributed):
-    cfg = settings(lr=1e-3, num_minibatches=2, replay="R2", dtype=dtype)
+    cfg = trainer_settings(lr=1e-3, num_minibatches=2, replay="R2", dtype=dtype)
     cfg.optimizer.distributed = distributed
     a = Trainer.from_hf(sharp_model_dir, cfg)
     gb = a.build_batch(bf16_rollouts, 4)
@@ -159,12 +148,12 @@ def test_checkpoint_round_trip_continues_identically(sharp_model_dir, bf16_rollo
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
     ma, mb = a.train_step(gb), b.train_step(gb)
     assert ma["loss"] == mb["loss"]
-    pa, pb = params(a), params(b)
+    pa, pb = params_of(a), params_of(b)
     assert all(torch.equal(pa[n], pb[n]) for n in pa)
 
 
 def trained_distributed(model_dir, rollouts, dtype: str = "bfloat16"):
-    cfg = settings(lr=1e-3, dtype=dtype)
+    cfg = trainer_settings(lr=1e-3, dtype=dtype)
     cfg.optimizer.distributed = True
     t = Trainer.from_hf(model_dir, cfg)
     t.train_step(t.build_batch(rollouts, 4))
@@ -223,7 +212,7 @@ def test_a_checkpoint_from_before_per_rank_files_still_resumes(sharp_model_dir, 
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
     gb = a.build_batch(bf16_rollouts, 4)
     assert a.train_step(gb)["loss"] == b.train_step(gb)["loss"]
-    pa, pb = params(a), params(b)
+    pa, pb = params_of(a), params_of(b)
     assert all(torch.equal(pa[n], pb[n]) for n in pa)
 
 
@@ -233,7 +222,7 @@ def test_export_after_step_is_the_trained_model(sharp_model_dir, bf16_rollouts, 
 
     from rlstream.consumer.train.model import load_hf_checkpoint
 
-    trainer = Trainer.from_hf(sharp_model_dir, settings(lr=1e-2))
+    trainer = Trainer.from_hf(sharp_model_dir, trainer_settings(lr=1e-2))
     gb = trainer.build_batch(bf16_rollouts, 4)
     trainer.train_step(gb)
     original = layout.read_hf_safetensors(sharp_model_dir)

@@ -256,7 +256,7 @@ def test_an_nccl_update_failing_halfway_is_restored_before_the_next_step(rollout
     from rlstream.common.control.messages import WeightsReady
     from rlstream.producer.weights.reload import Reloader
     from rlstream.producer.weights.trainer_link import NcclLink
-    from tests.unit.producer.test_link import FakeChannel
+    from tests.support.fakes import FakeChannel
 
     rollout_engine.reload_weights(tiny_model_dir, 0)
     before, refused = greedy(rollout_engine), metrics.value("rlstream_producer_weight_reload_failures_total")

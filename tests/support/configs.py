@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from rlstream.common.config import KafkaSettings, RlstreamConfig
+from rlstream.common.config import ConsumerSettings, KafkaSettings, RlstreamConfig
 
 ADMIN_TOKEN = "rlstream-test-token-7f3a"
 
@@ -57,3 +57,11 @@ def ensure_prompts(cfg: RlstreamConfig, n_train: int = 64) -> None:
     from rlstream.toy.build import ensure_data
 
     ensure_data(cfg, n_train=n_train, n_heldout=8)
+
+
+def trainer_settings(loss: str = "minirl", optimizer: str = "adamw", grad_clip: float = 1.0,
+                     lr: float = 1e-4, **consumer) -> ConsumerSettings:
+    """`consumer` settings as the config file gives them (common/config/consumer.py), for a
+    Trainer built in the test's process."""
+    return ConsumerSettings(loss={"name": loss}, optimizer={"name": optimizer, "lr": lr, "grad_clip": grad_clip},
+                            **consumer)

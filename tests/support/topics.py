@@ -1,4 +1,5 @@
-"""Test-only topic access: raw writes (no validation at all) and the weights announced.
+"""Test-only topic access: raw writes (no validation at all), the weights announced, the
+rollouts as the consumer's reader takes them, and a trainer's start announced by hand.
 
 Reading whole topics back (read_topic, read_dlq, read_rollouts) is the
 harness's: ops/harness/census.py.
@@ -93,3 +94,31 @@ def append_batches(bootstrap: str, topic: str, partition: int, n: int, value: by
             for _ in chunk:  # the answers of this thousand before the next
                 (size,) = struct.unpack(">i", recv_exact(s, 4))
                 recv_exact(s, size)
+
+
+def read_valid_rollouts(kafka: KafkaSettings, timeout_s: float = 2.0) -> list:
+    """The rollouts the consumer's reader takes (valid ones, in log order, duplicates kept),
+    until two polls of timeout_s / 2 bring nothing."""
+    from rlstream.common.kafka.reader import RolloutReader
+
+    with RolloutReader(kafka) as r:
+        out, idle = [], 0
+        while idle < 2:
+            items = r.poll(max_records=1000, timeout_s=timeout_s / 2)
+            idle = 0 if items else idle + 1
+            out.extend(items)
+    return [it.rollout for it in out]
+
+
+def announce_trainer_start(kafka: KafkaSettings, groups_per_batch: int, group_size: int) -> None:
+    """What a consumer says when it starts: version 0, nothing read yet, its batch shape. The
+    producers' backpressure needs groups_per_batch; for tests that run no trainer."""
+    from kafka import KafkaProducer
+
+    from rlstream.common.control.messages import TrainerProgress
+    from rlstream.common.kafka.client import client_kwargs
+
+    msg = TrainerProgress(trainer_version=0, groups_per_batch=groups_per_batch, group_size=group_size)
+    p = KafkaProducer(**client_kwargs(kafka), acks="all")
+    p.send(kafka.topics.policy, key=msg.kind.encode(), value=msg.model_dump_json().encode()).get(timeout=10)
+    p.close()

@@ -122,3 +122,21 @@ def test_test_files_have_unique_names():
 
     names = Counter(p.name for p in (ROOT / "tests").rglob("test_*.py"))
     assert [n for n, c in names.items() if c > 1] == []
+
+
+def test_no_file_under_tests_imports_a_test_file():
+    """Helpers that several files share live in tests/support/ (or tests/fixtures/). A test file
+    imported by another runs twice under two names (pytest's by basename, the importer's
+    dotted), with its module-level state and fixtures twice."""
+    imported = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            imported += [f"{path.relative_to(ROOT)}:{node.lineno} {n}" for n in names
+                         if n.rsplit(".", 1)[-1].startswith("test_")]
+    assert imported == []

@@ -208,10 +208,10 @@ def test_the_offload_is_refused_without_a_gpu(monkeypatch):
 def test_the_k8s_consumer_is_checked_against_its_pods_memory_limit(tmp_path):
     """The ConfigMap's host_memory_gb is the consumer pod's limits.memory, and its ranks per
     node are the JobSet's torchrun --nproc_per_node: node 0's ~388 GB fit the 1024Gi limit."""
-    from test_ops import _container, _torchrun_world, find
+    from tests.support.shipped_manifests import container, find, torchrun_world
 
     consumer = find("JobSet", "rlstream-consumer")
-    limit = _container(consumer)["resources"]["limits"]["memory"]
+    limit = container(consumer)["resources"]["limits"]["memory"]
     assert limit.endswith("Gi")
     limit_gb = int(limit[:-2]) * 2**30 / 1e9
     cm = tmp_path / "rlstream.yaml"
@@ -219,6 +219,6 @@ def test_the_k8s_consumer_is_checked_against_its_pods_memory_limit(tmp_path):
     cfg = load_config(cm, [f"model.path={QWEN3_30B}"], environ={"RLSTREAM__KAFKA__SASL_PLAIN_PASSWORD": "x"})
     host_gb = cfg.consumer.memory.host_memory_gb
     assert host_gb is not None and limit_gb - 1 < host_gb <= limit_gb
-    assert cfg.consumer.memory.ranks_per_node == _torchrun_world(consumer)[1]
+    assert cfg.consumer.memory.ranks_per_node == torchrun_world(consumer)[1]
     c = check_config(cfg, {})
     assert c.fits and round(c.host.total_gb) == 388 and f"fits {host_gb:g} GB" in c.report().splitlines()[1]

@@ -18,6 +18,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.house import Layout, source_files
+from tests.support.metrics_docs import parse_metric_table
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = source_files(ROOT, Layout.read(ROOT))
@@ -42,23 +43,6 @@ DECLARING_MODULES = {
 KINDS = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
 NON_BASE_UNITS = ("_ms", "_milliseconds", "_microseconds", "_us", "_ns", "_minutes", "_hours",
                   "_kb", "_mb", "_gb", "_kib", "_mib", "_gib", "_percent")
-
-
-def parse_metric_table(text: str) -> dict[str, dict]:
-    """Rows of the '## Table' section: {name: {type, labels, service, meaning}}."""
-    section = text.split("## Table", 1)[1].split("\n## ", 1)[0]
-    rows: dict[str, dict] = {}
-    for line in section.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) != 5 or not cells[0].startswith("`rlstream_"):
-            continue
-        name = cells[0].strip("`")
-        assert name not in rows, f"{name} documented twice"
-        # labels cell: "`label` = `v1`, `v2`" or "`label` (note)"; several labels separated by ";"
-        labels = sorted(re.match(r"`(\w+)`", part.strip()).group(1) for part in cells[2].split(";"))\
-            if cells[2] else []
-        rows[name] = {"type": cells[1], "labels": labels, "service": cells[3], "meaning": cells[4]}
-    return rows
 
 
 @pytest.fixture(scope="module")

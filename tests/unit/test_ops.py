@@ -23,12 +23,21 @@ import pytest
 import yaml
 
 from rlstream.common.config import load_config
-from test_metrics_docs import parse_metric_table
+from tests.support.metrics_docs import parse_metric_table
+from tests.support.shipped_manifests import (
+    COMPOSE,
+    K8S,
+    OPS,
+    ROOT,
+    container,
+    find,
+    k8s_container_env,
+    k8s_docs,
+    load_yaml_docs,
+    pod_template,
+    torchrun_world,
+)
 
-ROOT = Path(__file__).resolve().parents[2]
-OPS = ROOT / "ops"
-K8S = OPS / "k8s"
-COMPOSE = OPS / "compose" / "docker-compose.yml"
 ALERTS = OPS / "prometheus" / "alerts.yml"
 DASHBOARD = OPS / "grafana" / "dashboards" / "rlstream.json"
 PROMTOOL = shutil.which("promtool")
@@ -36,27 +45,6 @@ NO_PROMTOOL = "promtool not installed (apt-get install prometheus: Debian's pack
 
 DATA_FILES = sorted(p for d in (OPS, ROOT / "configs") for p in d.rglob("*")
                     if p.suffix in (".yml", ".yaml", ".json"))
-
-
-def load_yaml_docs(path: Path) -> list:
-    return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
-
-
-@functools.lru_cache(maxsize=1)
-def k8s_docs() -> tuple[dict, ...]:
-    """The base's documents and the monitoring overlay's."""
-    return tuple(d for p in sorted([*K8S.glob("*.yaml"), *K8S.glob("monitoring/*.yaml")])
-                 if p.name != "kustomization.yaml" for d in load_yaml_docs(p))
-
-
-def k8s_container_env(workload: dict) -> dict[str, str]:
-    return {e["name"]: str(e.get("value", "x")) for e in _container(workload).get("env", [])}
-
-
-def find(kind: str, name: str) -> dict:
-    hits = [d for d in k8s_docs() if d["kind"] == kind and d["metadata"]["name"] == name]
-    assert len(hits) == 1, f"expected one {kind}/{name}, found {len(hits)}"
-    return hits[0]
 
 
 @functools.lru_cache(maxsize=1)
@@ -133,22 +121,9 @@ def test_k8s_configmap_holds_a_valid_rlstream_config(tmp_path):
     assert not cfg.model.build_tiny and cfg.producer.http.host == "0.0.0.0"
 
 
-def _pod_template(workload: dict) -> dict:
-    """The pod template of a Deployment, or of a JobSet's (only) replicated job."""
-    if workload["kind"] == "JobSet":
-        (rjob,) = workload["spec"]["replicatedJobs"]
-        return rjob["template"]["spec"]["template"]
-    return workload["spec"]["template"]
-
-
-def _container(workload: dict) -> dict:
-    (c,) = _pod_template(workload)["spec"]["containers"]
-    return c
-
-
 def _service_args(workload: dict) -> list[str]:
     """The `rlstream` arguments: the container's args, or what follows torchrun's `-m`."""
-    c = _container(workload)
+    c = container(workload)
     if c.get("command") == ["torchrun"]:
         args = c["args"]
         assert args[args.index("-m") + 1] == "rlstream"
@@ -156,18 +131,12 @@ def _service_args(workload: dict) -> list[str]:
     return c["args"]
 
 
-def _torchrun_world(workload: dict) -> tuple[int, int]:
-    """(nodes, processes per node) of a torchrun container."""
-    opts = dict(a.lstrip("-").split("=", 1) for a in _container(workload)["args"] if a.startswith("--"))
-    return int(opts["nnodes"]), int(opts["nproc_per_node"])
-
-
 PROBE_PATHS = {"startupProbe": "/healthz", "readinessProbe": "/readyz", "livenessProbe": "/healthz"}
 
 
 def _check_pod(workload: dict, service_cmd: str, http_port: int, rank0_probes: bool = False) -> None:
-    spec = _pod_template(workload)["spec"]
-    c = _container(workload)
+    spec = pod_template(workload)["spec"]
+    c = container(workload)
     assert _service_args(workload)[:3] == [service_cmd, "-c", "/etc/rlstream/rlstream.yaml"]
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert ports["http"] == http_port, "container port must equal the config's http.port"
@@ -195,12 +164,12 @@ def _check_pod(workload: dict, service_cmd: str, http_port: int, rank0_probes: b
         if "secret" in v:
             find("Secret", v["secret"]["secretName"])
     if workload["kind"] == "Deployment":
-        labels = _pod_template(workload)["metadata"]["labels"]
+        labels = pod_template(workload)["metadata"]["labels"]
         assert workload["spec"]["selector"]["matchLabels"].items() <= labels.items()
 
 
 def _mount_of(workload: dict, path: str) -> dict:
-    mounts = [m for m in _container(workload)["volumeMounts"] if path.startswith(m["mountPath"].rstrip("/") + "/")
+    mounts = [m for m in container(workload)["volumeMounts"] if path.startswith(m["mountPath"].rstrip("/") + "/")
               or path == m["mountPath"]]
     assert mounts, f"nothing mounted at {path}"
     return max(mounts, key=lambda m: len(m["mountPath"]))
@@ -220,13 +189,13 @@ def test_k8s_producer_and_consumer_match_the_config(tmp_path):
     prod, cons = find("Deployment", "rlstream-producer"), find("JobSet", "rlstream-consumer")
     _check_pod(prod, "producer", cfg.producer.http.port)
     _check_pod(cons, "consumer", cfg.consumer.http.port, rank0_probes=True)
-    gpus = _container(prod)["resources"]["requests"]["nvidia.com/gpu"]
+    gpus = container(prod)["resources"]["requests"]["nvidia.com/gpu"]
     assert int(gpus) == cfg.producer.engine.tensor_parallel_size
     # weight store, blobs and checkpoints (every rank writes its shard) on the shared RWX volume
     for path, workloads in ((cfg.consumer.weight_store_dir, (prod, cons)), (cfg.kafka.blob_dir, (prod, cons)),
                             (cfg.consumer.checkpoint_dir, (cons,))):
         for w in workloads:
-            vol = {v["name"]: v for v in _pod_template(w)["spec"]["volumes"]}[_mount_of(w, path)["name"]]
+            vol = {v["name"]: v for v in pod_template(w)["spec"]["volumes"]}[_mount_of(w, path)["name"]]
             pvc = find("PersistentVolumeClaim", vol["persistentVolumeClaim"]["claimName"])
             assert "ReadWriteMany" in pvc["spec"]["accessModes"], path
     for path in (cfg.model.path, cfg.producer.prompts.path, cfg.kafka.ssl_cafile):
@@ -241,12 +210,12 @@ def test_k8s_consumer_runs_torchrun_with_a_layout_that_fits(tmp_path):
 
     cons = find("JobSet", "rlstream-consumer")
     (rjob,) = cons["spec"]["replicatedJobs"]
-    nodes, per_node = _torchrun_world(cons)
+    nodes, per_node = torchrun_world(cons)
     job = rjob["template"]["spec"]
     assert rjob["replicas"] == 1 and job["parallelism"] == job["completions"] == nodes
     assert job["completionMode"] == "Indexed" and job["backoffLimit"] == 0
-    assert int(_container(cons)["resources"]["requests"]["nvidia.com/gpu"]) == per_node
-    args = _container(cons)["args"]
+    assert int(container(cons)["resources"]["requests"]["nvidia.com/gpu"]) == per_node
+    args = container(cons)["args"]
     assert "--node_rank=$(NODE_RANK)" in args
     master = next(a for a in args if a.startswith("--master_addr=")).split("=", 1)[1]
     assert master == f"{cons['metadata']['name']}-{rjob['name']}-0-0.{cons['spec']['network']['subdomain']}"
@@ -263,13 +232,13 @@ def test_k8s_services_and_servicemonitor_select_the_pods():
 
     def labels(w: dict) -> dict:  # an Indexed Job's pods also carry their completion index
         extra = {"batch.kubernetes.io/job-completion-index": "0"} if w["kind"] == "JobSet" else {}
-        return {**_pod_template(w)["metadata"]["labels"], **extra}
+        return {**pod_template(w)["metadata"]["labels"], **extra}
 
     for svc in services:
         matched = [w for w in pods.values() if svc["spec"]["selector"].items() <= labels(w).items()]
         assert matched, f"Service {svc['metadata']['name']} selects no pods"
         for port in svc["spec"]["ports"]:
-            assert any(port["targetPort"] == p["name"] for w in matched for p in _container(w)["ports"])
+            assert any(port["targetPort"] == p["name"] for w in matched for p in container(w)["ports"])
     sm = find("ServiceMonitor", "rlstream")
     scraped = []
     for svc in services:
@@ -457,7 +426,7 @@ def test_the_image_has_verbs_wherever_a_manifest_asks_for_rdma():
     manifest that requests an rdma/ device or enables NCCL's IB needs it (and the mlx5 provider)
     in the image, or the RDMA settings do nothing."""
     wants_rdma = [d["metadata"]["name"] for d in k8s_docs() if d["kind"] in ("Deployment", "JobSet")
-                  if any(k.startswith("rdma/") for k in _container(d).get("resources", {}).get("requests", {}))
+                  if any(k.startswith("rdma/") for k in container(d).get("resources", {}).get("requests", {}))
                   or k8s_container_env(d).get("NCCL_IB_DISABLE") == "0"]
     assert wants_rdma, "no manifest asks for RDMA: drop this test"
     apt = " ".join(re.findall(r"apt-get install[^&]*", (OPS / "Dockerfile").read_text().replace("\\\n", " ")))

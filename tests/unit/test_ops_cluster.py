@@ -24,7 +24,16 @@ import pytest
 import yaml
 
 from rlstream.common.config import load_config
-from test_ops import COMPOSE, OPS, ROOT, _container, _torchrun_world, find, k8s_docs
+from tests.support.shipped_manifests import (
+    COMPOSE,
+    OPS,
+    ROOT,
+    container,
+    find,
+    k8s_container_env,
+    k8s_docs,
+    torchrun_world,
+)
 
 
 def _dist(requirement: str) -> str:
@@ -127,16 +136,11 @@ def test_a_wildcard_endpoint_whose_name_resolves_to_loopback_is_refused_at_start
     assert dialable_host(WeightSyncSettings(host="0.0.0.0")) == "trainer-1.example"
 
 
-def k8s_container_env(workload: dict) -> dict[str, str]:
-    """The container's literal env values, secrets replaced by a placeholder."""
-    return {e["name"]: e.get("value", "x") for e in _container(workload)["env"]}
-
-
 def k8s_consumer_config(tmp_path: Path):
     cons = find("JobSet", "rlstream-consumer")
     f = tmp_path / "rlstream.yaml"
     f.write_text(find("ConfigMap", "rlstream-config")["data"]["rlstream.yaml"])
-    nodes, per_node = _torchrun_world(cons)
+    nodes, per_node = torchrun_world(cons)
     environ = {**k8s_container_env(cons), "WORLD_SIZE": str(nodes * per_node)}
     return load_config(f, environ=environ)
 
@@ -167,10 +171,10 @@ def test_k8s_consumer_announces_a_weight_endpoint_producer_pods_can_dial(tmp_pat
     assert_dialable(host)
     assert host in k8s_resolvable_names(), f"{host!r} is no Service or JobSet pod name"
     # it is rank 0's pod (node 0, the torchrun rendezvous host), where the endpoint runs
-    args = _container(find("JobSet", "rlstream-consumer"))["args"]
+    args = container(find("JobSet", "rlstream-consumer"))["args"]
     assert host == next(a for a in args if a.startswith("--master_addr=")).split("=", 1)[1]
     assert w.host in ("0.0.0.0", "::"), "rank 0 must listen on the pod's interface, not its loopback"
-    ports = {p["containerPort"] for p in _container(find("JobSet", "rlstream-consumer"))["ports"]}
+    ports = {p["containerPort"] for p in container(find("JobSet", "rlstream-consumer"))["ports"]}
     assert w.port in ports, "a fixed weight port is declared on the consumer container"
     producer = find("Deployment", "rlstream-producer")
     assert producer["metadata"]["namespace"] == find("JobSet", "rlstream-consumer")["metadata"]["namespace"]
@@ -225,7 +229,7 @@ def test_k8s_multi_node_nccl_uses_rdma(kind, name):
     """N9: cross-node NCCL (gradients between trainer nodes; each weight link from rank 0 to
     a producer on another node) ran over pod TCP: no RDMA device, no NCCL network settings."""
     w = find(kind, name)
-    c = _container(w)
+    c = container(w)
     assert int(c["resources"]["limits"]["nvidia.com/gpu"]) > 0
     limits, requests = c["resources"]["limits"], c["resources"]["requests"]
     rdma = [r for r in limits if r.startswith("rdma/")]

@@ -14,7 +14,7 @@ from rlstream.common.kafka.reader import ReadItem as Item
 from rlstream.common.record import Rollout, decode, encode
 from rlstream.consumer.stream.assembler import GroupAssembler
 from rlstream.consumer.stream.ledger import Ledger
-from tests.unit.consumer.test_group_reuse import G, copy, read_all
+from tests.support.ledger_records import G, copy, read_all
 
 
 def epoch(r: Rollout, e: int) -> Rollout:

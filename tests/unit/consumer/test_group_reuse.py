@@ -1,4 +1,4 @@
-"""A reused group_id (issue 24): refused in the assembler, never mixed, never trained twice.
+"""A reused group_id: refused in the assembler, never mixed, never trained twice.
 
 Examples of each rule (consumer/stream/assembler.py), then a hypothesis property
 test that drives the assembler and the ledger with arbitrary interleavings of
@@ -26,30 +26,16 @@ from rlstream.consumer.stream.assembler import GroupAssembler
 from rlstream.consumer.train.batch import TrainSample, group_advantages
 from rlstream.consumer.checkpoint.files import CheckpointState
 from rlstream.consumer.stream.ledger import OUTCOMES, Ledger
+from tests.support.ledger_records import G, copy, read_all, rollout
 
-G, TIMEOUT_S = 4, 10.0
-
-
-def rollout(group: str, idx: int, producer: str = "p", rid: str | None = None) -> Rollout:
-    return Rollout(rollout_id=rid or f"{producer}/{group}/{idx}", group_id=group, sample_idx=idx, group_size=G,
-                   prompt_ids=np.array([1, 2], np.int32), response_ids=np.array([3], np.int32),
-                   logprobs=np.array([-0.5], np.float32), policy_version=0, reward=float(idx % 2),
-                   producer_id=producer)
-
-
-def copy(group: str, producer: str, slots=range(G)) -> list[Rollout]:
-    return [rollout(group, i, producer) for i in slots]
-
-
-def read_all(ledger: Ledger, records: list[Rollout], start: int = 0) -> None:
-    ledger.read([Item(0, start + o, r) for o, r in enumerate(records)])
+TIMEOUT_S = 10.0
 
 
 # ---------------------------------------------------------------- the rules, by example
 
 
 def test_a_second_copy_while_the_first_waits_for_its_batch_is_refused_not_a_crash():
-    """The crash of issue 24: two complete groups under one id in one batch (16 samples, expected 8)."""
+    """The crash this rule fixed: two complete groups under one id in one batch (16 samples, expected 8)."""
     ledger = Ledger(GroupAssembler(G, TIMEOUT_S))
     read_all(ledger, copy("g", "a") + copy("g", "b"))
     assert [g.group_id for g in ledger.complete] == ["g"]

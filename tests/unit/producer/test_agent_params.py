@@ -9,7 +9,7 @@ import pytest
 from rlstream.common.errors import AgentRequestError
 from rlstream.producer.rollout.agents.openai import BadParameter, parse_chat
 from rlstream.producer.sample import SamplingConfig
-from tests.unit.producer.test_agents import chat, command, endpoint, make, serve  # noqa: F401 (fixture)
+from tests.support.agent_endpoint import agent_http, chat, command, make, serve
 
 USER = [{"role": "user", "content": "1+2="}]
 
@@ -112,10 +112,11 @@ def test_a_wrong_task_is_a_400_naming_it(body, param):
 
 
 @pytest.mark.timeout(60)
-def test_over_http_a_wrong_type_is_a_json_400_not_a_500(endpoint):  # noqa: F811 (the fixture)
-    url, auth = endpoint.url, {"Authorization": "Bearer tok"}
-    base = httpx.post(f"{url}/v1/groups", json={}, headers=auth, timeout=10).json()["episodes"][0]["base_url"]
-    for body, param in ((chat(USER, temperature="hot"), "temperature"), (chat(USER, stop=5), "stop"),
-                        (chat(USER, max_tokens=-1), "max_tokens"), ({"messages": "hi"}, "messages")):
-        r = httpx.post(f"{base}/chat/completions", json=body, headers=auth, timeout=10)
-        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+def test_over_http_a_wrong_type_is_a_json_400_not_a_500():
+    with agent_http() as endpoint:
+        url, auth = endpoint.url, {"Authorization": "Bearer tok"}
+        base = httpx.post(f"{url}/v1/groups", json={}, headers=auth, timeout=10).json()["episodes"][0]["base_url"]
+        for body, param in ((chat(USER, temperature="hot"), "temperature"), (chat(USER, stop=5), "stop"),
+                            (chat(USER, max_tokens=-1), "max_tokens"), ({"messages": "hi"}, "messages")):
+            r = httpx.post(f"{base}/chat/completions", json=body, headers=auth, timeout=10)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

@@ -5,7 +5,6 @@ tests/integration/test_agent_endpoint.py runs a real agent against the real engi
 from __future__ import annotations
 
 import socket
-import threading
 import time
 
 import httpx
@@ -14,46 +13,14 @@ import pytest
 from pydantic import ValidationError
 
 from rlstream.common import metrics
-from rlstream.common.config import AgentEndpointSettings, EpisodeSettings, ProducerSettings
+from rlstream.common.config import AgentEndpointSettings, ProducerSettings
 from rlstream.common.errors import AgentRequestError
 from rlstream.common.record import decode, encode
 from rlstream.toy.tinymodel import build_tokenizer
-from rlstream.producer.rollout.agents.driver import AgentEpisodes
 from rlstream.producer.rollout.agents.openai import new_messages, parse_chat
-from rlstream.producer.groups import InFlightGroups
 from rlstream.producer.sample import SamplingConfig
-from tests.support.scripted import TOK, ScriptedAgentEngine, task
-
-
-def make(replies, group_size=2, take=None, **limits):
-    eng = ScriptedAgentEngine(replies)
-    groups = InFlightGroups("p")
-    agents = AgentEpisodes(eng, AgentEndpointSettings(idle_timeout_s=60), EpisodeSettings(
-        **{"max_turns": 3, "max_turn_tokens": 8, "max_episode_tokens": 40, **limits}),
-        SamplingConfig(max_tokens=8), groups, group_size, take or (lambda body: task()), "p")
-    agents.base_url = "http://x"
-    return eng, groups, agents
-
-
-def command(agents, kind, eid, body):
-    """Queue a command as the HTTP server does; the caller runs poll() / steps."""
-    return agents.submit(kind, eid, body)
-
-
-def serve(eng, agents, fut, n=20):
-    """Run the engine thread's side until `fut` is answered; returns (status, body)."""
-    published = []
-    for _ in range(n):
-        published += agents.poll()
-        if eng.has_work():
-            assert agents.claim(eng.step()) == []
-        if fut.done():
-            return (*fut.result(), published)
-    raise AssertionError("not answered")
-
-
-def chat(messages, **kw):
-    return {"messages": messages, **kw}
+from tests.support.agent_endpoint import agent_http, chat, command, make, serve
+from tests.support.scripted import TOK
 
 
 # ------------------------------------------------------------------- requests
@@ -215,25 +182,8 @@ def test_agent_endpoint_settings_are_off_by_default_and_need_a_token_off_loopbac
 
 @pytest.fixture
 def endpoint():
-    from rlstream.producer.rollout.agents.http import AgentHttp
-
-    eng, groups, agents = make(["c(1+2)"] * 8, group_size=1)
-    http = AgentHttp(AgentEndpointSettings(token="tok", max_body_bytes=4096), agents).start()
-    stop = threading.Event()
-
-    def loop():  # the service loop's part
-        while not stop.is_set():
-            agents.poll()
-            if eng.has_work():
-                agents.claim(eng.step())
-            time.sleep(0.005)
-
-    t = threading.Thread(target=loop, daemon=True)
-    t.start()
-    yield http
-    stop.set()
-    t.join(5)
-    http.stop()
+    with agent_http() as http:
+        yield http
 
 
 def test_http_routes_auth_first_and_bounded_bodies(endpoint):

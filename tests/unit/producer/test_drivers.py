@@ -90,7 +90,7 @@ def test_the_service_loop_is_short_and_names_no_mode():
 
 
 def test_agents_step_through_on_finished_as_the_service_loop_drives_them():
-    from tests.unit.producer.test_agents import chat, command, make
+    from tests.support.agent_endpoint import chat, command, make
 
     eng, groups, agents = make(["66"], group_size=1)
     records = []

@@ -3,7 +3,6 @@
 tests/integration/test_episode_journal.py runs the crash on the real engine and broker."""
 from __future__ import annotations
 
-import json
 
 import numpy as np
 import pytest
@@ -11,28 +10,11 @@ import pytest
 from rlstream.common.config import JournalSettings
 from rlstream.common.record import Rollout
 from rlstream.common.tasks.envs.calculator import CalculatorEnv
-from rlstream.producer.rollout.episodes import EpisodeRunner
-from rlstream.producer.groups import InFlightGroups
-from rlstream.producer.journal import EpisodeJournal, Resumer, StalenessView
+from rlstream.producer.journal import EpisodeJournal, StalenessView
 from rlstream.producer.journal.claims import Held, Lease, claimant, claims_for, is_orphan
-from rlstream.producer.journal.snapshot import JournalError, ModelTurnLog, Snapshot, decode, encode
-from rlstream.producer.journal.topic import JournalTopic
-from rlstream.producer.sample import SamplingConfig
-from tests.support.scripted import ScriptedEngine, run, settings, task
-
-
-def snapshot(**kw) -> Snapshot:
-    rng = np.random.default_rng(0)
-    base = dict(group_id="p-1-7", sample_idx=2, group_size=4, owner="p", holder="p", incarnation="i1",
-                rollout_id="r" * 32, written_at=100.0, prompt_text="37+48-19=", answer="66", own_score=False,
-                prompt_ids=np.arange(9, dtype=np.int32), response=np.arange(12, dtype=np.int32),
-                mask=np.array([True] * 8 + [False] * 4),
-                logprobs=np.concatenate([-rng.random(8), np.zeros(4)]).astype(np.float32),
-                versions=np.array([3] * 8 + [4] * 4, dtype=np.int64),
-                routing=rng.integers(0, 8, (20, 2, 2)).astype(np.uint8), num_experts=8, turns=1, reward=0.0,
-                info={"tool_calls": 1, "nested": {"dropped": True}},
-                model_turns=[ModelTurnLog("c(37+48)", [5, 6, 7], "stop")])
-    return Snapshot(**{**base, **kw})
+from rlstream.producer.journal.snapshot import JournalError, decode, encode
+from tests.support.journal_memory import Ack, LaggingTopic, MemoryTopic, lease, producer, snapshot
+from tests.support.scripted import run, task
 
 
 # ---------------------------------------------------------------- format
@@ -82,65 +64,6 @@ def test_each_orphan_goes_to_exactly_one_live_producer():
 
 
 # ------------------------------------------------------- crash and resume
-
-class MemoryTopic(JournalTopic):
-    """The journal topic's fold without a broker: every write is read back at once."""
-
-    def __init__(self, clock=lambda: float("inf")):
-        self.init_view(10.0, clock=clock)  # by default every time is in the reader's past (trusted as written)
-        self.topic = "journal"
-        self.writes, self.sent = [], []
-
-    def put(self, s):
-        self.writes.append(s)
-        self._fold(s.key, encode(s))
-
-    def read_past(self, writes, timeout_s=30.0):
-        pass  # read back at once
-
-    def tombstone(self, key):
-        self._fold(key, None)
-
-    def renew_lease(self, producer_id, incarnation):
-        self._fold(f"lease:{producer_id}", json.dumps({"incarnation": incarnation, "at": 0.0}).encode())
-
-    def flush(self, timeout_s=10.0):
-        pass
-
-    def send_letters(self, letters):
-        self.sent += letters
-
-    def poll(self, timeout_ms=0, until_end=False):
-        pass
-
-    def close(self):
-        pass
-
-
-class Ack:
-    def __init__(self, rollout_id):
-        self.rollout_id = rollout_id
-
-    def cancelled(self):
-        return False
-
-    def exception(self):
-        return None
-
-
-def lease(topic, pid, incarnation, at):
-    topic._fold(f"lease:{pid}", json.dumps({"incarnation": incarnation, "at": at}).encode())
-
-
-def producer(topic, pid, script, clock):
-    eng = ScriptedEngine(script)
-    runner = EpisodeRunner(eng, settings(), SamplingConfig(max_tokens=16), CalculatorEnv)
-    journal = EpisodeJournal(topic, pid, JournalSettings(lease_s=10), clock=clock)
-    runner.journal = journal
-    groups = InFlightGroups(pid)
-    resumer = Resumer(journal, runner, groups, CalculatorEnv, lambda text, answer: (float(text.strip() == answer), {}))
-    return eng, runner, journal, groups, resumer
-
 
 def test_a_crashed_producers_episode_is_resumed_by_a_peer_from_its_last_turn():
     topic, now = MemoryTopic(), [0.0]
@@ -197,26 +120,6 @@ def test_unresumable_and_stale_episodes_are_dropped_and_tombstoned():
     assert not resumer.resume(snapshot(own_score=True), StalenessView(0, 1))
     assert (count("not_resumable") - n0, count("stale") - s0) == (2, 1) and runner.active == 0
     assert telemetry.RESUMED is not None
-
-
-class LaggingTopic(MemoryTopic):
-    """Own writes are read back only on `catch_up()` (a consumer behind its producer)."""
-
-    def __init__(self):
-        super().__init__()
-        self.queue = []
-
-    def put(self, s):
-        self.writes.append(s)
-        self.queue.append((s.key, encode(s)))
-
-    def tombstone(self, key):
-        self.queue.append((key, None))
-
-    def catch_up(self):
-        for key, value in self.queue:
-            self._fold(key, value)
-        self.queue.clear()
 
 
 def test_an_episode_finished_here_is_not_claimed_again_from_an_entry_read_back_late():

@@ -16,7 +16,8 @@ from rlstream.producer.journal.claims import Held
 from rlstream.producer.journal.snapshot import encode
 from rlstream.producer.rollout.trajectory import Trajectory
 from tests.support.scripted import AbortingEngine, run
-from tests.unit.producer.test_journal import Ack, LaggingTopic, MemoryTopic, lease, producer, snapshot, task
+from tests.support.journal_memory import Ack, LaggingTopic, MemoryTopic, lease, producer, snapshot
+from tests.support.scripted import task
 
 LEASE, SKEW = 10.0, JournalSettings().max_clock_skew_s
 

@@ -6,31 +6,9 @@ from __future__ import annotations
 import time
 
 from rlstream.producer.weights.trainer_link import GlooLink, TrainerLink
+from tests.support.fakes import FakeChannel
 
 DIGEST = "c" * 64
-
-
-class FakeChannel:
-    """common/weights/link.py Channel: commands posted by the trainer, acks recorded."""
-
-    link = 1
-
-    def __init__(self):
-        self.commands: list[dict] = []
-        self.acks: dict[int, dict] = {}
-        self._seen = 0
-
-    def post(self, op: str, **args) -> None:
-        self.commands.append({"op": op, **args})
-
-    def next_command(self):
-        if self._seen == len(self.commands):
-            return None
-        k, self._seen = self._seen, self._seen + 1
-        return k, self.commands[k]
-
-    def ack(self, k: int, **result) -> None:
-        self.acks[k] = result
 
 
 class FakeEngine:

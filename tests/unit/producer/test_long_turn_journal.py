@@ -17,7 +17,7 @@ from rlstream.common.tasks.environment import StepResult
 from rlstream.producer.rollout.episodes import EpisodeRunner
 from rlstream.producer.sample import FinishedSample, SamplingConfig
 from tests.support.scripted import TextCodec, task
-from tests.unit.producer.test_journal import MemoryTopic, lease, snapshot
+from tests.support.journal_memory import MemoryTopic, lease, snapshot
 
 L, K, E = 2, 2, 8
 

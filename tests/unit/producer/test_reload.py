@@ -13,7 +13,7 @@ from rlstream.common.errors import WeightReloadError
 from rlstream.common.weights.store import WEIGHTS_FILE, sha256_file
 from rlstream.producer.weights.reload import Reloader
 from rlstream.producer.weights.trainer_link import GlooLink
-from tests.unit.producer.test_link import FakeChannel
+from tests.support.fakes import FakeChannel
 
 
 class FakeEngine:

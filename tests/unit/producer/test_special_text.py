@@ -16,7 +16,7 @@ from rlstream.producer.rollout.observation import ObservationEncoder
 from rlstream.common.tasks.envs.calculator import CalculatorEnv
 from rlstream.producer.sample import SamplingConfig
 from tests.support import scripted
-from tests.unit.producer import test_agents
+from tests.support.agent_endpoint import chat, command, make, serve
 
 TOK = build_tokenizer()
 EOS = TOK.eos_token_id
@@ -110,7 +110,6 @@ def test_an_environments_observation_in_the_record_holds_no_special_token():
 
 @pytest.mark.timeout(30)
 def test_an_agents_user_and_tool_messages_hold_no_special_token():
-    make, serve, command, chat = test_agents.make, test_agents.serve, test_agents.command, test_agents.chat
     eng, groups, agents = make(["c(1+2)", "3"], group_size=1)
     (ep,) = serve(eng, agents, command(agents, "open", None, {}))[1]["episodes"]
     eid = ep["episode_id"]
@@ -126,7 +125,6 @@ def test_an_agents_user_and_tool_messages_hold_no_special_token():
 
 @pytest.mark.timeout(30)
 def test_with_a_chat_template_an_agents_messages_hold_no_special_token_and_a_rewrite_is_a_400():
-    make, serve, command, chat = test_agents.make, test_agents.serve, test_agents.command, test_agents.chat
     tok = _template_tokenizer()
     eng, groups, agents = make(["c(1+2)", "3"], group_size=1)
     eng.tokenizer = lambda: tok

@@ -20,7 +20,7 @@ from rlstream.common.weights.digest import fold_digest
 from rlstream.producer.weights.reload import Reloader
 from rlstream.producer.weights.trainer_link import NcclLink
 from rlstream.producer.weights.worker.verified_update import update_weights_folded
-from tests.unit.producer.test_link import FakeChannel
+from tests.support.fakes import FakeChannel
 
 SENT = {"model.embed_tokens.weight": torch.arange(24, dtype=torch.float32).reshape(4, 6),
         "model.layers.0.mlp.gate.weight": torch.linspace(-1, 1, 10, dtype=torch.bfloat16)}
