@@ -3,6 +3,7 @@ the reductions the trainer issues itself, the sequence split of sequence paralle
 
     layout = ParallelLayout.of(cfg.consumer.parallel, launch_world_size())
     init_parallel(layout)                          # torch.distributed + Megatron groups, once
+    close_parallel()                               # both torn down (at exit by itself on gloo)
     reduce_over_data_parallel(metric_sums, "sum")  # step metrics, one message
     reduce_over_tensor_parallel(t, "max")          # vocabulary-parallel entropy
 
@@ -23,6 +24,7 @@ same code.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import tempfile
 from dataclasses import dataclass
@@ -82,7 +84,8 @@ def init_parallel(par: ParallelLayout = ParallelLayout()) -> None:
     Under torchrun (RANK/WORLD_SIZE set) uses env://; otherwise a world of one
     through a FileStore in a temp dir (no port to pick). gloo on CPU, nccl on
     GPU. A second call with the same layout is a no-op; a different layout
-    raises (Megatron's groups are process-global).
+    raises (Megatron's groups are process-global). A gloo world it creates is
+    torn down at exit (close_parallel, below).
     """
     import torch
     import torch.distributed as dist
@@ -99,6 +102,8 @@ def init_parallel(par: ParallelLayout = ParallelLayout()) -> None:
             store = os.path.join(tempfile.mkdtemp(prefix="rlstream-dist-"), "store")
             dist.init_process_group(backend=backend, init_method=f"file://{store}",
                                     rank=0, world_size=1)
+        if backend == "gloo":
+            atexit.register(close_parallel)
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     par.validate(dist.get_world_size())
@@ -114,6 +119,25 @@ def init_parallel(par: ParallelLayout = ParallelLayout()) -> None:
     if torch.cuda.is_available():
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
         model_parallel_cuda_manual_seed(1234)
+
+
+def close_parallel() -> None:
+    """Tear down Megatron's groups and torch.distributed in this process (nothing if neither is up).
+
+    init_parallel registers it at exit for a gloo world, so it runs while the interpreter is
+    still whole. A gloo process group left to the interpreter's finalization can abort the
+    process ("terminate called without an active exception", SIGABRT) after its work is done:
+    its worker threads may still hold tensors whose release needs the GIL the finalizing
+    interpreter no longer gives (pytorch/pytorch#179291, #190489). Not registered for NCCL:
+    its teardown is left to the launcher, as before.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def world() -> int:
