@@ -6,7 +6,8 @@ when the bound moves. Twice, the in-flight groups become ones the consumer's gat
 would drop: an operator lowers `max_staleness` on the control topic, then the
 trainer announces a version far ahead. Each time, within a few loop passes, every
 in-flight request is aborted in the engine, the group slots are free, the
-eviction counters count them, and nothing of those groups is published.
+eviction counters count them, and nothing evicted is published: the only records
+are samples that ended on their own (end of text) before the pass that evicted.
 """
 from __future__ import annotations
 
@@ -67,9 +68,10 @@ def _fill(svc) -> None:
     assert svc.engine.stats.generated_tokens - tokens0 < GROUPS * G * MAX_TOKENS  # still far from done
 
 
-def _evicts_everything_in_flight(svc, change, applied) -> int:
+def _evicts_everything_in_flight(svc, change, applied) -> tuple[int, int]:
     """Apply `change`, loop until the service sees it (`applied`), then a few passes more:
-    every in-flight group is aborted (not generated to the end). Returns the steps it took."""
+    every in-flight group is aborted (not generated to the end). Returns the engine steps it
+    took and how many samples ended on their own before the pass that evicted."""
     before, steps0 = _evicted(), svc.engine.stats.steps
     left = GROUPS * G * MAX_TOKENS - sum(len(st.tokens) for st in svc.engine._inflight.values())
     running = []  # samples in flight before each pass: a pass evicts before it steps the engine
@@ -93,7 +95,7 @@ def _evicts_everything_in_flight(svc, change, applied) -> int:
     assert (after[0] - before[0], after[1] - before[1]) == (GROUPS, at_eviction)
     steps = svc.engine.stats.steps - steps0
     print(f"\nevicted {GROUPS} groups {steps} engine steps after the change; about {left} tokens not generated")
-    return steps
+    return steps, GROUPS * G - at_eviction
 
 
 @pytest.mark.timeout(300)
@@ -102,7 +104,7 @@ def test_in_flight_groups_beyond_the_bound_are_aborted_and_counted(broker, rollo
     try:
         _fill(svc)
         # an operator lowers the bound: 2 - 0 > 1, every group in flight is stale
-        steps = _evicts_everything_in_flight(
+        steps, ended = _evicts_everything_in_flight(
             svc, lambda: writer.set_control("max_staleness", 1, by="test"),
             lambda s: s.following.control.max_staleness == 1)
         assert steps < MAX_TOKENS // 2
@@ -112,7 +114,7 @@ def test_in_flight_groups_beyond_the_bound_are_aborted_and_counted(broker, rollo
         writer.set_control("max_staleness", 4, by="test")  # back to 4: the slots fill again
         _fill(svc)
         # the trainer runs ahead: 5 - 0 > 4
-        steps = _evicts_everything_in_flight(
+        steps, ended_too = _evicts_everything_in_flight(
             svc, lambda: writer.announce(TrainerProgress(trainer_version=5, groups_per_batch=B, group_size=G)),
             lambda s: s.following.progress.trainer_version == 5)
         assert steps < MAX_TOKENS // 2
@@ -121,4 +123,10 @@ def test_in_flight_groups_beyond_the_bound_are_aborted_and_counted(broker, rollo
         svc.engine = None  # the session's: not ours to close
         svc.close()
         writer.close()
-    assert read_valid_rollouts(kafka) == []  # nothing of the evicted groups was generated to the end and published
+    # nothing evicted was published (an aborted sample would say "abort", one generated to the end
+    # "length"): the records are samples that ended on their own at end of text, among them every
+    # one that ended before a pass that evicted
+    published = read_valid_rollouts(kafka)
+    summary = [(r.group_id, r.sample_idx, r.finish_reason, r.response_ids.size) for r in published]
+    assert all(r.finish_reason == "stop" and r.response_ids.size < MAX_TOKENS for r in published), summary
+    assert len(published) >= ended + ended_too, summary
