@@ -16,13 +16,19 @@ second; `--dry-run` prints the resolved configuration (secrets masked) and
 exits. `--log-level` (env RLSTREAM_LOG_LEVEL) is `cli.log_level`; `ctl --url`
 and `--token` (env RLSTREAM_ADMIN_URL, RLSTREAM_ADMIN_TOKEN) are
 `cli.admin_url` and `cli.admin_token`.
+
+The producer and consumer write every Python thread's stack to stderr on
+SIGUSR1 and go on (`kill -USR1 PID`): what a service that looks stuck is doing,
+without a debugger.
 """
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import importlib
 import logging
 import os
+import signal
 import sys
 
 from rlstream.cluster.cli import add_parser as add_twin_parser
@@ -73,6 +79,12 @@ def prepare_toy_world(command: str, cfg: RlstreamConfig) -> None:
 def run_broker(cfg: RlstreamConfig) -> int:
     """`rlstream broker`: the bundled tansu broker until SIGTERM/SIGINT."""
     return run_broker_forever(cfg.broker, cfg.kafka)
+
+
+def dump_stacks_on_sigusr1() -> None:
+    """SIGUSR1 writes every Python thread's stack to stderr (the service's log) from a C
+    signal handler, so a thread stuck in a C call is shown too; the process goes on."""
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -148,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         gpu_standin.install_if_requested()  # RLSTREAM_GPU_STANDIN: tests and the twin only
         if args.command == "broker":
             return run_broker(cfg)
+        if args.command in ("producer", "consumer"):
+            dump_stacks_on_sigusr1()
         module = importlib.import_module(SERVICES[args.command][0])
         return int(module.main(cfg) or 0)
     except RlstreamError as e:

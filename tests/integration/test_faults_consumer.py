@@ -12,8 +12,9 @@ SIGKILLed (whole process group) seven times, each time aimed at a phase
 observed from outside:
 
 - fetch:      the feeder is held and the consumer's lag is 0: it waits in next_batch;
-- train:      data is plentiful and the main thread is on-CPU (/proc state R)
-              with no checkpoint or weight write under way;
+- train:      data is plentiful, no checkpoint or weight write is under way and the
+              main thread's stack, which the consumer writes to its log on SIGUSR1,
+              is in the trainer's step;
 - checkpoint: a `.step-*.tmp-*` directory exists (the background write in progress);
 - publish:    a `.v*.tmp-*` directory exists in the weight store;
 - between:    steps were trained since the last committed checkpoint, no write under way;
@@ -40,7 +41,10 @@ first gated at (the audit log says which).
 """
 from __future__ import annotations
 
+import os
 import random
+import re
+import signal
 import time
 from collections import Counter
 from pathlib import Path
@@ -78,6 +82,27 @@ def _last_step(ckpt: Path) -> int:
     """The step of the newest audit line (the running incarnation's, once it trained one)."""
     lines = _audit_lines(ckpt) if (ckpt / "trained.jsonl").exists() else []
     return lines[-1]["step"] if lines else 0
+
+
+_THREAD_HEADER = re.compile(r"^(?:Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):$", re.M)
+
+
+def _main_thread_section(dump: str) -> str | None:
+    """The main thread's frames in a faulthandler dump, up to the service's loop: the
+    section that reaches ConsumerService.run (written most recent call first, so what
+    it called is all there); None while that is not written yet."""
+    headers = list(_THREAD_HEADER.finditer(dump))
+    for h, nxt in zip(headers, [*headers[1:], None]):
+        section = dump[h.end():nxt.start() if nxt else len(dump)]
+        loop = re.search(r'consumer/service\.py", line \d+ in run$', section, re.M)
+        if loop:
+            return section[:loop.end()]
+    return None
+
+
+def _in_training_step(stack: str) -> bool:
+    """The stack passes through the trainer's step (consumer/train/trainer.py)."""
+    return re.search(r'consumer/train/trainer\.py", line \d+ in train_step$', stack, re.M) is not None
 
 
 def _main_thread_state(pid: int) -> str:
@@ -191,17 +216,31 @@ class Scenario:
                 return "checkpoint"
             if phase == "publish" and wt:
                 return "publish"
-            if phase == "train" and not ck and not wt:
-                # on-CPU in the main thread for 5 consecutive samples (~10 ms; a tiny-model step
-                # takes ~30-100 ms, the fetch wait sleeps) with no checkpoint/weights write
-                runs = 0
-                while runs < 5 and _main_thread_state(pid) == "R":
-                    runs += 1
-                    time.sleep(0.002)
-                if runs >= 5 and not any(self.tmp_dirs()):
+            if phase == "train" and not ck and not wt and _main_thread_state(pid) == "R":
+                # on-CPU, but where? In a step the main thread is seldom on-CPU for long (a run
+                # that trained 170 steps in 60 s had it in state R at 1.5 % of 57,000 looks and
+                # never 5 looks in a row), so the stack it writes on SIGUSR1 says
+                if _in_training_step(self._main_stack()) and not any(self.tmp_dirs()):
                     return "train"
             time.sleep(0.0005)
         return "timeout"
+
+    def _main_stack(self) -> str:
+        """The main thread's stack as the consumer writes it on SIGUSR1 (faulthandler, every
+        thread, most recent call first); "" when no complete one came within 1 s."""
+        log = self.consumer.log_path()
+        start = log.stat().st_size
+        os.kill(self.consumer.pid, signal.SIGUSR1)
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            with log.open("rb") as f:
+                f.seek(start)
+                dump = f.read().decode(errors="replace")
+            stack = _main_thread_section(dump)
+            if stack is not None:
+                return stack
+            time.sleep(0.001)
+        return ""
 
     def _kill(self, phase: str, observed: str) -> dict:
         """SIGKILL the consumer; what was aimed at and seen, and the state around the kill."""

@@ -5,11 +5,14 @@ One producer subprocess per module (an engine start is the expensive part):
    max_staleness (no trainer is advancing);
 2. a weight announcement switches its version: new records carry it, and
    their log-probs are those of the new weights (not the old);
-3. SIGTERM: it exits 0 and every acknowledged sample is on the topic, in
+3. SIGUSR1 writes every thread's stack to its log, and it goes on;
+4. SIGTERM: it exits 0 and every acknowledged sample is on the topic, in
    complete groups.
 """
 from __future__ import annotations
 
+import os
+import re
 import signal
 import time
 from collections import Counter
@@ -112,6 +115,24 @@ def test_weight_announcement_switches_version_and_outputs(producer, tiny_model_d
     new_lp, old_lp = hf_record_logprobs(new_dir, r), hf_record_logprobs(tiny_model_dir, r)
     assert np.abs(new_lp - r.logprobs).max() < 1e-3, "records were not sampled from the new weights"
     assert np.abs(old_lp - r.logprobs).max() > 1e-2, "old and new weights give the same log-probs"
+
+
+@pytest.mark.timeout(60)
+def test_sigusr1_writes_every_threads_stack_and_the_producer_goes_on(producer):
+    svc = producer["svc"]
+    log_path = svc.log_path()
+    start = log_path.stat().st_size
+    samples = svc.metric("rlstream_producer_samples_total")
+    os.kill(svc.pid, signal.SIGUSR1)  # the service's process only, not its engine's
+
+    def dump():
+        text = log_path.read_bytes()[start:].decode(errors="replace")
+        return text if re.search(r'producer/service\.py", line \d+ in run$', text, re.M) else None
+    text = wait_until(dump, 10, "the producer's stacks in its log", [svc], 0.05)
+    assert text.count("(most recent call first):") >= 2, text  # every thread, not only the one signalled
+    time.sleep(1.0)
+    assert svc.alive, svc.log_tail()
+    assert svc.metric("rlstream_producer_samples_total") >= samples  # its HTTP thread still answers
 
 
 @pytest.mark.timeout(300)
