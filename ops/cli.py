@@ -17,18 +17,16 @@ exits. `--log-level` (env RLSTREAM_LOG_LEVEL) is `cli.log_level`; `ctl --url`
 and `--token` (env RLSTREAM_ADMIN_URL, RLSTREAM_ADMIN_TOKEN) are
 `cli.admin_url` and `cli.admin_token`.
 
-The producer and consumer write every Python thread's stack to stderr on
-SIGUSR1 and go on (`kill -USR1 PID`): what a service that looks stuck is doing,
-without a debugger.
+The producer and consumer write every thread's Python stack to stderr on
+SIGUSR1 and go on (`kill -USR1 PID`, common/stacks.py): what a service that
+looks stuck is doing, without a debugger.
 """
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import importlib
 import logging
 import os
-import signal
 import sys
 
 from rlstream.cluster.cli import add_parser as add_twin_parser
@@ -38,6 +36,7 @@ from rlstream.common.config import RlstreamConfig, dump_config, load_config
 from rlstream.common.control.ctl import run_ctl
 from rlstream.common.errors import RlstreamError
 from rlstream.common.kafka.broker import run_broker_forever
+from rlstream.common.stacks import dump_stacks_on_sigusr1
 from rlstream.consumer.train.memory_check import check_config
 from rlstream.harness.experiments import run_experiment
 from rlstream.toy.build import ensure_data, ensure_model, wait_for_model
@@ -79,12 +78,6 @@ def prepare_toy_world(command: str, cfg: RlstreamConfig) -> None:
 def run_broker(cfg: RlstreamConfig) -> int:
     """`rlstream broker`: the bundled tansu broker until SIGTERM/SIGINT."""
     return run_broker_forever(cfg.broker, cfg.kafka)
-
-
-def dump_stacks_on_sigusr1() -> None:
-    """SIGUSR1 writes every Python thread's stack to stderr (the service's log) from a C
-    signal handler, so a thread stuck in a C call is shown too; the process goes on."""
-    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -156,12 +149,12 @@ def main(argv: list[str] | None = None) -> int:
             return int(importlib.import_module(TOOLS[args.command][0]).main(cfg, args))
         if args.command == "experiment":
             return run_experiment(args.name, cfg)
+        if args.command in ("producer", "consumer"):
+            dump_stacks_on_sigusr1()  # before the threads the service starts
         prepare_toy_world(args.command, cfg)
         gpu_standin.install_if_requested()  # RLSTREAM_GPU_STANDIN: tests and the twin only
         if args.command == "broker":
             return run_broker(cfg)
-        if args.command in ("producer", "consumer"):
-            dump_stacks_on_sigusr1()
         module = importlib.import_module(SERVICES[args.command][0])
         return int(module.main(cfg) or 0)
     except RlstreamError as e:

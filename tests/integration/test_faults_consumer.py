@@ -51,6 +51,7 @@ from pathlib import Path
 
 import pytest
 
+from rlstream.common import stacks
 from rlstream.harness.census import read_dlq
 from rlstream.harness.supervisor import Service, wait_until
 from tests.fixtures.kafka import make_kafka_settings
@@ -84,25 +85,20 @@ def _last_step(ckpt: Path) -> int:
     return lines[-1]["step"] if lines else 0
 
 
-_THREAD_HEADER = re.compile(r"^(?:Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):$", re.M)
-
-
 def _main_thread_section(dump: str) -> str | None:
-    """The main thread's frames in a faulthandler dump, up to the service's loop: the
-    section that reaches ConsumerService.run (written most recent call first, so what
-    it called is all there); None while that is not written yet."""
-    headers = list(_THREAD_HEADER.finditer(dump))
-    for h, nxt in zip(headers, [*headers[1:], None]):
-        section = dump[h.end():nxt.start() if nxt else len(dump)]
-        loop = re.search(r'consumer/service\.py", line \d+ in run$', section, re.M)
-        if loop:
-            return section[:loop.end()]
-    return None
+    """The main thread's frames in the consumer's stacks (common/stacks.py: every thread,
+    the main thread first, most recent call last); None while they are not all written."""
+    begin = dump.find(stacks.BEGIN)
+    end = dump.find(stacks.END, begin)
+    if begin < 0 or end < 0:
+        return None
+    main = dump[begin:end].split("\nThread ")[1]
+    return main if main.startswith("MainThread ") else None
 
 
 def _in_training_step(stack: str) -> bool:
     """The stack passes through the trainer's step (consumer/train/trainer.py)."""
-    return re.search(r'consumer/train/trainer\.py", line \d+ in train_step$', stack, re.M) is not None
+    return re.search(r'consumer/train/trainer\.py", line \d+, in train_step$', stack, re.M) is not None
 
 
 def _main_thread_state(pid: int) -> str:
@@ -226,8 +222,8 @@ class Scenario:
         return "timeout"
 
     def _main_stack(self) -> str:
-        """The main thread's stack as the consumer writes it on SIGUSR1 (faulthandler, every
-        thread, most recent call first); "" when no complete one came within 1 s."""
+        """The main thread's stack as the consumer writes it on SIGUSR1 (common/stacks.py);
+        "" when none came within 1 s."""
         log = self.consumer.log_path()
         start = log.stat().st_size
         os.kill(self.consumer.pid, signal.SIGUSR1)

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import yaml
 
-from rlstream.common import process
+from rlstream.common import process, stacks
 from rlstream.common.config import RlstreamConfig
 from rlstream.common.kafka.broker import free_port
 from rlstream.harness.supervisor import Service, wait_until
@@ -127,9 +127,12 @@ def test_sigusr1_writes_every_threads_stack_and_the_producer_goes_on(producer):
 
     def dump():
         text = log_path.read_bytes()[start:].decode(errors="replace")
-        return text if re.search(r'producer/service\.py", line \d+ in run$', text, re.M) else None
+        return text if stacks.END in text else None
     text = wait_until(dump, 10, "the producer's stacks in its log", [svc], 0.05)
-    assert text.count("(most recent call first):") >= 2, text  # every thread, not only the one signalled
+    text = text[text.index(stacks.BEGIN):text.index(stacks.END)]
+    assert text.split("\n")[1].startswith("Thread MainThread "), text
+    assert re.search(r'producer/service\.py", line \d+, in run$', text, re.M), text  # its loop
+    assert "Thread stack-dumper " in text and text.count("\nThread ") >= 3, text  # every thread
     time.sleep(1.0)
     assert svc.alive, svc.log_tail()
     assert svc.metric("rlstream_producer_samples_total") >= samples  # its HTTP thread still answers
